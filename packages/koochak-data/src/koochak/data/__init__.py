@@ -1,0 +1,3 @@
+"""koochak.data."""
+
+__all__: list[str] = []

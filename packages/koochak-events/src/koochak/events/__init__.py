@@ -1,0 +1,3 @@
+"""koochak.events."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""koochak.jobs."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""koochak.loop."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""koochak.storage."""
+
+__all__: list[str] = []
