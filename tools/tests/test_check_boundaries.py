@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 import textwrap
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("check_boundaries", ROOT / "tools" / "check_boundaries.py")
 check_boundaries = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("check_boundaries", check_boundaries)
 _spec.loader.exec_module(check_boundaries)
 
 
