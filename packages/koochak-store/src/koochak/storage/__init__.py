@@ -1,3 +1,36 @@
-"""koochak.storage."""
+"""koochak.storage: write-once stores, stores file, store profiles and ready manifests.
 
-__all__: list[str] = []
+Torch-free; everything durable that Koochak writes is published through a Store.
+"""
+
+from koochak.storage.profile import (
+    LOCAL_PROFILE,
+    REMOTE_PROFILE,
+    StoreProfile,
+    min_object_bytes,
+    parse_size,
+    profile_of,
+)
+from koochak.storage.store import (
+    LocalStore,
+    ObjectInfo,
+    Store,
+    open_store,
+    register_store,
+    validate_key,
+)
+
+__all__ = [
+    "LOCAL_PROFILE",
+    "REMOTE_PROFILE",
+    "LocalStore",
+    "ObjectInfo",
+    "Store",
+    "StoreProfile",
+    "min_object_bytes",
+    "open_store",
+    "parse_size",
+    "profile_of",
+    "register_store",
+    "validate_key",
+]

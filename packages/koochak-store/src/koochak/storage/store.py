@@ -1,0 +1,733 @@
+"""Write-once object stores: the Store protocol, LocalStore and open_store.
+
+A Store holds immutable objects under relative POSIX keys. The contract is deliberately narrow —
+get, open, put (create-only), stat, list, delete, local_path — because object storage and its
+FUSE mounts cannot rename, append, overwrite or symlink atomically. Everything durable that
+Koochak writes goes through it.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import pathlib
+import re
+import stat as _stat
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, BinaryIO, Protocol, TypeVar, runtime_checkable
+from urllib.parse import unquote
+
+if TYPE_CHECKING:
+    from koochak.storage.profile import StoreProfile
+
+__all__ = [
+    "ObjectInfo",
+    "Store",
+    "LocalStore",
+    "PUBLISH_MODES",
+    "SETTLING_ERRNOS",
+    "TEMP_PREFIX",
+    "validate_key",
+    "open_store",
+    "register_store",
+]
+
+PUBLISH_MODES = ("link", "exclusive")
+
+_T = TypeVar("_T")
+
+# Errors some object-storage mounts return for minutes after another node closed a file (ETIME,
+# EIO) or while their client is cut off from the service. Only these are waited out, only on reads.
+SETTLING_ERRNOS = frozenset(
+    {errno.ETIME, errno.EIO, errno.ECONNABORTED, errno.ECONNRESET, errno.ENOTCONN}
+)
+
+# Hidden names used while publishing; a key can never name one, and list() never shows one.
+TEMP_PREFIX = ".koochak-tmp-"
+
+# Large enough that per-call overhead vanishes against the disk, small enough to pipeline hashing.
+_CHUNK = 8 << 20
+# Below this a chunk is hashed inline; handing it to a thread would cost more than it saves.
+_OVERLAP_MIN = 1 << 20
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What a store knows about one object. ``sha256`` is set by ``put`` only."""
+
+    key: str
+    size: int
+    mtime_ns: int
+    sha256: str | None = None
+
+
+@runtime_checkable
+class Store(Protocol):
+    """A flat namespace of write-once objects under relative POSIX keys.
+
+    Contract (every implementation, checked by ``koochak.storage.testing.StoreConformance``):
+
+    * ``get(key, start, end)`` returns the bytes of ``[start, end)`` with slice semantics
+      (clamped at EOF); a missing key raises ``FileNotFoundError``.
+    * ``open(key)`` returns a readable binary stream.
+    * ``put(key, data)`` is create-only: an existing key raises ``FileExistsError`` and the
+      existing object is untouched. It returns only once the object is durable and reads back
+      with the written size; nothing partial is ever visible under ``key``. A mismatch with
+      ``expected_size`` / ``expected_sha256`` raises ``ValueError`` and leaves nothing behind.
+    * ``stat(key)`` and ``list(prefix)`` describe objects; ``list`` matches a plain string prefix
+      recursively, sorted by key, and never shows publication temp files.
+    * ``delete(key)`` removes one object; a missing key raises ``FileNotFoundError``.
+    * ``local_path(key)`` is an absolute filesystem path when there is one, else ``None``.
+
+    There is no rename, append, overwrite or symlink: object storage cannot provide them.
+    """
+
+    location: str
+
+    def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes: ...
+
+    def open(self, key: str) -> BinaryIO: ...
+
+    def put(
+        self,
+        key: str,
+        data: bytes | bytearray | memoryview | BinaryIO | Iterable[bytes],
+        *,
+        expected_size: int | None = None,
+        expected_sha256: str | None = None,
+    ) -> ObjectInfo: ...
+
+    def stat(self, key: str) -> ObjectInfo: ...
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]: ...
+
+    def delete(self, key: str) -> None: ...
+
+    def local_path(self, key: str) -> str | None: ...
+
+
+_BAD_KEY_CHARS = re.compile(r"[?#\x00\\]")
+
+
+def validate_key(key: str) -> str:
+    """Return ``key`` unchanged if it is a valid store key, else raise ``ValueError``.
+
+    A key is a relative POSIX path: no leading ``/``, no empty, ``.`` or ``..`` segments, no
+    ``?``, ``#``, backslash or NUL (they mean something else in URIs and on other systems), and
+    no segment starting with the publication temp prefix.
+    """
+    if not isinstance(key, str):
+        raise TypeError(f"store key must be a str, got {type(key).__name__}: {key!r}")
+    if not key:
+        raise ValueError("store key is empty; expected a relative path such as 'dir/name.bin'")
+    if key.startswith("/"):
+        raise ValueError(f"store key {key!r} is absolute; expected a relative path")
+    bad = _BAD_KEY_CHARS.search(key)
+    if bad:
+        raise ValueError(
+            f"store key {key!r} contains {bad.group()!r}; '?', '#', backslash and NUL are not allowed"
+        )
+    for segment in key.split("/"):
+        if segment in ("", ".", ".."):
+            raise ValueError(
+                f"store key {key!r} has an empty, '.' or '..' segment; expected 'a/b/c' form"
+            )
+        if segment.startswith(TEMP_PREFIX):
+            raise ValueError(f"store key {key!r} uses the reserved prefix {TEMP_PREFIX!r}")
+    return key
+
+
+def _validate_prefix(prefix: str) -> str:
+    """A list prefix may be empty or end inside a segment; it still may not escape the root."""
+    if not isinstance(prefix, str):
+        raise TypeError(f"list prefix must be a str, got {type(prefix).__name__}")
+    if not prefix:
+        return prefix
+    head, _, tail = prefix.rpartition("/")
+    if head:
+        validate_key(head)
+    if tail in (".", ".."):
+        raise ValueError(
+            f"list prefix {prefix!r} ends in {tail!r}; expected a relative path prefix"
+        )
+    if prefix.startswith("/") or _BAD_KEY_CHARS.search(tail):
+        raise ValueError(f"list prefix {prefix!r} is not a relative key prefix")
+    return prefix
+
+
+class _Syscalls:
+    """The filesystem calls LocalStore makes, in one place so tests can inject faults."""
+
+    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        return os.open(path, flags, mode)
+
+    def write(self, fd: int, data: memoryview) -> int:
+        return os.write(fd, data)
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+    def pread(self, fd: int, size: int, offset: int) -> bytes:
+        return os.pread(fd, size, offset)
+
+    def fstat(self, fd: int) -> os.stat_result:
+        return os.fstat(fd)
+
+    def stat(self, path: str) -> os.stat_result:
+        return os.stat(path)
+
+    def link(self, src: str, dst: str) -> None:
+        os.link(src, dst)
+
+    def unlink(self, path: str) -> None:
+        os.unlink(path)
+
+    def scandir(self, path: str) -> list[os.DirEntry[str]]:
+        with os.scandir(path) as it:
+            return list(it)
+
+
+class _Hasher:
+    """SHA256 of a stream of chunks, overlapped with writing them.
+
+    hashlib releases the GIL for large buffers, so hashing chunk *n* on a helper thread while
+    ``os.write`` copies the same chunk into the page cache costs no extra wall time. A chunk is
+    always finished before the next one is accepted, so callers may reuse their buffers.
+    """
+
+    def __init__(self) -> None:
+        self._sha = hashlib.sha256()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: Future[None] | None = None
+
+    def start(self, chunk: memoryview) -> None:
+        self.wait()
+        if len(chunk) < _OVERLAP_MIN:
+            self._sha.update(chunk)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="koochak-sha256")
+        self._pending = self._pool.submit(self._sha.update, chunk)
+
+    def wait(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def hexdigest(self) -> str:
+        self.wait()
+        return self._sha.hexdigest()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+
+
+def _chunks(data: object) -> Iterator[memoryview]:
+    """Yield the payload of ``put`` as memoryviews without copying buffers."""
+    if isinstance(data, str):
+        raise TypeError(
+            "put() data must be bytes, a binary stream or an iterable of bytes, not str"
+        )
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        view = memoryview(data).cast("B")
+        for offset in range(0, len(view), _CHUNK):
+            yield view[offset : offset + _CHUNK]
+        return
+    read = getattr(data, "read", None)
+    if callable(read):
+        while True:
+            block = read(_CHUNK)
+            if block is None:  # non-blocking stream with nothing ready: not supported
+                raise TypeError("put() stream returned None; pass a blocking binary stream")
+            if isinstance(block, str):
+                raise TypeError("put() stream is in text mode; open it with 'rb'")
+            if not block:
+                return
+            yield memoryview(block).cast("B")
+    try:
+        iterator = iter(data)  # type: ignore[call-overload]
+    except TypeError:
+        raise TypeError(
+            f"put() data must be bytes, a binary stream or an iterable of bytes, "
+            f"got {type(data).__name__}"
+        ) from None
+    for block in iterator:
+        if not isinstance(block, (bytes, bytearray, memoryview)):
+            raise TypeError(f"put() iterable yielded {type(block).__name__}; expected bytes")
+        view = memoryview(block).cast("B")
+        for offset in range(0, len(view), _CHUNK):
+            yield view[offset : offset + _CHUNK]
+
+
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+def _check_expected(key: str, expected_size: int | None, expected_sha256: str | None) -> str | None:
+    if expected_size is not None and (
+        isinstance(expected_size, bool) or not isinstance(expected_size, int) or expected_size < 0
+    ):
+        raise ValueError(
+            f"put({key!r}): expected_size must be a non-negative int, got {expected_size!r}"
+        )
+    if expected_sha256 is None:
+        return None
+    digest = str(expected_sha256).lower()
+    if not _SHA256_HEX.fullmatch(digest):
+        raise ValueError(
+            f"put({key!r}): expected_sha256 must be 64 hex digits, got {expected_sha256!r}"
+        )
+    return digest
+
+
+class LocalStore:
+    """A Store on a local or mounted filesystem, rooted at ``root``.
+
+    ``publish="link"`` (POSIX filesystems) writes a hidden temp file in the target directory,
+    fsyncs it, then hard-links it to the key (``os.link`` never replaces) and removes the temp
+    name. ``publish="exclusive"`` (object-storage FUSE mounts without hard links) creates the key
+    itself with ``O_CREAT|O_EXCL`` and relies on the mount publishing the object on close; a put
+    that fails removes what it created.
+
+    ``fsync=False`` skips fsync for mounts that reject it; ``verify_readback=True`` re-reads and
+    re-hashes every object after writing it; ``settle_seconds`` waits for a just-closed object to
+    appear with its full size; ``read_settle_seconds`` retries reads (get, open, stat, list) that
+    fail with one of ``SETTLING_ERRNOS`` until that deadline. Writes are never retried.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        publish: str = "link",
+        fsync: bool = True,
+        verify_readback: bool = False,
+        settle_seconds: float = 0.0,
+        read_settle_seconds: float = 0.0,
+        profile: StoreProfile | None = None,
+    ) -> None:
+        if publish not in PUBLISH_MODES:
+            raise ValueError(f"LocalStore publish={publish!r}; expected one of {PUBLISH_MODES}")
+        for name, value in (
+            ("settle_seconds", settle_seconds),
+            ("read_settle_seconds", read_settle_seconds),
+        ):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"LocalStore {name}={value!r}; expected a number >= 0")
+        if profile is not None:
+            from koochak.storage.profile import StoreProfile
+
+            if not isinstance(profile, StoreProfile):
+                raise TypeError(
+                    f"LocalStore profile must be a StoreProfile, got {type(profile).__name__}"
+                )
+        self.root = pathlib.Path(os.path.abspath(os.path.expanduser(os.fspath(root))))
+        self.location = str(self.root)
+        self.publish = publish
+        self.fsync = bool(fsync)
+        self.verify_readback = bool(verify_readback)
+        self.settle_seconds = float(settle_seconds)
+        self.read_settle_seconds = float(read_settle_seconds)
+        self.profile = profile
+        # Seams for tests: fault injection and a fake clock, so no test sleeps for real.
+        self._sys = _Syscalls()
+        self._clock: Callable[[], float] = time.monotonic
+        self._sleep: Callable[[float], None] = time.sleep
+
+    def __repr__(self) -> str:
+        return f"LocalStore({self.location!r}, publish={self.publish!r})"
+
+    def child(self, prefix: str) -> LocalStore:
+        """A LocalStore with the same settings, rooted at ``root/prefix``."""
+        validate_key(prefix)
+        other = LocalStore(
+            self.root / prefix,
+            publish=self.publish,
+            fsync=self.fsync,
+            verify_readback=self.verify_readback,
+            settle_seconds=self.settle_seconds,
+            read_settle_seconds=self.read_settle_seconds,
+            profile=self.profile,
+        )
+        other._sys, other._clock, other._sleep = self._sys, self._clock, self._sleep
+        return other
+
+    def local_path(self, key: str) -> str:
+        return str(self.root / validate_key(key))
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def _settled(self, what: str, call: Callable[[], _T]) -> _T:
+        """Run a read, waiting out the settling errnos until ``read_settle_seconds`` pass."""
+        deadline = self._clock() + self.read_settle_seconds
+        delay = 0.05
+        while True:
+            try:
+                return call()
+            except OSError as exc:
+                remaining = deadline - self._clock()
+                if exc.errno not in SETTLING_ERRNOS or remaining <= 0:
+                    raise
+                self._sleep(min(delay, remaining))
+                delay = min(delay * 2, 2.0)
+
+    def _open_object(self, key: str) -> tuple[int, os.stat_result]:
+        path = self.local_path(key)
+        fd = self._sys.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            st = self._sys.fstat(fd)
+            if not _stat.S_ISREG(st.st_mode):
+                raise FileNotFoundError(errno.ENOENT, "not an object (a directory or device)", path)
+        except BaseException:
+            self._sys.close(fd)
+            raise
+        return fd, st
+
+    def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        validate_key(key)
+        for name, value in (("start", start), ("end", end)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"get({key!r}): {name} must be an int or None, got {value!r}")
+        return self._settled(f"get {key}", lambda: self._get(key, start, end))
+
+    def _get(self, key: str, start: int | None, end: int | None) -> bytes:
+        fd, st = self._open_object(key)
+        try:
+            begin, stop, _ = slice(start, end).indices(st.st_size)
+            want = max(0, stop - begin)
+            # os.pread allocates the result once and reads straight into it: no extra copy.
+            first = self._sys.pread(fd, want, begin)
+            if len(first) == want or not first:
+                return first
+            parts, got = [first], len(first)
+            while got < want:
+                more = self._sys.pread(fd, want - got, begin + got)
+                if not more:
+                    break  # the file shrank under us; return what exists, like a slice would
+                parts.append(more)
+                got += len(more)
+            return b"".join(parts)
+        finally:
+            self._sys.close(fd)
+
+    def open(self, key: str) -> BinaryIO:
+        validate_key(key)
+
+        def _open() -> BinaryIO:
+            fd, _ = self._open_object(key)
+            return os.fdopen(fd, "rb", buffering=_CHUNK)
+
+        return self._settled(f"open {key}", _open)
+
+    def stat(self, key: str) -> ObjectInfo:
+        validate_key(key)
+        path = self.local_path(key)
+        st = self._settled(f"stat {key}", lambda: self._sys.stat(path))
+        if not _stat.S_ISREG(st.st_mode):
+            raise FileNotFoundError(errno.ENOENT, "not an object (a directory or device)", path)
+        return ObjectInfo(key=key, size=st.st_size, mtime_ns=st.st_mtime_ns)
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        _validate_prefix(prefix)
+        # Walk only the deepest directory the prefix pins down, then filter by string prefix.
+        base = prefix.rpartition("/")[0]
+        found: list[ObjectInfo] = []
+        pending = [base]
+        while pending:
+            rel_dir = pending.pop()
+            abs_dir = str(self.root / rel_dir) if rel_dir else str(self.root)
+            try:
+                entries = self._settled(f"list {rel_dir}", lambda d=abs_dir: self._sys.scandir(d))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for entry in entries:
+                if entry.name.startswith(TEMP_PREFIX):
+                    continue
+                key = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
+                if entry.is_dir(follow_symlinks=False):
+                    if key.startswith(prefix) or prefix.startswith(key + "/"):
+                        pending.append(key)
+                elif entry.is_file(follow_symlinks=False) and key.startswith(prefix):
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue  # deleted while we listed
+                    found.append(ObjectInfo(key=key, size=st.st_size, mtime_ns=st.st_mtime_ns))
+        found.sort(key=lambda info: info.key)
+        return found
+
+    # -- writes ----------------------------------------------------------------------------
+
+    def delete(self, key: str) -> None:
+        path = self.local_path(key)
+        st = os.lstat(path)  # FileNotFoundError names the path
+        if _stat.S_ISDIR(st.st_mode):
+            raise FileNotFoundError(errno.ENOENT, "not an object (a directory)", path)
+        self._sys.unlink(path)
+
+    def put(
+        self,
+        key: str,
+        data: bytes | bytearray | memoryview | BinaryIO | Iterable[bytes],
+        *,
+        expected_size: int | None = None,
+        expected_sha256: str | None = None,
+    ) -> ObjectInfo:
+        validate_key(key)
+        want_sha = _check_expected(key, expected_size, expected_sha256)
+        final = self.local_path(key)
+        # Cheap early refusal so a conflicting 1 GiB put fails before writing; the link or
+        # O_EXCL below is what actually guarantees create-only.
+        if os.path.lexists(final):
+            raise FileExistsError(errno.EEXIST, "object already exists", final)
+        parent = os.path.dirname(final)
+        self._makedirs(parent)
+        if self.publish == "link":
+            return self._put_link(key, final, parent, data, expected_size, want_sha)
+        return self._put_exclusive(key, final, parent, data, expected_size, want_sha)
+
+    def _put_link(self, key, final, parent, data, expected_size, want_sha) -> ObjectInfo:
+        name = os.path.basename(final)
+        temp = os.path.join(parent, f"{TEMP_PREFIX}{uuid.uuid4().hex}-{name[:120]}")
+        fd = self._sys.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            try:
+                size, digest = self._write_checked(key, fd, data, expected_size, want_sha)
+                if self.fsync:
+                    self._sys.fsync(fd)
+            finally:
+                self._sys.close(fd)
+            if self.verify_readback:
+                self._verify_bytes(key, temp, size, digest)
+            # os.link never replaces: a concurrent writer of the same key makes this fail.
+            self._sys.link(temp, final)
+        finally:
+            try:
+                self._sys.unlink(temp)
+            except FileNotFoundError:
+                pass
+        if self.fsync:
+            self._fsync_dir(parent)
+        st = self._wait_visible(key, final, size)
+        return ObjectInfo(key=key, size=size, mtime_ns=st.st_mtime_ns, sha256=digest)
+
+    def _put_exclusive(self, key, final, parent, data, expected_size, want_sha) -> ObjectInfo:
+        fd = self._sys.open(final, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        committed = False
+        try:
+            try:
+                size, digest = self._write_checked(key, fd, data, expected_size, want_sha)
+                if self.fsync:
+                    self._sys.fsync(fd)
+            finally:
+                # The mount publishes on close, so a failed close is a failed put.
+                self._sys.close(fd)
+            if self.fsync:
+                self._fsync_dir(parent)
+            st = self._wait_visible(key, final, size)
+            if self.verify_readback:
+                self._verify_bytes(key, final, size, digest)
+            committed = True
+        finally:
+            if not committed:
+                try:
+                    self._sys.unlink(final)
+                except OSError:
+                    pass
+        return ObjectInfo(key=key, size=size, mtime_ns=st.st_mtime_ns, sha256=digest)
+
+    def _write_checked(self, key, fd, data, expected_size, want_sha) -> tuple[int, str]:
+        hasher = _Hasher()
+        size = 0
+        try:
+            for chunk in _chunks(data):
+                hasher.start(chunk)
+                self._write_fully(fd, chunk)
+                size += len(chunk)
+                if expected_size is not None and size > expected_size:
+                    raise ValueError(
+                        f"put({key!r}): data is longer than expected_size={expected_size}"
+                    )
+            digest = hasher.hexdigest()
+        finally:
+            hasher.close()
+        if expected_size is not None and size != expected_size:
+            raise ValueError(f"put({key!r}): got {size} bytes, expected_size={expected_size}")
+        if want_sha is not None and digest != want_sha:
+            raise ValueError(
+                f"put({key!r}): SHA256 {digest} does not match expected_sha256={want_sha}"
+            )
+        return size, digest
+
+    def _write_fully(self, fd: int, chunk: memoryview) -> None:
+        offset = 0
+        while offset < len(chunk):
+            written = self._sys.write(fd, chunk[offset:])
+            if written <= 0:
+                raise OSError(
+                    errno.EIO, f"write returned {written} with {len(chunk) - offset} bytes left"
+                )
+            offset += written
+
+    def _wait_visible(self, key: str, path: str, size: int) -> os.stat_result:
+        """Stat the published object until it shows the written size (``settle_seconds``)."""
+        deadline = self._clock() + self.settle_seconds
+        delay = 0.05
+        while True:
+            try:
+                st = self._sys.stat(path)
+                if st.st_size == size:
+                    return st
+                problem = f"reads back {st.st_size} bytes, wrote {size}"
+            except OSError as exc:
+                if exc.errno != errno.ENOENT and exc.errno not in SETTLING_ERRNOS:
+                    raise
+                problem = f"is not readable yet ({exc})"
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                raise OSError(
+                    errno.EIO,
+                    f"put({key!r}): object {problem} after settle_seconds={self.settle_seconds}",
+                    path,
+                )
+            self._sleep(min(delay, remaining))
+            delay = min(delay * 2, 2.0)
+
+    def _verify_bytes(self, key: str, path: str, size: int, digest: str) -> None:
+        sha = hashlib.sha256()
+        got = 0
+        fd = self._sys.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            while True:
+                block = self._sys.pread(fd, _CHUNK, got)
+                if not block:
+                    break
+                sha.update(block)
+                got += len(block)
+        finally:
+            self._sys.close(fd)
+        if got != size or sha.hexdigest() != digest:
+            raise OSError(
+                errno.EIO,
+                f"put({key!r}): read-back gave {got} bytes with SHA256 {sha.hexdigest()}, "
+                f"wrote {size} bytes with SHA256 {digest}",
+                path,
+            )
+
+    def _makedirs(self, path: str) -> None:
+        if os.path.isdir(path):
+            return
+        parent = os.path.dirname(path)
+        if parent != path:
+            self._makedirs(parent)
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            if not os.path.isdir(path):
+                raise NotADirectoryError(
+                    errno.ENOTDIR, "an object is in the way of a directory", path
+                ) from None
+            return
+        if self.fsync:
+            self._fsync_dir(parent)  # make the new directory entry itself durable
+
+    def _fsync_dir(self, path: str) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            self._sys.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+# -- open_store ------------------------------------------------------------------------------
+
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*")
+_FACTORIES: dict[str, Callable[[str], Store]] = {}
+ENTRY_POINT_GROUP = "koochak.stores"
+
+
+def register_store(scheme: str, factory: Callable[[str], Store]) -> None:
+    """Map ``scheme://path`` locations to ``factory(path)`` for this process.
+
+    Registered factories win over ``koochak.stores`` entry points and the stores file.
+    """
+    if not isinstance(scheme, str) or not _SCHEME.fullmatch(scheme):
+        raise ValueError(f"register_store: scheme {scheme!r} is not a URI scheme like 'archive'")
+    if scheme.lower() == "file":
+        raise ValueError("register_store: 'file' always means a LocalStore and cannot be replaced")
+    if not callable(factory):
+        raise TypeError(f"register_store({scheme!r}): factory must be callable, got {factory!r}")
+    _FACTORIES[scheme.lower()] = factory
+
+
+def _entry_point_factory(scheme: str) -> Callable[[str], Store] | None:
+    from importlib.metadata import entry_points
+
+    matches = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name.lower() == scheme]
+    if not matches:
+        return None
+    if len({ep.value for ep in matches}) > 1:
+        values = ", ".join(sorted(ep.value for ep in matches))
+        raise ValueError(
+            f"scheme {scheme!r} is claimed by several {ENTRY_POINT_GROUP!r} entry points: {values}"
+        )
+    factory = matches[0].load()
+    if not callable(factory):
+        raise TypeError(f"entry point {matches[0].value!r} for scheme {scheme!r} is not callable")
+    return factory
+
+
+def _file_uri_path(location: str) -> str:
+    rest = location[len("file://") :]
+    host, slash, path = rest.partition("/")
+    if host not in ("", "localhost"):
+        raise ValueError(
+            f"open_store({location!r}): file:// URIs must name a local path, not host {host!r}"
+        )
+    return unquote(slash + path) or "/"
+
+
+def open_store(location: str | os.PathLike[str] | Store) -> Store:
+    """Resolve a location to a Store.
+
+    A Store is returned unchanged; plain paths and ``file://`` URIs become a LocalStore; any
+    other ``scheme://path`` comes from, in order, a ``register_store`` factory, an installed
+    ``koochak.stores`` entry point, or the stores file.
+    """
+    if isinstance(location, os.PathLike):
+        return LocalStore(os.fspath(location))
+    if not isinstance(location, str):
+        if isinstance(location, Store):
+            return location
+        raise TypeError(f"open_store: expected a path, URI or Store, got {type(location).__name__}")
+    if not location:
+        raise ValueError("open_store: location is empty; expected a path or scheme://path")
+    scheme, sep, rest = location.partition("://")
+    if not sep or not _SCHEME.fullmatch(scheme):
+        return LocalStore(location)
+    scheme = scheme.lower()
+    if scheme == "file":
+        return LocalStore(_file_uri_path(location))
+    factory = _FACTORIES.get(scheme) or _entry_point_factory(scheme)
+    if factory is not None:
+        store = factory(rest)
+        if not isinstance(store, Store):
+            raise TypeError(
+                f"open_store({location!r}): the factory for {scheme!r} returned "
+                f"{type(store).__name__}, which does not implement the Store protocol"
+            )
+        return store
+    from koochak.storage.stores_file import open_from_stores_file
+
+    return open_from_stores_file(scheme, rest, location)
