@@ -1,0 +1,148 @@
+"""Seeding and RNG state capture for reproducible runs.
+
+`get_rng_state()` returns plain data (tensors, ints, floats, strings, lists, tuples) so a checkpoint
+holding it loads with `torch.load(..., weights_only=True)`; numpy arrays are converted to tensors
+on the way out and back on the way in.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["get_rng_state", "make_worker_init_fn", "set_all_seeds", "set_rng_state"]
+
+RNG_STATE_VERSION = 1
+_RNG_KEYS = {"version", "python", "numpy", "torch", "cuda"}
+_NUMPY_KEYS = {"bit_generator", "key", "pos", "has_gauss", "cached_gaussian"}
+
+
+def _check_seed(seed: Any, name: str = "seed") -> int:
+    # bool is an int subclass; a True seed is almost certainly a config mistake.
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(seed).__name__} {seed!r}")
+    seed = int(seed)
+    # NumPy's legacy seeding accepts only 32-bit seeds; refusing here beats a later surprise.
+    if not 0 <= seed < 2**32:
+        raise ValueError(f"{name} must be in [0, 2**32), got {seed}")
+    return seed
+
+
+def set_all_seeds(seed: int, cuda: bool = True) -> None:
+    """Seed Python's `random`, NumPy's global RNG and torch (CPU, and CUDA when `cuda`).
+
+    `torch.manual_seed` already queues the same seed for CUDA devices; `cuda=True` additionally
+    seeds every visible CUDA device explicitly when CUDA is available. In DDP pass `seed + rank`
+    so ranks do not draw correlated randomness.
+    """
+    seed = _check_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if cuda and torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+def _seed_worker(seed: int, rank: int, worker_id: int) -> None:
+    # Mix in the worker's torch seed: the DataLoader draws it from the (seeded) main-process RNG
+    # each time workers start, so each epoch gets fresh augmentations yet stays reproducible.
+    sequence = np.random.SeedSequence([seed, rank, worker_id, torch.initial_seed() % 2**63])
+    words = sequence.generate_state(2, dtype=np.uint32)
+    worker_seed = int(words[0]) | (int(words[1]) << 32)
+    random.seed(worker_seed)
+    np.random.seed(int(words[0]))
+    torch.manual_seed(worker_seed)
+
+
+def make_worker_init_fn(seed: int, rank: int = 0) -> Callable[[int], None]:
+    """Return a DataLoader `worker_init_fn` giving each (rank, worker) its own seeded stream.
+
+    The seeds derive from `seed`, `rank`, the worker id and the seed torch hands the worker (which
+    comes from the main process RNG, so seed that too, e.g. with `set_all_seeds`). The result is
+    a `functools.partial` of a module-level function, so it pickles for spawn-started workers.
+    """
+    seed = _check_seed(seed)
+    rank = _check_seed(rank, "rank")
+    return functools.partial(_seed_worker, seed, rank)
+
+
+def get_rng_state() -> dict[str, Any]:
+    """Capture Python, NumPy, torch CPU and (when available) CUDA RNG states as plain data."""
+    version, internal, gauss_next = random.getstate()
+    bit_generator, key, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    state: dict[str, Any] = {
+        "version": RNG_STATE_VERSION,
+        "python": (int(version), tuple(int(x) for x in internal), gauss_next),
+        "numpy": {
+            "bit_generator": str(bit_generator),
+            # uint32 words stored as int64: torch has no uint32 that weights_only round-trips everywhere.
+            "key": torch.from_numpy(np.asarray(key, dtype=np.int64).copy()),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore a state produced by `get_rng_state` (also after a `torch.save`/`torch.load`).
+
+    Unknown versions or keys are rejected. CUDA states restore for the devices present in both
+    the state and this process; a count mismatch warns because later CUDA draws will differ.
+    """
+    if not isinstance(state, Mapping):
+        raise TypeError(f"rng state must be a mapping, got {type(state).__name__}")
+    unknown = set(state) - _RNG_KEYS
+    if unknown:
+        raise ValueError(f"rng state: unknown key(s) {sorted(unknown)}; expected {sorted(_RNG_KEYS)}")
+    if state.get("version") != RNG_STATE_VERSION:
+        raise ValueError(
+            f"rng state: unsupported version {state.get('version')!r}; expected {RNG_STATE_VERSION}"
+        )
+    missing = {"python", "numpy", "torch"} - set(state)
+    if missing:
+        raise ValueError(f"rng state: missing key(s) {sorted(missing)}")
+
+    version, internal, gauss_next = state["python"]
+    random.setstate((int(version), tuple(int(x) for x in internal), gauss_next))
+
+    np_state = state["numpy"]
+    unknown = set(np_state) - _NUMPY_KEYS
+    if unknown or set(np_state) != _NUMPY_KEYS:
+        raise ValueError(
+            f"rng state 'numpy': keys {sorted(np_state)} do not match {sorted(_NUMPY_KEYS)}"
+        )
+    key = np_state["key"]
+    key = key.numpy() if isinstance(key, torch.Tensor) else np.asarray(key)
+    np.random.set_state(
+        (
+            np_state["bit_generator"],
+            key.astype(np.uint32),
+            int(np_state["pos"]),
+            int(np_state["has_gauss"]),
+            float(np_state["cached_gaussian"]),
+        )
+    )
+
+    torch.set_rng_state(state["torch"])
+
+    cuda_states = state.get("cuda")
+    if cuda_states and torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if count != len(cuda_states):
+            warnings.warn(
+                f"rng state holds {len(cuda_states)} CUDA device state(s) but {count} device(s) "
+                f"are visible; restoring the first {min(count, len(cuda_states))}",
+                stacklevel=2,
+            )
+        for index, device_state in enumerate(cuda_states[:count]):
+            torch.cuda.set_rng_state(device_state, index)
