@@ -1,0 +1,377 @@
+"""copy_objects: verified, create-only, resumable copies between real LocalStores."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+from koochak.storage.profile import StoreProfile
+from koochak.storage.store import LocalStore, ObjectInfo
+from koochak.storage.transfer import CopyItem, CopyReport, copy_objects
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class _Wrapped:
+    """A Store that forwards to a LocalStore; subclasses inject faults or record calls."""
+
+    def __init__(self, inner: LocalStore) -> None:
+        self.inner = inner
+        self.location = f"wrapped:{inner.location}"
+        self.profile = inner.profile
+
+    def get(self, key, start=None, end=None):
+        return self.inner.get(key, start, end)
+
+    def open(self, key):
+        return self.inner.open(key)
+
+    def put(self, key, data, *, expected_size=None, expected_sha256=None):
+        return self.inner.put(
+            key, data, expected_size=expected_size, expected_sha256=expected_sha256
+        )
+
+    def stat(self, key):
+        return self.inner.stat(key)
+
+    def list(self, prefix=""):
+        return self.inner.list(prefix)
+
+    def delete(self, key):
+        self.inner.delete(key)
+
+    def local_path(self, key):
+        return self.inner.local_path(key)
+
+
+class _RecordingSource(_Wrapped):
+    """Records every get (key, start, end) and the most range reads ever in flight at once."""
+
+    def __init__(self, inner: LocalStore) -> None:
+        super().__init__(inner)
+        self.calls: list[tuple[str, int | None, int | None]] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self._lock = threading.Lock()
+
+    def get(self, key, start=None, end=None):
+        with self._lock:
+            self.calls.append((key, start, end))
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            time.sleep(0.002)  # let concurrent reads overlap so the bound is really exercised
+            return super().get(key, start, end)
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+
+
+class _FailingSource(_Wrapped):
+    """Raises EIO on the get calls whose 1-based number is in ``fail_on``."""
+
+    def __init__(self, inner: LocalStore, fail_on: set[int]) -> None:
+        super().__init__(inner)
+        self.fail_on = fail_on
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def get(self, key, start=None, end=None):
+        with self._lock:
+            self.count += 1
+            n = self.count
+        if n in self.fail_on:
+            raise OSError(5, f"injected EIO on get #{n}", key)
+        return super().get(key, start, end)
+
+
+def _fill(store: LocalStore, objects: dict[str, bytes]) -> list[CopyItem]:
+    return [
+        CopyItem(key, len(data), store.put(key, data).sha256)
+        for key, data in sorted(objects.items())
+    ]
+
+
+def _objects() -> dict[str, bytes]:
+    return {
+        "empty.bin": b"",
+        "small.txt": b"hello koochak\n",
+        "dir/medium.bin": os.urandom(2500),
+        "dir/sub/large.bin": os.urandom(10_007),  # not a multiple of the part size
+        "exact.bin": os.urandom(4000),  # exactly four parts
+    }
+
+
+@pytest.fixture
+def stores(tmp_path):
+    return LocalStore(tmp_path / "src"), LocalStore(tmp_path / "dst")
+
+
+def test_copy_is_byte_identical_and_reports_counts(stores):
+    source, target = stores
+    objects = _objects()
+    items = _fill(source, objects)
+    report = copy_objects(source, target, items, streams=3, range_streams=3, part_bytes=1000)
+    assert report == CopyReport(
+        copied=5, skipped=0, bytes_copied=sum(map(len, objects.values())), bytes_skipped=0
+    )
+    for key, data in objects.items():
+        assert target.get(key) == data
+    assert [info.key for info in target.list()] == sorted(objects)
+
+
+def test_large_objects_are_read_as_bounded_parallel_ranges(stores):
+    source, target = stores
+    data = os.urandom(50_000)
+    item = CopyItem("big.bin", len(data), source.put("big.bin", data).sha256)
+    recording = _RecordingSource(source)
+    copy_objects(recording, target, [item], streams=1, range_streams=4, part_bytes=1000)
+    assert target.get("big.bin") == data
+    ranges = sorted((start, end) for _, start, end in recording.calls)
+    assert len(ranges) == 50
+    assert ranges[0] == (0, 1000)
+    # The last range asks one byte past the end, so a longer source cannot be silently cut.
+    assert ranges[-1] == (49_000, 50_001)
+    assert 1 < recording.max_in_flight <= 4
+
+
+def test_small_objects_are_read_whole(stores):
+    source, target = stores
+    items = _fill(source, {"a": b"x" * 999, "b": b"y" * 1000})
+    recording = _RecordingSource(source)
+    copy_objects(recording, target, items, part_bytes=1000)
+    assert sorted(recording.calls) == [("a", None, None), ("b", None, None)]
+
+
+def test_rerun_after_failure_resumes_and_ends_verified(stores):
+    source, target = stores
+    objects = {f"obj{i:02d}": os.urandom(3000 + i) for i in range(8)}
+    items = _fill(source, objects)
+    # Fail the 9th read: some objects are done, one large put is aborted mid-stream.
+    with pytest.raises(OSError, match="injected EIO"):
+        copy_objects(
+            _FailingSource(source, {9}), target, items, streams=1, range_streams=1, part_bytes=1000
+        )
+    done = {info.key for info in target.list()}
+    assert done and done != set(objects)
+    for key in done:  # whatever is visible is complete
+        assert target.get(key) == objects[key]
+    # Nothing half-written is left behind as a visible object or a stray file besides temp names.
+    report = copy_objects(source, target, items, streams=2, part_bytes=1000)
+    assert report.skipped == len(done)
+    assert report.copied == len(objects) - len(done)
+    assert report.bytes_skipped == sum(len(objects[k]) for k in done)
+    for key, data in objects.items():
+        assert _sha(target.get(key)) == _sha(data)
+
+
+def test_mismatching_digest_leaves_no_object(stores):
+    source, target = stores
+    data = os.urandom(5000)
+    source.put("x.bin", data)
+    source.put("y.bin", b"tiny")
+    wrong = _sha(b"something else")
+    for part_bytes in (100, 10_000):  # ranged and whole-object paths
+        with pytest.raises(ValueError, match="x.bin"):
+            copy_objects(
+                source, target, [CopyItem("x.bin", len(data), wrong)], part_bytes=part_bytes
+            )
+        assert target.list() == []
+    with pytest.raises(ValueError):
+        copy_objects(source, target, [CopyItem("y.bin", 4, wrong)])
+    assert target.list() == []
+
+
+def test_conflicting_size_is_refused_and_untouched(stores):
+    source, target = stores
+    source.put("k.bin", b"new content")
+    target.put("k.bin", b"old")
+    with pytest.raises(FileExistsError, match=r"'k\.bin'.*3 bytes, expected 11"):
+        copy_objects(source, target, [CopyItem("k.bin", 11)])
+    assert target.get("k.bin") == b"old"
+
+
+def test_existing_target_of_expected_size_is_skipped(stores):
+    source, target = stores
+    source.put("k.bin", b"abc")
+    target.put("renamed.bin", b"abc")
+    seen: list[int] = []
+    report = copy_objects(
+        source, target, [CopyItem("k.bin", 3, target_key="renamed.bin")], progress=seen.append
+    )
+    assert report == CopyReport(copied=0, skipped=1, bytes_copied=0, bytes_skipped=3)
+    assert sum(seen) == 3
+
+
+def test_source_size_differing_from_item_is_an_error(stores):
+    source, target = stores
+    source.put("k.bin", os.urandom(5000))
+    for size, part_bytes in ((4999, 100), (5001, 100), (4999, 10_000), (5001, 10_000)):
+        with pytest.raises(ValueError, match="k.bin"):
+            copy_objects(source, target, [CopyItem("k.bin", size)], part_bytes=part_bytes)
+        assert target.list() == []
+
+
+def test_target_key_renames_and_progress_counts_every_byte(stores):
+    source, target = stores
+    objects = _objects()
+    items = [
+        CopyItem(item.key, item.size, item.sha256, target_key=f"copy/{item.key}")
+        for item in _fill(source, objects)
+    ]
+    seen: list[int] = []
+    copy_objects(source, target, items, part_bytes=1000, progress=seen.append, show_progress=False)
+    assert sum(seen) == sum(map(len, objects.values()))
+    assert sorted(info.key for info in target.list()) == sorted(f"copy/{k}" for k in objects)
+
+
+def test_first_failure_is_raised_after_in_flight_items_finish(stores):
+    source, target = stores
+    for key in ("a", "b", "c", "d"):
+        source.put(key, key.encode() * 10)
+    failed = threading.Event()
+
+    class Source(_Wrapped):
+        def get(self, key, start=None, end=None):
+            if key == "a":
+                failed.set()
+                raise OSError(5, "injected", key)
+            if key == "b":  # in flight when "a" fails; must still complete
+                assert failed.wait(5)
+                time.sleep(0.05)
+            return super().get(key, start, end)
+
+    items = [CopyItem(k, 10) for k in ("a", "b", "c", "d")]
+    with pytest.raises(OSError, match="injected"):
+        copy_objects(Source(source), target, items, streams=2)
+    assert [info.key for info in target.list()] == ["b"]  # c and d never started
+
+
+@pytest.mark.parametrize(
+    ("item", "message"),
+    [
+        (CopyItem("a", -1), "size"),
+        (CopyItem("a", 1, "ABC"), "sha256"),
+    ],
+)
+def test_bad_items_are_rejected_before_anything_moves(stores, item, message):
+    source, target = stores
+    with pytest.raises(ValueError, match=message):
+        copy_objects(source, target, [item])
+
+
+def test_duplicate_target_keys_are_rejected(stores):
+    source, target = stores
+    with pytest.raises(ValueError, match="twice"):
+        copy_objects(source, target, [CopyItem("a", 1), CopyItem("b", 1, target_key="a")])
+
+
+@pytest.mark.parametrize("name", ["streams", "range_streams", "part_bytes"])
+def test_bad_settings_name_the_argument(stores, name):
+    source, target = stores
+    with pytest.raises(ValueError, match=name):
+        copy_objects(source, target, [], **{name: 0})
+
+
+def test_defaults_come_from_the_store_profiles(tmp_path):
+    profile = StoreProfile(
+        request_seconds=0.5,
+        stream_bytes_per_second=100 << 20,
+        concurrency=3,
+        range_reads_scale=True,
+        part_bytes=1000,
+        listing_cheap=False,
+    )
+    source = LocalStore(tmp_path / "src", profile=profile)
+    target = LocalStore(tmp_path / "dst")
+    data = os.urandom(4500)
+    source.put("k", data)
+    recording = _RecordingSource(source)
+    copy_objects(recording, target, [CopyItem("k", len(data), _sha(data))])
+    assert sorted(start for _, start, _ in recording.calls) == [0, 1000, 2000, 3000, 4000]
+    assert recording.max_in_flight <= 3
+    assert target.get("k") == data
+
+
+def test_show_progress_draws_a_bar_on_request(stores, capsys):
+    pytest.importorskip("tqdm")
+    source, target = stores
+    items = _fill(source, {"a": b"1" * 100})
+    copy_objects(source, target, items, show_progress=True)
+    assert "copy" in capsys.readouterr().err
+
+
+def test_put_race_with_same_size_counts_as_skipped(stores):
+    source, target = stores
+    source.put("k", b"abc")
+
+    class Racing(_Wrapped):
+        """Another process publishes the key between our stat and our put."""
+
+        def stat(self, key):
+            if not hasattr(self, "raced"):
+                self.raced = True
+                raise FileNotFoundError(key)
+            return super().stat(key)
+
+        def put(self, key, data, **kwargs):
+            self.inner.put(key, b"abc")
+            return super().put(key, data, **kwargs)
+
+    report = copy_objects(source, Racing(target), [CopyItem("k", 3)])
+    assert report.skipped == 1 and report.copied == 0
+
+
+_CRASHING_COPY = textwrap.dedent(
+    """
+    import sys, time
+    from koochak.storage.store import LocalStore
+    from koochak.storage.transfer import CopyItem, copy_objects
+
+    class Slow:
+        def __init__(self, inner):
+            self.inner, self.location, self.profile = inner, inner.location, None
+        def get(self, key, start=None, end=None):
+            if key == "b.bin" and start is not None and start > 0:
+                print("stalled", flush=True)
+                time.sleep(60)  # killed here, mid-put
+            return self.inner.get(key, start, end)
+        def stat(self, key):
+            return self.inner.stat(key)
+
+    source, target = LocalStore(sys.argv[1]), LocalStore(sys.argv[2])
+    items = [CopyItem(k, source.stat(k).size) for k in ("a.bin", "b.bin", "c.bin")]
+    copy_objects(Slow(source), target, items, streams=1, range_streams=1, part_bytes=1000)
+    """
+)
+
+
+@pytest.mark.slow
+def test_copy_killed_mid_put_resumes_to_identical_objects(tmp_path):
+    source, target = LocalStore(tmp_path / "src"), LocalStore(tmp_path / "dst")
+    objects = {"a.bin": os.urandom(3000), "b.bin": os.urandom(5000), "c.bin": os.urandom(100)}
+    items = _fill(source, objects)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CRASHING_COPY, str(source.root), str(target.root)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "stalled"
+    finally:
+        proc.kill()
+        proc.wait()
+    assert [info.key for info in target.list()] == ["a.bin"]  # b.bin half-written, not visible
+    report = copy_objects(source, target, items, part_bytes=1000)
+    assert (report.copied, report.skipped) == (2, 1)
+    for key, data in objects.items():
+        assert target.get(key) == data
+    assert isinstance(target.stat("b.bin"), ObjectInfo)
