@@ -19,14 +19,18 @@ from koochak.storage.store import (
     register_store,
     validate_key,
 )
+from koochak.storage.transfer import CopyItem, CopyReport, copy_objects
 
 __all__ = [
+    "CopyItem",
+    "CopyReport",
     "LOCAL_PROFILE",
     "REMOTE_PROFILE",
     "LocalStore",
     "ObjectInfo",
     "Store",
     "StoreProfile",
+    "copy_objects",
     "min_object_bytes",
     "open_store",
     "parse_size",
