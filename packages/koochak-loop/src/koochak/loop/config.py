@@ -1,0 +1,495 @@
+"""Configuration: structured dataclass defaults <- YAML file <- CLI dotlist overrides.
+
+The dataclasses below are the single source of truth for every supported key and its default
+(``examples/config_template.yaml`` mirrors them and a test keeps the two in sync). Configs are
+OmegaConf objects, so ``${train.out_dir}/log.csv``-style interpolation works across sections.
+
+Strict by default: an unknown key anywhere (except the free-form ``data`` section) fails before
+training with its full path and a did-you-mean. ``train.strict_config: false`` relaxes that to a
+warning (``train.config_warn_unknown``) and keeps the unknown keys. Type and value errors name the
+key, the value and what was expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A config problem, with the file and key path in the message."""
+
+
+@dataclass
+class TrainConfig:
+    max_steps: Optional[int] = 1000  # null: run until the dataset is exhausted
+    log_every: int = 50
+    eval_every: Optional[int] = None  # null or 0: no periodic eval
+    eval_at_step_zero: bool = False
+    ckpt_every: Optional[int] = None  # null or 0: only the terminal checkpoint
+    keep_last_k: Optional[int] = 3  # null: keep every checkpoint
+    grad_accum: int = 1
+    amp: str = "none"  # none | bf16 | fp16
+    grad_clip: Optional[float] = None  # max L2 norm; null: no clipping
+    nonfinite_grad_check_every: Optional[int] = None
+    scheduler_step: str = "update"  # update | eval
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    out_dir: str = "runs/default"
+    checkpoint_dir: Optional[str] = None  # null: out_dir
+    ddp: bool = False
+    find_unused_parameters: bool = False
+    compile: bool = False
+    cuda_prefetch: bool = False
+    progress_bar: bool = True
+    strict_config: bool = True
+    config_warn_unknown: bool = True
+    shard_dataset: bool = False
+    shard_dataset_mode: str = "iterable"  # iterable | map
+    shard_eval_dataset: bool = False
+    shard_eval_dataset_mode: str = "iterable"
+    warn_unsharded: bool = True
+    checkpoint_async: bool = False
+    evacuation_enabled: bool = False
+    evacuation_signal: str = "USR1"
+
+
+@dataclass
+class DataConfig:
+    data_dir: str = "data"
+    batch_size: int = 64
+    num_workers: int = 0
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adamw"
+    lr: float = 0.001
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-08
+    momentum: float = 0.0
+    nesterov: bool = False
+
+
+@dataclass
+class SchedulerConfig:
+    name: str = "none"  # none | cosine | step | plateau | cosine_warmup
+    warmup_steps: int = 0
+    T_max: Optional[int] = None  # null: train.max_steps
+    eta_min: float = 0.0
+    step_size: int = 1000
+    gamma: float = 0.1
+    factor: float = 0.1
+    patience: int = 10
+    mode: str = "min"
+    monitor: str = "eval_loss"
+
+
+@dataclass
+class OptimConfig:
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+@dataclass
+class LoggingConfig:
+    stdout: bool = True
+    csv_path: Optional[str] = None  # null: <out_dir>/log.csv in the CLI
+    jsonl_path: Optional[str] = None  # null: <out_dir>/log.jsonl in the CLI
+
+
+@dataclass
+class WandbConfig:
+    enabled: bool = False
+    project: Optional[str] = None
+    entity: Optional[str] = None
+    name: Optional[str] = None
+    id: Optional[str] = None
+    resume: Optional[str] = None
+    mode: str = "online"  # online | offline | disabled
+    dir: Optional[str] = None
+    artifact_name_prefix: str = "model"
+    artifact_type: str = "model"
+    log_checkpoints: bool = True
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class EntryConfig:
+    model: Optional[str] = None  # module:callable returning an nn.Module
+    dataset: Optional[str] = None  # module:callable returning an iterable
+    step: Optional[str] = None  # module:callable, step_fn(model, batch, ctx) -> dict
+    eval_dataset: Optional[str] = None
+    eval_fn: Optional[str] = None
+
+
+@dataclass
+class Config:
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    entry: EntryConfig = field(default_factory=EntryConfig)
+
+
+SECTIONS = tuple(f.name for f in dataclasses.fields(Config))
+# Sections whose extra keys are the user's own (dataset builders read them).
+_FREE_FORM = frozenset({"data"})
+_CHOICES = {
+    "train.amp": ("none", "bf16", "fp16"),
+    "train.scheduler_step": ("update", "eval"),
+    "train.shard_dataset_mode": ("iterable", "map"),
+    "train.shard_eval_dataset_mode": ("iterable", "map"),
+    "wandb.mode": ("online", "offline", "disabled"),
+    "optim.scheduler.name": ("none", "cosine", "step", "plateau", "cosine_warmup"),
+}
+_POSITIVE = ("train.log_every", "train.grad_accum")
+_POSITIVE_OR_NULL = ("train.max_steps",)
+_NON_NEGATIVE_OR_NULL = (
+    "train.eval_every",
+    "train.ckpt_every",
+    "train.keep_last_k",
+    "train.nonfinite_grad_check_every",
+)
+
+
+# ----------------------------------------------------------------------------- unknown keys
+
+
+def _dataclass_type(tp: Any) -> type | None:
+    return tp if dataclasses.is_dataclass(tp) else None
+
+
+def _unknown_keys(values: Mapping[str, Any], schema: type, prefix: str = "") -> list[str]:
+    """Full dotted paths of keys in ``values`` that ``schema`` does not define."""
+    hints = typing.get_type_hints(schema)
+    unknown = []
+    for key, value in values.items():
+        path = f"{prefix}{key}"
+        if key not in hints:
+            if prefix.rstrip(".") not in _FREE_FORM:
+                unknown.append(path)
+            continue
+        sub = _dataclass_type(hints[key])
+        if sub is not None and isinstance(value, Mapping):
+            unknown.extend(_unknown_keys(value, sub, path + "."))
+    return unknown
+
+
+def _known_paths(schema: type, prefix: str = "") -> list[str]:
+    paths = []
+    for name, tp in typing.get_type_hints(schema).items():
+        sub = _dataclass_type(tp)
+        if sub is not None:
+            paths.extend(_known_paths(sub, f"{prefix}{name}."))
+        else:
+            paths.append(f"{prefix}{name}")
+    return paths
+
+
+def _did_you_mean(path: str, schema: type) -> str:
+    known = _known_paths(schema)
+    close = difflib.get_close_matches(path, known, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _unknown_message(unknown: Sequence[str], schema: type, source: str) -> str:
+    parts = [f"{path!r}{_did_you_mean(path, schema)}" for path in unknown]
+    return f"{source}: unknown config key {', '.join(parts)}"
+
+
+# ----------------------------------------------------------------------------- value checks
+
+
+def _is_optional(tp: Any) -> bool:
+    args = typing.get_args(tp)
+    return typing.get_origin(tp) in (Union, types.UnionType) and type(None) in args
+
+
+def _base_type(tp: Any) -> Any:
+    if _is_optional(tp):
+        return next(a for a in typing.get_args(tp) if a is not type(None))
+    return tp
+
+
+def _check_type(path: str, value: Any, tp: Any) -> Any:
+    """Return ``value`` if it fits ``tp`` (ints accepted for floats), else raise ConfigError."""
+    if value is None:
+        if _is_optional(tp):
+            return None
+        raise ConfigError(f"{path}: expected {_type_name(tp)}, got null")
+    base = _base_type(tp)
+    origin = typing.get_origin(base)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        (item_tp,) = typing.get_args(base) or (Any,)
+        return [_check_type(f"{path}[{i}]", v, item_tp) for i, v in enumerate(value)]
+    if base is Any:
+        return value
+    if base is bool:
+        ok = isinstance(value, bool)
+    elif base is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif base is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    else:
+        ok = isinstance(value, base)
+    if not ok:
+        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
+    return value
+
+
+def _type_name(tp: Any) -> str:
+    base = _base_type(tp)
+    name = getattr(base, "__name__", str(base))
+    return f"{name} or null" if _is_optional(tp) else name
+
+
+def _check_values(values: Mapping[str, Any], section: str) -> None:
+    """Choices and ranges for the keys of ``section`` present in ``values``."""
+    for path, choices in _CHOICES.items():
+        head, _, key = path.rpartition(".")
+        if head == section and key in values and values[key] not in choices:
+            raise ConfigError(f"{path}: expected one of {'|'.join(choices)}, got {values[key]!r}")
+    for group, lowest, nullable in (
+        (_POSITIVE, 1, False),
+        (_POSITIVE_OR_NULL, 1, True),
+        (_NON_NEGATIVE_OR_NULL, 0, True),
+    ):
+        for path in group:
+            head, _, key = path.rpartition(".")
+            if head != section or key not in values:
+                continue
+            value = values[key]
+            if value is None and nullable:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
+                what = f"an integer >= {lowest}" + (" or null" if nullable else "")
+                raise ConfigError(f"{path}: expected {what}, got {value!r}")
+    if section == "train" and values.get("grad_clip") is not None and values["grad_clip"] <= 0:
+        raise ConfigError(
+            f"train.grad_clip: expected a positive number or null, got {values['grad_clip']!r}"
+        )
+
+
+def _check_section(values: Mapping[str, Any], schema: type, section: str) -> dict[str, Any]:
+    """Type-check the known keys of one section (recursing into nested dataclasses)."""
+    hints = typing.get_type_hints(schema)
+    checked: dict[str, Any] = {}
+    for key, value in values.items():
+        path = f"{section}.{key}"
+        if key not in hints:
+            checked[key] = value
+            continue
+        sub = _dataclass_type(hints[key])
+        if sub is not None:
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+            checked[key] = _check_section(value, sub, path)
+        else:
+            checked[key] = _check_type(path, value, hints[key])
+    _check_values(checked, section)
+    return checked
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+@dataclass(frozen=True)
+class ConfigReport:
+    """What the startup summary prints: sections present, unknown keys, strictness."""
+
+    source: str
+    sections: tuple[str, ...]
+    unknown_keys: tuple[str, ...]
+    strict: bool
+
+
+def _read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{os.fspath(path)}: config file not found") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{os.fspath(path)}: not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{os.fspath(path)}: top level must be a mapping of sections, got {type(data).__name__}"
+        )
+    return data
+
+
+def _parse_overrides(overrides: Iterable[str]) -> DictConfig:
+    overrides = list(overrides)
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. train.max_steps=100")
+    try:
+        return OmegaConf.from_dotlist(overrides)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"overrides {overrides}: {exc}") from None
+
+
+def _strictness(user: Mapping[str, Any]) -> tuple[bool, bool]:
+    train = user.get("train") if isinstance(user.get("train"), Mapping) else {}
+    strict = train.get("strict_config", True)
+    warn = train.get("config_warn_unknown", True)
+    for key, value in (("strict_config", strict), ("config_warn_unknown", warn)):
+        if not isinstance(value, bool):
+            raise ConfigError(f"train.{key}: expected bool, got {value!r}")
+    return strict, warn
+
+
+def _resolve(cfg: DictConfig, source: str) -> dict[str, Any]:
+    try:
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None)
+        where = f" at {key!r}" if key else ""
+        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"{source}: cannot resolve interpolation{where}: {first_line}") from None
+    assert isinstance(resolved, dict)
+    return resolved
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    overrides: Iterable[str] = (),
+    *,
+    base: Mapping[str, Any] | None = None,
+) -> DictConfig:
+    """Load defaults <- YAML ``path`` (optional) <- ``base`` mapping (optional) <- dotlist ``overrides``.
+
+    Raises ConfigError before any training when a key is unknown (strict mode), a value has the
+    wrong type or is out of range, or an interpolation cannot resolve. In relaxed mode unknown
+    keys are kept and, with ``train.config_warn_unknown``, reported with a warning.
+    """
+    return load_config_with_report(path, overrides, base=base)[0]
+
+
+def load_config_with_report(
+    path: str | os.PathLike[str] | None = None,
+    overrides: Iterable[str] = (),
+    *,
+    base: Mapping[str, Any] | None = None,
+) -> tuple[DictConfig, ConfigReport]:
+    """`load_config` plus the startup summary's facts (sections the user wrote, unknown keys)."""
+    source = os.fspath(path) if path is not None else "<config>"
+    user = OmegaConf.create(_read_yaml(path) if path is not None else {})
+    if base is not None:
+        user = OmegaConf.merge(user, OmegaConf.create(dict(base)))
+    user = OmegaConf.merge(user, _parse_overrides(overrides))
+    for section in SECTIONS:
+        value = user._get_node(section) if section in user else None
+        if value is not None and not isinstance(value, DictConfig) and user[section] is not None:
+            raise ConfigError(
+                f"{source}: section {section!r} must be a mapping, got {user[section]!r}"
+            )
+    # Defaults go in as plain (untyped) data so that interpolations resolve across the merged
+    # whole and every type error comes from _check_section, naming the key and value.
+    cfg = OmegaConf.merge(OmegaConf.create(defaults()), user)
+    assert isinstance(cfg, DictConfig)
+    values = _resolve(cfg, source)
+    strict, warn = _strictness(values)
+    unknown = _unknown_keys(values, Config)
+    if unknown and strict:
+        raise ConfigError(
+            _unknown_message(unknown, Config, source)
+            + "; fix the key or set train.strict_config: false to allow unknown keys"
+        )
+    if unknown and warn:
+        warnings.warn(
+            _unknown_message(unknown, Config, source) + " (kept: train.strict_config is false)",
+            UserWarning,
+            stacklevel=2,
+        )
+    hints = typing.get_type_hints(Config)
+    for section in SECTIONS:
+        if values.get(section) is None:
+            raise ConfigError(f"{source}: section {section!r} must be a mapping, got null")
+        try:
+            _check_section(values[section], hints[section], section)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+    user_sections = tuple(str(k) for k in user if k in SECTIONS or k in values)
+    return cfg, ConfigReport(source, user_sections, tuple(unknown), strict)
+
+
+def check_config(cfg: DictConfig | Mapping[str, Any], source: str = "<config>") -> ConfigReport:
+    """Report sections present, unknown keys and strictness for an already loaded config."""
+    values = _resolve(cfg, source) if isinstance(cfg, DictConfig) else dict(cfg)
+    strict, _ = _strictness(values)
+    sections = tuple(k for k in values if values[k] is not None)
+    return ConfigReport(source, sections, tuple(_unknown_keys(values, Config)), strict)
+
+
+def format_summary(report: ConfigReport) -> str:
+    """One line for the startup log."""
+    unknown = ", ".join(report.unknown_keys) if report.unknown_keys else "none"
+    return (
+        f"config {report.source}: sections {', '.join(report.sections)}; "
+        f"unknown keys: {unknown}; strict_config: {str(report.strict).lower()}"
+    )
+
+
+def summarize_config(cfg: DictConfig | Mapping[str, Any], source: str = "<config>") -> str:
+    return format_summary(check_config(cfg, source))
+
+
+def get_section(cfg: DictConfig | Mapping[str, Any], name: str) -> Any:
+    """The section ``name`` of ``cfg``; ConfigError naming it when absent."""
+    if name not in cfg or cfg[name] is None:
+        raise ConfigError(
+            f"config has no section {name!r} (sections: {', '.join(map(str, cfg.keys()))})"
+        )
+    return cfg[name]
+
+
+def to_container(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
+    """A plain, resolved dict (safe for JSON, YAML and checkpoints)."""
+    if isinstance(cfg, DictConfig):
+        return _resolve(cfg, "<config>")
+    return {k: to_container(v) if isinstance(v, Mapping) else v for k, v in cfg.items()}
+
+
+def resolve_train_config(train_cfg: Mapping[str, Any] | TrainConfig | None) -> TrainConfig:
+    """The loop's view of ``train``: defaults filled in, types and values checked.
+
+    Unknown keys fail unless ``strict_config`` is false (then they are ignored here; the config
+    loader already warned about them).
+    """
+    if isinstance(train_cfg, TrainConfig):
+        values: dict[str, Any] = dataclasses.asdict(train_cfg)
+    elif train_cfg is None:
+        values = {}
+    else:
+        values = to_container(train_cfg)
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = [f"train.{k}" for k in values if k not in names]
+    if unknown and values.get("strict_config", True):
+        raise ConfigError(_unknown_message(unknown, Config, "train_cfg"))
+    checked = _check_section({k: v for k, v in values.items() if k in names}, TrainConfig, "train")
+    return TrainConfig(**checked)
+
+
+def defaults() -> dict[str, Any]:
+    """Every supported key with its default, as a plain nested dict."""
+    return dataclasses.asdict(Config())

@@ -1,0 +1,39 @@
+"""Device selection and the current learning rate."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+|mps)$")
+
+
+def get_device(cfg: str | Mapping[str, Any] | torch.device | None = "auto") -> torch.device:
+    """Resolve ``train.device`` (``auto|cpu|cuda|cuda:N``) or a train mapping holding it.
+
+    ``auto`` picks ``cuda:$LOCAL_RANK`` when CUDA is available, else the CPU. Asking for CUDA on
+    a machine without it is an error rather than a silent CPU run.
+    """
+    if isinstance(cfg, torch.device):
+        return cfg
+    if isinstance(cfg, Mapping):
+        cfg = cfg.get("device", "auto")
+    name = "auto" if cfg is None else str(cfg)
+    if not _DEVICE_RE.match(name):
+        raise ValueError(f"train.device: expected auto|cpu|cuda|cuda:N, got {name!r}")
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"train.device: {name!r} requested but CUDA is not available here")
+    return torch.device(name)
+
+
+def get_lr(optimizer: torch.optim.Optimizer) -> float:
+    """The learning rate of the optimizer's first parameter group."""
+    return float(optimizer.param_groups[0]["lr"])

@@ -1,0 +1,76 @@
+"""Small torch.distributed helpers that also work when no process group exists.
+
+Everything here answers for the single-process case (rank 0 of 1) when torch.distributed is
+unavailable or not initialised, so callers never branch on "am I distributed?".
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as torch_dist
+
+
+def is_initialized() -> bool:
+    return torch_dist.is_available() and torch_dist.is_initialized()
+
+
+def get_rank() -> int:
+    return torch_dist.get_rank() if is_initialized() else 0
+
+
+def get_world_size() -> int:
+    return torch_dist.get_world_size() if is_initialized() else 1
+
+
+def get_local_rank() -> int:
+    """LOCAL_RANK as set by torchrun (0 when absent)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def is_rank0() -> bool:
+    return get_rank() == 0
+
+
+def barrier() -> None:
+    if is_initialized():
+        torch_dist.barrier()
+
+
+def init_process_group(backend: str | None = None, timeout_s: float | None = None) -> bool:
+    """Initialise the default process group from the torchrun environment if none exists.
+
+    Returns True when this call created the group, False when one already existed (the caller
+    initialised it manually, which the loop respects). The backend defaults to NCCL when CUDA is
+    available and gloo otherwise.
+    """
+    if is_initialized():
+        return False
+    missing = [
+        k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
+    ]
+    if missing:
+        raise RuntimeError(
+            "train.ddp is true but no process group exists and the environment lacks "
+            f"{', '.join(missing)}; launch with torchrun or call init_process_group yourself"
+        )
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    torch_dist.init_process_group(backend=backend, **kwargs)
+    return True
+
+
+def all_gather_floats(values: list[float], device: torch.device | None = None) -> list[list[float]]:
+    """Every rank's ``values`` (rank order); the single-process answer is ``[values]``.
+
+    Used for per-rank step timing on logging steps, so it may synchronise.
+    """
+    if not is_initialized() or get_world_size() == 1:
+        return [list(values)]
+    local = torch.tensor(values, dtype=torch.float64, device=device)
+    gathered = [torch.empty_like(local) for _ in range(get_world_size())]
+    torch_dist.all_gather(gathered, local)
+    return [t.tolist() for t in gathered]

@@ -1,0 +1,121 @@
+"""The gradient gate: measure -> finite check -> L2 clip, before the optimizer may step.
+
+The loop computes the total norm on the device (`total_norm`), brings that one scalar to the
+host together with whatever else the step logs, and hands it to `apply_gate`, which
+
+* recomputes the norm with a scaled reduction when the plain one overflowed to inf in the
+  gradients' dtype although every entry is finite (divide by the max |g| first, then sum squares);
+* rejects NaN/inf gradients before the optimizer step: an error naming the step and the first
+  offending parameter, or, under an fp16 GradScaler, a skipped update as GradScaler does;
+* clips in place to ``max_norm`` when clipping is on.
+
+`check_finite` is the optional periodic check (``train.nonfinite_grad_check_every``): it raises
+rather than zeroing bad entries, because silently repaired gradients hide a diverging run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+NamedParams = Sequence[tuple[str, torch.nn.Parameter]]
+
+# Added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does, so a zero norm is safe.
+_EPS = 1e-6
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """A gradient held NaN or inf where the update must not proceed."""
+
+
+def grads_of(named_params: NamedParams) -> list[torch.Tensor]:
+    return [p.grad for _, p in named_params if p.grad is not None]
+
+
+def total_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of all ``grads`` together, on their device, in their dtype (no host sync)."""
+    if not grads:
+        return torch.zeros(())
+    devices = {g.device for g in grads}
+    dtypes = {g.dtype for g in grads}
+    if len(devices) == 1 and len(dtypes) == 1:
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(grads))))
+    # Mixed devices/dtypes are rare (model parallel, mixed-precision params): gather to one.
+    first = grads[0]
+    norms = [torch.linalg.vector_norm(g).to(device=first.device, dtype=first.dtype) for g in grads]
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def scaled_total_norm(grads: Sequence[torch.Tensor]) -> float:
+    """The L2 norm computed as max|g| * ||g / max|g|||, which cannot overflow for finite entries."""
+    max_abs = max(float(g.detach().abs().max()) for g in grads if g.numel())
+    if max_abs == 0.0:
+        return 0.0
+    squares = sum(float(torch.linalg.vector_norm(g.detach().float() / max_abs)) ** 2 for g in grads)
+    return max_abs * math.sqrt(squares)
+
+
+def first_nonfinite(named_params: NamedParams) -> str | None:
+    """The name of the first parameter whose gradient holds NaN or inf (cold path: syncs)."""
+    for name, p in named_params:
+        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+            return name
+    return None
+
+
+def check_finite(named_params: NamedParams, step: int) -> None:
+    """Raise NonFiniteGradientError naming ``step`` and the parameter if any gradient is NaN/inf."""
+    grads = grads_of(named_params)
+    if not grads:
+        return
+    # One fused reduction and one sync on the ordinary (all finite) path.
+    all_finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
+    if not bool(all_finite):
+        name = first_nonfinite(named_params)
+        raise NonFiniteGradientError(
+            f"step {step}: non-finite gradient (NaN or inf) in parameter {name!r}; "
+            "raising instead of zeroing it (train.nonfinite_grad_check_every)"
+        )
+
+
+def apply_gate(
+    named_params: NamedParams,
+    norm: float,
+    *,
+    max_norm: float | None,
+    step: int,
+    allow_skip: bool = False,
+) -> dict[str, float] | None:
+    """Check and clip gradients given their host-side total ``norm``.
+
+    Returns the metrics to log (``grad_norm``; with clipping also ``grad_clip_coefficient`` and
+    ``grad_clip_scaled_norm``, 1.0 when the scaled reduction was needed), or None when the update
+    must be skipped (only with ``allow_skip``, i.e. under an fp16 GradScaler, which then lowers
+    its scale). Raises NonFiniteGradientError otherwise.
+    """
+    scaled = False
+    if not math.isfinite(norm):
+        bad = first_nonfinite(named_params)
+        if bad is None:
+            # Every entry is finite: the sum of squares overflowed the dtype. Rescale and retry.
+            norm = scaled_total_norm(grads_of(named_params))
+            scaled = True
+        elif allow_skip:
+            return None
+        else:
+            raise NonFiniteGradientError(
+                f"step {step}: non-finite gradient (NaN or inf) in parameter {bad!r}; "
+                "the update was rejected before the optimizer step"
+            )
+    if max_norm is None:
+        return {"grad_norm": norm}
+    coefficient = min(1.0, max_norm / (norm + _EPS))
+    if coefficient < 1.0:
+        torch._foreach_mul_(grads_of(named_params), coefficient)
+    return {
+        "grad_norm": norm,
+        "grad_clip_coefficient": coefficient,
+        "grad_clip_scaled_norm": 1.0 if scaled else 0.0,
+    }
