@@ -1,0 +1,291 @@
+"""Optimizer and LR-scheduler builders for the `optim` config section.
+
+Schedules are plain factories returning `step -> lr factor` (optax style); `build_scheduler` wraps
+them in `torch.optim.lr_scheduler.LambdaLR`, so a scheduler's `state_dict()` round-trips (it holds
+the step counter and base LRs; the factor functions are rebuilt from config on resume).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+__all__ = [
+    "OPTIMIZERS",
+    "SCHEDULERS",
+    "build_optimizer",
+    "build_scheduler",
+    "cosine_schedule",
+    "step_schedule",
+    "warmup_cosine_schedule",
+]
+
+Schedule = Callable[[int], float]
+
+OPTIMIZERS = ("adamw", "adam", "sgd")
+SCHEDULERS = ("none", "cosine", "step", "plateau", "cosine_warmup")
+_OPTIMIZER_KEYS = ("name", "lr", "weight_decay", "betas", "eps", "momentum", "nesterov")
+_SCHEDULER_KEYS = (
+    "name",
+    "warmup_steps",
+    "T_max",
+    "eta_min",
+    "step_size",
+    "gamma",
+    "factor",
+    "patience",
+    "mode",
+    "monitor",
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Schedules: step -> multiplicative LR factor.
+
+
+def cosine_schedule(total_steps: int, final_factor: float = 0.0) -> Schedule:
+    """Half-cosine from 1 at step 0 to `final_factor` at `total_steps`, flat afterwards."""
+    if total_steps < 1:
+        raise ValueError(f"cosine schedule needs total_steps >= 1, got {total_steps}")
+
+    def schedule(step: int) -> float:
+        progress = min(step, total_steps) / total_steps
+        return final_factor + (1.0 - final_factor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return schedule
+
+
+def step_schedule(step_size: int, gamma: float) -> Schedule:
+    """Multiply by `gamma` every `step_size` steps."""
+    if step_size < 1:
+        raise ValueError(f"step schedule needs step_size >= 1, got {step_size}")
+
+    def schedule(step: int) -> float:
+        return gamma ** (step // step_size)
+
+    return schedule
+
+
+def warmup_cosine_schedule(
+    warmup_steps: int, total_steps: int, final_factor: float = 0.0
+) -> Schedule:
+    """Linear warmup `(step + 1) / warmup_steps` to 1, then a cosine to `final_factor`.
+
+    Warmup starts at `1 / warmup_steps` rather than 0 so the first update is not wasted; the
+    cosine spans the remaining `total_steps - warmup_steps` steps and stays flat after them.
+    """
+    if warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+    if total_steps <= warmup_steps:
+        raise ValueError(
+            f"cosine_warmup needs total steps (T_max) > warmup_steps, got {total_steps} <= "
+            f"{warmup_steps}"
+        )
+    decay = cosine_schedule(total_steps - warmup_steps, final_factor)
+
+    def schedule(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        return decay(step - warmup_steps)
+
+    return schedule
+
+
+# ---------------------------------------------------------------------------------------------
+# Config plumbing.
+
+
+def _plain(cfg: Any, section: str) -> dict[str, Any]:
+    if cfg is None:
+        return {}
+    if isinstance(cfg, DictConfig):
+        cfg = OmegaConf.to_container(cfg, resolve=True)
+    if not isinstance(cfg, Mapping):
+        raise TypeError(f"{section} must be a mapping, got {type(cfg).__name__}")
+    return dict(cfg)
+
+
+def _check_keys(cfg: Mapping[str, Any], allowed: tuple[str, ...], section: str) -> None:
+    unknown = [key for key in cfg if key not in allowed]
+    if unknown:
+        raise ValueError(
+            f"{section}: unknown key(s) {', '.join(map(repr, unknown))}; supported keys: "
+            f"{', '.join(allowed)}"
+        )
+
+
+def _name(cfg: Mapping[str, Any], supported: tuple[str, ...], section: str, default: str) -> str:
+    name = cfg.get("name")
+    if name is None:
+        name = default
+    if not isinstance(name, str) or name.lower() not in supported:
+        raise ValueError(
+            f"{section}.name: unsupported value {name!r}; supported: {', '.join(supported)}"
+        )
+    return name.lower()
+
+
+def _number(
+    cfg: Mapping[str, Any],
+    key: str,
+    section: str,
+    default: float,
+    *,
+    minimum: float | None = None,
+    positive: bool = False,
+) -> float:
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{section}.{key} must be a number, got {value!r}")
+    value = float(value)
+    if positive and not value > 0:
+        raise ValueError(f"{section}.{key} must be > 0, got {value}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{section}.{key} must be >= {minimum}, got {value}")
+    return value
+
+
+def _integer(
+    cfg: Mapping[str, Any], key: str, section: str, default: int | None, *, minimum: int = 0
+) -> int | None:
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{section}.{key} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{section}.{key} must be >= {minimum}, got {value}")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Builders.
+
+
+def build_optimizer(
+    params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]], cfg: Mapping[str, Any]
+) -> torch.optim.Optimizer:
+    """Build `adamw`, `adam` or `sgd` (case-insensitive) from the `optim.optimizer` mapping.
+
+    Keys: name, lr, weight_decay, betas, eps (Adam family), momentum, nesterov (SGD). A key left
+    null takes torch's default for that optimizer; keys the chosen optimizer does not use are
+    ignored.
+    """
+    section = "optim.optimizer"
+    cfg = _plain(cfg, section)
+    _check_keys(cfg, _OPTIMIZER_KEYS, section)
+    name = _name(cfg, OPTIMIZERS, section, default="adamw")
+    lr = _number(cfg, "lr", section, 1e-3, positive=True)
+
+    if name in ("adam", "adamw"):
+        betas = cfg.get("betas")
+        if betas is None:
+            betas = (0.9, 0.999)
+        if (
+            isinstance(betas, (str, bytes))
+            or not isinstance(betas, (list, tuple))
+            or len(betas) != 2
+            or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)
+        ):
+            raise ValueError(f"{section}.betas must be two numbers in [0, 1), got {betas!r}")
+        eps = _number(cfg, "eps", section, 1e-8, positive=True)
+        # torch's own defaults differ: AdamW decays by 0.01 unless told otherwise, Adam by 0.
+        decay = _number(cfg, "weight_decay", section, 0.01 if name == "adamw" else 0.0, minimum=0)
+        cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
+        return cls(params, lr=lr, betas=(float(betas[0]), float(betas[1])), eps=eps, weight_decay=decay)
+
+    momentum = _number(cfg, "momentum", section, 0.0, minimum=0)
+    nesterov = cfg.get("nesterov")
+    if nesterov is None:
+        nesterov = False
+    if not isinstance(nesterov, bool):
+        raise TypeError(f"{section}.nesterov must be true or false, got {nesterov!r}")
+    if nesterov and momentum == 0:
+        raise ValueError(f"{section}.nesterov: true needs {section}.momentum > 0")
+    decay = _number(cfg, "weight_decay", section, 0.0, minimum=0)
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=decay)
+
+
+def _total_steps(cfg: Mapping[str, Any], train_cfg: Mapping[str, Any], section: str) -> int:
+    t_max = _integer(cfg, "T_max", section, None, minimum=1)
+    if t_max is not None:
+        return t_max
+    if train_cfg.get("scheduler_step", "update") == "eval":
+        # max_steps counts optimizer updates; with per-eval stepping it would stretch the schedule.
+        raise ValueError(
+            f"{section}.T_max is null, which falls back to train.max_steps (optimizer updates), "
+            "but train.scheduler_step is 'eval'; set T_max to the number of evaluations"
+        )
+    max_steps = train_cfg.get("max_steps")
+    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
+        raise ValueError(
+            f"{section}.T_max is null, so train.max_steps must be an int >= 1, got {max_steps!r}"
+        )
+    return max_steps
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: Mapping[str, Any] | None, train_cfg: Mapping[str, Any]
+) -> torch.optim.lr_scheduler.LRScheduler | torch.optim.lr_scheduler.ReduceLROnPlateau | None:
+    """Build the scheduler named by `optim.scheduler.name`, or return None for `none`/null.
+
+    - `cosine`: cosine from each group's LR to `eta_min` over `T_max` steps.
+    - `cosine_warmup`: linear warmup over `warmup_steps`, then cosine to `eta_min` at `T_max`.
+    - `step`: multiply by `gamma` every `step_size` steps.
+    - `plateau`: `ReduceLROnPlateau(mode, factor, patience, min_lr=eta_min)`; its `monitor`
+      attribute names the metric the loop must pass to `step()` (default `eval_loss`).
+
+    `T_max: null` means `train.max_steps`. A "step" is one `scheduler.step()` call.
+    """
+    section = "optim.scheduler"
+    cfg = _plain(cfg, section)
+    train_cfg = _plain(train_cfg, "train")
+    _check_keys(cfg, _SCHEDULER_KEYS, section)
+    name = _name(cfg, SCHEDULERS, section, default="none")
+    if name == "none":
+        return None
+
+    eta_min = _number(cfg, "eta_min", section, 0.0, minimum=0)
+
+    if name == "plateau":
+        mode = cfg.get("mode") or "min"
+        if mode not in ("min", "max"):
+            raise ValueError(f"{section}.mode: unsupported value {mode!r}; supported: min, max")
+        factor = _number(cfg, "factor", section, 0.1, positive=True)
+        if factor >= 1.0:
+            raise ValueError(f"{section}.factor must be < 1, got {factor}")
+        patience = _integer(cfg, "patience", section, 10)
+        monitor = cfg.get("monitor") or "eval_loss"
+        if not isinstance(monitor, str):
+            raise TypeError(f"{section}.monitor must be a metric name, got {monitor!r}")
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
+            optimizer, mode=mode, factor=factor, patience=patience, min_lr=eta_min
+        )
+        scheduler.monitor = monitor  # type: ignore[attr-defined]
+        return scheduler
+
+    if name == "step":
+        step_size = _integer(cfg, "step_size", section, None, minimum=1)
+        if step_size is None:
+            raise ValueError(f"{section}.step_size is required for the 'step' scheduler")
+        gamma = _number(cfg, "gamma", section, 0.1, positive=True)
+        factories = [step_schedule(step_size, gamma) for _ in optimizer.param_groups]
+    else:
+        total = _total_steps(cfg, train_cfg, section)
+        warmup = _integer(cfg, "warmup_steps", section, 0) if name == "cosine_warmup" else 0
+        factories = []
+        for group in optimizer.param_groups:
+            # eta_min is an absolute LR; as a factor it depends on each group's base LR.
+            base = group.get("initial_lr", group["lr"])
+            final = eta_min / base if base > 0 else 0.0
+            if warmup:
+                factories.append(warmup_cosine_schedule(warmup, total, final))
+            else:
+                factories.append(cosine_schedule(total, final))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=factories)

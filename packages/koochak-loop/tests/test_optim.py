@@ -1,0 +1,174 @@
+import math
+
+import pytest
+import torch
+from koochak.loop.optim import (
+    build_optimizer,
+    build_scheduler,
+    cosine_schedule,
+    step_schedule,
+    warmup_cosine_schedule,
+)
+from omegaconf import OmegaConf
+
+
+def _params():
+    return torch.nn.Linear(3, 2).parameters()
+
+
+def _lrs(scheduler, optimizer, steps):
+    lrs = []
+    for _ in range(steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return lrs
+
+
+@pytest.mark.parametrize(
+    ("name", "cls"),
+    [("AdamW", torch.optim.AdamW), ("adam", torch.optim.Adam), ("SGD", torch.optim.SGD)],
+)
+def test_build_optimizer_names_are_case_insensitive(name, cls):
+    assert type(build_optimizer(_params(), {"name": name, "lr": 0.01})) is cls
+
+
+def test_build_optimizer_passes_every_key_from_an_omegaconf_section():
+    cfg = OmegaConf.create(
+        {"name": "adamw", "lr": 3e-4, "weight_decay": 0.05, "betas": [0.8, 0.95], "eps": 1e-6,
+         "momentum": None, "nesterov": None}
+    )
+    group = build_optimizer(_params(), cfg).param_groups[0]
+    assert (group["lr"], group["weight_decay"], group["betas"], group["eps"]) == (
+        3e-4, 0.05, (0.8, 0.95), 1e-6
+    )
+    sgd = build_optimizer(
+        _params(), {"name": "sgd", "lr": 0.1, "momentum": 0.9, "nesterov": True}
+    ).param_groups[0]
+    assert (sgd["momentum"], sgd["nesterov"], sgd["weight_decay"]) == (0.9, True, 0.0)
+
+
+def test_adamw_keeps_torch_default_decay_when_unset():
+    assert build_optimizer(_params(), {"name": "adamw"}).param_groups[0]["weight_decay"] == 0.01
+
+
+@pytest.mark.parametrize(
+    ("cfg", "message"),
+    [
+        ({"name": "lion"}, "optim.optimizer.name.*adamw, adam, sgd"),
+        ({"name": "adamw", "lrr": 1.0}, "unknown key.*'lrr'.*supported keys: name, lr"),
+        ({"name": "adamw", "lr": -1}, "optim.optimizer.lr must be > 0"),
+        ({"name": "adam", "betas": [0.9]}, "optim.optimizer.betas"),
+        ({"name": "sgd", "nesterov": True}, "momentum > 0"),
+        ({"name": "sgd", "lr": "fast"}, "optim.optimizer.lr must be a number"),
+    ],
+)
+def test_build_optimizer_errors_name_the_key(cfg, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        build_optimizer(_params(), cfg)
+
+
+def test_cosine_warmup_matches_the_hand_computed_formula():
+    base, eta_min, warmup, total = 0.1, 0.01, 4, 12
+    optimizer = torch.optim.SGD(_params(), lr=base)
+    scheduler = build_scheduler(
+        optimizer,
+        {"name": "cosine_warmup", "warmup_steps": warmup, "T_max": None, "eta_min": eta_min},
+        {"max_steps": total},
+    )
+    expected = []
+    for t in range(total + 3):
+        if t < warmup:
+            expected.append(base * (t + 1) / warmup)
+        else:
+            progress = min(t - warmup, total - warmup) / (total - warmup)
+            expected.append(eta_min + (base - eta_min) * (1 + math.cos(math.pi * progress)) / 2)
+    assert _lrs(scheduler, optimizer, total + 3) == pytest.approx(expected)
+
+
+def test_cosine_equals_torch_cosine_annealing_within_t_max():
+    optimizer = torch.optim.SGD(_params(), lr=0.5)
+    ours = build_scheduler(optimizer, {"name": "cosine", "T_max": 10, "eta_min": 0.05}, {})
+    reference_opt = torch.optim.SGD(_params(), lr=0.5)
+    reference = torch.optim.lr_scheduler.CosineAnnealingLR(reference_opt, T_max=10, eta_min=0.05)
+    assert _lrs(ours, optimizer, 11) == pytest.approx(_lrs(reference, reference_opt, 11))
+
+
+def test_step_schedule_and_per_group_eta_min():
+    optimizer = torch.optim.SGD(
+        [{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 1.0},
+         {"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.1}],
+        lr=1.0,
+    )
+    scheduler = build_scheduler(optimizer, {"name": "step", "step_size": 3, "gamma": 0.5}, {})
+    assert _lrs(scheduler, optimizer, 7) == pytest.approx([1, 1, 1, 0.5, 0.5, 0.5, 0.25])
+
+    optimizer = torch.optim.SGD(
+        [{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 1.0},
+         {"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.1}],
+        lr=1.0,
+    )
+    scheduler = build_scheduler(optimizer, {"name": "cosine", "eta_min": 0.01}, {"max_steps": 4})
+    for _ in range(6):
+        optimizer.step()
+        scheduler.step()
+    # Both groups end at the absolute eta_min, whatever their base LR.
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([0.01, 0.01])
+
+
+def test_schedule_factories_compose_like_their_parts():
+    warm = warmup_cosine_schedule(3, 10, 0.2)
+    cos = cosine_schedule(7, 0.2)
+    assert [warm(t) for t in range(3)] == pytest.approx([1 / 3, 2 / 3, 1.0])
+    assert [warm(t) for t in range(3, 12)] == pytest.approx([cos(t) for t in range(9)])
+    assert [step_schedule(2, 0.1)(t) for t in range(5)] == pytest.approx([1, 1, 0.1, 0.1, 0.01])
+
+
+def test_scheduler_state_dict_round_trips():
+    cfg = {"name": "cosine_warmup", "warmup_steps": 3, "T_max": 20, "eta_min": 0.0}
+    optimizer = torch.optim.AdamW(_params(), lr=0.01)
+    scheduler = build_scheduler(optimizer, cfg, {})
+    _lrs(scheduler, optimizer, 7)
+    saved_opt, saved_sched = optimizer.state_dict(), scheduler.state_dict()
+    continued = _lrs(scheduler, optimizer, 5)
+
+    optimizer2 = torch.optim.AdamW(_params(), lr=0.01)
+    scheduler2 = build_scheduler(optimizer2, cfg, {})
+    optimizer2.load_state_dict(saved_opt)
+    scheduler2.load_state_dict(saved_sched)
+    assert _lrs(scheduler2, optimizer2, 5) == pytest.approx(continued)
+
+
+def test_plateau_reduces_on_a_stalled_metric_and_names_its_monitor():
+    optimizer = torch.optim.SGD(_params(), lr=1.0)
+    scheduler = build_scheduler(
+        optimizer, {"name": "plateau", "factor": 0.5, "patience": 1, "mode": "min"}, {}
+    )
+    assert scheduler.monitor == "eval_loss"
+    for metric in [1.0, 1.0, 1.0]:
+        scheduler.step(metric)
+    assert optimizer.param_groups[0]["lr"] == 0.5
+
+
+def test_none_and_null_build_no_scheduler():
+    optimizer = torch.optim.SGD(_params(), lr=1.0)
+    assert build_scheduler(optimizer, {"name": "none"}, {}) is None
+    assert build_scheduler(optimizer, None, {}) is None
+
+
+@pytest.mark.parametrize(
+    ("cfg", "train", "message"),
+    [
+        ({"name": "linear"}, {}, "optim.scheduler.name.*none, cosine, step, plateau, cosine_warmup"),
+        ({"name": "cosine", "Tmax": 3}, {}, "unknown key.*'Tmax'"),
+        ({"name": "cosine"}, {}, "train.max_steps must be an int"),
+        ({"name": "cosine"}, {"max_steps": 10, "scheduler_step": "eval"}, "T_max is null"),
+        ({"name": "cosine_warmup", "warmup_steps": 10, "T_max": 10}, {}, "T_max.*> warmup_steps"),
+        ({"name": "step"}, {}, "step_size is required"),
+        ({"name": "plateau", "mode": "up"}, {}, "optim.scheduler.mode"),
+    ],
+)
+def test_build_scheduler_errors_name_the_key(cfg, train, message):
+    optimizer = torch.optim.SGD(_params(), lr=1.0)
+    with pytest.raises((ValueError, TypeError), match=message):
+        build_scheduler(optimizer, cfg, train)
