@@ -1,0 +1,329 @@
+"""The checkpoint dict: its fields, its bytes, and putting it back into a model.
+
+A checkpoint is a plain dict of named parts (documented in docs/formats.md, "Checkpoint dict").
+It is serialized with ``torch.save`` into memory and read back with
+``torch.load(weights_only=True)``, so loading an untrusted checkpoint cannot run code: the payload
+holds only tensors, containers and primitive values. Anything that is not (NumPy arrays inside RNG
+states) is encoded into that vocabulary here and decoded on the way back.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+CHECKPOINT_VERSION = 1
+# Numbered checkpoint names; group 1 is the number used for ordering and cursor checks.
+CHECKPOINT_PATTERN = r"step(\d{9})\.pt"
+LATEST_NAME = "latest.pt"
+
+# Why a checkpoint was written. Periodic ones resume at step + 1, the others at step.
+REASONS = ("periodic", "terminal", "evacuation", "gpu_health")
+
+_REQUIRED_KEYS = frozenset({"version", "step", "next_step", "model"})
+_KNOWN_KEYS = _REQUIRED_KEYS | frozenset(
+    {
+        "reason",
+        "optimizer",
+        "scheduler",
+        "scaler",
+        "ema",
+        "config",
+        "rng",
+        "rng_per_rank",
+        "world_size",
+        "wall_time",
+        "metrics",
+    }
+)
+
+_NDARRAY_TAG = "__koochak_ndarray__"
+
+
+def checkpoint_name(step: int) -> str:
+    """The file name of the numbered checkpoint for ``step``: ``step{N:09d}.pt``."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"checkpoint step must be a non-negative int, got {step!r}")
+    return f"step{step:09d}.pt"
+
+
+def step_of_name(name: str) -> int | None:
+    """The number in a numbered checkpoint name (last path segment), or None for other names."""
+    match = re.fullmatch(CHECKPOINT_PATTERN, name.rsplit("/", 1)[-1])
+    return int(match.group(1)) if match else None
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose weights a checkpoint stores: without DDP or torch.compile wrappers."""
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def build_checkpoint(
+    *,
+    step: int,
+    next_step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    scaler: Any = None,
+    config: Mapping[str, Any] | None = None,
+    rng: Mapping[str, Any] | None = None,
+    rng_per_rank: list[Any] | None = None,
+    world_size: int = 1,
+    wall_time: float | None = None,
+    metrics: Mapping[str, Any] | None = None,
+    ema: Mapping[str, Any] | None = None,
+    reason: str = "periodic",
+) -> dict[str, Any]:
+    """Assemble a checkpoint dict.
+
+    ``step``/``next_step`` are the resume cursor: a periodic checkpoint keeps the zero-based index of
+    the update it follows and resumes at ``step + 1``; terminal, evacuation and GPU-health
+    checkpoints record the number of completed updates and resume at that same number.
+    The tensors are the live ones (``state_dict`` shares storage); serialize at once if the values
+    must be frozen.
+    """
+    if reason not in REASONS:
+        raise ValueError(f"checkpoint reason must be one of {REASONS}, got {reason!r}")
+    expected_next = step + 1 if reason == "periodic" else step
+    if next_step != expected_next:
+        raise ValueError(
+            f"a {reason} checkpoint at step {step} must have next_step={expected_next}, "
+            f"got {next_step}"
+        )
+    return {
+        "version": CHECKPOINT_VERSION,
+        "step": int(step),
+        "next_step": int(next_step),
+        "reason": reason,
+        "model": unwrap_model(model).state_dict(),
+        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "scheduler": _state_dict_or_none(scheduler),
+        "scaler": _scaler_state(scaler),
+        "ema": dict(ema) if ema is not None else None,
+        "config": _plain(config) if config is not None else None,
+        "rng": dict(rng) if rng is not None else None,
+        "rng_per_rank": list(rng_per_rank) if rng_per_rank is not None else None,
+        "world_size": int(world_size),
+        "wall_time": float(wall_time) if wall_time is not None else None,
+        "metrics": {str(k): _scalar(v) for k, v in (metrics or {}).items()},
+    }
+
+
+def serialize_checkpoint(ckpt: Mapping[str, Any]) -> bytes:
+    """The checkpoint as ``torch.save`` bytes, with RNG states encoded for weights-only loading."""
+    check_checkpoint_format(ckpt, "checkpoint to save")
+    payload = dict(ckpt)
+    for key in ("rng", "rng_per_rank"):
+        if payload.get(key) is not None:
+            payload[key] = _encode(payload[key])
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    return buffer.getvalue()
+
+
+def deserialize_checkpoint(data: bytes | bytearray | memoryview, source: str) -> dict[str, Any]:
+    """Load checkpoint bytes onto the CPU with ``weights_only=True`` and check the format.
+
+    ``source`` names the file in errors. A payload that needs arbitrary unpickling (a code object,
+    a class) is refused with ValueError; so is a dict of an unknown version or with unknown keys.
+    """
+    try:
+        ckpt = torch.load(io.BytesIO(bytes(data)), map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, TypeError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(
+            f"{source}: not a loadable weights-only checkpoint ({first_line})"
+        ) from exc
+    check_checkpoint_format(ckpt, source)
+    for key in ("rng", "rng_per_rank"):
+        if ckpt.get(key) is not None:
+            ckpt[key] = _decode(ckpt[key])
+    return ckpt
+
+
+def check_checkpoint_format(ckpt: Any, source: str) -> None:
+    """Raise ValueError naming ``source`` and the field unless ``ckpt`` is a version-1 checkpoint."""
+    if not isinstance(ckpt, Mapping):
+        raise ValueError(f"{source}: a checkpoint must be a dict, got {type(ckpt).__name__}")
+    missing = sorted(_REQUIRED_KEYS - ckpt.keys())
+    if missing:
+        raise ValueError(f"{source}: checkpoint is missing field(s) {missing}")
+    if ckpt["version"] != CHECKPOINT_VERSION:
+        raise ValueError(
+            f"{source}: field 'version' is {ckpt['version']!r}; this Koochak reads version "
+            f"{CHECKPOINT_VERSION}"
+        )
+    unknown = sorted(str(k) for k in ckpt.keys() - _KNOWN_KEYS)
+    if unknown:
+        raise ValueError(f"{source}: unknown checkpoint field(s) {unknown}")
+    for key in ("step", "next_step"):
+        value = ckpt[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{source}: field '{key}' must be a non-negative int, got {value!r}")
+    reason = ckpt.get("reason", "periodic")
+    if reason not in REASONS:
+        raise ValueError(f"{source}: field 'reason' must be one of {REASONS}, got {reason!r}")
+
+
+def check_resume_cursor(ckpt: Mapping[str, Any], name: str) -> None:
+    """Raise ValueError unless the cursor agrees with the file name and the checkpoint's reason.
+
+    The number in ``step{N:09d}.pt`` must equal ``step``; ``next_step`` must be ``step + 1`` for a
+    periodic checkpoint and ``step`` for every terminal kind.
+    """
+    number = step_of_name(name)
+    if number is None:
+        raise ValueError(f"{name}: not a numbered checkpoint name (step{{N:09d}}.pt)")
+    step, next_step = ckpt["step"], ckpt["next_step"]
+    if step != number:
+        raise ValueError(f"{name}: field 'step' is {step} but the file name says {number}")
+    reason = ckpt.get("reason", "periodic")
+    expected = step + 1 if reason == "periodic" else step
+    if next_step != expected:
+        raise ValueError(
+            f"{name}: field 'next_step' is {next_step}; a {reason} checkpoint at step {step} "
+            f"resumes at {expected}"
+        )
+
+
+def match_state_dict_to_model(
+    model: torch.nn.Module, state_dict: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Add or strip the ``module.`` prefix so ``state_dict`` keys match ``model``'s own keys.
+
+    Checkpoints store unwrapped weights, but a state dict taken from a DDP-wrapped model by hand
+    carries ``module.``; this makes either kind load into either kind of model.
+    """
+    model_keys = list(model.state_dict().keys())
+    sd_keys = list(state_dict.keys())
+    prefix = "module."
+    model_prefixed = bool(model_keys) and all(k.startswith(prefix) for k in model_keys)
+    sd_prefixed = bool(sd_keys) and all(k.startswith(prefix) for k in sd_keys)
+    if model_prefixed and not sd_prefixed:
+        return {prefix + k: v for k, v in state_dict.items()}
+    if sd_prefixed and not model_prefixed:
+        return {k[len(prefix) :]: v for k, v in state_dict.items()}
+    return dict(state_dict)
+
+
+def restore_training_state(
+    ckpt: Mapping[str, Any],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    scaler: Any = None,
+) -> int:
+    """Load weights, optimizer, scheduler and scaler state from ``ckpt``; return ``next_step``.
+
+    The model may be wrapped (DDP, compile) or not; the optimizer moves its state onto the
+    parameters' devices itself. RNG is restored separately (``restore_rng``) right before the next
+    step, so nothing between here and there can consume it.
+    """
+    target = unwrap_model(model)
+    target.load_state_dict(match_state_dict_to_model(target, ckpt["model"]))
+    if optimizer is not None:
+        if ckpt.get("optimizer") is None:
+            raise ValueError("checkpoint has no 'optimizer' state but an optimizer was given")
+        optimizer.load_state_dict(ckpt["optimizer"])
+    if scheduler is not None and ckpt.get("scheduler") is not None:
+        scheduler.load_state_dict(ckpt["scheduler"])
+    if scaler is not None and ckpt.get("scaler") is not None and hasattr(scaler, "load_state_dict"):
+        scaler.load_state_dict(ckpt["scaler"])
+    return int(ckpt["next_step"])
+
+
+def rng_state_for_rank(ckpt: Mapping[str, Any], rank: int) -> Any | None:
+    """The RNG state this rank should restore, or None when the checkpoint holds none for it.
+
+    Checkpoints written under DDP keep every rank's state in ``rng_per_rank`` (gathered by rank
+    0); a single-process checkpoint keeps one in ``rng``, which belongs to rank 0.
+    """
+    per_rank = ckpt.get("rng_per_rank")
+    if per_rank is not None:
+        return per_rank[rank] if rank < len(per_rank) else None
+    return ckpt.get("rng") if rank == 0 else None
+
+
+def _state_dict_or_none(obj: Any) -> Any:
+    return obj.state_dict() if obj is not None and hasattr(obj, "state_dict") else None
+
+
+def _scaler_state(scaler: Any) -> Any:
+    if scaler is None or not hasattr(scaler, "state_dict"):
+        return None
+    if hasattr(scaler, "is_enabled") and not scaler.is_enabled():
+        return None
+    return scaler.state_dict()
+
+
+def _scalar(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().item()
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    try:
+        return float(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"checkpoint metric value must be a scalar, got {value!r}") from exc
+
+
+def _plain(value: Any) -> Any:
+    """Config as plain containers (weights-only loadable); OmegaConf nodes are resolved first."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+
+        if isinstance(value, (DictConfig, ListConfig)):
+            value = OmegaConf.to_container(value, resolve=True)
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        pass
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    return str(value)
+
+
+def _encode(value: Any) -> Any:
+    """NumPy arrays become tagged tuples of bytes; everything else is walked as is."""
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        np = None
+    if np is not None and isinstance(value, np.ndarray):
+        return (_NDARRAY_TAG, value.dtype.str, list(value.shape), value.tobytes())
+    if isinstance(value, Mapping):
+        return {k: _encode(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_encode(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_encode(v) for v in value)
+    return value
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, tuple) and len(value) == 4 and value[0] == _NDARRAY_TAG:
+        import numpy as np
+
+        _, dtype, shape, raw = value
+        return np.frombuffer(raw, dtype=np.dtype(dtype)).reshape(shape).copy()
+    if isinstance(value, Mapping):
+        return {k: _decode(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_decode(v) for v in value)
+    return value

@@ -1,0 +1,132 @@
+"""DDP setup for the loop: process group, device pinning, wrapping, explicit sharding, RNG gather.
+
+``train.ddp: true`` initializes the default process group when none exists (gloo on CPU, NCCL on
+CUDA; an existing group is respected), pins the CUDA device from LOCAL_RANK, and wraps the model in
+DistributedDataParallel. Sharding is never implicit: ``train.shard_dataset`` (and
+``shard_eval_dataset``) opt in, and rank 0 warns when DDP runs unsharded unless
+``train.warn_unsharded: false``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from koochak.loop import dist
+
+
+@dataclass(frozen=True)
+class DdpSetup:
+    """What ``setup_ddp`` decided: this process's place and whether it created the group."""
+
+    enabled: bool
+    rank: int
+    world_size: int
+    local_rank: int
+    created_group: bool
+    device: torch.device
+
+
+def setup_ddp(train_cfg: Mapping[str, Any], device: torch.device) -> DdpSetup:
+    """Initialize the process group if ``train.ddp`` asks for it; returns where this rank runs.
+
+    On CUDA, a device without an index (``cuda``) becomes ``cuda:<LOCAL_RANK>`` and is made the
+    current device, so NCCL collectives and ``.cuda()`` calls land on this rank's GPU.
+    """
+    if not train_cfg.get("ddp", False):
+        return DdpSetup(False, dist.get_rank(), dist.get_world_size(), 0, False, device)
+    local_rank = dist.get_local_rank()
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    created = dist.init_process_group(backend=backend)
+    return DdpSetup(True, dist.get_rank(), dist.get_world_size(), local_rank, created, device)
+
+
+def wrap_model(
+    model: torch.nn.Module, setup: DdpSetup, train_cfg: Mapping[str, Any]
+) -> torch.nn.Module:
+    """Wrap in DistributedDataParallel (``train.find_unused_parameters`` passed through)."""
+    if not setup.enabled:
+        return model
+    kwargs: dict[str, Any] = {
+        "find_unused_parameters": bool(train_cfg.get("find_unused_parameters", False))
+    }
+    if setup.device.type == "cuda":
+        kwargs["device_ids"] = [setup.device.index]
+        kwargs["output_device"] = setup.device.index
+    return torch.nn.parallel.DistributedDataParallel(model, **kwargs)
+
+
+def shard_datasets(
+    dataset: Iterable[Any],
+    eval_dataset: Iterable[Any] | None,
+    train_cfg: Mapping[str, Any],
+    setup: DdpSetup,
+) -> tuple[Iterable[Any], Iterable[Any] | None]:
+    """Apply the opt-in sharding; rank 0 warns about whatever DDP runs unsharded."""
+    if not setup.enabled or setup.world_size == 1:
+        return dataset, eval_dataset
+    unsharded: list[str] = []
+    if train_cfg.get("shard_dataset", False):
+        dataset = _shard(dataset, train_cfg.get("shard_dataset_mode") or "iterable", setup)
+    else:
+        unsharded.append("train.shard_dataset")
+    if eval_dataset is not None:
+        if train_cfg.get("shard_eval_dataset", False):
+            mode = train_cfg.get("shard_eval_dataset_mode") or "iterable"
+            eval_dataset = _shard(eval_dataset, mode, setup)
+        else:
+            unsharded.append("train.shard_eval_dataset")
+    if unsharded and setup.rank == 0 and train_cfg.get("warn_unsharded", True):
+        warnings.warn(
+            f"DDP with {setup.world_size} ranks but {' and '.join(unsharded)} is false: every "
+            "rank sees the same data unless your dataset shards itself. Set it to true, or "
+            "train.warn_unsharded: false to silence this.",
+            stacklevel=2,
+        )
+    return dataset, eval_dataset
+
+
+def gather_rng_states(state: Any) -> list[Any] | None:
+    """Every rank's RNG state on rank 0 (rank order), None on the others.
+
+    All ranks must call this at the same point; it is how a DDP checkpoint written by rank 0 can
+    put each rank's randomness back on resume.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [state]
+    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    torch.distributed.gather_object(state, gathered, dst=0)
+    return gathered
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank if ``flag`` is true on any (one all-reduce MAX)."""
+    if not dist.is_initialized():
+        return flag
+    tensor = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    return bool(tensor.item())
+
+
+def broadcast_object(value: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``value`` on every rank (identity without a process group)."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def _shard(dataset: Iterable[Any], mode: str, setup: DdpSetup) -> Iterable[Any]:
+    from koochak.loop import sharding
+
+    if mode not in ("iterable", "map"):
+        raise ValueError(f"train.shard_dataset_mode: expected iterable|map, got {mode!r}")
+    return sharding.shard_dataset(dataset, mode=mode, rank=setup.rank, world_size=setup.world_size)

@@ -1,0 +1,100 @@
+"""Publishing checkpoints through the checkpoint store.
+
+Every save goes through ``koochak.storage.artifact.publish``: the numbered object is written
+create-only and synced, then ``<name>.ready.json`` commits it; pruning keeps the last k pairs,
+manifest first. A checkpoint without its manifest does not exist as far as resume is concerned.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from collections.abc import Mapping
+from typing import Any
+
+from koochak.loop.checkpoint_format import (
+    CHECKPOINT_PATTERN,
+    LATEST_NAME,
+    checkpoint_name,
+    serialize_checkpoint,
+)
+from koochak.storage import artifact
+from koochak.storage.store import Store, open_store
+
+
+def checkpoint_store(location: str | os.PathLike[str] | Store) -> Store:
+    """The Store behind a checkpoint location: a directory, a ``scheme://`` URI, or a Store.
+
+    A plain directory is created if missing, so a first run needs no preparation; URIs resolve
+    through ``open_store`` (register_store, entry points, the stores file).
+    """
+    if isinstance(location, (str, os.PathLike)):
+        text = os.fspath(location)
+        if not text:
+            raise ValueError("checkpoint location is empty; expected a directory or scheme:// URI")
+        if "://" not in text:
+            pathlib.Path(text).mkdir(parents=True, exist_ok=True)
+        elif text.startswith("file://"):
+            pathlib.Path(text[len("file://") :]).mkdir(parents=True, exist_ok=True)
+    return open_store(location)
+
+
+def publish_checkpoint(
+    store: Store,
+    name: str,
+    data: bytes,
+    *,
+    keep_last_k: int | None = None,
+    provenance: Mapping[str, Any] | None = None,
+) -> artifact.Publication:
+    """Publish serialized checkpoint bytes under ``name`` and prune to the last ``keep_last_k``."""
+    if keep_last_k is not None and keep_last_k < 1:
+        raise ValueError(f"train.keep_last_k must be null or >= 1, got {keep_last_k}")
+    return artifact.publish(
+        store,
+        name,
+        data,
+        kind="checkpoint",
+        keep_last_k=keep_last_k,
+        pattern=CHECKPOINT_PATTERN,
+        latest=LATEST_NAME,
+        provenance=dict(provenance) if provenance is not None else None,
+    )
+
+
+def save(
+    ckpt: Mapping[str, Any],
+    path_or_location: str | os.PathLike[str] | Store,
+    keep_last_k: int | None = None,
+) -> artifact.Publication:
+    """Serialize ``ckpt`` and publish it; returns the Publication once its manifest has committed.
+
+    ``path_or_location`` is either a file path ending in ``.pt`` (published under that name in its
+    directory) or a checkpoint location (directory, URI, Store), where the name is
+    ``checkpoint_name(ckpt["step"])``.
+    """
+    store, name = split_checkpoint_path(path_or_location, ckpt)
+    return publish_checkpoint(store, name, serialize_checkpoint(ckpt), keep_last_k=keep_last_k)
+
+
+def split_checkpoint_path(
+    path_or_location: str | os.PathLike[str] | Store, ckpt: Mapping[str, Any] | None = None
+) -> tuple[Store, str]:
+    """(store, name) for a ``.pt`` file path, or for a location plus the checkpoint's step."""
+    if isinstance(path_or_location, (str, os.PathLike)):
+        text = os.fspath(path_or_location).rstrip("/")
+        if text.endswith(".pt") and not os.path.isdir(text):
+            parent, _, name = text.rpartition("/")
+            return checkpoint_store(parent or "."), name
+    if ckpt is None:
+        raise ValueError(
+            f"{path_or_location!s}: expected a checkpoint file path ending in .pt"
+        )
+    return checkpoint_store(path_or_location), checkpoint_name(int(ckpt["step"]))
+
+
+def publication_path(store: Store, publication: artifact.Publication) -> str:
+    """A human-usable path: the local file when the store has one, else ``location/key``."""
+    if publication.path:
+        return publication.path
+    return f"{store.location.rstrip('/')}/{publication.key}"

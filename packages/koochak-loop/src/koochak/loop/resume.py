@@ -1,0 +1,136 @@
+"""Choosing and reading checkpoints: load, latest, best, highest valid, auto-resume.
+
+Resume evidence is only a numbered checkpoint whose exact ready manifest, size, SHA256 and resume
+cursor validate, all checked on ONE read of the payload: the bytes that were verified are the bytes
+that get loaded. ``latest.pt`` and unmanifested files never count. An invalid candidate is skipped
+with a logged reason; any other I/O error (EIO on the newest) propagates, because silently rolling
+a run back to an older checkpoint would waste the work since.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from koochak.loop.checkpoint_format import (
+    CHECKPOINT_PATTERN,
+    LATEST_NAME,
+    check_resume_cursor,
+    deserialize_checkpoint,
+)
+from koochak.loop.publish import checkpoint_store, publication_path
+from koochak.storage import artifact
+from koochak.storage.store import Store, open_store
+
+log = logging.getLogger("koochak.loop.checkpoint")
+
+
+def load(path: str | os.PathLike[str], name: str | None = None) -> dict[str, Any]:
+    """Load a checkpoint onto the CPU (weights-only; no code runs).
+
+    ``path`` is a checkpoint file (local path or ``scheme://.../step000000100.pt``), or, with
+    ``name``, a location (directory, URI, Store) holding the object ``name``. This does not require
+    a ready manifest; use ``resolve_auto_resume`` for resume decisions.
+    """
+    if name is not None:
+        store = open_store(path)
+        return deserialize_checkpoint(store.get(name), f"{store.location}/{name}")
+    text = os.fspath(path)
+    if "://" in text and not text.startswith("file://"):
+        parent, _, key = text.rstrip("/").rpartition("/")
+        store = open_store(parent)
+        return deserialize_checkpoint(store.get(key), text)
+    if text.startswith("file://"):
+        text = text[len("file://") :]
+    with open(text, "rb") as f:
+        return deserialize_checkpoint(f.read(), text)
+
+
+def latest(location: str | os.PathLike[str] | Store) -> str | None:
+    """``latest.pt`` if the location has one, else the highest published numbered checkpoint.
+
+    A convenience for people; resume uses ``highest_valid_published``.
+    """
+    store = checkpoint_store(location)
+    local = store.local_path(LATEST_NAME)
+    if local is not None and os.path.lexists(local) and os.path.exists(local):
+        return local
+    candidates = artifact.published_candidates(store, CHECKPOINT_PATTERN)
+    if not candidates:
+        return None
+    return _key_path(store, candidates[0][1])
+
+
+def best(location: str | os.PathLike[str] | Store, key: str) -> str | None:
+    """The published checkpoint with the lowest ``metrics[key]`` (verified reads); None if none.
+
+    Checkpoints that fail verification, or lack the metric, are skipped with a logged reason.
+    """
+    store = checkpoint_store(location)
+    best_value: float | None = None
+    best_path: str | None = None
+    for _, name in artifact.published_candidates(store, CHECKPOINT_PATTERN):
+        try:
+            publication, data = artifact.read_verified(store, name)
+            ckpt = deserialize_checkpoint(data, _key_path(store, name))
+        except (artifact.InvalidArtifact, ValueError) as exc:
+            log.warning("best(): skipping %s: %s", name, exc)
+            continue
+        value = (ckpt.get("metrics") or {}).get(key)
+        if value is None:
+            log.info("best(): %s has no metric %r", name, key)
+            continue
+        if best_value is None or float(value) < best_value:
+            best_value = float(value)
+            best_path = publication_path(store, publication)
+    return best_path
+
+
+def highest_valid_published(location: str | os.PathLike[str] | Store) -> str | None:
+    """Path of the highest numbered checkpoint whose manifest, size, SHA256 and cursor validate."""
+    found = resolve_auto_resume(location)
+    return found[0] if found is not None else None
+
+
+def resolve_auto_resume(
+    location: str | os.PathLike[str] | Store,
+) -> tuple[str, dict[str, Any]] | None:
+    """``(path, checkpoint)`` of the highest valid published checkpoint, or None to start fresh.
+
+    The checkpoint comes from the same single read whose manifest, size, SHA256 and resume cursor
+    were validated. Invalid candidates are skipped (reason logged); any other OSError propagates.
+    """
+    store = checkpoint_store(location)
+    found = artifact.highest_valid(store, CHECKPOINT_PATTERN, check=_validated_checkpoint(store))
+    if found is None:
+        return None
+    publication, ckpt = found
+    return publication_path(store, publication), ckpt
+
+
+def _validated_checkpoint(store: Store):
+    def check(publication: artifact.Publication, data: bytes) -> dict[str, Any]:
+        source = _key_path(store, publication.key)
+        try:
+            ckpt = deserialize_checkpoint(data, source)
+            check_resume_cursor(ckpt, publication.key)
+        except ValueError as exc:
+            raise artifact.InvalidArtifact(str(exc)) from exc
+        return ckpt
+
+    return check
+
+
+def _key_path(store: Store, key: str) -> str:
+    local = store.local_path(key)
+    return local if local is not None else f"{store.location.rstrip('/')}/{key}"
+
+
+def checkpoint_summary(ckpt: Mapping[str, Any]) -> str:
+    """One line for logs: step, next_step, reason."""
+    return (
+        f"step={ckpt.get('step')} next_step={ckpt.get('next_step')} "
+        f"reason={ckpt.get('reason', 'periodic')}"
+    )
