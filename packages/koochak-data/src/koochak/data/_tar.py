@@ -1,0 +1,298 @@
+"""Deterministic WebDataset-layout tar encoding and a strict tar reader over a byte buffer.
+
+A sample ``{"__key__": "a/b", "jpg": ..., "cls": ...}`` becomes the members ``a/b.cls`` and
+``a/b.jpg`` (fields in sorted order), each a POSIX ustar regular file with fixed mode, owner and
+mtime, so the same samples always give byte-identical shards. We write the headers ourselves
+rather than through :mod:`tarfile`: the bytes are then fixed by this file alone, not by the
+defaults of whichever Python version built the dataset.
+
+The reader parses an in-memory shard (the caller has already read and verified its bytes) and
+returns byte ranges; it accepts what common writers produce (ustar and GNU headers, pax and GNU
+long names, directory entries) and refuses anything a dataset shard must not contain (links,
+devices, unsafe paths, duplicate members, data after the end of the archive) with a ValueError.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+BLOCK = 512
+END_OF_ARCHIVE = bytes(2 * BLOCK)
+
+# Fixed header fields: every member looks the same apart from its name and size.
+_MODE = b"0000644\x00"
+_ZERO_ID = b"0000000\x00"
+_MTIME = b"%011o\x00" % 0
+_MAX_SIZE = 8**11 - 1  # the largest size an 11-digit octal field holds (8 GiB - 1)
+
+# WebDataset splits a member name into key and extension at the first dot of the last path
+# segment (``base_plus_ext``), and lower-cases the extension. Keys and field names are
+# restricted so that every sample we write splits back into exactly what was written.
+_FIELD_RE = re.compile(r"[a-z0-9_][a-z0-9_.\-]*")
+_MEMBER_RE = re.compile(r"^((?:.*/|)[^./][^./]*)\.([^/]+)$", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class SampleSpan:
+    """One sample found in a shard: its key and the byte range of every field."""
+
+    key: str
+    fields: tuple[tuple[str, int, int], ...]  # (extension, start, end) into the shard buffer
+
+
+def check_path(path: str, what: str) -> None:
+    """Raise ValueError unless ``path`` is a plain relative path (no ``..``, ``.``, or ``//``)."""
+    if not path:
+        raise ValueError(f"{what} must be a non-empty relative path, got {path!r}")
+    if "\x00" in path or "\\" in path:
+        raise ValueError(f"{what} must not contain NUL or backslash, got {path!r}")
+    if path.startswith("/"):
+        raise ValueError(f"{what} must be relative, got absolute {path!r}")
+    for segment in path.split("/"):
+        if segment in ("", ".", ".."):
+            raise ValueError(f"{what} must not contain empty, '.' or '..' segments, got {path!r}")
+
+
+def check_sample_key(key: object) -> str:
+    if not isinstance(key, str):
+        raise ValueError(f"sample '__key__' must be a str, got {type(key).__name__}")
+    check_path(key, f"sample '__key__' {key!r}")
+    if "." in key.rsplit("/", 1)[-1]:
+        # A dot in the last segment would move the key/extension split when read back.
+        raise ValueError(
+            f"sample '__key__' {key!r}: the last path segment must not contain '.', "
+            "because WebDataset splits keys from extensions at the first dot"
+        )
+    return key
+
+
+def encode_sample(sample: Mapping[str, object]) -> list[bytes]:
+    """Return the tar blocks of one sample (headers, data, padding) as a list of chunks."""
+    if not isinstance(sample, Mapping):
+        raise ValueError(f"a sample must be a mapping of field -> bytes, got {type(sample).__name__}")
+    if "__key__" not in sample:
+        raise ValueError("sample has no '__key__' field")
+    key = check_sample_key(sample["__key__"])
+    fields = sorted(name for name in sample if name != "__key__")
+    if not fields:
+        raise ValueError(f"sample {key!r} has no data fields besides '__key__'")
+    chunks: list[bytes] = []
+    for field in fields:
+        if not isinstance(field, str) or not _FIELD_RE.fullmatch(field) or field.startswith("__"):
+            raise ValueError(
+                f"sample {key!r}: field name {field!r} must be a lower-case extension such as "
+                "'jpg' or 'seg.png' ([a-z0-9_.-], not starting with '__' or '.')"
+            )
+        if field.endswith("."):
+            raise ValueError(f"sample {key!r}: field name {field!r} must not end with '.'")
+        value = sample[field]
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            raise ValueError(
+                f"sample {key!r}: field {field!r} must be bytes, got {type(value).__name__} "
+                "(encode it first, e.g. str.encode())"
+            )
+        data = bytes(value)
+        chunks.append(member_header(f"{key}.{field}", len(data)))
+        chunks.append(data)
+        if len(data) % BLOCK:
+            chunks.append(bytes(BLOCK - len(data) % BLOCK))
+    return chunks
+
+
+def member_header(name: str, size: int) -> bytes:
+    """A deterministic ustar header for a regular file ``name`` of ``size`` bytes."""
+    raw = name.encode("utf-8")
+    prefix = b""
+    if len(raw) > 100:
+        # ustar stores long names as prefix + "/" + name: split at a slash where both parts fit.
+        cuts = [i for i in range(1, min(len(raw) - 1, 156)) if raw[i] == 0x2F and len(raw) - i - 1 <= 100]
+        if not cuts:
+            raise ValueError(
+                f"tar member name {name!r} is too long for a ustar header "
+                "(at most 155 bytes before and 100 bytes after a '/' split)"
+            )
+        prefix, raw = raw[: cuts[0]], raw[cuts[0] + 1 :]
+    if size > _MAX_SIZE:
+        raise ValueError(f"tar member {name!r} is {size} bytes; a shard field holds at most {_MAX_SIZE}")
+    header = bytearray(BLOCK)
+    header[0:100] = raw.ljust(100, b"\x00")
+    header[100:108] = _MODE
+    header[108:116] = _ZERO_ID
+    header[116:124] = _ZERO_ID
+    header[124:136] = b"%011o\x00" % size
+    header[136:148] = _MTIME
+    header[148:156] = b" " * 8
+    header[156:157] = b"0"
+    header[257:263] = b"ustar\x00"
+    header[263:265] = b"00"
+    header[329:337] = _ZERO_ID
+    header[337:345] = _ZERO_ID
+    header[345:500] = prefix.ljust(155, b"\x00")
+    header[148:156] = b"%06o\x00 " % sum(header)
+    return bytes(header)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+def _field_str(raw: bytes) -> bytes:
+    end = raw.find(b"\x00")
+    return raw if end < 0 else raw[:end]
+
+
+def _octal(raw: bytes, what: str, where: str) -> int:
+    if raw[:1] == b"\x80":
+        # GNU base-256 (big-endian) for values that do not fit in octal.
+        return int.from_bytes(raw[1:], "big")
+    text = _field_str(raw).strip(b" ")
+    if not text:
+        return 0
+    if not re.fullmatch(rb"[0-7]+", text):
+        raise ValueError(f"{where}: header field {what} is not an octal number: {bytes(raw)!r}")
+    return int(text, 8)
+
+
+def _parse_pax(data: bytes, where: str) -> dict[str, str]:
+    records: dict[str, str] = {}
+    pos = 0
+    while pos < len(data):
+        space = data.find(b" ", pos)
+        if space < 0 or not data[pos:space].isdigit():
+            raise ValueError(f"{where}: malformed pax header record at byte {pos}")
+        length = int(data[pos:space])
+        record = data[space + 1 : pos + length]
+        if length <= space - pos or pos + length > len(data) or not record.endswith(b"\n"):
+            raise ValueError(f"{where}: malformed pax header record at byte {pos}")
+        name, eq, value = record[:-1].partition(b"=")
+        if not eq:
+            raise ValueError(f"{where}: pax header record without '=' at byte {pos}")
+        try:
+            records[name.decode("utf-8")] = value.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{where}: pax header record is not UTF-8 at byte {pos}") from exc
+        pos += length
+    return records
+
+
+def _decode_name(raw: bytes, where: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{where}: member name {raw!r} is not UTF-8") from exc
+
+
+def parse_members(buf: bytes | bytearray | memoryview, source: str) -> list[tuple[str, int, int]]:
+    """Every regular-file member of a tar archive held in ``buf``: (name, start, end).
+
+    Raises ValueError (naming ``source`` and the member) for anything malformed or unsafe.
+    """
+    view = memoryview(buf).cast("B")
+    total = len(view)
+    members: list[tuple[str, int, int]] = []
+    pos = 0
+    long_name: str | None = None
+    pax: dict[str, str] = {}
+    while True:
+        if pos + BLOCK > total:
+            raise ValueError(
+                f"{source}: truncated tar archive: no end-of-archive marker (ends at byte {total})"
+            )
+        header = bytes(view[pos : pos + BLOCK])
+        where = f"{source}: tar header at byte {pos}"
+        if header == bytes(BLOCK):
+            # End of archive. Anything after it must be zero padding (tar record blocking).
+            if bytes(view[pos:]).strip(b"\x00"):
+                raise ValueError(f"{source}: non-zero data after the end-of-archive marker at byte {pos}")
+            if long_name is not None or pax:
+                raise ValueError(f"{where}: archive ends after a long-name/pax header")
+            return members
+        stored = _octal(header[148:156], "chksum", where)
+        computed = sum(header[:148]) + 8 * 32 + sum(header[156:])
+        # Some old writers summed signed bytes; accept either sum, as tar readers do.
+        signed = computed - 256 * sum(1 for b in header[:148] + header[156:] if b > 127)
+        if stored not in (computed, signed):
+            raise ValueError(f"{where}: header checksum mismatch (stored {stored}, computed {computed})")
+        magic = header[257:263]
+        if magic not in (b"ustar\x00", b"ustar "):
+            raise ValueError(f"{where}: not a ustar/GNU tar header (magic {magic!r})")
+        size = _octal(header[124:136], "size", where)
+        typeflag = header[156:157]
+        if typeflag in (b"0", b"\x00", b"7") and "size" in pax:
+            if not re.fullmatch(r"[0-9]+", pax["size"]):
+                raise ValueError(f"{where}: pax size {pax['size']!r} is not a number")
+            size = int(pax["size"])
+        start = pos + BLOCK
+        end = start + size
+        if end > total:
+            raise ValueError(
+                f"{where}: member data runs past the end of the archive "
+                f"({size} bytes from byte {start}, archive has {total})"
+            )
+        pos = start + -(-size // BLOCK) * BLOCK
+        if typeflag == b"x":
+            pax = _parse_pax(bytes(view[start:end]), where)
+            continue
+        if typeflag == b"g":
+            _parse_pax(bytes(view[start:end]), where)  # validated, but global headers carry no names we use
+            continue
+        if typeflag == b"L":
+            long_name = _decode_name(_field_str(bytes(view[start:end])), where)
+            continue
+        if typeflag == b"K":
+            continue  # GNU long link name: only meaningful for links, which are refused below
+        if long_name is not None:
+            name = long_name
+        elif "path" in pax:
+            name = pax["path"]
+        else:
+            name = _decode_name(_field_str(header[0:100]), where)
+            if magic == b"ustar\x00":
+                prefix = _field_str(header[345:500])
+                if prefix:
+                    name = _decode_name(prefix, where) + "/" + name
+        long_name = None
+        pax = {}
+        if typeflag == b"5":
+            continue  # directory entries carry no sample data
+        if typeflag not in (b"0", b"\x00", b"7"):
+            kind = {b"1": "hard link", b"2": "symbolic link", b"3": "character device",
+                    b"4": "block device", b"6": "FIFO"}.get(typeflag, f"type {typeflag!r}")
+            raise ValueError(f"{source}: tar member {name!r} is a {kind}; shards hold regular files only")
+        check_path(name, f"{source}: tar member name")
+        members.append((name, start, end))
+
+
+def group_samples(members: list[tuple[str, int, int]], source: str) -> list[SampleSpan]:
+    """Group consecutive members sharing a key into samples, WebDataset style.
+
+    A key that reappears after another key, or an extension repeated within one sample, is a
+    ValueError: WebDataset readers would silently split or overwrite such samples.
+    """
+    samples: list[SampleSpan] = []
+    seen: set[str] = set()
+    current_key: str | None = None
+    fields: list[tuple[str, int, int]] = []
+    for name, start, end in members:
+        match = _MEMBER_RE.match(name)
+        if match is None:
+            raise ValueError(
+                f"{source}: tar member {name!r} has no '<key>.<extension>' name, "
+                "so it belongs to no sample"
+            )
+        key, ext = match.group(1), match.group(2).lower()
+        if key != current_key:
+            if current_key is not None:
+                samples.append(SampleSpan(current_key, tuple(fields)))
+            if key in seen:
+                raise ValueError(f"{source}: sample key {key!r} appears twice (members are not contiguous)")
+            seen.add(key)
+            current_key, fields = key, []
+        if any(existing == ext for existing, _, _ in fields):
+            raise ValueError(f"{source}: sample {key!r} has field {ext!r} twice")
+        fields.append((ext, start, end))
+    if current_key is not None:
+        samples.append(SampleSpan(current_key, tuple(fields)))
+    return samples

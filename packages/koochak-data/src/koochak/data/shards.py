@@ -1,0 +1,618 @@
+"""Immutable dataset shards: ShardWriter, the strict ``index.json``, verified reads.
+
+A dataset is a directory (store prefix) of tar shards in the WebDataset layout plus an
+``index.json`` listing every shard's key, size, SHA256 and record count. The index is written
+last and create-only, so a dataset exists exactly when its index does; the SHA256 of the index
+bytes is the dataset version. See docs/formats.md, "Dataset shards and index.json".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+from koochak.data import _tar
+from koochak.data.planning import assign_shards, worker_coordinates
+from koochak.storage.profile import parse_size
+from koochak.storage.store import Store, open_store, validate_key
+
+__all__ = [
+    "INDEX_KIND",
+    "INDEX_NAME",
+    "INDEX_VERSION",
+    "ShardEntry",
+    "ShardIndex",
+    "ShardWriter",
+    "describe_shard",
+    "iter_worker_samples",
+    "load_index",
+    "parse_index",
+    "read_shard",
+    "write_index",
+]
+
+log = logging.getLogger(__name__)
+
+INDEX_NAME = "index.json"
+INDEX_KIND = "koochak.shards"
+INDEX_VERSION = 1
+FORMATS = ("tar",)
+DEFAULT_TARGET_BYTES = 256 << 20
+
+_INDEX_FIELDS = ("format", "kind", "metadata", "shards", "version")
+_SHARD_FIELDS = ("key", "records", "sha256", "size")
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+# Read shards in large pieces so the hashing thread gets big buffers and readinto bypasses the
+# file object's own buffer.
+_READ_CHUNK = 16 << 20
+
+Sample = dict[str, Any]  # {"__key__": str, "<ext>": bytes, ...}
+
+
+@dataclass(frozen=True)
+class ShardEntry:
+    """One shard as listed in a dataset's ``index.json``."""
+
+    key: str  # relative to the prefix holding index.json (describe_shard: the store key)
+    size: int  # bytes
+    sha256: str  # lower-case hex SHA256 of the whole shard
+    records: int  # samples in the shard
+
+
+@dataclass(frozen=True)
+class ShardIndex:
+    """A loaded, validated ``index.json``. ``version`` is the SHA256 of the index bytes."""
+
+    prefix: str  # store prefix holding index.json and the shards ("" for the store root)
+    format: str
+    metadata: dict[str, Any] = field(compare=False)  # treat as read-only
+    shards: tuple[ShardEntry, ...]
+    version: str
+
+    @property
+    def records(self) -> int:
+        return sum(shard.records for shard in self.shards)
+
+    @property
+    def size(self) -> int:
+        return sum(shard.size for shard in self.shards)
+
+    def key_of(self, shard: ShardEntry | str) -> str:
+        """The store key of ``shard`` (an entry of this index, or its relative key)."""
+        name = shard.key if isinstance(shard, ShardEntry) else shard
+        return _join(self.prefix, name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Keys and the index document
+
+
+def _clean_prefix(prefix: str) -> str:
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
+    prefix = prefix.strip("/") if prefix not in ("", "/") else ""
+    return validate_key(prefix) if prefix else ""
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}/{name}" if prefix else name
+
+
+def _index_bytes(format: str, metadata: Mapping[str, Any], entries: Iterable[ShardEntry]) -> bytes:
+    document = {
+        "kind": INDEX_KIND,
+        "version": INDEX_VERSION,
+        "format": format,
+        "metadata": dict(metadata),
+        "shards": [
+            {"key": e.key, "size": e.size, "sha256": e.sha256, "records": e.records} for e in entries
+        ],
+    }
+    # sort_keys and a fixed layout: the same dataset always gets the same bytes, hence version.
+    return (json.dumps(document, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
+
+
+def _reject_duplicate_fields(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for name, value in pairs:
+        if name in result:
+            raise ValueError(f"field {name!r} appears twice")
+        result[name] = value
+    return result
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _check_fields(obj: Mapping[str, Any], expected: tuple[str, ...], where: str) -> None:
+    unknown = sorted(set(obj) - set(expected))
+    if unknown:
+        raise ValueError(f"{where}: unknown field {unknown[0]!r} (expected {', '.join(expected)})")
+    missing = [name for name in expected if name not in obj]
+    if missing:
+        raise ValueError(f"{where}: missing field {missing[0]!r}")
+
+
+def _count(value: object, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{where} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def parse_index(data: bytes, *, source: str = INDEX_NAME, prefix: str = "") -> ShardIndex:
+    """Validate the bytes of an ``index.json`` and return the ShardIndex they describe.
+
+    Anything but exactly the documented format raises ValueError naming ``source`` and the
+    field: unknown or missing fields, another kind or version, unsafe or duplicate shard keys,
+    negative sizes or counts, malformed digests.
+    """
+    try:
+        text = bytes(data).decode("utf-8")
+        document = json.loads(
+            text, object_pairs_hook=_reject_duplicate_fields, parse_constant=_reject_constant
+        )
+    except RecursionError:
+        raise ValueError(f"{source}: JSON nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"{source}: not a valid JSON index: {exc}") from None
+    if not isinstance(document, dict):
+        raise ValueError(f"{source}: expected a JSON object, got {type(document).__name__}")
+    _check_fields(document, _INDEX_FIELDS, source)
+    if document["kind"] != INDEX_KIND:
+        raise ValueError(f"{source}: field 'kind' must be {INDEX_KIND!r}, got {document['kind']!r}")
+    version = document["version"]
+    if isinstance(version, bool) or version != INDEX_VERSION:
+        raise ValueError(
+            f"{source}: field 'version' is {version!r}; this koochak-data reads version {INDEX_VERSION}"
+        )
+    if document["format"] not in FORMATS:
+        raise ValueError(f"{source}: field 'format' must be one of {FORMATS}, got {document['format']!r}")
+    if not isinstance(document["metadata"], dict):
+        raise ValueError(f"{source}: field 'metadata' must be a JSON object")
+    shards = document["shards"]
+    if not isinstance(shards, list) or not shards:
+        raise ValueError(f"{source}: field 'shards' must be a non-empty list")
+    entries: list[ShardEntry] = []
+    seen: set[str] = set()
+    for i, item in enumerate(shards):
+        where = f"{source}: shards[{i}]"
+        if not isinstance(item, dict):
+            raise ValueError(f"{where} must be a JSON object")
+        _check_fields(item, _SHARD_FIELDS, where)
+        key = item["key"]
+        if not isinstance(key, str):
+            raise ValueError(f"{where}.key must be a string, got {key!r}")
+        try:
+            validate_key(key)
+        except ValueError as exc:
+            raise ValueError(f"{where}.key is not a safe relative key: {exc}") from None
+        if key == INDEX_NAME:
+            raise ValueError(f"{where}.key must not name the index itself")
+        if key in seen:
+            raise ValueError(f"{where}.key {key!r} is listed twice")
+        seen.add(key)
+        sha256 = item["sha256"]
+        if not isinstance(sha256, str) or not _SHA256_RE.fullmatch(sha256):
+            raise ValueError(f"{where}.sha256 must be 64 lower-case hex digits, got {sha256!r}")
+        entries.append(
+            ShardEntry(
+                key=key,
+                size=_count(item["size"], f"{where}.size"),
+                sha256=sha256,
+                records=_count(item["records"], f"{where}.records"),
+            )
+        )
+    return ShardIndex(
+        prefix=prefix,
+        format=document["format"],
+        metadata=document["metadata"],
+        shards=tuple(entries),
+        version=hashlib.sha256(data).hexdigest(),
+    )
+
+
+def load_index(store: Store | str, prefix: str = "") -> ShardIndex:
+    """Load and validate ``<prefix>/index.json`` from ``store`` (a Store or a location)."""
+    store = open_store(store)
+    prefix = _clean_prefix(prefix)
+    key = _join(prefix, INDEX_NAME)
+    data = store.get(key)
+    return parse_index(data, source=f"{store.location}/{key}", prefix=prefix)
+
+
+def _publish_index(
+    store: Store, prefix: str, format: str, metadata: Mapping[str, Any], entries: list[ShardEntry]
+) -> ShardIndex:
+    if not entries:
+        raise ValueError(f"{store.location}/{_join(prefix, INDEX_NAME)}: no shards; nothing committed")
+    data = _index_bytes(format, metadata, entries)
+    key = _join(prefix, INDEX_NAME)
+    source = f"{store.location}/{key}"
+    index = parse_index(data, source=source, prefix=prefix)  # never commit what we cannot read
+    try:
+        store.put(key, data, expected_size=len(data))
+    except FileExistsError:
+        existing = store.get(key)
+        if existing != data:
+            raise FileExistsError(
+                f"{source} already commits a different dataset (version "
+                f"{hashlib.sha256(existing).hexdigest()}, this build is {index.version}); "
+                "datasets are immutable: write to a new prefix"
+            ) from None
+        log.info("%s: already committed with identical content", source)
+    return index
+
+
+def _check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise ValueError(f"metadata must be a mapping, got {type(metadata).__name__}")
+    try:
+        # Round-trip now so a bad value fails before any shard is written.
+        return json.loads(json.dumps(dict(metadata), allow_nan=False, sort_keys=True))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"metadata must be JSON-serialisable: {exc}") from None
+
+
+def _check_format(format: str) -> str:
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    return format
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+class ShardWriter:
+    """Pack samples into ~``target_bytes`` tar shards under ``prefix``; ``close()`` commits.
+
+    Use as a context manager: a clean exit writes ``index.json`` (the commit point); an exception
+    leaves the shards written so far uncommitted (a rerun reuses them). Shards are published
+    create-only as ``shard-000000.tar``, ... An existing shard with identical bytes (same size
+    and SHA256) is reused; a different one raises FileExistsError.
+
+    A sample is ``{"__key__": "some/key", "<ext>": bytes, ...}``. Keys must be unique within a
+    shard (duplicates raise ValueError); make them unique across the dataset.
+    """
+
+    def __init__(
+        self,
+        store: Store | str,
+        prefix: str,
+        *,
+        target_bytes: int | str = DEFAULT_TARGET_BYTES,
+        format: str = "tar",
+        metadata: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.store = open_store(store)
+        self.prefix = _clean_prefix(prefix)
+        self.format = _check_format(format)
+        self.target_bytes = parse_size(target_bytes)
+        if self.target_bytes <= 0:
+            raise ValueError(f"target_bytes must be positive, got {target_bytes!r}")
+        self.metadata = _check_metadata(metadata)
+        self._entries: list[ShardEntry] = []
+        self._reused = 0
+        self._index: ShardIndex | None = None
+        self._closed = False
+        self._start_shard()
+
+    # The shard being filled: its chunks, running size and digest, and the keys it holds.
+    def _start_shard(self) -> None:
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self._digest = hashlib.sha256()
+        self._keys: set[str] = set()
+
+    @property
+    def shards_reused(self) -> int:
+        """Shards that already existed with identical bytes (a resumed build)."""
+        return self._reused
+
+    def write(self, sample: Mapping[str, Any]) -> None:
+        """Add one sample; may publish the current shard first if the sample would overflow it."""
+        if self._closed:
+            raise ValueError(f"ShardWriter for {self.store.location}/{self.prefix} is closed")
+        chunks = _tar.encode_sample(sample)
+        nbytes = sum(len(chunk) for chunk in chunks)
+        if self._keys and self._size + nbytes + len(_tar.END_OF_ARCHIVE) > self.target_bytes:
+            self._publish_shard()
+        key = sample["__key__"]
+        if key in self._keys:
+            raise ValueError(f"sample key {key!r} was already written to this shard")
+        self._keys.add(key)
+        for chunk in chunks:
+            self._digest.update(chunk)
+        self._chunks.extend(chunks)
+        self._size += nbytes
+
+    def _publish_shard(self) -> None:
+        self._chunks.append(_tar.END_OF_ARCHIVE)
+        self._digest.update(_tar.END_OF_ARCHIVE)
+        self._size += len(_tar.END_OF_ARCHIVE)
+        name = f"shard-{len(self._entries):06d}.{self.format}"
+        key = _join(self.prefix, name)
+        digest = self._digest.hexdigest()
+        try:
+            self.store.put(key, self._chunks, expected_size=self._size, expected_sha256=digest)
+        except FileExistsError:
+            self._check_existing(key, self._size, digest)
+            self._reused += 1
+        self._entries.append(ShardEntry(name, self._size, digest, len(self._keys)))
+        self._start_shard()
+
+    def _check_existing(self, key: str, size: int, digest: str) -> None:
+        where = f"{self.store.location}/{key}"
+        info = self.store.stat(key)
+        if info.size == size and _sha256_of(self.store, key) == digest:
+            log.info("%s: reusing identical shard from an earlier build", where)
+            return
+        raise FileExistsError(
+            f"{where} already exists with different content (size {info.size}; this build "
+            f"produced {size} bytes, sha256 {digest}); an earlier build with other records left "
+            "it: delete that prefix or write to a new one"
+        )
+
+    def close(self) -> ShardIndex:
+        """Publish the last shard, then ``index.json``; return the committed index."""
+        if self._index is not None:
+            return self._index
+        if self._closed:
+            raise ValueError(f"ShardWriter for {self.store.location}/{self.prefix} was aborted")
+        self._closed = True
+        if self._keys:
+            self._publish_shard()
+        self._index = _publish_index(
+            self.store, self.prefix, self.format, self.metadata, self._entries
+        )
+        return self._index
+
+    def abort(self) -> None:
+        """Stop without committing: published shards stay (a rerun reuses them), no index."""
+        self._closed = True
+        self._start_shard()
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def _sha256_of(store: Store, key: str) -> str:
+    digest = hashlib.sha256()
+    with store.open(key) as f:
+        while chunk := f.read(_READ_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_index(
+    store: Store | str,
+    prefix: str,
+    keys: Iterable[str],
+    *,
+    format: str = "tar",
+    metadata: Mapping[str, Any] | None = None,
+) -> ShardIndex:
+    """Index pre-existing shard files: describe each of ``keys`` (relative to ``prefix``) and
+    commit ``<prefix>/index.json`` create-only. Every shard is read in full once."""
+    store = open_store(store)
+    prefix = _clean_prefix(prefix)
+    _check_format(format)
+    meta = _check_metadata(metadata)
+    if isinstance(keys, str):
+        raise TypeError("keys must be an iterable of shard keys, not a single str")
+    entries: list[ShardEntry] = []
+    seen: set[str] = set()
+    for key in keys:
+        validate_key(key)
+        if key in seen:
+            raise ValueError(f"write_index: shard key {key!r} is listed twice")
+        if key == INDEX_NAME:
+            raise ValueError(f"write_index: {INDEX_NAME!r} cannot be a shard")
+        seen.add(key)
+        described = describe_shard(store, _join(prefix, key))
+        entries.append(ShardEntry(key, described.size, described.sha256, described.records))
+    return _publish_index(store, prefix, format, meta, entries)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+def describe_shard(store: Store | str, key: str) -> ShardEntry:
+    """Size, SHA256 and record count of the tar shard at store key ``key`` (read in full)."""
+    store = open_store(store)
+    data = store.get(key)
+    source = f"{store.location}/{key}"
+    spans = _tar.group_samples(_tar.parse_members(data, source), source)
+    return ShardEntry(key, len(data), hashlib.sha256(data).hexdigest(), len(spans))
+
+
+def read_shard(
+    store: Store | str, index: ShardIndex, shard: ShardEntry | str, *, verify: bool = True
+) -> Iterator[Sample]:
+    """Read one shard of ``index`` and return an iterator over its samples.
+
+    The whole shard is read and checked before this returns, so no sample of a bad shard is
+    ever handed out: its size must match the index, with ``verify`` its SHA256 too (computed in
+    a helper thread while the bytes arrive), and its tar structure and record count must match.
+    Any mismatch raises ValueError naming the shard and the field. Memory: about twice the
+    shard size while the samples are cut out. ``verify=False`` skips only the SHA256.
+    """
+    store = open_store(store)
+    entry = _entry_of(index, shard)
+    key = index.key_of(entry)
+    source = f"{store.location}/{key}"
+    buffer, hashed = _read_exactly(store, key, entry.size, source, verify)
+    # Cutting samples out overlaps with the last of the hashing; a corrupt shard is reported
+    # as a digest mismatch (the root cause) before any structural error it also causes.
+    parse_error: ValueError | None = None
+    try:
+        spans = _tar.group_samples(_tar.parse_members(buffer, source), source)
+        view = memoryview(buffer)
+        samples = [_sample(span, view) for span in spans]
+    except ValueError as exc:
+        parse_error = exc
+    digest = hashed.result() if hashed is not None else None
+    if digest is not None and digest != entry.sha256:
+        raise ValueError(
+            f"{source}: sha256 mismatch: index says {entry.sha256}, shard bytes hash to {digest}"
+        )
+    if parse_error is not None:
+        raise parse_error
+    if len(samples) != entry.records:
+        raise ValueError(
+            f"{source}: records mismatch: index says {entry.records}, shard holds {len(samples)}"
+        )
+    return iter(samples)
+
+
+def _entry_of(index: ShardIndex, shard: ShardEntry | str) -> ShardEntry:
+    name = shard.key if isinstance(shard, ShardEntry) else shard
+    for entry in index.shards:
+        if entry.key == name:
+            if isinstance(shard, ShardEntry) and shard != entry:
+                raise ValueError(f"shard {name!r} does not match its entry in the index")
+            return entry
+    raise ValueError(f"shard {name!r} is not listed in the index at {index.prefix or '.'!r}")
+
+
+def _sample(span: _tar.SampleSpan, view: memoryview) -> Sample:
+    sample: Sample = {"__key__": span.key}
+    for ext, start, end in span.fields:
+        sample[ext] = view[start:end].tobytes()
+    return sample
+
+
+def _read_exactly(
+    store: Store, key: str, size: int, source: str, verify: bool
+) -> tuple[bytearray, Future[str] | None]:
+    """Read exactly ``size`` bytes of ``key``; with ``verify``, also a future of their SHA256.
+
+    The digest is computed by one helper thread fed chunk by chunk (hashlib releases the GIL on
+    large buffers), so hashing overlaps with reading instead of following it.
+    """
+    buffer = bytearray(size)
+    view = memoryview(buffer)
+    digest = hashlib.sha256()
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="koochak-shard-hash") if verify else None
+    try:
+        with store.open(key) as f:
+            pos = 0
+            while pos < size:
+                got = f.readinto(view[pos : pos + _READ_CHUNK])
+                if not got:
+                    raise ValueError(f"{source}: size mismatch: index says {size} bytes, shard has {pos}")
+                if pool is not None:
+                    # One worker runs updates in submission order, so the digest is sequential.
+                    pool.submit(digest.update, view[pos : pos + got])
+                pos += got
+            extra = f.read(1)
+        if extra:
+            raise ValueError(f"{source}: size mismatch: index says {size} bytes, shard is longer")
+    except BaseException:
+        if pool is not None:
+            pool.shutdown(wait=True)
+        raise
+    if pool is None:
+        return buffer, None
+    final = pool.submit(digest.hexdigest)  # runs after every queued update
+    pool.shutdown(wait=False)  # the queued work still runs; the thread exits once it is done
+    return buffer, final
+
+
+# ---------------------------------------------------------------------------------------------
+# PyTorch adapter, built on first use so that importing koochak.data never imports torch.
+
+
+def iter_worker_samples(
+    store: Store | str,
+    index: ShardIndex,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    epoch: int = 0,
+    seed: int = 0,
+    verify: bool = True,
+) -> Iterator[Sample]:
+    """Samples of the shards this process's worker owns this epoch (see plan_shards)."""
+    store = open_store(store)
+    worker_id, num_workers = worker_coordinates(rank=rank, world_size=world_size)
+    for shard in assign_shards(index, worker_id, num_workers, epoch=epoch, seed=seed):
+        yield from read_shard(store, index, shard, verify=verify)
+
+
+def _make_shard_dataset() -> type:
+    from torch.utils.data import IterableDataset
+
+    class ShardDataset(IterableDataset):  # type: ignore[misc, type-arg]
+        """A ``torch.utils.data.IterableDataset`` over a committed shard dataset.
+
+        Build it in the main process with the DDP rank and world size; each DataLoader worker
+        then reads only the shards plan_shards deals it. Call ``set_epoch`` before each epoch.
+        """
+
+        def __init__(
+            self,
+            store: Store | str,
+            prefix: str = "",
+            *,
+            rank: int = 0,
+            world_size: int = 1,
+            epoch: int = 0,
+            seed: int = 0,
+            verify: bool = True,
+        ) -> None:
+            self.store = open_store(store)
+            self.index = load_index(self.store, prefix)
+            self.rank, self.world_size = rank, world_size
+            self.epoch, self.seed, self.verify = epoch, seed, verify
+            worker_coordinates(rank=rank, world_size=world_size)  # validate now, not in a worker
+
+        def set_epoch(self, epoch: int) -> None:
+            self.epoch = epoch
+
+        def __iter__(self) -> Iterator[Sample]:
+            return iter_worker_samples(
+                self.store,
+                self.index,
+                rank=self.rank,
+                world_size=self.world_size,
+                epoch=self.epoch,
+                seed=self.seed,
+                verify=self.verify,
+            )
+
+    ShardDataset.__module__ = __name__
+    ShardDataset.__qualname__ = "ShardDataset"
+    return ShardDataset
+
+
+def __getattr__(name: str) -> Any:
+    # ShardDataset subclasses torch's IterableDataset, so the class is built (and torch imported)
+    # only when someone asks for it. Cached in the module so pickling finds the same class.
+    if name == "ShardDataset":
+        cls = _make_shard_dataset()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
