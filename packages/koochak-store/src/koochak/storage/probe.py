@@ -1,0 +1,543 @@
+"""koochak-probe: what a filesystem or store guarantees, how fast it is, and how to configure it.
+
+``koochak-probe <path-or-uri>`` (also ``python -m koochak.storage.probe``) works in a scratch
+directory it creates under the location and removes afterwards, even on Ctrl-C:
+
+1. semantics, with plain ``os`` calls: exclusive create, rename, hard links, symlinks, fsync,
+   in-place writes, visibility of unclosed files, read-back delay -> recommended LocalStore
+   settings;
+2. measurements through the Store API: small-object latency, listing, cold and cached single
+   stream, concurrent objects, parallel ranges of one object -> a recommended StoreProfile;
+3. optionally a checkpoint-sized write in 1..N parts, and a synthetic sharded dataset read by
+   N spawned processes (that mode needs ``koochak-data``).
+
+Run it on a compute node, against the storage the jobs will use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from koochak.storage._probe_measure import (
+    CacheDropper,
+    Measurement,
+    human_size,
+    measure_checkpoint,
+    measure_reads,
+    measure_small_objects,
+    recommend_profile,
+)
+from koochak.storage._probe_semantics import Check, recommend_settings, run_checks
+from koochak.storage.profile import StoreProfile, parse_size
+from koochak.storage.store import LocalStore, Store, open_store
+
+__all__ = ["ProbeReport", "probe", "main", "REPORT_VERSION"]
+
+REPORT_VERSION = 1
+SCRATCH_PREFIX = "koochak-probe-"
+
+
+@dataclass(frozen=True)
+class ProbeReport:
+    """Everything one probe run found. ``to_json()`` is the ``--json`` document."""
+
+    location: str
+    scratch: str
+    checks: tuple[Check, ...]
+    settings: dict[str, object] | None  # recommended LocalStore keyword arguments
+    profile: StoreProfile | None
+    measurements: tuple[Measurement, ...]
+    cache_drop: str
+    notes: tuple[str, ...] = field(default=())
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "version": REPORT_VERSION,
+            "location": self.location,
+            "scratch": self.scratch,
+            "checks": [asdict(check) for check in self.checks],
+            "settings": self.settings,
+            "profile": asdict(self.profile) if self.profile is not None else None,
+            "measurements": [asdict(row) for row in self.measurements],
+            "cache_drop": self.cache_drop,
+            "notes": list(self.notes),
+        }
+
+
+def probe(
+    location: str | os.PathLike[str],
+    *,
+    read_bytes: int = 256 << 20,
+    streams: Sequence[int] = (1, 4, 16),
+    small_objects: int = 100,
+    checkpoint_bytes: int | None = None,
+    checkpoint_parts: Sequence[int] = (1, 8),
+    dataset_shards: int | None = None,
+    shard_bytes: int = 256 << 20,
+    readers: Sequence[int] = (1, 4, 16),
+    read_back_timeout: float = 10.0,
+    drop_caches: bool = True,
+    stage: Callable[[str], None] | None = None,
+) -> ProbeReport:
+    """Probe ``location`` (a directory, ``file://`` URI or any ``open_store`` URI).
+
+    Writes only under a new scratch directory/prefix named ``koochak-probe-<host>-<pid>-<hex>``
+    and removes it before returning, also when interrupted. Before cold reads the page cache of
+    the objects read is dropped with posix_fadvise; ``drop_caches=True`` also writes
+    /proc/sys/vm/drop_caches when that is allowed (root), which drops the whole node's cache.
+    """
+    _check_arguments(
+        read_bytes,
+        streams,
+        small_objects,
+        checkpoint_bytes,
+        checkpoint_parts,
+        dataset_shards,
+        shard_bytes,
+        readers,
+    )
+    dataset = _dataset_module() if dataset_shards else None  # fail before writing anything
+    say = stage or (lambda _message: None)
+    store, root = _resolve(location)
+    name = f"{SCRATCH_PREFIX}{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
+    scratch_dir = root / name if root is not None else None
+    if scratch_dir is not None:
+        try:
+            scratch_dir.mkdir()
+        except OSError as exc:
+            raise OSError(
+                exc.errno,
+                f"cannot create the probe's scratch directory: {exc.strerror}",
+                str(scratch_dir),
+            ) from None
+    notes: list[str] = []
+    work: Store | None = None
+    try:
+        checks: list[Check] = []
+        settings: dict[str, object] | None = None
+        if scratch_dir is not None:
+            say("checking filesystem semantics")
+            semantics = scratch_dir / "semantics"
+            semantics.mkdir()
+            checks = run_checks(semantics, read_back_timeout)
+            try:
+                settings = recommend_settings(checks)
+            except ValueError as exc:
+                notes.append(str(exc))
+        if store is None and settings is not None:
+            work = LocalStore(scratch_dir / "store", **settings)  # type: ignore[arg-type, operator]
+        elif isinstance(store, LocalStore):
+            work = store.child(f"{name}/store")
+            notes.append(f"measured with the configured store settings of {store.location}")
+        elif store is not None:
+            work = _Prefixed(store, f"{name}/")
+        measurements: list[Measurement] = []
+        profile = None
+        dropper = CacheDropper(work, drop_caches) if work is not None else None
+        if work is not None and dropper is not None:
+            say(f"timing {small_objects} small objects")
+            measurements += measure_small_objects(work, dropper, small_objects)
+            say(f"reading {human_size(read_bytes)} with {', '.join(map(str, streams))} streams")
+            measurements += measure_reads(work, dropper, read_bytes, streams)
+            profile = recommend_profile(measurements)
+            if checkpoint_bytes:
+                say(f"writing a {human_size(checkpoint_bytes)} checkpoint")
+                measurements += measure_checkpoint(
+                    work, dropper, checkpoint_bytes, checkpoint_parts
+                )
+            if dataset is not None and dataset_shards:
+                from koochak.storage._probe_dataset import measure_dataset
+
+                say(f"building {dataset_shards} shards of {human_size(shard_bytes)}")
+                measurements += measure_dataset(
+                    dataset, work, dropper, dataset_shards, shard_bytes, readers
+                )
+        return ProbeReport(
+            location=str(location),
+            scratch=str(scratch_dir) if scratch_dir is not None else f"{store.location}/{name}/",  # type: ignore[union-attr]
+            checks=tuple(checks),
+            settings=settings,
+            profile=profile,
+            measurements=tuple(measurements),
+            cache_drop=dropper.method if dropper is not None else "not measured",
+            notes=tuple(notes),
+        )
+    finally:
+        say("removing the scratch directory")
+        _shielded(lambda: _cleanup(scratch_dir, work if scratch_dir is None else None))
+
+
+def _check_arguments(
+    read_bytes,
+    streams,
+    small_objects,
+    checkpoint_bytes,
+    checkpoint_parts,
+    dataset_shards,
+    shard_bytes,
+    readers,
+) -> None:
+    for name, value, low in (
+        ("read_bytes", read_bytes, 1),
+        ("small_objects", small_objects, 1),
+        ("shard_bytes", shard_bytes, 1),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"probe: {name} must be an int >= {low}, got {value!r}")
+    for name, value in (("checkpoint_bytes", checkpoint_bytes), ("dataset_shards", dataset_shards)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ValueError(f"probe: {name} must be an int >= 1 or None, got {value!r}")
+    for name, values in (
+        ("streams", streams),
+        ("checkpoint_parts", checkpoint_parts),
+        ("readers", readers),
+    ):
+        if not values or any(
+            isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values
+        ):
+            raise ValueError(f"probe: {name} must be a non-empty list of ints >= 1, got {values!r}")
+
+
+def _dataset_module():
+    """koochak.data.shards, loaded only for --dataset-shards.
+
+    koochak-data sits above koochak-store, so the store never depends on it: this optional mode
+    loads it by name at run time, like an optional extra, and says what to install without it.
+    """
+    import importlib
+
+    try:
+        return importlib.import_module("koochak.data.shards")
+    except ModuleNotFoundError as exc:
+        if exc.name and not exc.name.startswith("koochak"):
+            raise
+        raise ModuleNotFoundError(
+            "the dataset-shard mode (--dataset-shards) needs koochak-data: pip install koochak-data"
+        ) from None
+
+
+def _resolve(location: str | os.PathLike[str]) -> tuple[Store | None, Path | None]:
+    """(store, root): store is None for a plain directory; root is None for a non-local store."""
+    text = os.fspath(location)
+    scheme, sep, _ = text.partition("://")
+    if sep and scheme.lower() != "file":
+        store = open_store(text)
+        root = store.root if isinstance(store, LocalStore) else None
+        if root is not None and not root.is_dir():
+            raise FileNotFoundError(f"probe: {text} resolves to {root}, which is not a directory")
+        return store, root
+    local = open_store(text)  # plain paths and file:// URIs
+    assert isinstance(local, LocalStore)
+    if not local.root.is_dir():
+        raise FileNotFoundError(
+            f"probe: {local.root} is not a directory; pass an existing directory"
+        )
+    return None, local.root
+
+
+def _host() -> str:
+    return (
+        "".join(c if c.isalnum() or c in "-_" else "_" for c in socket.gethostname())[:40] or "host"
+    )
+
+
+def _shielded(call: Callable[[], None]) -> None:
+    """Run cleanup with Ctrl-C ignored, so a second Ctrl-C cannot leave scratch files behind."""
+    if threading.current_thread() is not threading.main_thread():
+        call()
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        call()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _cleanup(scratch_dir: Path | None, remote: Store | None) -> None:
+    if scratch_dir is not None:
+        shutil.rmtree(scratch_dir, ignore_errors=True)
+        if scratch_dir.exists():
+            print(
+                f"koochak-probe: could not remove {scratch_dir}; remove it by hand", file=sys.stderr
+            )
+    elif remote is not None:
+        for info in remote.list(""):
+            remote.delete(info.key)
+
+
+class _Prefixed:
+    """A view of a non-local store under a key prefix (the probe's scratch area)."""
+
+    def __init__(self, store: Store, prefix: str) -> None:
+        self._store, self._prefix = store, prefix
+        self.location = f"{store.location}/{prefix}"
+        self.profile = getattr(store, "profile", None)
+
+    def get(self, key, start=None, end=None):
+        return self._store.get(self._prefix + key, start, end)
+
+    def open(self, key):
+        return self._store.open(self._prefix + key)
+
+    def put(self, key, data, *, expected_size=None, expected_sha256=None):
+        return self._store.put(
+            self._prefix + key, data, expected_size=expected_size, expected_sha256=expected_sha256
+        )
+
+    def stat(self, key):
+        return self._store.stat(self._prefix + key)
+
+    def list(self, prefix=""):
+        from dataclasses import replace
+
+        n = len(self._prefix)
+        return [replace(i, key=i.key[n:]) for i in self._store.list(self._prefix + prefix)]
+
+    def delete(self, key):
+        self._store.delete(self._prefix + key)
+
+    def local_path(self, key):
+        return self._store.local_path(self._prefix + key)
+
+
+# -- output -------------------------------------------------------------------------------------
+
+
+def profile_yaml(profile: StoreProfile) -> str:
+    """The ``profile:`` block for the stores file."""
+    return "\n".join(
+        [
+            "profile:",
+            f"  request_seconds: {profile.request_seconds:g}",
+            f"  stream_bytes_per_second: {profile.stream_bytes_per_second:.0f}"
+            f"  # {human_size(profile.stream_bytes_per_second)}/s",
+            f"  concurrency: {profile.concurrency}",
+            f"  range_reads_scale: {str(profile.range_reads_scale).lower()}",
+            f"  part_bytes: {profile.part_bytes}  # {human_size(profile.part_bytes)}",
+            f"  listing_cheap: {str(profile.listing_cheap).lower()}",
+        ]
+    )
+
+
+def _value(row: Measurement) -> str:
+    if row.unit == "s":
+        return f"{row.value * 1e3:.2f} ms" if row.value < 1 else f"{row.value:.2f} s"
+    return f"{human_size(row.value)}/s"
+
+
+def format_report(report: ProbeReport) -> str:
+    lines = [f"koochak-probe {report.location}", f"  scratch {report.scratch} (removed)", ""]
+    if report.checks:
+        lines.append("Semantics")
+        width = max(len(check.name) for check in report.checks)
+        for check in report.checks:
+            verdict = {True: "yes", False: "no", None: "?"}[check.supported]
+            lines.append(f"  {check.name:<{width}}  {verdict:<3}  {check.detail}")
+        lines.append("")
+    if report.settings is not None:
+        lines.append("Recommended LocalStore settings")
+        for key, value in report.settings.items():
+            shown = str(value).lower() if isinstance(value, bool) else value
+            lines.append(f"  {key}: {shown}")
+        lines.append("")
+    if report.measurements:
+        lines.append(f"Measurements (page cache dropped with: {report.cache_drop})")
+        rows = [
+            (row.metric, str(row.streams), _value(row), row.note) for row in report.measurements
+        ]
+        widths = [
+            max(len(r[i]) for r in rows + [("metric", "streams", "value", "")]) for i in range(3)
+        ]
+        lines.append(
+            f"  {'metric':<{widths[0]}}  {'streams':>{widths[1]}}  {'value':>{widths[2]}}  note"
+        )
+        for metric, n, value, note in rows:
+            lines.append(f"  {metric:<{widths[0]}}  {n:>{widths[1]}}  {value:>{widths[2]}}  {note}")
+        lines.append("")
+    if report.profile is not None:
+        lines.append("Recommended profile (paste under the scheme in the stores file)")
+        lines += ["  " + line for line in profile_yaml(report.profile).splitlines()]
+        lines.append("")
+    for note in report.notes:
+        lines.append(f"note: {note}")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+# -- command line -------------------------------------------------------------------------------
+
+
+def _size_arg(text: str) -> int:
+    try:
+        value = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"size {text!r} must be at least 1 byte")
+    return value
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected integers >= 1 such as 1,4,16")
+    return values
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="koochak-probe",
+        description="Check a filesystem's or store's semantics, measure it, and recommend "
+        "LocalStore settings and a StoreProfile. Works in a scratch directory it removes.",
+    )
+    parser.add_argument("location", help="a directory, file:// URI or scheme:// store location")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument(
+        "--emit-profile",
+        action="store_true",
+        help="print only the recommended 'profile:' block for the stores file",
+    )
+    parser.add_argument(
+        "--read-bytes",
+        type=_size_arg,
+        default=256 << 20,
+        metavar="SIZE",
+        help="bytes read per throughput measurement (default 256M)",
+    )
+    parser.add_argument(
+        "--streams",
+        type=_int_list,
+        default=[1, 4, 16],
+        metavar="N,N",
+        help="parallel streams/ranges to try (default 1,4,16)",
+    )
+    parser.add_argument(
+        "--small-objects",
+        type=int,
+        default=100,
+        metavar="N",
+        help="small objects for the latency figures (default 100)",
+    )
+    parser.add_argument(
+        "--checkpoint-bytes",
+        type=_size_arg,
+        default=None,
+        metavar="SIZE",
+        help="also write a checkpoint of SIZE bytes (e.g. 4G)",
+    )
+    parser.add_argument(
+        "--checkpoint-parts",
+        type=_int_list,
+        default=[1, 8],
+        metavar="N,N",
+        help="concurrent parts for the checkpoint write (default 1,8)",
+    )
+    parser.add_argument(
+        "--dataset-shards",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also build N dataset shards and read them (needs koochak-data)",
+    )
+    parser.add_argument(
+        "--shard-bytes",
+        type=_size_arg,
+        default=256 << 20,
+        metavar="SIZE",
+        help="bytes per dataset shard (default 256M)",
+    )
+    parser.add_argument(
+        "--readers",
+        type=_int_list,
+        default=[1, 4, 16],
+        metavar="N,N",
+        help="reader processes for the dataset read (default 1,4,16)",
+    )
+    parser.add_argument(
+        "--read-back-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="how long to wait for a closed file to read back (default 10)",
+    )
+    parser.add_argument(
+        "--no-drop-caches",
+        action="store_true",
+        help="never write /proc/sys/vm/drop_caches (per-file fadvise still runs)",
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    return parser
+
+
+def _raise_interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    stage = None
+    if sys.stderr.isatty() and not args.emit_profile:
+
+        def stage(message: str) -> None:
+            print(f"koochak-probe: {message}...", file=sys.stderr, flush=True)
+
+    # A scheduler's SIGTERM must clean up like Ctrl-C does.
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        report = probe(
+            args.location,
+            read_bytes=args.read_bytes,
+            streams=args.streams,
+            small_objects=args.small_objects,
+            checkpoint_bytes=args.checkpoint_bytes,
+            checkpoint_parts=args.checkpoint_parts,
+            dataset_shards=args.dataset_shards,
+            shard_bytes=args.shard_bytes,
+            readers=args.readers,
+            read_back_timeout=args.read_back_timeout,
+            drop_caches=not args.no_drop_caches,
+            stage=stage,
+        )
+    except KeyboardInterrupt:
+        print("koochak-probe: interrupted; scratch directory removed", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if args.debug:
+            raise
+        print(f"koochak-probe: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if args.emit_profile:
+        if report.profile is None:
+            print(
+                "koochak-probe: no profile could be measured; see the full report", file=sys.stderr
+            )
+            return 1
+        print(profile_yaml(report.profile))
+    elif args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        sys.stdout.write(format_report(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
