@@ -515,11 +515,20 @@ class LocalStore:
         finally:
             try:
                 self._sys.unlink(temp)
-            except FileNotFoundError:
+            except OSError:
+                pass  # a leftover temp name is hidden and never listed; the put's outcome stands
+        try:
+            if self.fsync:
+                self._fsync_dir(parent)
+            st = self._wait_visible(key, final, size)
+        except BaseException:
+            # The link happened but the object is not known durable and readable: a put that
+            # raises must leave nothing behind, and this object is ours alone to remove.
+            try:
+                self._sys.unlink(final)
+            except OSError:
                 pass
-        if self.fsync:
-            self._fsync_dir(parent)
-        st = self._wait_visible(key, final, size)
+            raise
         return ObjectInfo(key=key, size=size, mtime_ns=st.st_mtime_ns, sha256=digest)
 
     def _put_exclusive(self, key, final, parent, data, expected_size, want_sha) -> ObjectInfo:

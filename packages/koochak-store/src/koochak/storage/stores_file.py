@@ -1,12 +1,313 @@
-"""The stores file: scheme names mapped to LocalStore roots and settings (work in progress)."""
+"""The stores file: a private YAML file mapping scheme names to LocalStore roots and settings.
+
+Site facts (mount points, publish modes, measured profiles) stay out of code and out of this
+repository. ``open_store("archive://datasets/foo")`` finds the ``archive`` entry here and returns
+a LocalStore rooted at ``<root>/datasets/foo`` with that entry's settings. The file is read again
+whenever its modification time or size changes, so edits apply without restarting.
+"""
 
 from __future__ import annotations
 
-from koochak.storage.store import Store
+import os
+import pathlib
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+from koochak.storage.profile import StoreProfile, parse_size
+from koochak.storage.store import PUBLISH_MODES, LocalStore, validate_key
+
+__all__ = [
+    "STORES_FILE_VERSION",
+    "StoreSettings",
+    "stores_file_path",
+    "load_stores_file",
+    "open_from_stores_file",
+]
+
+STORES_FILE_VERSION = 1
+
+_TOP_KEYS = {"version", "stores"}
+_ENTRY_KEYS = {
+    "root",
+    "publish",
+    "fsync",
+    "verify_readback",
+    "settle_seconds",
+    "read_settle_seconds",
+    "profile",
+}
+_PROFILE_KEYS = set(StoreProfile.__dataclass_fields__)
+# The file is meant to be shared between people and machines; credentials belong elsewhere.
+_SECRET_WORDS = re.compile(
+    r"secret|passw(or)?d|token|credential|api[_-]?key|access[_-]?key|private[_-]?key",
+    re.IGNORECASE,
+)
+_ENV_REF = re.compile(r"\$\{\s*oc\.env\s*:\s*([^,}\s]+)")
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*")
 
 
-def open_from_stores_file(scheme: str, path: str, location: str) -> Store:
-    raise ValueError(
-        f"open_store({location!r}): no store is registered for scheme {scheme!r} "
-        "(register_store, a 'koochak.stores' entry point or the stores file)"
+@dataclass(frozen=True)
+class StoreSettings:
+    """One resolved entry of the stores file."""
+
+    scheme: str
+    root: str
+    publish: str = "link"
+    fsync: bool = True
+    verify_readback: bool = False
+    settle_seconds: float = 0.0
+    read_settle_seconds: float = 0.0
+    profile: StoreProfile | None = None
+
+    def open(self, path: str = "") -> LocalStore:
+        """A LocalStore for ``path`` under this entry's root (the root itself for "")."""
+        path = path.strip("/")
+        root = pathlib.Path(self.root)
+        if path:
+            root = root / validate_key(path)
+        return LocalStore(
+            root,
+            publish=self.publish,
+            fsync=self.fsync,
+            verify_readback=self.verify_readback,
+            settle_seconds=self.settle_seconds,
+            read_settle_seconds=self.read_settle_seconds,
+            profile=self.profile,
+        )
+
+
+def stores_file_path() -> pathlib.Path:
+    """``$KOOCHAK_STORES``, else ``$XDG_CONFIG_HOME/koochak/stores.yaml``, else ``~/.config/...``."""
+    explicit = os.environ.get("KOOCHAK_STORES")
+    if explicit:
+        return pathlib.Path(explicit).expanduser()
+    config_home = os.environ.get("XDG_CONFIG_HOME") or os.path.join(
+        os.path.expanduser("~"), ".config"
     )
+    return pathlib.Path(config_home) / "koochak" / "stores.yaml"
+
+
+# Validated (not yet resolved) files keyed by path, each with the (mtime_ns, size, inode) it was
+# parsed from. The cache keeps repeated open_store calls cheap; the stat check makes edits visible.
+_CACHE: dict[str, tuple[tuple[int, int, int], dict[str, Any]]] = {}
+_CACHE_LOCK = threading.Lock()
+
+
+def _validated(file: pathlib.Path) -> dict[str, Any]:
+    st = file.stat()
+    stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+    name = str(file)
+    with _CACHE_LOCK:
+        cached = _CACHE.get(name)
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+    raw = _parse(file, file.read_text(encoding="utf-8"))
+    with _CACHE_LOCK:
+        _CACHE[name] = (stamp, raw)
+    return raw
+
+
+def load_stores_file(path: str | os.PathLike[str] | None = None) -> dict[str, StoreSettings]:
+    """Parse, validate and resolve a whole stores file (default: ``stores_file_path()``).
+
+    Returns scheme -> settings. Raises ``FileNotFoundError`` when the file is missing and
+    ``ValueError`` naming the file and key for anything malformed: unknown keys, secret-looking
+    keys, values that do not resolve or do not fit, an unknown version.
+    """
+    file = pathlib.Path(path) if path is not None else stores_file_path()
+    raw = _validated(file)
+    return {scheme: _resolve_entry(file, raw, scheme) for scheme in _schemes(raw)}
+
+
+def open_from_stores_file(scheme: str, path: str, location: str) -> LocalStore:
+    """Resolve ``scheme://path`` through the stores file (called by ``open_store``).
+
+    Only the requested entry is resolved, so an unset variable in another entry does not
+    break this one.
+    """
+    file = stores_file_path()
+    try:
+        raw = _validated(file)
+    except FileNotFoundError:
+        raise ValueError(
+            f"open_store({location!r}): no store is registered for scheme {scheme!r}: no "
+            f"register_store factory, no 'koochak.stores' entry point, and no stores file at "
+            f"{file} (set $KOOCHAK_STORES to use another file)"
+        ) from None
+    schemes = _schemes(raw)
+    if scheme not in schemes:
+        known = ", ".join(sorted(schemes)) or "none"
+        raise ValueError(
+            f"open_store({location!r}): scheme {scheme!r} is not in the stores file {file} "
+            f"(it defines: {known})"
+        )
+    settings = _resolve_entry(file, raw, scheme)
+    try:
+        return settings.open(path)
+    except ValueError as exc:
+        raise ValueError(f"open_store({location!r}): {exc}") from None
+
+
+def _schemes(raw: dict[str, Any]) -> dict[str, str]:
+    """Lower-cased scheme -> the spelling used in the file."""
+    return {name.lower(): name for name in raw.get("stores") or {}}
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate mapping keys instead of keeping the last one."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r}", key_node.start_mark
+            )
+        seen.add(key)
+    return loader.construct_mapping(node)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _parse(file: pathlib.Path, text: str) -> dict[str, Any]:
+    try:
+        raw = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        raise ValueError(f"stores file {file}: not valid YAML: {exc}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"stores file {file}: expected a mapping with 'version' and 'stores'")
+    _refuse_secrets(file, raw, "")
+    _only_keys(file, raw, _TOP_KEYS, "")
+    if raw.get("version") != STORES_FILE_VERSION:
+        raise ValueError(
+            f"stores file {file}: version={raw.get('version')!r}; this Koochak reads version "
+            f"{STORES_FILE_VERSION}"
+        )
+    stores = raw.get("stores") or {}
+    if not isinstance(stores, dict):
+        raise ValueError(f"stores file {file}: 'stores' must map scheme names to settings")
+    for scheme, entry in stores.items():
+        if not isinstance(scheme, str) or not _SCHEME.fullmatch(scheme):
+            raise ValueError(f"stores file {file}: {scheme!r} is not a scheme name like 'archive'")
+        if scheme.lower() == "file":
+            raise ValueError(f"stores file {file}: 'file' always means a local path; rename it")
+        if not isinstance(entry, dict):
+            raise ValueError(f"stores file {file}: stores.{scheme} must be a mapping with 'root'")
+        _only_keys(file, entry, _ENTRY_KEYS, f"stores.{scheme}.")
+        if isinstance(entry.get("profile"), dict):
+            _only_keys(file, entry["profile"], _PROFILE_KEYS, f"stores.{scheme}.profile.")
+    lowered = [name.lower() for name in stores]
+    if len(set(lowered)) != len(lowered):
+        raise ValueError(
+            f"stores file {file}: scheme names differ only by case; schemes ignore case"
+        )
+    return raw
+
+
+def _refuse_secrets(file: pathlib.Path, node: Any, where: str) -> None:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if isinstance(key, str) and _SECRET_WORDS.search(key):
+                raise ValueError(
+                    f"stores file {file}: key {where}{key} looks like a secret; the stores file "
+                    "must hold no secrets (keep credentials in the backend's own configuration)"
+                )
+            _refuse_secrets(file, value, f"{where}{key}.")
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            _refuse_secrets(file, value, f"{where}{index}.")
+    elif isinstance(node, str):
+        for var in _ENV_REF.findall(node):
+            if _SECRET_WORDS.search(var):
+                raise ValueError(
+                    f"stores file {file}: {where.rstrip('.')} reads ${{oc.env:{var}}}, which "
+                    "looks like a secret; the stores file must hold no secrets"
+                )
+
+
+def _only_keys(file: pathlib.Path, node: dict[Any, Any], allowed: set[str], where: str) -> None:
+    for key in node:
+        if key not in allowed:
+            raise ValueError(
+                f"stores file {file}: unknown key {where}{key}; expected one of "
+                f"{', '.join(sorted(allowed))}"
+            )
+
+
+def _resolve_entry(file: pathlib.Path, raw: dict[str, Any], scheme: str) -> StoreSettings:
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    name = _schemes(raw)[scheme]
+    try:
+        # Built from the whole file so interpolations may point at other entries.
+        conf = OmegaConf.create(raw)
+        entry = OmegaConf.to_container(conf.stores[name], resolve=True)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or f"stores.{name}"
+        message = str(exc).splitlines()[0]
+        raise ValueError(f"stores file {file}: cannot resolve {key}: {message}") from None
+    return _settings(file, name, entry)  # type: ignore[arg-type]
+
+
+def _settings(file: pathlib.Path, scheme: str, entry: dict[str, Any]) -> StoreSettings:
+    where = f"stores file {file}: stores.{scheme}"
+    root = entry.get("root")
+    if not isinstance(root, str) or not root:
+        raise ValueError(f"{where}.root is required: an absolute directory path")
+    root = os.path.expanduser(root)
+    if not os.path.isabs(root):
+        raise ValueError(f"{where}.root={root!r} must be an absolute path")
+    publish = entry.get("publish", "link")
+    if publish not in PUBLISH_MODES:
+        raise ValueError(f"{where}.publish={publish!r}; expected one of {', '.join(PUBLISH_MODES)}")
+    flags = {}
+    for name, default in (("fsync", True), ("verify_readback", False)):
+        value = entry.get(name, default)
+        if not isinstance(value, bool):
+            raise ValueError(f"{where}.{name}={value!r}; expected true or false")
+        flags[name] = value
+    seconds = {}
+    for name in ("settle_seconds", "read_settle_seconds"):
+        value = entry.get(name, 0.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"{where}.{name}={value!r}; expected a number of seconds >= 0")
+        seconds[name] = float(value)
+    profile = None
+    if entry.get("profile") is not None:
+        profile = _profile(where + ".profile", entry["profile"])
+    return StoreSettings(
+        scheme=scheme.lower(), root=root, publish=publish, profile=profile, **flags, **seconds
+    )
+
+
+def _profile(where: str, block: Any) -> StoreProfile:
+    if not isinstance(block, dict):
+        raise ValueError(f"{where} must be a mapping of StoreProfile fields")
+    missing = sorted(_PROFILE_KEYS - set(block))
+    if missing:
+        raise ValueError(f"{where} is missing {', '.join(missing)}")
+    values = dict(block)
+    for name in ("stream_bytes_per_second", "part_bytes"):
+        value = values[name]
+        if isinstance(value, str):
+            try:
+                values[name] = parse_size(value)
+            except ValueError as exc:
+                raise ValueError(f"{where}.{name}: {exc}") from None
+    if isinstance(values["request_seconds"], int) and not isinstance(
+        values["request_seconds"], bool
+    ):
+        values["request_seconds"] = float(values["request_seconds"])
+    try:
+        return StoreProfile(**values)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None

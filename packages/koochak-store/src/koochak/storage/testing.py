@@ -1,0 +1,443 @@
+"""Testing helpers for Store implementations: a conformance suite and a fault-injecting store.
+
+Any Store backend proves it keeps the contract by subclassing the suite and providing a fixture
+that makes a fresh, empty store::
+
+    import pytest
+    from koochak.storage.testing import StoreConformance
+
+    class TestMyStore(StoreConformance):
+        @pytest.fixture
+        def store(self, tmp_path):
+            return MyStore(tmp_path)
+
+``FaultyStore`` is a LocalStore whose filesystem calls fail on demand (an errno on the Nth open,
+read, write, fsync, link, close or stat; short writes and reads; corrupted reads), with a fake
+clock so tests of settle deadlines never sleep. Importing this module needs pytest.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import hashlib
+import io
+import os
+import threading
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+import pytest
+from koochak.storage.store import TEMP_PREFIX, LocalStore, ObjectInfo, Store, _Syscalls
+
+__all__ = ["StoreConformance", "Fault", "FaultyStore", "FakeClock", "FAULT_OPS"]
+
+FAULT_OPS = ("open", "read", "write", "fsync", "close", "stat", "link", "unlink", "list")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Make calls ``nth`` .. ``nth + times - 1`` (1-based) of one filesystem operation misbehave.
+
+    op:     one of FAULT_OPS ("read" is a positional read, "stat" covers stat and fstat,
+            "list" is a directory scan)
+    mode:   "error" raises OSError(errno); "short" transfers only half the bytes (write/read);
+            "corrupt" flips the first byte returned (read)
+    """
+
+    op: str
+    nth: int = 1
+    errno: int = _errno.EIO
+    times: int = 1
+    mode: str = "error"
+
+    def __post_init__(self) -> None:
+        if self.op not in FAULT_OPS:
+            raise ValueError(f"Fault.op={self.op!r}; expected one of {FAULT_OPS}")
+        if self.mode not in ("error", "short", "corrupt"):
+            raise ValueError(f"Fault.mode={self.mode!r}; expected 'error', 'short' or 'corrupt'")
+        if self.mode == "short" and self.op not in ("write", "read"):
+            raise ValueError("Fault mode 'short' applies to op 'write' or 'read' only")
+        if self.mode == "corrupt" and self.op != "read":
+            raise ValueError("Fault mode 'corrupt' applies to op 'read' only")
+        if self.nth < 1 or self.times < 1:
+            raise ValueError(f"Fault nth={self.nth}, times={self.times}; both must be >= 1")
+
+    def hits(self, call: int) -> bool:
+        return self.nth <= call < self.nth + self.times
+
+
+class FakeClock:
+    """A monotonic clock that only moves when someone sleeps on it."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+        self.sleeps: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+class _FaultySyscalls(_Syscalls):
+    def __init__(self, faults: Iterable[Fault]) -> None:
+        self.faults = tuple(faults)
+        self.calls: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def _fault(self, op: str) -> Fault | None:
+        with self._lock:
+            self.calls[op] += 1
+            call = self.calls[op]
+        for fault in self.faults:
+            if fault.op == op and fault.hits(call):
+                if fault.mode == "error":
+                    raise OSError(
+                        fault.errno, f"injected {os.strerror(fault.errno)} on {op} #{call}"
+                    )
+                return fault
+        return None
+
+    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        self._fault("open")
+        return super().open(path, flags, mode)
+
+    def write(self, fd: int, data: memoryview) -> int:
+        fault = self._fault("write")
+        if fault is not None and len(data) > 1:
+            data = data[: len(data) // 2]
+        return super().write(fd, data)
+
+    def fsync(self, fd: int) -> None:
+        self._fault("fsync")
+        super().fsync(fd)
+
+    def close(self, fd: int) -> None:
+        try:
+            self._fault("close")
+        finally:
+            super().close(fd)  # the descriptor is gone either way, as with a real failing close
+
+    def pread(self, fd: int, size: int, offset: int) -> bytes:
+        fault = self._fault("read")
+        if fault is not None and fault.mode == "short" and size > 1:
+            size //= 2
+        data = super().pread(fd, size, offset)
+        if fault is not None and fault.mode == "corrupt" and data:
+            data = bytes([data[0] ^ 0xFF]) + data[1:]
+        return data
+
+    def fstat(self, fd: int) -> os.stat_result:
+        self._fault("stat")
+        return super().fstat(fd)
+
+    def stat(self, path: str) -> os.stat_result:
+        self._fault("stat")
+        return super().stat(path)
+
+    def link(self, src: str, dst: str) -> None:
+        self._fault("link")
+        super().link(src, dst)
+
+    def unlink(self, path: str) -> None:
+        self._fault("unlink")
+        super().unlink(path)
+
+    def scandir(self, path: str) -> list[os.DirEntry[str]]:
+        self._fault("list")
+        return super().scandir(path)
+
+
+class FaultyStore:
+    """A LocalStore at ``root`` whose filesystem calls fail as ``faults`` say.
+
+    ``calls`` counts every operation so tests can aim a fault (e.g. "the 3rd write"). The
+    ``clock`` (default: a FakeClock) drives settle deadlines; its ``sleep`` never blocks.
+    Other keyword arguments go to LocalStore (publish, fsync, verify_readback, ...).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        faults: Iterable[Fault] = (),
+        *,
+        clock: FakeClock | None = None,
+        **settings: Any,
+    ) -> None:
+        self.inner = LocalStore(root, **settings)
+        self.clock = clock if clock is not None else FakeClock()
+        self._syscalls = _FaultySyscalls(faults)
+        self.inner._sys = self._syscalls
+        self.inner._clock = self.clock
+        self.inner._sleep = self.clock.sleep
+        self.location = f"faulty:{self.inner.location}"
+        self.profile = self.inner.profile
+
+    @property
+    def calls(self) -> Counter[str]:
+        return self._syscalls.calls
+
+    @property
+    def faults(self) -> tuple[Fault, ...]:
+        return self._syscalls.faults
+
+    def set_faults(self, faults: Iterable[Fault]) -> None:
+        """Replace the faults and reset the call counters."""
+        self._syscalls.faults = tuple(faults)
+        self._syscalls.calls.clear()
+
+    def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        return self.inner.get(key, start, end)
+
+    def open(self, key: str) -> BinaryIO:
+        return self.inner.open(key)
+
+    def put(self, key: str, data: Any, **expected: Any) -> ObjectInfo:
+        return self.inner.put(key, data, **expected)
+
+    def stat(self, key: str) -> ObjectInfo:
+        return self.inner.stat(key)
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        return self.inner.list(prefix)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+    def local_path(self, key: str) -> str | None:
+        return self.inner.local_path(key)
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _pattern(size: int, seed: int = 0) -> bytes:
+    """Deterministic, non-repeating-looking bytes, so shifted or truncated data never matches."""
+    out = bytearray()
+    counter = 0
+    while len(out) < size:
+        out += hashlib.sha256(f"{seed}:{counter}".encode()).digest()
+        counter += 1
+    return bytes(out[:size])
+
+
+def visible_files(root: str | os.PathLike[str]) -> list[str]:
+    """Every regular file under ``root`` except publication temp files, as relative paths."""
+    found = []
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            if not name.startswith(TEMP_PREFIX):
+                found.append(os.path.relpath(os.path.join(dirpath, name), root))
+    return sorted(found)
+
+
+class StoreConformance:
+    """The Store contract as tests. Subclass it and provide a ``store`` fixture (fresh, empty)."""
+
+    @pytest.fixture
+    def store(self) -> Store:
+        raise NotImplementedError("subclasses of StoreConformance provide a 'store' fixture")
+
+    # -- put -------------------------------------------------------------------------------
+
+    def test_store_satisfies_the_protocol(self, store: Store) -> None:
+        assert isinstance(store, Store)
+        assert isinstance(store.location, str) and store.location
+
+    def test_put_then_get_returns_the_same_bytes(self, store: Store) -> None:
+        data = _pattern(1000)
+        store.put("a/b/c.bin", data)
+        assert store.get("a/b/c.bin") == data
+
+    def test_put_returns_size_and_sha256_of_what_was_written(self, store: Store) -> None:
+        data = _pattern(4321, seed=1)
+        info = store.put("x.bin", data)
+        assert (info.key, info.size, info.sha256) == ("x.bin", len(data), _sha(data))
+
+    def test_put_is_create_only(self, store: Store) -> None:
+        store.put("k", b"first")
+        with pytest.raises(FileExistsError):
+            store.put("k", b"second, longer")
+        assert store.get("k") == b"first"
+        assert [info.key for info in store.list()] == ["k"]
+
+    def test_put_accepts_bytes_bytearray_memoryview_streams_and_iterables(
+        self, store: Store
+    ) -> None:
+        data = _pattern(3000, seed=2)
+        store.put("bytes", data)
+        store.put("bytearray", bytearray(data))
+        store.put("memoryview", memoryview(data))
+        store.put("stream", io.BytesIO(data))
+        store.put("iterable", (data[i : i + 700] for i in range(0, len(data), 700)))
+        for key in ("bytes", "bytearray", "memoryview", "stream", "iterable"):
+            assert store.get(key) == data, key
+
+    def test_put_refuses_text(self, store: Store) -> None:
+        with pytest.raises(TypeError):
+            store.put("text", "not bytes")  # type: ignore[arg-type]
+        assert store.list() == []
+
+    def test_put_of_an_empty_object(self, store: Store) -> None:
+        info = store.put("empty", b"")
+        assert info.size == 0 and info.sha256 == _sha(b"")
+        assert store.get("empty") == b""
+        assert store.stat("empty").size == 0
+
+    def test_put_of_a_multi_chunk_object_round_trips(self, store: Store) -> None:
+        data = _pattern(9 << 20, seed=3)  # larger than one 8 MiB write chunk
+        info = store.put("big", io.BytesIO(data))
+        assert info.sha256 == _sha(data)
+        assert store.get("big") == data
+
+    def test_put_with_wrong_expected_size_leaves_nothing(self, store: Store) -> None:
+        with pytest.raises(ValueError, match="expected_size"):
+            store.put("k", b"12345", expected_size=4)
+        with pytest.raises(ValueError, match="expected_size"):
+            store.put("k", b"12345", expected_size=6)
+        assert store.list() == []
+        with pytest.raises(FileNotFoundError):
+            store.stat("k")
+
+    def test_put_with_wrong_expected_sha256_leaves_nothing(self, store: Store) -> None:
+        with pytest.raises(ValueError, match="expected_sha256"):
+            store.put("k", b"abc", expected_sha256=_sha(b"abd"))
+        assert store.list() == []
+        info = store.put("k", b"abc", expected_size=3, expected_sha256=_sha(b"abc").upper())
+        assert info.sha256 == _sha(b"abc")
+
+    def test_put_whose_source_fails_leaves_nothing(self, store: Store) -> None:
+        def source() -> Iterator[bytes]:
+            yield b"x" * 1000
+            raise RuntimeError("source broke")
+
+        with pytest.raises(RuntimeError, match="source broke"):
+            store.put("k", source())
+        assert store.list() == []
+        store.put("k", b"retry works")
+        assert store.get("k") == b"retry works"
+
+    def test_concurrent_puts_of_one_key_publish_exactly_one(self, store: Store) -> None:
+        payloads = [_pattern(50_000, seed=i) for i in range(6)]
+        winners: list[bytes] = []
+        losers: list[BaseException] = []
+        barrier = threading.Barrier(len(payloads))
+
+        def put(data: bytes) -> None:
+            barrier.wait()
+            try:
+                store.put("race", data)
+                winners.append(data)
+            except FileExistsError as exc:
+                losers.append(exc)
+
+        threads = [threading.Thread(target=put, args=(p,)) for p in payloads]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert len(winners) == 1 and len(losers) == len(payloads) - 1
+        assert store.get("race") == winners[0]
+        assert [info.key for info in store.list()] == ["race"]
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def test_get_range_is_half_open_and_clamped_like_a_slice(self, store: Store) -> None:
+        data = _pattern(100, seed=4)
+        store.put("r", data)
+        for start, end in [(0, 10), (10, 20), (95, 200), (None, 5), (50, None), (200, 300),
+                           (30, 10), (-10, None), (None, -90)]:  # fmt: skip
+            assert store.get("r", start, end) == data[start:end], (start, end)
+
+    def test_get_missing_key_raises_file_not_found(self, store: Store) -> None:
+        with pytest.raises(FileNotFoundError):
+            store.get("missing")
+        with pytest.raises(FileNotFoundError):
+            store.open("missing")
+        with pytest.raises(FileNotFoundError):
+            store.stat("missing")
+
+    def test_open_returns_a_readable_binary_stream(self, store: Store) -> None:
+        data = _pattern(5000, seed=5)
+        store.put("o", data)
+        with store.open("o") as stream:
+            assert stream.read(10) == data[:10]
+            assert stream.read() == data[10:]
+
+    def test_stat_reports_size_and_mtime(self, store: Store) -> None:
+        store.put("s", b"12345")
+        info = store.stat("s")
+        assert (info.key, info.size) == ("s", 5)
+        assert isinstance(info.mtime_ns, int) and info.mtime_ns > 0
+
+    def test_a_directory_of_objects_is_not_an_object(self, store: Store) -> None:
+        store.put("dir/x", b"1")
+        with pytest.raises(FileNotFoundError):
+            store.get("dir")
+        with pytest.raises(FileNotFoundError):
+            store.stat("dir")
+
+    # -- list / delete ---------------------------------------------------------------------
+
+    def test_list_is_recursive_sorted_and_matches_a_string_prefix(self, store: Store) -> None:
+        for key in ["b/2", "a/bc/1", "a/b/1", "a/b/0", "a/c", "ab", "z"]:
+            store.put(key, key.encode())
+        assert [i.key for i in store.list()] == [
+            "a/b/0",
+            "a/b/1",
+            "a/bc/1",
+            "a/c",
+            "ab",
+            "b/2",
+            "z",
+        ]
+        assert [i.key for i in store.list("a/b")] == ["a/b/0", "a/b/1", "a/bc/1"]
+        assert [i.key for i in store.list("a/b/")] == ["a/b/0", "a/b/1"]
+        assert [i.key for i in store.list("a")] == ["a/b/0", "a/b/1", "a/bc/1", "a/c", "ab"]
+        assert [i.key for i in store.list("nothing/")] == []
+        sizes = {i.key: i.size for i in store.list()}
+        assert sizes["a/bc/1"] == len(b"a/bc/1")
+
+    def test_list_of_an_empty_store_is_empty(self, store: Store) -> None:
+        assert store.list() == []
+
+    def test_delete_removes_and_a_missing_key_raises(self, store: Store) -> None:
+        store.put("d/x", b"1")
+        store.delete("d/x")
+        assert store.list() == []
+        with pytest.raises(FileNotFoundError):
+            store.get("d/x")
+        with pytest.raises(FileNotFoundError):
+            store.delete("d/x")
+        store.put("d/x", b"again")  # a deleted key can be created anew
+        assert store.get("d/x") == b"again"
+
+    # -- keys ------------------------------------------------------------------------------
+
+    @pytest.mark.parametrize(
+        "key", ["", "/abs", "a/../b", "..", "a//b", "a/", "./a", "a/./b", "a?b", "a#b"]
+    )
+    def test_invalid_keys_are_rejected_by_every_operation(self, store: Store, key: str) -> None:
+        for call in (
+            lambda: store.put(key, b"1"),
+            lambda: store.get(key),
+            lambda: store.open(key),
+            lambda: store.stat(key),
+            lambda: store.delete(key),
+        ):
+            with pytest.raises(ValueError):
+                call()
+        assert store.list() == []
+
+    def test_local_path_is_absolute_or_none(self, store: Store) -> None:
+        store.put("p/q", b"1")
+        path = store.local_path("p/q")
+        if path is not None:
+            assert os.path.isabs(path)
+            with open(path, "rb") as f:
+                assert f.read() == b"1"

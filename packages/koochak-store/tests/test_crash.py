@@ -1,0 +1,54 @@
+"""A writer killed with SIGKILL in the middle of put() leaves no visible object."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from koochak.storage.store import LocalStore
+from koochak.storage.testing import visible_files
+
+
+@pytest.mark.slow
+def test_a_process_killed_mid_put_leaves_no_visible_object(tmp_path):
+    root = tmp_path / "store"
+    marker = tmp_path / "writing"
+    script = textwrap.dedent(f"""
+        import pathlib, time
+        from koochak.storage.store import LocalStore
+
+        def chunks():
+            yield b"x" * (1 << 20)
+            pathlib.Path({str(marker)!r}).write_text("started")
+            while True:  # keep writing until killed
+                yield b"y" * (1 << 20)
+                time.sleep(0.01)
+
+        LocalStore({str(root)!r}).put("ckpt/step000000100.pt", chunks())
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists():
+            assert proc.poll() is None, "writer exited before it was killed"
+            assert time.monotonic() < deadline, "writer never started"
+            time.sleep(0.02)
+        time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    store = LocalStore(root)
+    assert store.list() == []
+    assert visible_files(root) == []
+    with pytest.raises(FileNotFoundError):
+        store.stat("ckpt/step000000100.pt")
+    # The hidden temp the writer left does not block a new put of the same key.
+    assert any(name.startswith(".koochak-tmp-") for name in os.listdir(root / "ckpt"))
+    store.put("ckpt/step000000100.pt", b"complete")
+    assert [info.key for info in store.list()] == ["ckpt/step000000100.pt"]
