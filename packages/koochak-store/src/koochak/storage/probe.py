@@ -161,7 +161,7 @@ def probe(
 
                 say(f"building {dataset_shards} shards of {human_size(shard_bytes)}")
                 measurements += measure_dataset(
-                    dataset, work, dropper, dataset_shards, shard_bytes, readers
+                    dataset, work, dropper, dataset_shards, shard_bytes, readers, notes
                 )
         return ProbeReport(
             location=str(location),
@@ -316,12 +316,18 @@ class _Prefixed:
 # -- output -------------------------------------------------------------------------------------
 
 
+def _plain_float(value: float) -> str:
+    # Positional notation: YAML 1.1 loaders read "1e-05" (no dot) as a string, not a number.
+    text = f"{value:.12f}".rstrip("0")
+    return text + "0" if text.endswith(".") else text
+
+
 def profile_yaml(profile: StoreProfile) -> str:
     """The ``profile:`` block for the stores file."""
     return "\n".join(
         [
             "profile:",
-            f"  request_seconds: {profile.request_seconds:g}",
+            f"  request_seconds: {_plain_float(profile.request_seconds)}",
             f"  stream_bytes_per_second: {profile.stream_bytes_per_second:.0f}"
             f"  # {human_size(profile.stream_bytes_per_second)}/s",
             f"  concurrency: {profile.concurrency}",
