@@ -1,0 +1,871 @@
+"""``archive``: pack a local tree into a collection (see :mod:`koochak.data.collection`).
+
+The run reads top to bottom:
+
+1. scan the source (walk it, or take ``--files-from``), refusing symlinks and special files;
+2. plan: group files (``--groups`` table, else by directory), put large files aside as objects,
+   deal groups into tar packs so each group is contiguous in one pack (larger groups spill);
+3. write each pack with one create-only streaming ``put``, then its record
+   ``records/pack-NNNNNN.json``; a rerun reuses packs whose record (or content) matches the plan
+   and refuses leftovers that do not;
+4. copy objects with ``copy_objects`` (SHA256 checked in flight);
+5. write ``files.jsonl.gz``, then ``manifest.json`` — the commit point;
+6. with ``delete_source``: deep-verify the committed collection, then delete the sources whose
+   size and mtime still match.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import hashlib
+import json
+import os
+import stat
+import tarfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from koochak.data.collection import (
+    FILES_KEY,
+    KIND,
+    MANIFEST_KEY,
+    OBJECT_PREFIX,
+    RECORD_PREFIX,
+    TAR_BLOCK,
+    TAR_END,
+    VERSION,
+    Collection,
+    FileEntry,
+    FilesTable,
+    Manifest,
+    PackInfo,
+    check_relative_path,
+    encode_files_table,
+    encode_manifest,
+    load_collection,
+    matches_any,
+)
+
+__all__ = [
+    "ArchivePlan",
+    "ArchiveReport",
+    "SourceFile",
+    "archive",
+    "plan_archive",
+    "read_groups",
+    "scan_source",
+]
+
+DEFAULT_PACK_BYTES = 64 << 20
+RECORD_KIND = "koochak.collection.pack-record"
+_CHUNK = 1 << 20
+Progress = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    path: str  # relative to the source root, POSIX separators
+    size: int
+    mtime_ns: int
+    mode: int  # permission bits
+
+
+@dataclass(frozen=True)
+class Member:
+    """A planned pack member: its file, group, and where its data starts inside the pack."""
+
+    file: SourceFile
+    group: str
+    offset: int
+
+
+@dataclass(frozen=True)
+class PackPlan:
+    key: str
+    members: tuple[Member, ...]
+    size: int
+
+    @property
+    def record_key(self) -> str:
+        return RECORD_PREFIX + self.key.rsplit("/", 1)[-1].replace(".tar", ".json")
+
+
+@dataclass(frozen=True)
+class ObjectPlan:
+    file: SourceFile
+    group: str
+    key: str
+
+
+@dataclass(frozen=True)
+class ArchivePlan:
+    packs: tuple[PackPlan, ...]
+    objects: tuple[ObjectPlan, ...]
+    pack_bytes: int
+    object_bytes: int
+    layout: str
+
+    @property
+    def files(self) -> int:
+        return sum(len(p.members) for p in self.packs) + len(self.objects)
+
+    @property
+    def bytes(self) -> int:
+        return sum(m.file.size for p in self.packs for m in p.members) + sum(
+            o.file.size for o in self.objects
+        )
+
+
+@dataclass
+class ArchiveReport:
+    """What an archive run found and did. ``to_dict`` is the ``--json`` form."""
+
+    source: str
+    dest: str
+    files: int = 0
+    bytes: int = 0
+    packs: int = 0
+    pack_bytes: int = 0
+    objects: int = 0
+    object_bytes: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    requests: dict[str, int] = field(default_factory=dict)
+    dry_run: bool = False
+    already_committed: bool = False
+    packs_reused: int = 0
+    objects_reused: int = 0
+    verified: bool | None = None
+    problems: list[str] = field(default_factory=list)
+    deleted: int = 0
+    kept_changed: list[str] = field(default_factory=list)
+    unmatched_group_rows: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+# ----------------------------------------------------------------------------- scanning
+
+
+@dataclass(frozen=True)
+class _Filters:
+    include: tuple[str, ...]
+    exclude: tuple[str, ...]
+    skip_symlinks: bool
+    newer_than_ns: int | None  # files modified after this are skipped
+
+
+def scan_source(
+    src: str | os.PathLike[str],
+    *,
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    skip_symlinks: bool = False,
+    min_age_hours: float | None = None,
+    files_from: Sequence[str] | None = None,
+    now_ns: int | None = None,
+) -> tuple[list[SourceFile], dict[str, int]]:
+    """The regular files to archive under ``src`` (sorted by path) and counts of what was skipped.
+
+    Excluded directories are pruned (never entered); ``include`` keeps only matching files.
+    A symlink raises ValueError unless ``skip_symlinks`` or excluded; a special file (FIFO,
+    socket, device) always raises unless excluded. ``files_from`` names the exact relative paths
+    to take instead of walking.
+    """
+    root = os.fspath(src)
+    if not os.path.isdir(root):
+        raise ValueError(f"archive SRC {root!r} is not a directory")
+    if min_age_hours is not None and min_age_hours < 0:
+        raise ValueError(f"--min-age-hours {min_age_hours}: expected a number >= 0")
+    now_ns = time.time_ns() if now_ns is None else now_ns
+    filters = _Filters(
+        include=tuple(include),
+        exclude=tuple(exclude),
+        skip_symlinks=skip_symlinks,
+        newer_than_ns=None if min_age_hours is None else now_ns - int(min_age_hours * 3600e9),
+    )
+    skipped = {"excluded": 0, "not_included": 0, "symlinks": 0, "too_new": 0}
+    if files_from is not None:
+        files = _scan_listed(root, files_from, filters, skipped)
+    else:
+        files = _walk(root, filters, skipped)
+    files.sort(key=lambda f: f.path)
+    return files, skipped
+
+
+def _consider(
+    root: str, rel: str, st: os.stat_result, filters: _Filters, skipped: dict[str, int]
+) -> SourceFile | None:
+    """Apply the filters to one non-directory entry; None when it is skipped."""
+    if filters.exclude and matches_any(rel, filters.exclude):
+        skipped["excluded"] += 1
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        if filters.skip_symlinks:
+            skipped["symlinks"] += 1
+            return None
+        raise ValueError(
+            f"{os.path.join(root, rel)} is a symlink; pass --skip-symlinks or --exclude it"
+        )
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(
+            f"{os.path.join(root, rel)} is a special file (not a regular file); --exclude it"
+        )
+    if filters.include and not matches_any(rel, filters.include):
+        skipped["not_included"] += 1
+        return None
+    if filters.newer_than_ns is not None and st.st_mtime_ns > filters.newer_than_ns:
+        skipped["too_new"] += 1
+        return None
+    return SourceFile(rel, st.st_size, st.st_mtime_ns, stat.S_IMODE(st.st_mode))
+
+
+def _utf8(root: str, rel: str) -> str:
+    try:
+        rel.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(
+            f"{os.path.join(root, rel)!r}: file name is not valid UTF-8; rename or --exclude it"
+        ) from None
+    return rel
+
+
+def _walk(root: str, filters: _Filters, skipped: dict[str, int]) -> list[SourceFile]:
+    files: list[SourceFile] = []
+    pending = [""]
+    while pending:
+        rel_dir = pending.pop()
+        with os.scandir(os.path.join(root, rel_dir) if rel_dir else root) as it:
+            entries = list(it)
+        for entry in entries:
+            rel = _utf8(root, f"{rel_dir}/{entry.name}" if rel_dir else entry.name)
+            if entry.is_dir(follow_symlinks=False):
+                if filters.exclude and matches_any(rel, filters.exclude):
+                    skipped["excluded"] += 1  # pruned: nothing below it is visited
+                else:
+                    pending.append(rel)
+                continue
+            found = _consider(root, rel, entry.stat(follow_symlinks=False), filters, skipped)
+            if found is not None:
+                files.append(found)
+    return files
+
+
+def _scan_listed(
+    root: str, listed: Sequence[str], filters: _Filters, skipped: dict[str, int]
+) -> list[SourceFile]:
+    files: list[SourceFile] = []
+    seen: set[str] = set()
+    safe_dirs: set[str] = set()
+    for number, line in enumerate(listed, start=1):
+        rel = line.rstrip("\r\n")
+        if not rel:
+            continue
+        while rel.startswith("./"):
+            rel = rel[2:]
+        check_relative_path(rel, f"--files-from line {number}")
+        if rel in seen:
+            raise ValueError(f"--files-from line {number}: {rel!r} is listed twice")
+        seen.add(rel)
+        _check_parents(root, rel, safe_dirs, f"--files-from line {number}")
+        try:
+            st = os.lstat(os.path.join(root, rel))
+        except FileNotFoundError:
+            raise ValueError(
+                f"--files-from line {number}: {os.path.join(root, rel)} does not exist"
+            ) from None
+        if stat.S_ISDIR(st.st_mode):
+            raise ValueError(
+                f"--files-from line {number}: {rel!r} is a directory; list files, not directories"
+            )
+        found = _consider(root, rel, st, filters, skipped)
+        if found is not None:
+            files.append(found)
+    return files
+
+
+def _check_parents(root: str, rel: str, safe: set[str], where: str) -> None:
+    # A listed path must not reach its file through a symlinked directory.
+    parts = rel.split("/")[:-1]
+    for i in range(1, len(parts) + 1):
+        parent = "/".join(parts[:i])
+        if parent in safe:
+            continue
+        st = os.lstat(os.path.join(root, parent))
+        if not stat.S_ISDIR(st.st_mode):
+            raise ValueError(f"{where}: {os.path.join(root, parent)} is not a plain directory")
+        safe.add(parent)
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+def read_groups(path: str | os.PathLike[str]) -> dict[str, tuple[str, int]]:
+    """Read a groups table (``path,group[,order]``; an optional header row) -> path: (group, order).
+
+    Without an ``order`` column, files keep the order of their rows.
+    """
+    table: dict[str, tuple[str, int]] = {}
+    name = os.fspath(path)
+    with open(name, newline="", encoding="utf-8") as handle:
+        for number, row in enumerate(csv.reader(handle), start=1):
+            if not row or (len(row) == 1 and not row[0].strip()):
+                continue
+            if number == 1 and [c.strip().lower() for c in row[:2]] == ["path", "group"]:
+                continue
+            where = f"{name} line {number}"
+            if len(row) not in (2, 3):
+                raise ValueError(f"{where}: expected path,group[,order], got {len(row)} columns")
+            rel = row[0]
+            while rel.startswith("./"):
+                rel = rel[2:]
+            check_relative_path(rel, where)
+            if rel in table:
+                raise ValueError(f"{where}: path {rel!r} is listed twice")
+            if len(row) == 3:
+                try:
+                    order = int(row[2])
+                except ValueError:
+                    raise ValueError(f"{where}: order {row[2]!r} is not an integer") from None
+            else:
+                order = number
+            table[rel] = (row[1], order)
+    return table
+
+
+def _object_key(path: str) -> str | None:
+    """``objects/<path>`` when the path is a valid store key as-is, else None (pack it instead)."""
+    from koochak.storage.store import validate_key
+
+    try:
+        return validate_key(OBJECT_PREFIX + path)
+    except ValueError:
+        return None
+
+
+def tar_header(path: str, size: int, mode: int, mtime_ns: int) -> bytes:
+    """The deterministic pax/ustar header block(s) for one regular-file member."""
+    info = tarfile.TarInfo(path)
+    info.size = size
+    info.mode = mode
+    info.mtime = mtime_ns // 1_000_000_000
+    info.type = tarfile.REGTYPE
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    return info.tobuf(format=tarfile.PAX_FORMAT, encoding="utf-8", errors="strict")
+
+
+def _padded(size: int) -> int:
+    return -(-size // TAR_BLOCK) * TAR_BLOCK
+
+
+def plan_archive(
+    files: Sequence[SourceFile],
+    *,
+    groups: dict[str, tuple[str, int]] | None = None,
+    pack_bytes: int = DEFAULT_PACK_BYTES,
+    object_bytes: int,
+    layout: str = "packs",
+) -> ArchivePlan:
+    """Deal files into packs and objects; deterministic for the same inputs.
+
+    Groups go in name order; inside a group files go by (order, path). A group that does not fit
+    the rest of the current pack starts a new one; a group larger than ``pack_bytes`` spills over
+    several packs. Files of ``object_bytes`` or more become objects (all files with
+    ``layout="objects"``), except paths that cannot be store keys, which are always packed.
+    """
+    if layout not in ("packs", "objects"):
+        raise ValueError(f"--layout {layout!r}: expected 'packs' or 'objects'")
+    if pack_bytes < TAR_BLOCK * 4:
+        raise ValueError(f"--pack-bytes {pack_bytes}: expected at least {TAR_BLOCK * 4}")
+    if object_bytes < 0:
+        raise ValueError(f"--object-bytes {object_bytes}: expected a size >= 0")
+    groups = groups or {}
+    objects: list[ObjectPlan] = []
+    grouped: dict[str, list[tuple[int, str, SourceFile]]] = {}
+    for f in files:
+        group, order = groups.get(f.path, (_directory_group(f.path), 0))
+        key = _object_key(f.path) if (layout == "objects" or f.size >= object_bytes) else None
+        if key is not None:
+            objects.append(ObjectPlan(f, group, key))
+        elif layout == "objects":
+            raise ValueError(
+                f"{f.path!r} cannot be stored as an object (not a valid store key); "
+                "use the default packed layout"
+            )
+        else:
+            grouped.setdefault(group, []).append((order, f.path, f))
+    packs: list[PackPlan] = []
+    current: list[Member] = []
+    used = 0
+
+    def close() -> None:
+        nonlocal current, used
+        if current:
+            key = f"packs/pack-{len(packs):06d}.tar"
+            packs.append(PackPlan(key, tuple(current), used + TAR_END))
+            current, used = [], 0
+
+    for group in sorted(grouped):
+        items = [
+            (f, len(tar_header(f.path, f.size, f.mode, f.mtime_ns)))
+            for _, _, f in sorted(grouped[group], key=lambda t: (t[0], t[1]))
+        ]
+        need = sum(header + _padded(f.size) for f, header in items)
+        if current and used + need + TAR_END > pack_bytes:
+            close()
+        for f, header in items:
+            span = header + _padded(f.size)
+            # Only a group larger than a whole pack reaches this: it spills file by file.
+            if current and used + span + TAR_END > pack_bytes:
+                close()
+            current.append(Member(f, group, used + header))
+            used += span
+    close()
+    objects.sort(key=lambda o: o.file.path)
+    return ArchivePlan(tuple(packs), tuple(objects), pack_bytes, object_bytes, layout)
+
+
+def _directory_group(path: str) -> str:
+    head = path.rpartition("/")[0]
+    return head or "."
+
+
+# ----------------------------------------------------------------------------- pack writing
+
+
+def _read_source(root: str, f: SourceFile) -> Iterator[bytes]:
+    """The bytes of a source file in chunks, refusing a file that changed since the scan."""
+    full = os.path.join(root, f.path)
+    fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if (
+            not stat.S_ISREG(st.st_mode)
+            or st.st_size != f.size
+            or st.st_mtime_ns != f.mtime_ns
+        ):
+            raise ValueError(
+                f"{full} changed since it was scanned (size/mtime differ); rerun archive"
+            )
+        remaining = f.size
+        while remaining:
+            chunk = os.read(fd, min(remaining, _CHUNK))
+            if not chunk:
+                raise ValueError(f"{full} shrank while it was read; rerun archive")
+            remaining -= len(chunk)
+            yield chunk
+    finally:
+        os.close(fd)
+
+
+def _pack_stream(
+    root: str, pack: PackPlan, digests: dict[str, str], progress: Progress
+) -> Iterator[bytes]:
+    """The bytes of one tar pack, in ~1 MiB pieces, recording each member's SHA256."""
+    buffer = bytearray()
+    for m in pack.members:
+        f = m.file
+        buffer += tar_header(f.path, f.size, f.mode, f.mtime_ns)
+        sha = hashlib.sha256()
+        for chunk in _read_source(root, f):
+            sha.update(chunk)
+            buffer += chunk
+            if len(buffer) >= _CHUNK:
+                out, buffer = buffer, bytearray()
+                yield out
+        buffer += b"\0" * (_padded(f.size) - f.size)
+        digests[f.path] = sha.hexdigest()
+        progress(f.size)
+    buffer += b"\0" * TAR_END
+    yield buffer
+
+
+def _record_doc(pack: PackPlan, size: int, sha256: str, digests: dict[str, str]) -> bytes:
+    doc = {
+        "version": VERSION,
+        "kind": RECORD_KIND,
+        "pack": pack.key,
+        "size": size,
+        "sha256": sha256,
+        "members": [
+            {
+                "path": m.file.path,
+                "size": m.file.size,
+                "mtime_ns": m.file.mtime_ns,
+                "mode": m.file.mode,
+                "offset": m.offset,
+                "sha256": digests[m.file.path],
+            }
+            for m in pack.members
+        ],
+    }
+    return (json.dumps(doc, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
+
+
+def _parse_record(data: bytes, pack: PackPlan, where: str) -> tuple[str, dict[str, str]]:
+    """Check a pack record against the plan; returns (pack sha256, member digests)."""
+    try:
+        doc = json.loads(data)
+    except ValueError as exc:
+        raise ValueError(f"{where}: not valid JSON ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("version") != VERSION or doc.get("kind") != RECORD_KIND:
+        raise ValueError(f"{where}: not a version-{VERSION} {RECORD_KIND}")
+    if set(doc) != {"version", "kind", "pack", "size", "sha256", "members"}:
+        raise ValueError(f"{where}: unexpected fields {sorted(doc)}")
+    planned = [
+        {"path": m.file.path, "size": m.file.size, "mtime_ns": m.file.mtime_ns,
+         "mode": m.file.mode, "offset": m.offset}
+        for m in pack.members
+    ]
+    members = doc["members"]
+    if not isinstance(members, list) or not all(isinstance(x, dict) for x in members):
+        raise ValueError(f"{where}: field 'members' is not a list of objects")
+    found = [{k: v for k, v in x.items() if k != "sha256"} for x in members]
+    if doc["pack"] != pack.key or doc["size"] != pack.size or found != planned:
+        raise _leftover(pack.key, _first_difference(planned, found))
+    digests = {x["path"]: x.get("sha256") for x in members}
+    return str(doc["sha256"]), digests  # type: ignore[return-value]
+
+
+def _first_difference(planned: list[dict], found: list[dict]) -> str:
+    for want, got in zip(planned, found):
+        if want != got:
+            return f"planned {want}, found {got}"
+    return f"planned {len(planned)} members, found {len(found)}"
+
+
+def _leftover(key: str, why: str) -> ValueError:
+    return ValueError(
+        f"{key} is left over from an earlier archive and does not match this plan ({why}); "
+        "the source changed: archive to a new DEST, or delete the uncommitted collection first"
+    )
+
+
+def _adopt_pack(target: Any, pack: PackPlan) -> tuple[str, dict[str, str]]:
+    """A pack without a record (killed between its put and its record): check its bytes."""
+    data = target.get(pack.key)
+    if len(data) != pack.size:
+        raise _leftover(pack.key, f"{len(data)} bytes, planned {pack.size}")
+    digests: dict[str, str] = {}
+    position = 0
+    for m in pack.members:
+        f = m.file
+        header = tar_header(f.path, f.size, f.mode, f.mtime_ns)
+        if data[position : position + len(header)] != header or m.offset != position + len(header):
+            raise _leftover(pack.key, f"member {f.path!r} has a different tar header")
+        digests[f.path] = hashlib.sha256(data[m.offset : m.offset + f.size]).hexdigest()
+        position = m.offset + _padded(f.size)
+    return hashlib.sha256(data).hexdigest(), digests
+
+
+def _write_pack(
+    root: str, target: Any, pack: PackPlan, progress: Progress
+) -> tuple[PackInfo, dict[str, str], bool]:
+    """Write (or reuse) one pack and its record. Returns (info, member digests, reused)."""
+    try:
+        sha, digests = _parse_record(target.get(pack.record_key), pack, pack.record_key)
+        if target.stat(pack.key).size != pack.size:
+            raise _leftover(pack.key, "its size differs from its record")
+        progress(sum(m.file.size for m in pack.members))
+        return PackInfo(pack.key, pack.size, sha, len(pack.members)), digests, True
+    except FileNotFoundError:
+        pass
+    reused = False
+    digests = {}
+    try:
+        info = target.put(
+            pack.key, _pack_stream(root, pack, digests, progress), expected_size=pack.size
+        )
+        sha = info.sha256 or hashlib.sha256(target.get(pack.key)).hexdigest()
+    except FileExistsError:
+        sha, digests = _adopt_pack(target, pack)
+        progress(sum(m.file.size for m in pack.members))
+        reused = True
+    try:
+        target.put(pack.record_key, _record_doc(pack, pack.size, sha, digests))
+    except FileExistsError:
+        # Another run wrote the record between our get and put; it must agree with us.
+        _parse_record(target.get(pack.record_key), pack, pack.record_key)
+    return PackInfo(pack.key, pack.size, sha, len(pack.members)), digests, reused
+
+
+# ----------------------------------------------------------------------------- objects
+
+
+def _hash_source(root: str, f: SourceFile) -> str:
+    sha = hashlib.sha256()
+    for chunk in _read_source(root, f):
+        sha.update(chunk)
+    return sha.hexdigest()
+
+
+def _copy_objects(
+    root: str, target: Any, objects: Sequence[ObjectPlan], streams: int, progress: Progress
+) -> tuple[dict[str, str], int]:
+    """Hash each object's source, then move the bytes with copy_objects (checked in flight).
+
+    Objects already in the target are re-read and hashed, because copy_objects skips any object
+    of the expected size and a leftover from an older source could have that size too.
+    """
+    from koochak.storage.store import LocalStore
+    from koochak.storage.transfer import CopyItem, copy_objects
+
+    if not objects:
+        return {}, 0
+    with ThreadPoolExecutor(max_workers=streams) as pool:
+        digests = dict(
+            zip(
+                (o.file.path for o in objects),
+                pool.map(lambda o: _hash_source(root, o.file), objects),
+            )
+        )
+    existing = []
+    for o in objects:
+        try:
+            target.stat(o.key)
+            existing.append(o)
+        except FileNotFoundError:
+            pass
+    source = LocalStore(root, fsync=False)
+    items = [CopyItem(o.file.path, o.file.size, digests[o.file.path], o.key) for o in objects]
+    copy_objects(source, target, items, streams=streams, progress=progress, show_progress=False)
+    for o in existing:
+        sha = hashlib.sha256()
+        with target.open(o.key) as handle:
+            while chunk := handle.read(_CHUNK):
+                sha.update(chunk)
+        if sha.hexdigest() != digests[o.file.path]:
+            raise _leftover(o.key, "its SHA256 differs from the source file")
+    return digests, len(existing)
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def _entries(
+    plan: ArchivePlan, digests: dict[str, str]
+) -> list[FileEntry]:
+    entries = [
+        FileEntry(
+            path=m.file.path, size=m.file.size, sha256=digests[m.file.path], mode=m.file.mode,
+            mtime_ns=m.file.mtime_ns, group=m.group, pack=p.key, offset=m.offset,
+        )
+        for p in plan.packs
+        for m in p.members
+    ]
+    entries += [
+        FileEntry(
+            path=o.file.path, size=o.file.size, sha256=digests[o.file.path], mode=o.file.mode,
+            mtime_ns=o.file.mtime_ns, group=o.group, object=o.key,
+        )
+        for o in plan.objects
+    ]
+    return entries
+
+
+def _same_files(collection: Collection, plan: ArchivePlan) -> bool:
+    planned = {(m.file.path, m.file.size, m.file.mtime_ns, m.file.mode) for p in plan.packs for m in p.members}
+    planned |= {(o.file.path, o.file.size, o.file.mtime_ns, o.file.mode) for o in plan.objects}
+    found = {(e.path, e.size, e.mtime_ns, e.mode) for e in collection.entries}
+    return planned == found
+
+
+def _fill_counts(report: ArchiveReport, plan: ArchivePlan) -> None:
+    report.files = plan.files
+    report.bytes = plan.bytes
+    report.packs = len(plan.packs)
+    report.pack_bytes = sum(p.size for p in plan.packs)
+    report.objects = len(plan.objects)
+    report.object_bytes = sum(o.file.size for o in plan.objects)
+    # Requests against the target: each pack + its record, each object, the table, the manifest.
+    report.requests = {
+        "source_files_read": plan.files,
+        "target_puts": 2 * len(plan.packs) + len(plan.objects) + 2,
+        "pull_gets": len(plan.packs) + len(plan.objects) + 2,
+        "pull_gets_unpacked": plan.files + 2,
+    }
+
+
+def archive(
+    src: str | os.PathLike[str],
+    dest: Any,
+    *,
+    groups: str | os.PathLike[str] | None = None,
+    pack_bytes: int = DEFAULT_PACK_BYTES,
+    object_bytes: int | None = None,
+    layout: str = "packs",
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    skip_symlinks: bool = False,
+    min_age_hours: float | None = None,
+    files_from: str | os.PathLike[str] | None = None,
+    delete_source: bool = False,
+    dry_run: bool = False,
+    streams: int | None = None,
+    metadata: dict[str, Any] | None = None,
+    progress: Progress | None = None,
+    show_progress: bool | None = None,
+) -> ArchiveReport:
+    """Archive the tree ``src`` into the collection at ``dest`` (a Store, path or ``scheme://``).
+
+    Returns an :class:`ArchiveReport`; raises ValueError for bad input, refused files and
+    leftovers that do not match the plan. With ``dry_run`` nothing is written anywhere.
+    """
+    from koochak.storage.profile import min_object_bytes, profile_of
+    from koochak.storage.store import open_store
+
+    root = os.path.abspath(os.fspath(src))
+    target = open_store(dest)
+    profile = profile_of(target)
+    if object_bytes is None:
+        object_bytes = min_object_bytes(profile)
+    if streams is None:
+        streams = max(1, min(profile.concurrency, 16))
+    listed = None
+    if files_from is not None:
+        with open(files_from, encoding="utf-8") as handle:
+            listed = handle.read().split("\n")
+    files, skipped = scan_source(
+        root, include=include, exclude=exclude, skip_symlinks=skip_symlinks,
+        min_age_hours=min_age_hours, files_from=listed,
+    )
+    table = read_groups(groups) if groups is not None else None
+    plan = plan_archive(
+        files, groups=table, pack_bytes=pack_bytes, object_bytes=object_bytes, layout=layout
+    )
+    report = ArchiveReport(source=root, dest=target.location, skipped=skipped, dry_run=dry_run)
+    if table is not None:
+        report.unmatched_group_rows = len(set(table) - {f.path for f in files})
+    _fill_counts(report, plan)
+    if dry_run:
+        return report
+
+    try:
+        committed = load_collection(target)
+    except FileNotFoundError:
+        committed = None
+    if committed is not None:
+        if not _same_files(committed, plan):
+            raise ValueError(
+                f"{target.location} already holds a committed collection with different files; "
+                "archive to a new DEST"
+            )
+        report.already_committed = True
+    else:
+        _write_collection(root, target, plan, report, streams, metadata, progress, show_progress)
+    if delete_source:
+        _delete_sources(root, target, report, streams, show_progress)
+    return report
+
+
+def _write_collection(
+    root: str,
+    target: Any,
+    plan: ArchivePlan,
+    report: ArchiveReport,
+    streams: int,
+    metadata: dict[str, Any] | None,
+    progress: Progress | None,
+    show_progress: bool | None,
+) -> None:
+    from koochak.data._progress import progress_bar
+
+    digests: dict[str, str] = {}
+    packs: list[PackInfo] = []
+    with progress_bar(plan.bytes, "archive", enabled=show_progress) as bar:
+        lock = threading.Lock()
+
+        def advance(n: int) -> None:
+            with lock:
+                bar(n)
+                if progress is not None:
+                    progress(n)
+
+        with ThreadPoolExecutor(max_workers=streams) as pool:
+            futures = [pool.submit(_write_pack, root, target, p, advance) for p in plan.packs]
+            try:
+                for future in futures:
+                    info, pack_digests, reused = future.result()
+                    packs.append(info)
+                    digests.update(pack_digests)
+                    report.packs_reused += reused
+            except BaseException:
+                for future in futures:
+                    future.cancel()
+                raise
+        object_digests, report.objects_reused = _copy_objects(
+            root, target, plan.objects, streams, advance
+        )
+        digests.update(object_digests)
+    table = encode_files_table(_entries(plan, digests))
+    try:
+        target.put(FILES_KEY, table)
+    except FileExistsError:
+        if target.get(FILES_KEY) != table:
+            raise _leftover(FILES_KEY, "its content differs from this run's file table") from None
+    meta = {
+        "source": root,
+        "layout": plan.layout,
+        "pack_bytes": plan.pack_bytes,
+        "object_bytes": plan.object_bytes,
+    }
+    meta.update(metadata or {})
+    manifest = Manifest(
+        version=VERSION,
+        kind=KIND,
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        files=plan.files,
+        bytes=plan.bytes,
+        objects=len(plan.objects),
+        packs=tuple(packs),
+        files_table=FilesTable(FILES_KEY, len(table), hashlib.sha256(table).hexdigest()),
+        metadata=meta,
+    )
+    target.put(MANIFEST_KEY, encode_manifest(manifest))
+
+
+def _delete_sources(
+    root: str, target: Any, report: ArchiveReport, streams: int, show_progress: bool | None
+) -> None:
+    """Delete sources only after a deep verify; files changed since archiving are kept."""
+    from koochak.data.verify import verify_collection
+
+    result = verify_collection(target, deep=True, streams=streams, show_progress=show_progress)
+    report.verified = result.ok
+    if not result.ok:
+        report.problems = [str(p) for p in result.problems]
+        return
+    touched: set[str] = set()
+    for entry in load_collection(target).entries:
+        full = os.path.join(root, entry.path)
+        try:
+            st = os.lstat(full)
+        except FileNotFoundError:
+            continue
+        if (
+            not stat.S_ISREG(st.st_mode)
+            or st.st_size != entry.size
+            or st.st_mtime_ns != entry.mtime_ns
+        ):
+            report.kept_changed.append(entry.path)
+            continue
+        os.unlink(full)
+        report.deleted += 1
+        touched.add(os.path.dirname(entry.path))
+    # Remove directories the move emptied (deepest first); never the source root itself.
+    parents: set[str] = set()
+    for rel in touched:
+        while rel:
+            parents.add(rel)
+            rel = os.path.dirname(rel)
+    for rel in sorted(parents, key=lambda p: p.count("/"), reverse=True):
+        try:
+            os.rmdir(os.path.join(root, rel))
+        except OSError:
+            pass

@@ -1,0 +1,196 @@
+"""``verify``: check a committed collection against its manifest.
+
+Shallow: every pack and object exists with the size the manifest gives (one stat each).
+Deep: every byte is read once; each pack's SHA256 and each file's SHA256 are checked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from koochak.data.collection import Collection, FileEntry, PackInfo, load_collection
+
+__all__ = ["Problem", "VerifyReport", "verify_collection"]
+
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class Problem:
+    key: str  # the pack or object key
+    path: str | None  # the file, when the problem is one file's bytes
+    message: str
+
+    def __str__(self) -> str:
+        where = f"{self.key} ({self.path})" if self.path else self.key
+        return f"{where}: {self.message}"
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    location: str
+    deep: bool
+    files: int
+    bytes: int
+    packs: int
+    objects: int
+    bytes_read: int
+    problems: tuple[Problem, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "location": self.location,
+            "deep": self.deep,
+            "ok": self.ok,
+            "files": self.files,
+            "bytes": self.bytes,
+            "packs": self.packs,
+            "objects": self.objects,
+            "bytes_read": self.bytes_read,
+            "problems": [
+                {"key": p.key, "path": p.path, "message": p.message} for p in self.problems
+            ],
+        }
+
+
+def verify_collection(
+    store: Any,
+    *,
+    deep: bool = False,
+    streams: int | None = None,
+    progress: Callable[[int], None] | None = None,
+    show_progress: bool | None = None,
+) -> VerifyReport:
+    """Verify the collection in ``store`` (a Store, path or ``scheme://``).
+
+    A malformed manifest or file table raises ValueError (nothing can be checked against it);
+    everything found wrong in the stored bytes is returned as problems.
+    """
+    from koochak.data._progress import progress_bar
+    from koochak.storage.profile import profile_of
+    from koochak.storage.store import open_store
+
+    store = open_store(store)
+    collection = load_collection(store)
+    if streams is None:
+        streams = max(1, min(profile_of(store).concurrency, os.cpu_count() or 1, 8))
+    members: dict[str, list[FileEntry]] = {p.key: [] for p in collection.manifest.packs}
+    objects = []
+    for e in collection.entries:
+        if e.pack is not None:
+            members[e.pack].append(e)
+        else:
+            objects.append(e)
+    total = sum(p.size for p in collection.manifest.packs) + sum(e.size for e in objects)
+    with progress_bar(total if deep else 0, "verify", enabled=show_progress) as bar:
+
+        def advance(n: int) -> None:
+            bar(n)
+            if progress is not None:
+                progress(n)
+
+        def check_pack(pack: PackInfo) -> tuple[list[Problem], int]:
+            return _check_pack(store, pack, members[pack.key], deep, advance)
+
+        def check_object(entry: FileEntry) -> tuple[list[Problem], int]:
+            return _check_object(store, entry, deep, advance)
+
+        with ThreadPoolExecutor(max_workers=streams) as pool:
+            results = list(pool.map(check_pack, collection.manifest.packs))
+            results += list(pool.map(check_object, objects))
+    problems = tuple(p for found, _ in results for p in found)
+    return _report(store.location, collection, deep, sum(n for _, n in results), problems)
+
+
+def _report(
+    location: str, collection: Collection, deep: bool, read: int, problems: Sequence[Problem]
+) -> VerifyReport:
+    m = collection.manifest
+    return VerifyReport(
+        location=location, deep=deep, files=m.files, bytes=m.bytes, packs=len(m.packs),
+        objects=m.objects, bytes_read=read, problems=tuple(problems),
+    )
+
+
+def _stat_problem(store: Any, key: str, size: int) -> Problem | None:
+    try:
+        found = store.stat(key).size
+    except FileNotFoundError:
+        return Problem(key, None, "missing")
+    if found != size:
+        return Problem(key, None, f"size {found}, manifest says {size}")
+    return None
+
+
+def _check_pack(
+    store: Any, pack: PackInfo, members: list[FileEntry], deep: bool, advance: Callable[[int], None]
+) -> tuple[list[Problem], int]:
+    problem = _stat_problem(store, pack.key, pack.size)
+    if problem is not None or not deep:
+        return ([problem] if problem else []), 0
+    problems: list[Problem] = []
+    pack_sha = hashlib.sha256()
+    position = 0
+    with store.open(pack.key) as handle:
+
+        def read(n: int, *hashers: Any) -> int:
+            nonlocal position
+            got = 0
+            while got < n:
+                chunk = handle.read(min(_CHUNK, n - got))
+                if not chunk:
+                    break
+                for h in hashers:
+                    h.update(chunk)
+                got += len(chunk)
+                advance(len(chunk))
+            position += got
+            return got
+
+        for e in sorted(members, key=lambda e: e.offset or 0):
+            assert e.offset is not None
+            read(e.offset - position, pack_sha)
+            file_sha = hashlib.sha256()
+            if read(e.size, pack_sha, file_sha) != e.size:
+                problems.append(Problem(pack.key, e.path, "pack ends inside this file"))
+                break
+            if file_sha.hexdigest() != e.sha256:
+                problems.append(Problem(pack.key, e.path, "SHA256 differs from the manifest"))
+        read(pack.size - position, pack_sha)
+        if handle.read(1):
+            problems.append(Problem(pack.key, None, "longer than the manifest says"))
+    if position != pack.size:
+        problems.append(Problem(pack.key, None, f"read {position} bytes, manifest says {pack.size}"))
+    elif pack_sha.hexdigest() != pack.sha256:
+        problems.append(Problem(pack.key, None, "pack SHA256 differs from the manifest"))
+    return problems, position
+
+
+def _check_object(
+    store: Any, entry: FileEntry, deep: bool, advance: Callable[[int], None]
+) -> tuple[list[Problem], int]:
+    key = entry.key
+    problem = _stat_problem(store, key, entry.size)
+    if problem is not None or not deep:
+        return ([problem] if problem else []), 0
+    sha = hashlib.sha256()
+    got = 0
+    with store.open(key) as handle:
+        while chunk := handle.read(_CHUNK):
+            sha.update(chunk)
+            got += len(chunk)
+            advance(len(chunk))
+    if got != entry.size:
+        return [Problem(key, entry.path, f"read {got} bytes, manifest says {entry.size}")], got
+    if sha.hexdigest() != entry.sha256:
+        return [Problem(key, entry.path, "SHA256 differs from the manifest")], got
+    return [], got
