@@ -1,0 +1,52 @@
+"""What the CSV and JSONL metric logs share: the record shape, value coercion and the version."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+METRIC_LOG_VERSION = 1
+EVENTS = ("log", "eval")
+# Fixed leading CSV columns; metric names may not reuse them.
+FIXED_COLUMNS = ("version", "event", "step", "time")
+
+
+def scalar(name: str, value: Any) -> int | float | str:
+    """A metric value as a plain int/float/str; 0-d tensors and numpy scalars are unwrapped."""
+    if hasattr(value, "item") and callable(value.item):
+        value = value.item()
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, (int, float, str)):
+        return value
+    raise TypeError(f"metric {name!r}: expected a number or string, got {type(value).__name__}")
+
+
+def clean_metrics(metrics: Mapping[str, Any]) -> dict[str, int | float | str]:
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"metrics must be a mapping, got {type(metrics).__name__}")
+    cleaned = {}
+    for name, value in metrics.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"metric names must be non-empty strings, got {name!r}")
+        cleaned[name] = scalar(name, value)
+    return cleaned
+
+
+def check_event(event: str) -> None:
+    if event not in EVENTS:
+        raise ValueError(f"metric log event must be one of {', '.join(EVENTS)}, got {event!r}")
+
+
+def check_step(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"metric log step must be an int >= 0, got {step!r}")
+    return step
+
+
+def format_number(value: int | float | str) -> str:
+    """Compact human formatting for stdout (files keep full precision)."""
+    if isinstance(value, float):
+        return f"{value:.4g}" if math.isfinite(value) else str(value)
+    return str(value)

@@ -1,0 +1,223 @@
+"""Weights & Biases hooks (rank 0): config at start, metrics, and versioned checkpoint artifacts.
+
+Checkpoints go into ONE artifact per W&B run, ``<artifact_name_prefix>-<run_id>``, one version
+per checkpoint, with aliases ``latest`` and ``step-<n>`` and, when a tracked metric improved
+since the last uploaded version, ``best-<metric>`` (and ``best`` for the first tracked metric).
+
+Restart rule: an attempt that resumes from durable checkpoint state must continue the same W&B
+run, so it needs ``wandb.resume: allow`` and a stable ``wandb.name`` or ``wandb.id``; otherwise
+training refuses to start. A first attempt is not constrained. With a name but no id, the run id
+is derived from entity/project/name so every attempt lands in the same run.
+
+``wandb`` is imported when the hooks are built (only if ``wandb.enabled``), never at module import.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from koochak.loop.hooks import Hooks, rank0_only
+from omegaconf import DictConfig, OmegaConf
+
+__all__ = ["make_wandb_hooks", "wandb_run_id"]
+
+_WANDB_KEYS = (
+    "enabled",
+    "project",
+    "entity",
+    "name",
+    "id",
+    "resume",
+    "mode",
+    "dir",
+    "artifact_name_prefix",
+    "artifact_type",
+    "log_checkpoints",
+    "tags",
+)
+_MODES = ("online", "offline", "disabled")
+_RESUME = ("allow", "must", "never", "auto")
+_DIRECTIONS = ("min", "max")
+
+
+def _import_wandb() -> Any:
+    try:
+        import wandb
+    except ImportError:
+        raise ImportError(
+            "wandb.enabled is true but wandb is not installed; install the extra: "
+            "pip install 'koochak-loop[wandb]'"
+        ) from None
+    return wandb
+
+
+def _plain(cfg: Any) -> dict[str, Any]:
+    if isinstance(cfg, DictConfig):
+        cfg = OmegaConf.to_container(cfg, resolve=True)
+    if not isinstance(cfg, Mapping):
+        raise TypeError(f"make_wandb_hooks(cfg): expected a mapping, got {type(cfg).__name__}")
+    return dict(cfg)
+
+
+def wandb_run_id(wandb_cfg: Mapping[str, Any]) -> str | None:
+    """The W&B run id to use: ``wandb.id``, else one derived from a stable name, else None.
+
+    A derived id exists only with ``resume: allow``; without it W&B picks a fresh id per attempt.
+    """
+    if wandb_cfg.get("id"):
+        return str(wandb_cfg["id"])
+    if wandb_cfg.get("name") and wandb_cfg.get("resume") == "allow":
+        key = f"{wandb_cfg.get('entity') or ''}/{wandb_cfg.get('project') or ''}/{wandb_cfg['name']}"
+        return "koochak-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+    return None
+
+
+def _check_restart(wandb_cfg: Mapping[str, Any], step: int) -> None:
+    problems = []
+    if wandb_cfg.get("resume") != "allow":
+        problems.append(f"wandb.resume is {wandb_cfg.get('resume')!r} (needs 'allow')")
+    if not (wandb_cfg.get("name") or wandb_cfg.get("id")):
+        problems.append("neither wandb.name nor wandb.id is set")
+    if problems:
+        raise ValueError(
+            f"wandb: this attempt resumes from checkpoint state (next step {step}), so it must "
+            f"continue the same W&B run, but {' and '.join(problems)}; set wandb.resume: allow "
+            "and a stable wandb.name or wandb.id"
+        )
+
+
+def _validate(wandb_cfg: Mapping[str, Any]) -> None:
+    unknown = [k for k in wandb_cfg if k not in _WANDB_KEYS]
+    if unknown:
+        raise ValueError(
+            f"wandb: unknown key(s) {', '.join(map(repr, unknown))}; supported keys: "
+            f"{', '.join(_WANDB_KEYS)}"
+        )
+    mode = wandb_cfg.get("mode") or "online"
+    if mode not in _MODES:
+        raise ValueError(f"wandb.mode: unsupported value {mode!r}; supported: {', '.join(_MODES)}")
+    resume = wandb_cfg.get("resume")
+    if resume is not None and resume not in _RESUME:
+        raise ValueError(
+            f"wandb.resume: unsupported value {resume!r}; supported: {', '.join(_RESUME)} or null"
+        )
+    for key in ("artifact_name_prefix", "artifact_type"):
+        value = wandb_cfg.get(key) or "model"
+        if not isinstance(value, str) or not value.replace("-", "").replace("_", "").replace(".", "").isalnum():
+            raise ValueError(f"wandb.{key} must be letters, digits, '-', '_' or '.', got {value!r}")
+
+
+def make_wandb_hooks(
+    cfg: Mapping[str, Any],
+    *,
+    resumed: bool | None = None,
+    track: Mapping[str, str] | None = None,
+) -> Hooks:
+    """W&B hooks from the resolved config (or its ``wandb`` section); ``{}`` when not enabled.
+
+    ``resumed`` overrides the loop's ``info["resumed"]`` for the restart rule. ``track`` maps
+    metric names to ``"min"``/``"max"`` for the ``best`` aliases; by default ``eval_loss`` (min)
+    when the checkpoint's metrics hold it, else ``loss`` (min).
+    """
+    full = _plain(cfg)
+    wandb_cfg = _plain(full["wandb"]) if "wandb" in full else full
+    _validate(wandb_cfg)
+    if not wandb_cfg.get("enabled") or (wandb_cfg.get("mode") or "online") == "disabled":
+        return {}
+    if track is not None:
+        bad = {k: v for k, v in track.items() if v not in _DIRECTIONS}
+        if bad:
+            raise ValueError(f"make_wandb_hooks(track=...): directions must be min or max, got {bad}")
+    wandb = _import_wandb()
+    prefix = wandb_cfg.get("artifact_name_prefix") or "model"
+    artifact_type = wandb_cfg.get("artifact_type") or "model"
+    log_checkpoints = wandb_cfg.get("log_checkpoints", True)
+    state: dict[str, Any] = {"run": None, "best": {}}
+
+    def on_train_start(info: dict[str, Any]) -> None:
+        is_resumed = resumed if resumed is not None else bool(info.get("resumed", False))
+        if is_resumed:
+            _check_restart(wandb_cfg, int(info.get("step", 0)))
+        run_dir = wandb_cfg.get("dir") or info.get("out_dir") or "."
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        config = info.get("config_json")
+        if config is None:
+            config = full if "wandb" in full else {"train": info.get("train_cfg")}
+        state["run"] = wandb.init(
+            project=wandb_cfg.get("project"),
+            entity=wandb_cfg.get("entity"),
+            name=wandb_cfg.get("name"),
+            id=wandb_run_id(wandb_cfg),
+            resume=wandb_cfg.get("resume"),
+            mode=wandb_cfg.get("mode") or "online",
+            dir=str(run_dir),
+            tags=list(wandb_cfg.get("tags") or []) or None,
+            config=_plain(config),
+        )
+
+    def _log(info: dict[str, Any]) -> None:
+        if state["run"] is not None:
+            state["run"].log(dict(info["metrics"]), step=int(info["step"]))
+
+    def _improved(metrics: Mapping[str, Any]) -> list[str]:
+        tracked = dict(track) if track is not None else (
+            {"eval_loss": "min"} if "eval_loss" in metrics else {"loss": "min"}
+        )
+        improved = []
+        for name, direction in tracked.items():
+            value = metrics.get(name)
+            if value is None or not math.isfinite(float(value)):
+                continue
+            value = float(value)
+            best = state["best"].get(name)
+            if best is None or (value < best if direction == "min" else value > best):
+                state["best"][name] = value
+                improved.append(name)
+        # "best" follows the first tracked metric only, so it has one meaning per run.
+        first = next(iter(tracked), None)
+        return (["best"] if first in improved else []) + [f"best-{name}" for name in improved]
+
+    def on_checkpoint(info: dict[str, Any]) -> None:
+        run = state["run"]
+        if run is None or not log_checkpoints:
+            return
+        path = str(info["path"])
+        if "://" in path or not os.path.isfile(path):
+            raise ValueError(
+                f"wandb: checkpoint {path!r} is not a local file, so it cannot be added to an "
+                "artifact; set wandb.log_checkpoints: false for non-POSIX checkpoint_dir"
+            )
+        step = int(info["step"])
+        checkpoint = info.get("checkpoint") or {}
+        metrics = dict(checkpoint.get("metrics") or {})
+        artifact = wandb.Artifact(
+            f"{prefix}-{run.id}", type=artifact_type, metadata={"step": step, **metrics}
+        )
+        # The default (mutable) policy copies the file into W&B's staging area right here, so
+        # pruning (keep_last_k) cannot delete it before a background upload reads it.
+        artifact.add_file(path, name=os.path.basename(path))
+        run.log_artifact(artifact, aliases=["latest", f"step-{step}", *_improved(metrics)])
+
+    def on_train_end(info: dict[str, Any]) -> None:
+        if state["run"] is not None:
+            state["run"].finish()
+            state["run"] = None
+
+    def on_exception(info: dict[str, Any]) -> None:
+        if state["run"] is not None:
+            state["run"].finish(exit_code=1)
+            state["run"] = None
+
+    return {
+        "on_train_start": [rank0_only(on_train_start)],
+        "on_log": [rank0_only(_log)],
+        "on_eval_end": [rank0_only(_log)],
+        "on_checkpoint": [rank0_only(on_checkpoint)],
+        "on_train_end": [rank0_only(on_train_end)],
+        "on_exception": [rank0_only(on_exception)],
+    }

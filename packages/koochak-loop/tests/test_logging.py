@@ -1,0 +1,184 @@
+import io
+import json
+import math
+
+import koochak.loop.dist as kdist
+import pytest
+import torch
+from koochak.loop.hooks import emit, merge
+from koochak.loop.logging import (
+    CSVLogger,
+    JSONLLogger,
+    make_csv_hooks,
+    make_jsonl_hooks,
+    make_progress_hooks,
+    make_stdout_hooks,
+    read_csv_log,
+    read_jsonl_log,
+)
+
+# ------------------------------------------------------------------------------------- CSV
+
+
+def test_csv_metric_that_appears_later_extends_header_without_losing_rows(tmp_path):
+    path = tmp_path / "log.csv"
+    logger = CSVLogger(path)
+    logger.log(0, {"loss": 2.5, "lr": 0.1}, wall_time=1.0)
+    logger.log(1, {"loss": 1.25, "lr": 0.1}, wall_time=2.0)
+    logger.log(1, {"eval_loss": 1.5, "eval_acc": 0.75}, event="eval", wall_time=3.0)
+    logger.log(2, {"loss": 1 / 3, "lr": 0.05, "grad_norm": 7.0}, wall_time=4.0)
+    logger.close()
+
+    header = path.read_text().splitlines()[0]
+    assert header == "version,event,step,time,loss,lr,eval_loss,eval_acc,grad_norm"
+    assert read_csv_log(path) == [
+        {"event": "log", "step": 0, "time": 1.0, "metrics": {"loss": 2.5, "lr": 0.1}},
+        {"event": "log", "step": 1, "time": 2.0, "metrics": {"loss": 1.25, "lr": 0.1}},
+        {"event": "eval", "step": 1, "time": 3.0, "metrics": {"eval_loss": 1.5, "eval_acc": 0.75}},
+        # repr() keeps every bit of the float.
+        {"event": "log", "step": 2, "time": 4.0,
+         "metrics": {"loss": 1 / 3, "lr": 0.05, "grad_norm": 7.0}},
+    ]
+    assert [p.name for p in tmp_path.iterdir()] == ["log.csv"]  # no temp file left behind
+
+
+def test_csv_resume_appends_and_keeps_existing_columns(tmp_path):
+    path = tmp_path / "log.csv"
+    first = CSVLogger(path)
+    first.log(0, {"loss": 1.0, "acc": 0.5})
+    first.close()
+
+    resumed = CSVLogger(path)
+    resumed.log(5, {"acc": 0.9})  # a subset: the loss cell stays empty
+    resumed.log(6, {"loss": 0.5, "new_metric": 3})
+    resumed.close()
+
+    rows = read_csv_log(path)
+    assert [r["step"] for r in rows] == [0, 5, 6]
+    assert rows[0]["metrics"] == {"loss": 1.0, "acc": 0.5}
+    assert rows[1]["metrics"] == {"acc": 0.9}
+    assert rows[2]["metrics"] == {"loss": 0.5, "new_metric": 3}
+    assert path.read_text().splitlines()[0].endswith("loss,acc,new_metric")
+
+
+def test_csv_after_a_crash_mid_row_starts_a_new_row(tmp_path):
+    path = tmp_path / "log.csv"
+    logger = CSVLogger(path)
+    logger.log(0, {"loss": 1.0})
+    logger.close()
+    with open(path, "a") as f:
+        f.write("1,log,1,9.0,0.")  # a torn row, no newline
+    logger = CSVLogger(path)
+    logger.log(2, {"loss": 0.25})
+    logger.close()
+    assert path.read_text().splitlines()[-1].startswith("1,log,2,")
+
+
+def test_csv_refuses_foreign_files_and_bad_metrics(tmp_path):
+    foreign = tmp_path / "other.csv"
+    foreign.write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="other.csv.*not a koochak metric CSV"):
+        CSVLogger(foreign).log(0, {"loss": 1.0})
+    assert foreign.read_text() == "a,b\n1,2\n"
+    logger = CSVLogger(tmp_path / "log.csv")
+    with pytest.raises(ValueError, match="clash"):
+        logger.log(0, {"step": 1.0})
+    with pytest.raises(TypeError, match="metric 'x'"):
+        logger.log(0, {"x": [1, 2]})
+
+
+def test_csv_reader_rejects_unknown_version(tmp_path):
+    path = tmp_path / "log.csv"
+    path.write_text("version,event,step,time,loss\n2,log,0,1.0,0.5\n")
+    with pytest.raises(ValueError, match="log.csv:2: field 'version'"):
+        read_csv_log(path)
+
+
+def test_csv_values_accept_tensors_and_non_finite(tmp_path):
+    logger = CSVLogger(tmp_path / "log.csv")
+    logger.log(0, {"loss": torch.tensor(0.5), "inf": math.inf, "nan": math.nan, "flag": True})
+    logger.close()
+    metrics = read_csv_log(tmp_path / "log.csv")[0]["metrics"]
+    assert metrics["loss"] == 0.5 and metrics["inf"] == math.inf and math.isnan(metrics["nan"])
+    assert metrics["flag"] == 1
+
+
+# ------------------------------------------------------------------------------------- JSONL
+
+
+def test_jsonl_round_trip_and_flush_per_line(tmp_path):
+    path = tmp_path / "sub" / "log.jsonl"
+    logger = JSONLLogger(path)
+    logger.log(3, {"loss": 0.125, "lr": torch.tensor(1e-3)}, wall_time=10.0)
+    # Flushed per line: readable while the logger is still open.
+    assert json.loads(path.read_text()) == {
+        "version": 1, "event": "log", "step": 3, "time": 10.0,
+        "metrics": {"loss": 0.125, "lr": pytest.approx(1e-3)},
+    }
+    logger.log(3, {"eval_loss": 0.5}, event="eval", wall_time=11.0)
+    logger.close()
+    JSONLLogger(path).log(4, {"loss": 0.1}, wall_time=12.0)  # reopening appends
+    records = read_jsonl_log(path)
+    assert [(r["event"], r["step"]) for r in records] == [("log", 3), ("eval", 3), ("log", 4)]
+
+
+def test_jsonl_reader_rejects_unknown_version_and_keys(tmp_path):
+    path = tmp_path / "log.jsonl"
+    path.write_text(json.dumps({"version": 9, "event": "log", "step": 0, "time": 0, "metrics": {}}))
+    with pytest.raises(ValueError, match="log.jsonl:1: field 'version'"):
+        read_jsonl_log(path)
+    record = {"version": 1, "event": "log", "step": 0, "time": 0, "metrics": {}, "extra": 1}
+    path.write_text(json.dumps(record) + "\n")
+    with pytest.raises(ValueError, match="unknown field.*extra"):
+        read_jsonl_log(path)
+
+
+# ------------------------------------------------------------------------------------- hooks
+
+
+def test_stdout_hooks_print_config_and_compact_tsv(capsys):
+    hooks = make_stdout_hooks()
+    emit(hooks, "on_train_start", {"step": 0, "config_json": {"train": {"max_steps": 3}}})
+    emit(hooks, "on_log", {"step": 9, "metrics": {"loss": 0.123456, "lr": 0.0003}})
+    emit(hooks, "on_eval_end", {"step": 9, "metrics": {"eval_acc": 0.5}})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:3] == ["# resolved config", "train:", "  max_steps: 3"]
+    assert lines[-2] == "log\tstep=9\tloss=0.1235\tlr=0.0003"
+    assert lines[-1] == "eval\tstep=9\teval_acc=0.5"
+
+
+def test_file_sinks_write_only_on_rank0(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(kdist, "get_rank", lambda: 1)
+    hooks = merge(
+        make_csv_hooks(tmp_path / "log.csv"),
+        make_jsonl_hooks(tmp_path / "log.jsonl"),
+        make_stdout_hooks(),
+    )
+    emit(hooks, "on_log", {"step": 0, "metrics": {"loss": 1.0}})
+    emit(hooks, "on_train_end", {"step": 1, "checkpoint": {}, "metrics": {}})
+    assert list(tmp_path.iterdir()) == []
+    assert capsys.readouterr().out == ""
+
+
+def test_csv_and_jsonl_hooks_record_log_and_eval_events(tmp_path):
+    hooks = merge(make_csv_hooks(tmp_path / "log.csv"), make_jsonl_hooks(tmp_path / "log.jsonl"))
+    emit(hooks, "on_log", {"step": 0, "metrics": {"loss": 1.0}})
+    emit(hooks, "on_eval_end", {"step": 0, "metrics": {"eval_loss": 2.0}})
+    emit(hooks, "on_train_end", {"step": 1, "checkpoint": {}, "metrics": {}})
+    for records in (read_csv_log(tmp_path / "log.csv"), read_jsonl_log(tmp_path / "log.jsonl")):
+        assert [(r["event"], r["metrics"]) for r in records] == [
+            ("log", {"loss": 1.0}),
+            ("eval", {"eval_loss": 2.0}),
+        ]
+
+
+def test_progress_hooks_are_empty_off_a_tty_and_draw_when_forced():
+    assert make_progress_hooks(io.StringIO()) == {}
+    out = io.StringIO()
+    hooks = make_progress_hooks(out, force=True)
+    emit(hooks, "on_train_start", {"step": 0, "max_steps": 4})
+    for step in range(4):
+        emit(hooks, "on_step_end", {"step": step, "outputs": {}})
+    emit(hooks, "on_log", {"step": 3, "metrics": {"loss": 0.5}})
+    emit(hooks, "on_train_end", {"step": 4, "checkpoint": {}, "metrics": {}})
+    assert "4/4" in out.getvalue()
