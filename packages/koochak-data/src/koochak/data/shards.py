@@ -421,15 +421,17 @@ def write_index(
     meta = _check_metadata(metadata)
     if isinstance(keys, str):
         raise TypeError("keys must be an iterable of shard keys, not a single str")
-    entries: list[ShardEntry] = []
+    names = list(keys)
     seen: set[str] = set()
-    for key in keys:
+    for key in names:  # all keys are checked before any shard is read
         validate_key(key)
         if key in seen:
             raise ValueError(f"write_index: shard key {key!r} is listed twice")
         if key == INDEX_NAME:
             raise ValueError(f"write_index: {INDEX_NAME!r} cannot be a shard")
         seen.add(key)
+    entries: list[ShardEntry] = []
+    for key in names:
         described = describe_shard(store, _join(prefix, key))
         entries.append(ShardEntry(key, described.size, described.sha256, described.records))
     return _publish_index(store, prefix, format, meta, entries)

@@ -1,0 +1,313 @@
+"""ShardWriter, index.json, read_shard, describe_shard and write_index against a real LocalStore."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from koochak.data import shards as sh
+from koochak.data.shards import (
+    ShardEntry,
+    ShardWriter,
+    describe_shard,
+    load_index,
+    parse_index,
+    read_shard,
+    write_index,
+)
+from koochak.storage.store import LocalStore
+
+PREFIX = "datasets/foo"
+
+
+@pytest.fixture()
+def store(tmp_path) -> LocalStore:
+    return LocalStore(tmp_path / "store", fsync=False)
+
+
+def _samples(n: int, size: int = 300) -> list[dict]:
+    return [
+        {"__key__": f"r/{i:05d}", "cls": str(i % 7).encode(), "bin": bytes([i % 251]) * (size + i)}
+        for i in range(n)
+    ]
+
+
+def _build(store, samples, prefix=PREFIX, target=4096, metadata=None):
+    with ShardWriter(store, prefix, target_bytes=target, metadata=metadata) as writer:
+        for sample in samples:
+            writer.write(sample)
+    return writer.close()
+
+
+def _read_all(store, index) -> list[dict]:
+    return [s for shard in index.shards for s in read_shard(store, index, shard)]
+
+
+def test_build_then_read_every_record_in_order(store) -> None:
+    samples = _samples(40)
+    index = _build(store, samples, metadata={"source": "unit", "classes": 7})
+    assert len(index.shards) > 3
+    assert index.records == 40
+    assert index.metadata == {"source": "unit", "classes": 7}
+    assert [s.key for s in index.shards] == [f"shard-{i:06d}.tar" for i in range(len(index.shards))]
+    assert all(s.size <= 4096 for s in index.shards)
+    assert _read_all(store, index) == samples
+    assert load_index(store, PREFIX) == index
+
+
+def test_index_is_written_last_and_its_hash_is_the_version(store) -> None:
+    index = _build(store, _samples(10))
+    raw = store.get(f"{PREFIX}/index.json")
+    assert index.version == hashlib.sha256(raw).hexdigest()
+    document = json.loads(raw)
+    assert document["kind"] == "koochak.shards" and document["version"] == 1
+    assert document["format"] == "tar"
+    for entry, listed in zip(index.shards, document["shards"]):
+        assert listed == {"key": entry.key, "size": entry.size, "sha256": entry.sha256, "records": entry.records}
+        assert store.stat(f"{PREFIX}/{entry.key}").size == entry.size
+
+
+def test_same_records_give_the_same_dataset_version(tmp_path) -> None:
+    a = _build(LocalStore(tmp_path / "a", fsync=False), _samples(25))
+    b = _build(LocalStore(tmp_path / "b", fsync=False), _samples(25))
+    assert a.version == b.version
+    assert (tmp_path / "a" / PREFIX / "shard-000001.tar").read_bytes() == (
+        tmp_path / "b" / PREFIX / "shard-000001.tar"
+    ).read_bytes()
+
+
+def test_interrupted_build_commits_nothing_and_rerun_reuses_shards(store) -> None:
+    samples = _samples(30)
+    with pytest.raises(RuntimeError, match="boom"), ShardWriter(store, PREFIX, target_bytes=4096) as writer:
+        for i, sample in enumerate(samples):
+            if i == 20:
+                raise RuntimeError("boom")
+            writer.write(sample)
+    published = [info.key for info in store.list(PREFIX)]
+    assert published and f"{PREFIX}/index.json" not in published
+    with pytest.raises(FileNotFoundError):
+        load_index(store, PREFIX)
+
+    with ShardWriter(store, PREFIX, target_bytes=4096) as rerun:
+        for sample in samples:
+            rerun.write(sample)
+    assert rerun.shards_reused == len(published)
+    assert _read_all(store, rerun.close()) == samples
+
+
+def test_rerun_with_different_records_is_refused(store) -> None:
+    with pytest.raises(RuntimeError), ShardWriter(store, PREFIX, target_bytes=4096) as writer:
+        for sample in _samples(20):
+            writer.write(sample)
+        raise RuntimeError("interrupted")
+    changed = _samples(20)
+    changed[0]["cls"] = b"changed"
+    with pytest.raises(FileExistsError, match=r"shard-000000.tar already exists with different content"):
+        _build(store, changed)
+    assert not any(i.key.endswith("index.json") for i in store.list(PREFIX))
+
+
+def test_committed_dataset_is_immutable_but_identical_rerun_is_fine(store) -> None:
+    first = _build(store, _samples(12))
+    assert _build(store, _samples(12)).version == first.version
+    with pytest.raises(FileExistsError):
+        _build(store, _samples(13))
+    assert load_index(store, PREFIX) == first
+
+
+def test_writer_refuses_bad_input_and_empty_datasets(store) -> None:
+    with pytest.raises(ValueError, match="metadata must be JSON"):
+        ShardWriter(store, PREFIX, metadata={"x": object()})
+    with pytest.raises(ValueError, match="format must be one of"):
+        ShardWriter(store, PREFIX, format="zip")
+    with pytest.raises(ValueError, match="'..'"):
+        ShardWriter(store, "datasets/../x")
+    writer = ShardWriter(store, PREFIX, target_bytes="1MiB")
+    writer.write({"__key__": "a", "cls": b"1"})
+    with pytest.raises(ValueError, match="already written to this shard"):
+        writer.write({"__key__": "a", "cls": b"2"})
+    with pytest.raises(ValueError, match="no shards; nothing committed"):
+        ShardWriter(store, "empty").close()
+
+
+def test_big_sample_gets_its_own_shard(store) -> None:
+    samples = [{"__key__": "small", "bin": b"x"}, {"__key__": "big", "bin": bytes(10000)}]
+    index = _build(store, samples, target=2048)
+    assert [s.records for s in index.shards] == [1, 1]
+    assert _read_all(store, index) == samples
+
+
+def test_describe_and_write_index_cover_pre_existing_files(store) -> None:
+    built = _build(store, _samples(15), prefix="built")
+    for entry in built.shards:
+        store.put(f"copied/part/{entry.key}", store.get(f"built/{entry.key}"))
+    described = describe_shard(store, "copied/part/shard-000000.tar")
+    assert described == ShardEntry("copied/part/shard-000000.tar", *[
+        getattr(built.shards[0], f) for f in ("size", "sha256", "records")
+    ])
+    index = write_index(store, "copied", [f"part/{e.key}" for e in built.shards], metadata={"m": 1})
+    assert [e.sha256 for e in index.shards] == [e.sha256 for e in built.shards]
+    assert _read_all(store, load_index(store, "copied")) == _samples(15)
+    with pytest.raises(ValueError, match="listed twice"):
+        write_index(store, "again", ["a.tar", "a.tar"])
+
+
+def _tamper_shard(store, index, mutate) -> None:
+    path = Path(store.local_path(index.key_of(index.shards[1])))
+    data = bytearray(path.read_bytes())
+    mutate(data)
+    path.chmod(0o644)  # the store publishes read-only objects; this test plays the attacker
+    path.write_bytes(data)
+
+
+def test_tampered_shard_fails_naming_the_field_and_yields_nothing(store) -> None:
+    index = _build(store, _samples(20))
+    shard = index.shards[1]
+
+    def flip(data):
+        data[600] ^= 0xFF
+
+    _tamper_shard(store, index, flip)
+    with pytest.raises(ValueError, match=r"shard-000001.tar: sha256 mismatch"):
+        read_shard(store, index, shard)
+    # Without verification the shard is still parsed strictly and sized, just not hashed.
+    assert len(list(read_shard(store, index, shard, verify=False))) == shard.records
+
+    _tamper_shard(store, index, lambda data: data.extend(bytes(512)))
+    with pytest.raises(ValueError, match="size mismatch: index says .* shard is longer"):
+        read_shard(store, index, shard)
+    _tamper_shard(store, index, lambda data: data.__delitem__(slice(-1024, None)))
+    with pytest.raises(ValueError, match="size mismatch"):
+        read_shard(store, index, shard)
+
+
+def test_index_with_wrong_record_count_is_caught_before_any_sample(store) -> None:
+    index = _build(store, _samples(10))
+    lying = parse_index(
+        sh._index_bytes("tar", {}, [ShardEntry(e.key, e.size, e.sha256, e.records + 1) for e in index.shards]),
+        prefix=PREFIX,
+    )
+    with pytest.raises(ValueError, match="records mismatch: index says"):
+        read_shard(store, lying, lying.shards[0])
+    with pytest.raises(ValueError, match="not listed in the index"):
+        read_shard(store, index, "shard-999999.tar")
+
+
+def _good_document() -> dict:
+    return {
+        "kind": "koochak.shards",
+        "version": 1,
+        "format": "tar",
+        "metadata": {},
+        "shards": [{"key": "shard-000000.tar", "size": 2048, "sha256": "0" * 64, "records": 1}],
+    }
+
+
+def _with(path: str, value, delete: bool = False) -> bytes:
+    document = _good_document()
+    target = document
+    parts = path.split(".")
+    for part in parts[:-1]:
+        target = target[int(part)] if part.isdigit() else target[part]
+    if delete:
+        del target[parts[-1]]
+    else:
+        target[parts[-1]] = value
+    return json.dumps(document).encode()
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (_with("kind", "koochak.other"), "field 'kind'"),
+        (_with("version", 2), "field 'version' is 2"),
+        (_with("version", True), "field 'version'"),
+        (_with("format", "zip"), "field 'format'"),
+        (_with("extra", 1), "unknown field 'extra'"),
+        (_with("metadata", None, delete=True), "missing field 'metadata'"),
+        (_with("metadata", []), "field 'metadata'"),
+        (_with("shards", []), "field 'shards'"),
+        (_with("shards.0.key", "../escape.tar"), r"shards\[0\].key"),
+        (_with("shards.0.key", "/abs.tar"), r"shards\[0\].key"),
+        (_with("shards.0.key", "index.json"), r"shards\[0\].key must not name the index"),
+        (_with("shards.0.key", 7), r"shards\[0\].key must be a string"),
+        (_with("shards.0.size", -1), r"shards\[0\].size must be a non-negative integer"),
+        (_with("shards.0.size", 1.5), r"shards\[0\].size"),
+        (_with("shards.0.records", -3), r"shards\[0\].records"),
+        (_with("shards.0.sha256", "ABC"), r"shards\[0\].sha256"),
+        (_with("shards.0.owner", "x"), r"shards\[0\]: unknown field 'owner'"),
+        (_with("shards.0.size", None, delete=True), r"shards\[0\]: missing field 'size'"),
+        (b'{"kind": "koochak.shards", "kind": "koochak.shards"}', "appears twice"),
+        (b"[1, 2]", "expected a JSON object"),
+        (b"\xff\xfe", "not a valid JSON index"),
+        (b'{"version": NaN}', "not a valid JSON index"),
+    ],
+)
+def test_hostile_index_is_rejected_naming_the_field(data, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_index(data, source="ds/index.json")
+
+
+def test_duplicate_shard_keys_are_rejected() -> None:
+    document = _good_document()
+    document["shards"].append(dict(document["shards"][0]))
+    with pytest.raises(ValueError, match=r"shards\[1\].key 'shard-000000.tar' is listed twice"):
+        parse_index(json.dumps(document).encode())
+
+
+def test_tampered_index_on_disk_is_rejected(store) -> None:
+    _build(store, _samples(5))
+    path = Path(store.local_path(f"{PREFIX}/index.json"))
+    document = json.loads(path.read_text())
+    document["shards"][0]["size"] = -5
+    path.chmod(0o644)
+    path.write_text(json.dumps(document))
+    with pytest.raises(ValueError, match=r"datasets/foo/index.json: shards\[0\].size"):
+        load_index(store, PREFIX)
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 5000) | st.text(max_size=12),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(st.binary(max_size=300), _json.map(lambda d: json.dumps(d).encode())))
+def test_fuzz_parse_index_only_raises_value_error(data) -> None:
+    try:
+        parse_index(data)
+    except ValueError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.sampled_from(["kind", "version", "format", "metadata", "shards", "key", "size", "sha256", "records"]),
+    _json,
+)
+def test_fuzz_one_field_of_a_good_index_only_raises_value_error(field, value) -> None:
+    document = _good_document()
+    target = document["shards"][0] if field in ("key", "size", "sha256", "records") else document
+    target[field] = value
+    try:
+        index = parse_index(json.dumps(document).encode())
+    except ValueError:
+        return
+    assert index.shards[0].size >= 0 and index.shards[0].records >= 0
+
+
+def test_import_koochak_data_does_not_import_torch() -> None:
+    code = (
+        "import sys, koochak.data, koochak.data.shards, koochak.data.planning\n"
+        "koochak.data.worker_coordinates(rank=0, world_size=1)\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
