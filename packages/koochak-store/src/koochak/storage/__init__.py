@@ -3,6 +3,15 @@
 Torch-free; everything durable that Koochak writes is published through a Store.
 """
 
+from koochak.storage.artifact import (
+    READY_SUFFIX,
+    InvalidArtifact,
+    Publication,
+    highest_valid,
+    publish,
+    read_verified,
+    unpublish,
+)
 from koochak.storage.profile import (
     LOCAL_PROFILE,
     REMOTE_PROFILE,
@@ -26,15 +35,22 @@ __all__ = [
     "CopyReport",
     "LOCAL_PROFILE",
     "REMOTE_PROFILE",
+    "READY_SUFFIX",
+    "InvalidArtifact",
     "LocalStore",
     "ObjectInfo",
+    "Publication",
     "Store",
     "StoreProfile",
     "copy_objects",
+    "highest_valid",
     "min_object_bytes",
     "open_store",
     "parse_size",
     "profile_of",
+    "publish",
+    "read_verified",
     "register_store",
+    "unpublish",
     "validate_key",
 ]
