@@ -1,0 +1,208 @@
+"""pull: merged range reads, exact restore, skips, and safety against hostile manifests and DESTs."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import os
+import tarfile
+
+import pytest
+from koochak.data.archive import archive
+from koochak.data.collection import FileEntry, load_collection
+from koochak.data.pull import merge_ranges, pull
+
+SHA = "00" * 32
+
+
+def _write(root, rel: str, size: int, seed: int = 0) -> None:
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(bytes((seed + i * 13) % 251 for i in range(size)))
+
+
+@pytest.fixture
+def collection(tmp_path):
+    src = tmp_path / "src"
+    for d in range(3):
+        for f in range(5):
+            _write(src, f"d{d}/f{f}.txt", 100 + 900 * f, seed=d + f)
+    _write(src, "objects/huge.bin", 50_000, seed=7)
+    os.chmod(src / "d1" / "f3.txt", 0o751)
+    os.utime(src / "d2" / "f4.txt", ns=(5, 1_234_567_890_123_456_789))
+    dest = tmp_path / "coll"
+    archive(src, dest, object_bytes=20_000, pack_bytes=16_384)
+    return src, dest
+
+
+def _same_tree(a, b) -> None:
+    files_a = sorted(p.relative_to(a).as_posix() for p in a.rglob("*") if p.is_file())
+    files_b = sorted(p.relative_to(b).as_posix() for p in b.rglob("*") if p.is_file())
+    assert files_a == files_b
+    for rel in files_a:
+        sa, sb = os.stat(a / rel), os.stat(b / rel)
+        assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
+        assert sa.st_mtime_ns == sb.st_mtime_ns, rel
+        assert sa.st_mode == sb.st_mode, rel
+
+
+def test_pull_restores_bytes_mode_and_exact_mtime(collection, tmp_path) -> None:
+    src, coll = collection
+    out = tmp_path / "out"
+    report = pull(coll, out)
+    assert report.written == 16 and report.present == 0
+    _same_tree(src, out)
+    packs = len(load_collection(str(coll)).manifest.packs)
+    assert report.requests == 2 + packs + 1  # manifest, table, one range per pack, one object
+    assert not [p for p in out.rglob(".koochak-pull-*")]
+
+
+def test_rerun_skips_present_files_and_refuses_differing_ones(collection, tmp_path) -> None:
+    src, coll = collection
+    out = tmp_path / "out"
+    pull(coll, out)
+    again = pull(coll, out)
+    assert (again.written, again.present) == (0, 16)
+    (out / "d0" / "f0.txt").unlink()
+    (out / "d0" / "f1.txt").write_bytes(b"mine")
+    with pytest.raises(ValueError, match="--overwrite"):
+        pull(coll, out)
+    assert not (out / "d0" / "f0.txt").exists()  # refused before writing anything
+    fixed = pull(coll, out, overwrite=True)
+    assert fixed.written == 2
+    _same_tree(src, out)
+
+
+def test_include_selects_files(collection, tmp_path) -> None:
+    _, coll = collection
+    out = tmp_path / "out"
+    report = pull(coll, out, include=["d1/*", "*.bin"])
+    assert sorted(report.paths) == [f"d1/f{i}.txt" for i in range(5)] + ["objects/huge.bin"]
+    assert not (out / "d0").exists()
+
+
+def test_merge_ranges_joins_neighbours_within_gap_and_cap() -> None:
+    def entry(offset: int, size: int) -> FileEntry:
+        return FileEntry(f"f{offset}", size, SHA, 0o644, 0, "g", "packs/pack-000000.tar", offset)
+
+    entries = [entry(512, 100), entry(1536, 100), entry(10_240, 100), entry(11_264, 5000)]
+    merged = merge_ranges(entries, gap_bytes=1024, max_range_bytes=1 << 20)
+    assert [(s, e, len(m)) for s, e, m in merged] == [(512, 1636, 2), (10_240, 16_264, 2)]
+    capped = merge_ranges(entries, gap_bytes=1 << 20, max_range_bytes=2000)
+    assert [len(m) for _, _, m in capped] == [2, 1, 1]
+
+
+def test_symlinks_under_dest_are_never_followed(collection, tmp_path) -> None:
+    _, coll = collection
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    os.symlink(outside, out / "d0")
+    with pytest.raises(ValueError, match="symlink"):
+        pull(coll, out)
+    assert list(outside.iterdir()) == []
+    os.unlink(out / "d0")
+    (out / "d1").mkdir(exist_ok=True)
+    os.symlink(outside / "target.txt", out / "d1" / "f0.txt")
+    with pytest.raises(ValueError, match="symlink"):
+        pull(coll, out)
+    assert list(outside.iterdir()) == []
+    assert os.path.islink(out / "d1" / "f0.txt")
+
+
+def _rewrite_table(coll, edit) -> None:
+    """Hand-craft a manifest: edit the file table's entries and re-seal its digest."""
+    lines = [json.loads(x) for x in gzip.decompress((coll / "files.jsonl.gz").read_bytes()).splitlines()]
+    edit(lines)
+    table = gzip.compress("".join(json.dumps(x) + "\n" for x in lines).encode())
+    manifest = json.loads((coll / "manifest.json").read_text())
+    manifest["files_table"].update(size=len(table), sha256=hashlib.sha256(table).hexdigest())
+    for path in ("files.jsonl.gz", "manifest.json"):
+        (coll / path).unlink()
+    (coll / "files.jsonl.gz").write_bytes(table)
+    (coll / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("bad", ["../escape.txt", "/tmp/abs.txt", "d0/../../escape.txt"])
+def test_traversal_paths_in_the_manifest_write_nothing(collection, tmp_path, bad) -> None:
+    _, coll = collection
+    _rewrite_table(coll, lambda lines: lines[0].update(path=bad))
+    out = tmp_path / "deep" / "out"
+    with pytest.raises(ValueError, match="path"):
+        pull(coll, out)
+    assert not (tmp_path / "deep").exists()
+    assert not (tmp_path / "escape.txt").exists()
+
+
+def test_tar_member_names_are_ignored(tmp_path) -> None:
+    """A pack whose tar headers name '../evil' still restores only the manifest's paths."""
+    coll = tmp_path / "coll"
+    (coll / "packs").mkdir(parents=True)
+    payload = b"hello"
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo("../evil.txt")
+        info.size = len(payload)
+        tar.addfile(info, io.BytesIO(payload))
+    pack = buffer.getvalue()
+    (coll / "packs" / "pack-000000.tar").write_bytes(pack)
+    entry = {"path": "good.txt", "size": 5, "sha256": hashlib.sha256(payload).hexdigest(),
+             "mode": 0o644, "mtime_ns": 7, "group": ".", "pack": "packs/pack-000000.tar",
+             "offset": pack.index(payload)}
+    table = gzip.compress((json.dumps(entry) + "\n").encode())
+    (coll / "files.jsonl.gz").write_bytes(table)
+    manifest = {
+        "version": 1, "kind": "koochak.collection", "created": "x", "files": 1, "bytes": 5,
+        "objects": 0, "metadata": {},
+        "packs": [{"key": "packs/pack-000000.tar", "size": len(pack),
+                   "sha256": hashlib.sha256(pack).hexdigest(), "files": 1}],
+        "files_table": {"key": "files.jsonl.gz", "size": len(table),
+                        "sha256": hashlib.sha256(table).hexdigest()},
+    }
+    (coll / "manifest.json").write_text(json.dumps(manifest))
+    out = tmp_path / "a" / "out"
+    pull(coll, out)
+    assert [p.name for p in out.iterdir()] == ["good.txt"]
+    assert not (tmp_path / "a" / "evil.txt").exists()
+
+
+def test_corrupt_bytes_are_never_written_under_a_final_name(collection, tmp_path) -> None:
+    _, coll = collection
+    entry = next(e for e in load_collection(str(coll)).entries if e.path == "d0/f2.txt")
+    pack = coll / entry.pack
+    data = bytearray(pack.read_bytes())
+    data[entry.offset + 3] ^= 0xFF
+    pack.unlink()
+    pack.write_bytes(bytes(data))
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match="d0/f2.txt"):
+        pull(coll, out, include=["d0/*"], streams=1)
+    assert not (out / "d0" / "f2.txt").exists()
+    assert not list(out.rglob(".koochak-pull-*"))
+
+
+def test_truncated_pack_is_reported(collection, tmp_path) -> None:
+    _, coll = collection
+    pack = coll / "packs" / "pack-000000.tar"
+    data = pack.read_bytes()
+    pack.unlink()
+    pack.write_bytes(data[:1000])
+    with pytest.raises(ValueError, match="shorter"):
+        pull(coll, tmp_path / "out")
+
+
+def test_leftover_temp_file_from_a_killed_pull_is_replaced(collection, tmp_path) -> None:
+    src, coll = collection
+    out = tmp_path / "out"
+    pull(coll, out)
+    target = out / "d0" / "f0.txt"
+    target.unlink()
+    temp = ".koochak-pull-" + hashlib.sha256(b"f0.txt").hexdigest()[:20] + ".tmp"
+    (out / "d0" / temp).write_bytes(b"half")
+    report = pull(coll, out)
+    assert report.written == 1
+    assert not (out / "d0" / temp).exists()
+    _same_tree(src, out)
