@@ -375,3 +375,24 @@ def test_copy_killed_mid_put_resumes_to_identical_objects(tmp_path):
     for key, data in objects.items():
         assert target.get(key) == data
     assert isinstance(target.stat("b.bin"), ObjectInfo)
+
+
+def test_cheap_request_sources_read_in_pipeline_sized_parts(tmp_path):
+    fast = StoreProfile(
+        request_seconds=0.0001,
+        stream_bytes_per_second=1e9,
+        concurrency=4,
+        range_reads_scale=False,
+        part_bytes=64 << 20,
+        listing_cheap=True,
+    )
+    source = LocalStore(tmp_path / "src", profile=fast)
+    target = LocalStore(tmp_path / "dst")
+    size = (16 << 20) + 5
+    data = os.urandom(size)
+    source.put("k", data)
+    recording = _RecordingSource(source)
+    copy_objects(recording, target, [CopyItem("k", size, _sha(data))])
+    assert sorted((s, e) for _, s, e in recording.calls) == [(0, 16 << 20), (16 << 20, size + 1)]
+    assert recording.max_in_flight == 1  # ranges do not scale: one read ahead of the put
+    assert target.get("k") == data

@@ -20,7 +20,7 @@ from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-from koochak.storage.profile import profile_of
+from koochak.storage.profile import min_object_bytes, profile_of
 from koochak.storage.store import Store
 
 __all__ = ["CopyItem", "CopyReport", "copy_objects"]
@@ -30,6 +30,12 @@ _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 # Range reads of one object, per object, when the source profile says ranges scale. Beyond
 # ~8 a single object's ranges rarely add bandwidth and multiply memory (parts in flight).
 _MAX_DEFAULT_RANGE_STREAMS = 8
+# Where a request costs less than streaming this many bytes (a local or parallel filesystem),
+# parts are capped at _PIPELINE_PART_BYTES: reading part n+1 then overlaps with hashing and
+# writing part n, and buffers this small are reused by the allocator instead of being freshly
+# mapped (and page-faulted) for every part.
+_CHEAP_REQUEST_BYTES = 1 << 20
+_PIPELINE_PART_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -83,7 +89,10 @@ def copy_objects(
       ``range_streams`` at a time, in order into the put (at most ``range_streams`` parts held);
     - the first failure is raised after the items already in flight have finished; items not yet
       started are not started;
-    - defaults come from ``profile_of(source)`` and ``profile_of(target)``;
+    - defaults come from ``profile_of(source)`` and ``profile_of(target)``: ``streams`` is the
+      smaller concurrency, ``range_streams`` the source's concurrency (at most 8) when its
+      ranges scale and else 1, ``part_bytes`` the source's part size, capped at 16 MiB when the
+      source's requests are cheap (so reads overlap with the put);
     - ``progress(n)`` is called (never concurrently) with byte counts as data is handed to the
       target, and with the size of each skipped item; a tqdm bar is shown when ``show_progress``
       is true, or when it is None and stderr is a terminal.
@@ -193,6 +202,8 @@ def _settings(
         )
     if part_bytes is None:
         part_bytes = max(1, src.part_bytes)
+        if min_object_bytes(src) <= _CHEAP_REQUEST_BYTES:
+            part_bytes = min(part_bytes, _PIPELINE_PART_BYTES)
     for name, value in (
         ("streams", streams),
         ("range_streams", range_streams),
