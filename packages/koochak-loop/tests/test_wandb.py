@@ -1,0 +1,160 @@
+"""W&B hooks against the real wandb client in offline mode, read back from the run files."""
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from koochak.loop.hooks import emit
+from koochak.loop.logging import make_wandb_hooks
+from koochak.loop.logging.wandb_logger import wandb_run_id
+
+pytest.importorskip("wandb")
+
+
+@pytest.fixture
+def offline_wandb(tmp_path, monkeypatch):
+    """Keep every W&B file (runs, caches, settings, staging) inside tmp_path, offline."""
+    home = tmp_path / "wandb-home"
+    for var, sub in [("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data"),
+                     ("WANDB_CONFIG_DIR", "config"), ("WANDB_ARTIFACT_DIR", "artifacts")]:
+        monkeypatch.setenv(var, str(home / sub))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")
+    return tmp_path
+
+
+def _records(run_file: Path) -> list:
+    """Decode a .wandb run file: a 7-byte header, then LevelDB-log framed protobuf records."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = run_file.read_bytes()
+    assert data[:4] == b":W&B"
+    block, pos, pending, records = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # block trailer padding
+            pos += left
+            continue
+        length = int.from_bytes(data[pos + 4 : pos + 6], "little")
+        kind = data[pos + 6]
+        if length == 0 and kind == 0:
+            pos += left
+            continue
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST chunk completes a record
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def _read_run(out_dir: Path, run_id: str) -> dict:
+    (run_file,) = out_dir.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb")
+    # wandb's service process may still be flushing after finish(); wait for the exit record.
+    deadline = time.monotonic() + 30
+    records = _records(run_file)
+    while not any(r.WhichOneof("record_type") == "exit" for r in records):
+        assert time.monotonic() < deadline, "wandb never wrote the run's exit record"
+        time.sleep(0.1)
+        records = _records(run_file)
+    config, history, artifacts = {}, [], []
+    for record in records:
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            config.update({u.key: json.loads(u.value_json) for u in record.run.config.update})
+        elif kind == "config":
+            config.update({u.key: json.loads(u.value_json) for u in record.config.update})
+        elif kind == "history":
+            history.append({i.nested_key[0] if i.nested_key else i.key: json.loads(i.value_json)
+                            for i in record.history.item})
+        elif kind == "artifact":
+            artifacts.append((record.artifact.name, sorted(record.artifact.aliases),
+                              [c.path for c in record.artifact.manifest.contents]))
+    return {"config": config, "history": history, "artifacts": artifacts}
+
+
+def _checkpoint(out_dir: Path, step: int, eval_loss: float) -> dict:
+    path = out_dir / f"step{step:09d}.pt"
+    checkpoint = {"step": step, "metrics": {"loss": 1.0, "eval_loss": eval_loss}}
+    torch.save(checkpoint, path)
+    return {"step": step, "path": str(path), "checkpoint": checkpoint, "publication": None}
+
+
+@pytest.mark.slow
+def test_offline_run_records_config_metrics_and_artifact_aliases(offline_wandb):
+    out_dir = offline_wandb / "run"
+    wandb_cfg = {"enabled": True, "mode": "offline", "project": "koochak-test",
+                 "name": "digits-a", "resume": "allow", "artifact_name_prefix": "ckpt"}
+    config = {"train": {"max_steps": 30, "out_dir": str(out_dir)}, "wandb": wandb_cfg}
+    run_id = wandb_run_id(wandb_cfg)
+    assert run_id == wandb_run_id(dict(wandb_cfg))  # stable across attempts
+
+    hooks = make_wandb_hooks(config)
+    emit(hooks, "on_train_start", {"step": 0, "config_json": config, "out_dir": str(out_dir),
+                                   "resumed": False})
+    emit(hooks, "on_log", {"step": 4, "metrics": {"loss": 2.0, "lr": 0.1}})
+    emit(hooks, "on_eval_end", {"step": 9, "metrics": {"eval_loss": 1.5}})
+    out_dir.mkdir(exist_ok=True)
+    for step, eval_loss in [(9, 1.5), (19, 1.8), (29, 1.2)]:
+        emit(hooks, "on_checkpoint", _checkpoint(out_dir, step, eval_loss))
+    emit(hooks, "on_train_end", {"step": 30, "checkpoint": {}, "metrics": {}})
+
+    run = _read_run(out_dir, run_id)
+    assert run["config"]["train"] == {"max_steps": 30, "out_dir": str(out_dir)}
+    assert {"loss": 2.0, "lr": 0.1, "_step": 4}.items() <= run["history"][0].items()
+    assert run["history"][1]["eval_loss"] == 1.5
+    name = f"ckpt-{run_id}"
+    assert run["artifacts"] == [
+        (name, ["best", "best-eval_loss", "latest", "step-9"], ["step000000009.pt"]),
+        (name, ["latest", "step-19"], ["step000000019.pt"]),
+        (name, ["best", "best-eval_loss", "latest", "step-29"], ["step000000029.pt"]),
+    ]
+
+    # A restart that resumes from checkpoint state continues the same run id.
+    retry_dir = offline_wandb / "retry"
+    hooks = make_wandb_hooks(config)
+    emit(hooks, "on_train_start", {"step": 30, "config_json": config, "out_dir": str(retry_dir),
+                                   "resumed": True})
+    emit(hooks, "on_log", {"step": 34, "metrics": {"loss": 0.5}})
+    emit(hooks, "on_train_end", {"step": 35, "checkpoint": {}, "metrics": {}})
+    assert _read_run(retry_dir, run_id)["history"][0]["loss"] == 0.5
+
+
+@pytest.mark.parametrize(
+    ("wandb_cfg", "message"),
+    [
+        ({"resume": None, "name": "a"}, "wandb.resume is None"),
+        ({"resume": "allow"}, "neither wandb.name nor wandb.id"),
+        ({"resume": "never", "id": "x1"}, "needs 'allow'"),
+    ],
+)
+def test_resumed_attempt_without_restart_settings_refuses_to_start(offline_wandb, wandb_cfg,
+                                                                   message):
+    cfg = {"enabled": True, "mode": "offline", **wandb_cfg}
+    hooks = make_wandb_hooks(cfg)
+    with pytest.raises(ValueError, match=message):
+        emit(hooks, "on_train_start", {"step": 100, "out_dir": str(offline_wandb),
+                                       "resumed": True})
+    assert not (offline_wandb / "wandb").exists()  # refused before any run was created
+
+
+def test_disabled_and_bad_configs(offline_wandb):
+    assert make_wandb_hooks({"wandb": {"enabled": False}}) == {}
+    assert make_wandb_hooks({"enabled": True, "mode": "disabled"}) == {}
+    with pytest.raises(ValueError, match="unknown key.*'projcet'"):
+        make_wandb_hooks({"enabled": True, "projcet": "x"})
+    with pytest.raises(ValueError, match="wandb.resume"):
+        make_wandb_hooks({"enabled": True, "resume": "yes"})
+
+
+def test_missing_wandb_names_the_extra(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` raise ImportError
+    with pytest.raises(ImportError, match=r"koochak-loop\[wandb\]"):
+        make_wandb_hooks({"enabled": True, "mode": "offline"})
