@@ -1,0 +1,196 @@
+"""The koochak-data command: summaries, --json, exit codes, one-line errors, and SIGKILL reruns."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from koochak.data.cli import main
+
+
+def _write(root: Path, rel: str, size: int, seed: int = 0) -> None:
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(random.Random(seed).randbytes(size))
+
+
+@pytest.fixture
+def src(tmp_path) -> Path:
+    root = tmp_path / "src"
+    for i in range(20):
+        _write(root, f"part{i % 3}/file{i:03d}.dat", 200 + 97 * i, seed=i)
+    _write(root, "large/model.bin", 30_000, seed=99)
+    return root
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_archive_verify_ls_pull_round_trip(src, tmp_path, capsys) -> None:
+    dest, out = str(tmp_path / "coll"), str(tmp_path / "out")
+    code, text, _ = _run(capsys, "archive", str(src), dest, "--object-bytes", "20K")
+    assert code == 0 and "committed" in text and "21 (" in text
+    code, text, _ = _run(capsys, "verify", dest, "--deep", "--json")
+    report = json.loads(text)
+    assert code == 0 and report["ok"] and report["deep"] and report["files"] == 21
+    code, text, _ = _run(capsys, "ls", dest, "--include", "part1/*")
+    assert text.split() == sorted(f"part1/file{i:03d}.dat" for i in range(1, 20, 3))
+    code, text, _ = _run(capsys, "ls", dest, "--long", "--include", "*.bin")
+    assert "objects/large/model.bin" in text and text.startswith("0644")
+    code, text, _ = _run(capsys, "pull", dest, out, "--json")
+    assert code == 0 and json.loads(text)["written"] == 21
+    assert (Path(out) / "large/model.bin").read_bytes() == (src / "large/model.bin").read_bytes()
+
+
+def test_dry_run_reports_and_writes_nothing(src, tmp_path, capsys) -> None:
+    dest = tmp_path / "coll"
+    code, text, _ = _run(capsys, "archive", str(src), str(dest), "--dry-run", "--json",
+                         "--pack-bytes", "8K", "--object-bytes", "20K")
+    report = json.loads(text)
+    assert code == 0 and report["dry_run"] and report["files"] == 21 and report["objects"] == 1
+    assert report["packs"] > 1 and report["requests"]["target_puts"] > report["packs"]
+    assert not dest.exists()
+
+
+def test_verify_exits_1_on_problems(src, tmp_path, capsys) -> None:
+    dest = tmp_path / "coll"
+    assert _run(capsys, "archive", str(src), str(dest), "--object-bytes", "20K")[0] == 0
+    pack = dest / "packs" / "pack-000000.tar"
+    data = bytearray(pack.read_bytes())
+    data[700] ^= 1
+    pack.unlink()
+    pack.write_bytes(bytes(data))
+    code, text, _ = _run(capsys, "verify", str(dest))
+    assert code == 0  # sizes still match
+    code, text, _ = _run(capsys, "verify", str(dest), "--deep")
+    assert code == 1 and "SHA256 differs" in text
+    (dest / "objects" / "large" / "model.bin").unlink()
+    code, text, _ = _run(capsys, "verify", str(dest), "--json")
+    assert code == 1 and json.loads(text)["problems"][0]["message"] == "missing"
+
+
+def test_errors_are_one_line_without_traceback(tmp_path, capsys) -> None:
+    code, out, err = _run(capsys, "verify", str(tmp_path / "nothing"))
+    assert code == 1 and out == ""
+    assert err.count("\n") == 1 and err.startswith("koochak-data verify: error:")
+    link_src = tmp_path / "s"
+    link_src.mkdir()
+    os.symlink("/etc/hostname", link_src / "l")
+    code, _, err = _run(capsys, "archive", str(link_src), str(tmp_path / "d"))
+    assert code == 1 and "--skip-symlinks" in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as exc:
+        main(["archive", str(link_src), str(tmp_path / "d"), "--pack-bytes", "lots"])
+    assert exc.value.code == 2
+
+
+def test_delete_source_cli(src, tmp_path, capsys) -> None:
+    dest = tmp_path / "coll"
+    code, text, _ = _run(capsys, "archive", str(src), str(dest), "--delete-source")
+    assert code == 0
+    assert "sources deleted  21" in text and "deep verify      ok" in text
+    assert not any(p.is_file() for p in src.rglob("*"))
+    code, _, _ = _run(capsys, "verify", str(dest), "--deep")
+    assert code == 0
+
+
+@pytest.mark.slow
+def test_console_script_and_module_entry_point(src, tmp_path) -> None:
+    exe = Path(sys.executable).with_name("koochak-data")
+    dest = tmp_path / "coll"
+    done = subprocess.run([str(exe), "archive", str(src), str(dest), "--json"],
+                          capture_output=True, text=True, check=True)
+    assert json.loads(done.stdout)["files"] == 21 and done.stderr == ""  # no bar off a TTY
+    listed = subprocess.run([sys.executable, "-m", "koochak.data", "ls", str(dest)],
+                            capture_output=True, text=True, check=True)
+    assert len(listed.stdout.split()) == 21
+    bad = subprocess.run([sys.executable, "-m", "koochak.data", "pull", str(tmp_path / "no"),
+                          str(tmp_path / "o")], capture_output=True, text=True)
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+
+
+# ------------------------------------------------------------------------- kill -9 and rerun
+
+
+def _big_tree(root: Path) -> None:
+    for i in range(600):
+        _write(root, f"g{i % 7}/f{i:04d}.bin", 1000 + (i * 37) % 9000, seed=i)
+    for i in range(3):
+        _write(root, f"large/obj{i}.bin", 3_000_000, seed=1000 + i)
+
+
+def _cli(*argv: str) -> list[str]:
+    return [sys.executable, "-m", "koochak.data", *argv]
+
+
+def _kill_at_random_points(argv: list[str], seed: int) -> int:
+    """Start the command and SIGKILL it at random moments until a run finishes; returns kills."""
+    rng = random.Random(seed)
+    kills = 0
+    for _ in range(6):
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        time.sleep(rng.uniform(0.3, 1.5))
+        if proc.poll() is not None:
+            _, err = proc.communicate()
+            assert proc.returncode == 0, err.decode()
+            return kills
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        kills += 1
+    return kills
+
+
+@pytest.mark.slow
+def test_archive_killed_at_random_points_resumes_and_verifies(tmp_path) -> None:
+    src, dest = tmp_path / "src", tmp_path / "coll"
+    _big_tree(src)
+    argv = _cli("archive", str(src), str(dest), "--pack-bytes", "256K", "--object-bytes", "1M",
+                "--streams", "1")
+    assert _kill_at_random_points(argv, seed=1) >= 1
+    subprocess.run(argv, check=True, capture_output=True)
+    verified = subprocess.run(_cli("verify", str(dest), "--deep", "--json"),
+                              capture_output=True, text=True)
+    assert verified.returncode == 0, verified.stdout
+    assert json.loads(verified.stdout)["files"] == 603
+
+
+@pytest.mark.slow
+def test_pull_killed_at_random_points_leaves_no_partial_file(tmp_path) -> None:
+    src, dest, out = tmp_path / "src", tmp_path / "coll", tmp_path / "out"
+    _big_tree(src)
+    subprocess.run(_cli("archive", str(src), str(dest), "--pack-bytes", "256K",
+                        "--object-bytes", "1M"), check=True, capture_output=True)
+    argv = _cli("pull", str(dest), str(out), "--fsync", "--streams", "1")
+    rng = random.Random(2)
+    kills = 0
+    for _ in range(4):
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        time.sleep(rng.uniform(0.3, 1.2))
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            kills += 1
+        proc.wait()
+        # Whatever has its final name is complete and correct.
+        for path in out.rglob("*"):
+            if path.is_file() and not path.name.startswith(".koochak-pull-"):
+                rel = path.relative_to(out)
+                assert hashlib.sha256(path.read_bytes()).digest() == \
+                    hashlib.sha256((src / rel).read_bytes()).digest(), rel
+    assert kills >= 1
+    subprocess.run(argv, check=True, capture_output=True)
+    for path in src.rglob("*"):
+        if path.is_file():
+            restored = out / path.relative_to(src)
+            assert restored.read_bytes() == path.read_bytes()
+            assert restored.stat().st_mtime_ns == path.stat().st_mtime_ns
+    assert not list(out.rglob(".koochak-pull-*"))
