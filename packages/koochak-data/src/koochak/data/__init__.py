@@ -1,6 +1,9 @@
 """koochak.data."""
 
+from koochak.data.archive import ArchiveReport, archive
+from koochak.data.collection import Collection, FileEntry, load_collection
 from koochak.data.planning import assign_shards, plan_shards, worker_coordinates
+from koochak.data.pull import PullReport, pull
 from koochak.data.shards import (
     ShardEntry,
     ShardIndex,
@@ -10,6 +13,7 @@ from koochak.data.shards import (
     read_shard,
     write_index,
 )
+from koochak.data.verify import VerifyReport, verify_collection
 
 __all__ = [
     # shards and planning (ShardDataset: koochak.data.shards.ShardDataset, imports torch)
@@ -23,4 +27,14 @@ __all__ = [
     "read_shard",
     "worker_coordinates",
     "write_index",
+    # collections and the koochak-data tool
+    "ArchiveReport",
+    "Collection",
+    "FileEntry",
+    "PullReport",
+    "VerifyReport",
+    "archive",
+    "load_collection",
+    "pull",
+    "verify_collection",
 ]
