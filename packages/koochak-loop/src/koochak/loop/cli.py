@@ -1,0 +1,197 @@
+"""``koochak-train --config cfg.yaml [key=value ...] [--resume auto|none] [--debug]``.
+
+Loads the config (defaults <- YAML <- overrides), prints the startup summary, imports the
+``entry`` callables (``module:callable``, with the working directory on ``sys.path``), builds the
+optimizer and scheduler from ``optim``, attaches the logging hooks from ``logging``/``wandb`` and
+runs `training_loop`. Every entry builder is called with the whole resolved config; the dataset
+builders also get ``start_step=`` when their signature accepts it, so a resumed run can continue
+the data stream where the checkpoint says.
+
+Errors in the config or the entry points print one line on stderr and exit 2 before training;
+an error raised during training prints one line and exits 1. ``--debug`` shows tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from koochak.loop.config import (
+    ConfigError,
+    format_summary,
+    get_section,
+    load_config_with_report,
+    to_container,
+)
+from omegaconf import DictConfig
+
+try:  # CHECKPOINT's auto-resume lookup, when that module is present in this build.
+    from koochak.loop.checkpoint import resolve_auto_resume as _resolve_auto_resume
+except ImportError:
+    _resolve_auto_resume = None
+
+EXIT_USAGE = 2
+EXIT_TRAINING_FAILED = 1
+
+
+class EntryError(ValueError):
+    """An ``entry.*`` path that cannot be imported or is not callable."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="koochak-train",
+        description="Run koochak's training_loop from a YAML config and user entry points.",
+    )
+    parser.add_argument("--config", required=True, help="YAML config file")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="dotlist overrides, e.g. train.max_steps=100",
+    )
+    parser.add_argument(
+        "--resume",
+        choices=("auto", "none"),
+        default="auto",
+        help="auto: continue from the highest valid published checkpoint (default); none: start fresh",
+    )
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks")
+    return parser
+
+
+def import_entry(path: str | None, key: str) -> Callable[..., Any]:
+    """Import ``module:callable`` named by config key ``key`` (``entry.model`` etc.)."""
+    if not path or ":" not in path:
+        raise EntryError(f"{key}: expected 'module:callable', got {path!r}")
+    module_name, _, attr = path.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(
+            0, os.getcwd()
+        )  # user code next to the config, as `python -m` would find it
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise EntryError(f"{key}: cannot import module {module_name!r} ({exc})") from None
+    target: Any = module
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise EntryError(f"{key}: module {module_name!r} has no attribute {attr!r}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise EntryError(f"{key}: {path!r} is not callable")
+    return target
+
+
+def _call_builder(fn: Callable[..., Any], cfg: DictConfig, start_step: int | None = None) -> Any:
+    params = inspect.signature(fn).parameters
+    accepts_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    if start_step is not None and ("start_step" in params or accepts_kwargs):
+        return fn(cfg, start_step=start_step)
+    return fn(cfg)
+
+
+def build_hooks(cfg: DictConfig) -> dict[str, list[Callable[[dict[str, Any]], None]]]:
+    """stdout / CSV / JSONL / W&B / progress hooks as the ``logging`` and ``wandb`` sections say."""
+    from koochak.loop import logging as sinks
+    from koochak.loop.hooks import merge
+
+    out_dir = str(cfg.train.out_dir)
+    parts = []
+    if cfg.logging.stdout:
+        parts.append(sinks.make_stdout_hooks())
+    parts.append(sinks.make_csv_hooks(cfg.logging.csv_path or os.path.join(out_dir, "log.csv")))
+    parts.append(
+        sinks.make_jsonl_hooks(cfg.logging.jsonl_path or os.path.join(out_dir, "log.jsonl"))
+    )
+    if cfg.wandb.enabled:
+        parts.append(sinks.make_wandb_hooks(cfg))
+    if cfg.train.progress_bar and hasattr(sinks, "make_progress_hooks"):
+        parts.append(sinks.make_progress_hooks())
+    return merge(*parts)
+
+
+def _find_resume(cfg: DictConfig, mode: str) -> tuple[str | None, dict[str, Any] | None]:
+    if mode != "auto" or _resolve_auto_resume is None:
+        return None, None
+    location = str(cfg.train.checkpoint_dir or cfg.train.out_dir)
+    found = _resolve_auto_resume(location)
+    return (None, None) if found is None else (str(found[0]), found[1])
+
+
+def _prepare(args: argparse.Namespace) -> dict[str, Any]:
+    """Everything up to the call of training_loop; any error here is a usage error (exit 2)."""
+    from koochak.loop.optim import build_optimizer, build_scheduler
+    from koochak.loop.seed import set_all_seeds
+
+    cfg, report = load_config_with_report(args.config, args.overrides)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(format_summary(report), flush=True)
+    entry = get_section(cfg, "entry")
+    make_model = import_entry(entry.model, "entry.model")
+    make_dataset = import_entry(entry.dataset, "entry.dataset")
+    step_fn = import_entry(entry.step, "entry.step")
+    make_eval = (
+        import_entry(entry.eval_dataset, "entry.eval_dataset") if entry.eval_dataset else None
+    )
+    eval_fn = import_entry(entry.eval_fn, "entry.eval_fn") if entry.eval_fn else None
+    if (make_eval is None) != (eval_fn is None):
+        raise ConfigError("entry.eval_dataset and entry.eval_fn must be given together")
+
+    set_all_seeds(int(cfg.train.seed))
+    resume_path, checkpoint = _find_resume(cfg, args.resume)
+    start_step = int(checkpoint["next_step"]) if checkpoint is not None else 0
+    model = make_model(cfg)
+    optimizer = build_optimizer(model.parameters(), get_section(cfg, "optim").optimizer)
+    scheduler = build_scheduler(optimizer, cfg.optim.scheduler, cfg.train)
+    return {
+        "model": model,
+        "dataset": _call_builder(make_dataset, cfg, start_step),
+        "step_fn": step_fn,
+        "optimizer": optimizer,
+        "scheduler": scheduler,
+        "train_cfg": cfg.train,
+        "config_json": to_container(cfg),
+        "checkpoint_dict": checkpoint,
+        "eval_dataset": _call_builder(make_eval, cfg) if make_eval is not None else None,
+        "eval_fn": eval_fn,
+        "hooks": build_hooks(cfg),
+        "resume": args.resume,
+        "auto_resume_path": resume_path,
+    }
+
+
+def _fail(prefix: str, exc: BaseException) -> None:
+    message = " ".join(str(exc).split()) or type(exc).__name__
+    print(f"koochak-train: {prefix}{message}", file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        kwargs = _prepare(args)
+    except Exception as exc:
+        if args.debug:
+            raise
+        _fail("error: ", exc)
+        return EXIT_USAGE
+    from koochak.loop.loop import training_loop
+
+    try:
+        training_loop(**kwargs)
+    except Exception as exc:
+        if args.debug:
+            raise
+        _fail(f"training failed ({type(exc).__name__}): ", exc)
+        print("koochak-train: rerun with --debug for the traceback", file=sys.stderr)
+        return EXIT_TRAINING_FAILED
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,572 @@
+"""`training_loop`: the one function that owns the repetitive mechanics of training.
+
+It reads in the order it runs. Setup once: device -> [shard] -> start hook -> compile -> [DDP]
+-> [resume]. Then, per update: batch -> micro-steps x grad_accum -> gradient gate -> update
+(optimizer -> scaler -> [EMA] -> scheduler) -> observe (hooks, log) -> maybe eval -> maybe save.
+Finally the terminal state is packed into a resume-ready checkpoint, saved, and returned.
+
+The user's ``step_fn(model, batch, ctx) -> {"loss": Tensor, ...}`` owns the model semantics.
+Every optional behaviour is a helper call or a hook. On the ordinary path the loop adds no
+device->host synchronisation at all, except one scalar per step when clipping is on and one
+batched read of the logged scalars on logging steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from koochak.loop import dist
+from koochak.loop.batch import to_device
+from koochak.loop.config import TrainConfig, resolve_train_config
+from koochak.loop.device import get_device, get_lr
+from koochak.loop.gradients import apply_gate, check_finite, grads_of, total_norm
+from koochak.loop.hooks import Hooks, emit, merge
+from koochak.loop.precision import Scaler, autocast_factory
+from koochak.loop.prefetch import cuda_prefetch
+
+CHECKPOINT_PATTERN = r"step(\d{9})\.pt"
+_NULL = contextlib.nullcontext()
+_END = object()
+
+
+@dataclass
+class StepContext:
+    """What ``step_fn`` and ``eval_fn`` receive as ``ctx`` (attribute or ``ctx["key"]`` access)."""
+
+    device: torch.device
+    rank: int
+    world_size: int
+    autocast: Callable[[], AbstractContextManager[Any]]  # ctx.autocast() -> a fresh context
+    scaler: Scaler
+    config_json: Mapping[str, Any] | None
+    train_cfg: dict[str, Any]
+    step: int = 0  # zero-based index of the update being computed
+    micro_step: int = 0  # index within the grad_accum micro-batches of this update
+
+    def __getitem__(self, key: str) -> Any:
+        return getattr(self, key)
+
+
+def training_loop(
+    *,
+    model: torch.nn.Module,
+    dataset: Iterable[Any],
+    step_fn: Callable[[torch.nn.Module, Any, StepContext], Mapping[str, Any]],
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any = None,
+    train_cfg: Mapping[str, Any] | TrainConfig,
+    config_json: Mapping[str, Any] | None = None,
+    checkpoint_dict: dict[str, Any] | None = None,
+    eval_dataset: Iterable[Any] | None = None,
+    eval_fn: Callable[[torch.nn.Module, Any, StepContext], Mapping[str, Any]] | None = None,
+    hooks: Mapping[str, list[Callable[[dict[str, Any]], None]]] | None = None,
+    prepare_batch_fn: Callable[[Any], Any] | None = None,
+    resume: str | None = None,
+    auto_resume_path: str | None = None,
+    evacuation: Any = None,
+) -> dict[str, Any]:
+    """Train ``model`` on ``dataset`` until ``train.max_steps`` updates or the data runs out.
+
+    ``dataset`` is any iterable, finite or infinite; it is iterated once (no hidden epochs).
+    Returns the resume-ready terminal checkpoint dict (also saved to ``train.checkpoint_dir``).
+    See the package README for ``ctx``, the hook events and every ``train`` key.
+    """
+    cfg = resolve_train_config(train_cfg)
+    hooks = merge(hooks)
+    warned: set[int] = set()  # hooks that already warned once
+    _check_resume_args(resume, evacuation, cfg)
+    started = time.perf_counter()
+    prior_wall_time = float(checkpoint_dict.get("wall_time", 0.0)) if checkpoint_dict else 0.0
+    start_step = int(checkpoint_dict["next_step"]) if checkpoint_dict else 0
+    location = cfg.checkpoint_dir or cfg.out_dir
+
+    # ---- setup once: device -> [shard] -> start hook -> compile -> [DDP] -> [resume]
+    if cfg.ddp:
+        dist.init_process_group()
+    device = get_device(cfg.device)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    raw_model = model.to(device)
+    dataset = _maybe_shard(
+        dataset, cfg.shard_dataset, cfg.shard_dataset_mode, cfg, rank, world_size
+    )
+    if eval_dataset is not None:
+        eval_dataset = _maybe_shard(
+            eval_dataset, cfg.shard_eval_dataset, cfg.shard_eval_dataset_mode, cfg, rank, world_size
+        )
+    scaler = Scaler(cfg.amp, device)
+    train_dict = dataclasses.asdict(cfg)
+    ctx = StepContext(
+        device=device,
+        rank=rank,
+        world_size=world_size,
+        autocast=autocast_factory(cfg.amp, device),
+        scaler=scaler,
+        config_json=config_json,
+        train_cfg=train_dict,
+        step=start_step,
+    )
+    num_params = sum(p.numel() for p in raw_model.parameters())
+    if rank == 0:
+        print(_param_banner(raw_model, num_params), flush=True)
+    step = start_step
+    try:
+        emit(
+            hooks,
+            "on_train_start",
+            {
+                "step": start_step,
+                "max_steps": cfg.max_steps,
+                "train_cfg": train_dict,
+                "config_json": config_json,
+                "model": raw_model,
+                "num_params": num_params,
+                "rank": rank,
+                "world_size": world_size,
+                "out_dir": cfg.out_dir,
+                "resumed": checkpoint_dict is not None,
+            },
+        )
+        # Compile the bare module first so DDP wraps the compiled graph (torch's recommended order).
+        train_model = torch.compile(raw_model) if cfg.compile else raw_model
+        train_model = _maybe_wrap_ddp(train_model, cfg, device)
+        if checkpoint_dict is not None:
+            _restore(checkpoint_dict, raw_model, optimizer, scheduler, scaler)
+        raw_model.train()
+
+        # Everything the per-step code needs, looked up once.
+        named_params = [(n, p) for n, p in raw_model.named_parameters() if p.requires_grad]
+        grad_accum, clip, log_every = cfg.grad_accum, cfg.grad_clip, cfg.log_every
+        max_steps, check_every = cfg.max_steps, cfg.nonfinite_grad_check_every
+        step_scheduler = scheduler is not None and cfg.scheduler_step == "update"
+        autocast = ctx.autocast if cfg.amp != "none" else None
+        step_end_hooks, log_hooks = hooks.get("on_step_end"), hooks.get("on_log")
+        quiet_ddp = isinstance(train_model, torch.nn.parallel.DistributedDataParallel)
+        if cfg.cuda_prefetch:
+            batches = cuda_prefetch(dataset, device, prepare_batch_fn)
+        else:
+            batches = _on_device(dataset, device, prepare_batch_fn)
+
+        metrics: dict[str, float] = {}
+        eval_metrics: dict[str, float] = {}
+        if eval_fn is not None and cfg.eval_at_step_zero and start_step == 0:
+            eval_metrics = _evaluate(eval_fn, raw_model, eval_dataset, ctx, hooks, warned, step=0)
+
+        window_start, window_steps = time.perf_counter(), 0
+        outputs: Mapping[str, Any] | None = None
+        batch: Any = None
+        last_batch: Any = None
+        logged = True
+        optimizer.zero_grad(set_to_none=True)
+        while max_steps is None or step < max_steps:
+            ctx.step = step
+
+            # ---- micro-steps: autocast -> step_fn -> scaled backward, grad_accum times
+            pending: Any = None
+            for micro in range(grad_accum):
+                batch = next(batches, _END)
+                if batch is _END:
+                    break
+                ctx.micro_step = micro
+                # Under DDP only the last micro-step all-reduces gradients.
+                no_sync = quiet_ddp and micro < grad_accum - 1
+                with train_model.no_sync() if no_sync else _NULL:
+                    out = _micro_step(
+                        step_fn, train_model, batch, ctx, autocast, scaler, grad_accum
+                    )
+                pending = out if grad_accum == 1 else _accumulate(pending, out, grad_accum)
+            if batch is _END:
+                if pending is not None:
+                    warnings.warn(
+                        f"dataset ran out inside update {step}: its {micro} micro-batch(es) were "
+                        f"dropped rather than applied as a partial grad_accum={grad_accum} update",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+                    optimizer.zero_grad(set_to_none=True)
+                break
+            outputs, last_batch = pending, batch
+            is_log = (step + 1) % log_every == 0 or step + 1 == max_steps
+
+            # ---- gradient gate: unscale -> finite check -> clip
+            gate: dict[str, float] | None = None
+            host: dict[str, float] | None = None
+            is_check = bool(check_every) and (step + 1) % check_every == 0
+            if clip is not None or is_log or is_check:
+                scaler.unscale_(optimizer)
+                if is_check:
+                    check_finite(named_params, step)
+                norm = total_norm(grads_of(named_params))
+                if is_log:  # one read brings the norm and every logged scalar to the host
+                    host = _to_host(outputs, norm)
+                    norm_value = host.pop("grad_norm")
+                else:
+                    norm_value = norm.item()
+                gate = apply_gate(
+                    named_params, norm_value, max_norm=clip, step=step, allow_skip=scaler.enabled
+                )
+
+            # ---- update: optimizer -> scaler -> [EMA] -> scheduler
+            lr = get_lr(optimizer) if is_log else 0.0  # the rate this update used
+            scaler.step(optimizer)  # an fp16 GradScaler skips an update with inf/NaN gradients
+            scaler.update()
+            # [EMA] update goes here (later work).
+            if step_scheduler:
+                _step_scheduler(scheduler, outputs)
+            optimizer.zero_grad(set_to_none=True)
+            window_steps += 1
+
+            # ---- observe: hooks, log
+            if step_end_hooks:
+                emit(hooks, "on_step_end", {"step": step, "outputs": outputs}, warned=warned)
+            if is_log:
+                assert host is not None
+                metrics = _log_metrics(host, gate, lr, time.perf_counter() - window_start)
+                _add_rate(metrics, batch, window_steps, grad_accum, world_size)
+                if log_hooks:
+                    emit(hooks, "on_log", {"step": step, "metrics": metrics}, warned=warned)
+                window_start, window_steps = time.perf_counter(), 0
+            logged = is_log
+
+            # ---- maybe eval
+            if eval_fn is not None and cfg.eval_every and (step + 1) % cfg.eval_every == 0:
+                eval_metrics = _evaluate(eval_fn, raw_model, eval_dataset, ctx, hooks, warned, step)
+                if scheduler is not None and cfg.scheduler_step == "eval":
+                    _step_scheduler(scheduler, eval_metrics)
+
+            # ---- maybe save (periodic: keeps its zero-based index, resumes at step + 1)
+            if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0:
+                periodic = _build_checkpoint(
+                    step, step + 1, raw_model, optimizer, scheduler, scaler, config_json, cfg,
+                    prior_wall_time + time.perf_counter() - started, {**metrics, **eval_metrics},
+                )  # fmt: skip
+                _checkpoint_and_announce(periodic, step, location, cfg, rank, hooks, warned)
+            step += 1
+
+        # ---- finish: the last update is always logged, the terminal state saved and returned
+        if not logged and outputs is not None:
+            metrics = _log_metrics(_to_host(outputs, None), None, get_lr(optimizer),
+                                   time.perf_counter() - window_start)  # fmt: skip
+            _add_rate(metrics, last_batch, window_steps, grad_accum, world_size)
+            emit(hooks, "on_log", {"step": step - 1, "metrics": metrics}, warned=warned)
+        final_metrics = {**metrics, **eval_metrics}
+        checkpoint = _build_checkpoint(
+            step, step, raw_model, optimizer, scheduler, scaler, config_json, cfg,
+            prior_wall_time + time.perf_counter() - started, final_metrics,
+        )  # fmt: skip
+        _checkpoint_and_announce(checkpoint, step, location, cfg, rank, hooks, warned)
+        emit(
+            hooks,
+            "on_train_end",
+            {"step": step, "checkpoint": checkpoint, "metrics": final_metrics},
+            warned=warned,
+        )
+        return checkpoint
+    except (Exception, KeyboardInterrupt) as exc:
+        emit(hooks, "on_exception", {"step": step, "exception": exc}, warned=warned)
+        raise
+
+
+# ----------------------------------------------------------------------------- per-step helpers
+
+
+def _on_device(
+    dataset: Iterable[Any], device: torch.device, prepare_batch_fn: Callable[[Any], Any] | None
+) -> Any:
+    for batch in dataset:
+        batch = to_device(batch, device)
+        yield prepare_batch_fn(batch) if prepare_batch_fn is not None else batch
+
+
+def _micro_step(
+    step_fn: Callable[..., Mapping[str, Any]],
+    model: torch.nn.Module,
+    batch: Any,
+    ctx: StepContext,
+    autocast: Callable[[], AbstractContextManager[Any]] | None,
+    scaler: Scaler,
+    grad_accum: int,
+) -> Mapping[str, Any]:
+    with autocast() if autocast is not None else _NULL:
+        out = step_fn(model, batch, ctx)
+    try:
+        loss = out["loss"]
+    except (KeyError, TypeError, IndexError):
+        raise TypeError(
+            f"step_fn must return a dict with a 'loss' tensor, got {type(out).__name__}"
+            + (f" with keys {sorted(out)}" if isinstance(out, Mapping) else "")
+        ) from None
+    # Dividing each micro-loss by grad_accum makes k accumulated micro-batches equal one k x batch.
+    if grad_accum > 1:
+        loss = loss / grad_accum
+    scaler.scale(loss).backward()
+    return out
+
+
+def _accumulate(
+    total: dict[str, Any] | None, out: Mapping[str, Any], grad_accum: int
+) -> dict[str, Any]:
+    """Running mean of the micro-steps' scalars (detached; stays on the device)."""
+    total = {} if total is None else total
+    for key, value in out.items():
+        if isinstance(value, torch.Tensor):
+            value = value.detach()
+        if isinstance(value, (torch.Tensor, int, float)) and not isinstance(value, bool):
+            total[key] = total.get(key, 0.0) + value / grad_accum
+    return total
+
+
+def _to_host(outputs: Mapping[str, Any], norm: torch.Tensor | None) -> dict[str, float]:
+    """Every scalar of ``outputs`` (and the grad norm) as floats, with a single device read."""
+    names, tensors, host = [], [], {}
+    for key, value in outputs.items():
+        if isinstance(value, torch.Tensor):
+            if value.numel() == 1:
+                names.append(key)
+                tensors.append(value.detach().reshape(()).float())
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            host[key] = float(value)
+    if norm is not None:
+        names.append("grad_norm")
+        tensors.append(norm.reshape(()).float())
+    if tensors:
+        device = tensors[0].device
+        values = torch.stack([t.to(device) for t in tensors]).tolist()
+        host.update(zip(names, values))
+    return host
+
+
+def _log_metrics(
+    host: dict[str, float], gate: dict[str, float] | None, lr: float, window_s: float
+) -> dict[str, float]:
+    metrics = dict(host)
+    metrics["lr"] = lr
+    if gate is not None:
+        metrics.update(gate)
+    metrics["step_time_s"] = window_s
+    return metrics
+
+
+def _add_rate(
+    metrics: dict[str, float], batch: Any, steps: int, grad_accum: int, world_size: int
+) -> None:
+    """Turn the window time into per-step time (per rank) and samples/s when the batch says."""
+    steps = max(steps, 1)
+    step_time = metrics["step_time_s"] / steps
+    metrics["step_time_s"] = step_time
+    if world_size > 1:  # per-rank timing: the slowest rank sets the pace
+        times = [row[0] for row in dist.all_gather_floats([step_time])]
+        metrics["step_time_s_max"] = max(times)
+        metrics["step_time_s_min"] = min(times)
+    size = _batch_size(batch)
+    if size and step_time > 0:
+        metrics["samples_per_s"] = size * grad_accum * world_size / step_time
+
+
+def _batch_size(batch: Any) -> int | None:
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else None
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            size = _batch_size(item)
+            if size:
+                return size
+    return None
+
+
+def _step_scheduler(scheduler: Any, metrics: Mapping[str, Any]) -> None:
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        # Plateau needs a number: the monitored eval metric, or the step's loss (one sync).
+        key = getattr(scheduler, "monitor", "eval_loss")
+        value = metrics.get(key, metrics.get("loss"))
+        if value is None:
+            raise KeyError(f"plateau scheduler: metric {key!r} not found in {sorted(metrics)}")
+        scheduler.step(float(value))
+    else:
+        scheduler.step()
+
+
+def _evaluate(
+    eval_fn: Callable[..., Mapping[str, Any]],
+    model: torch.nn.Module,
+    eval_dataset: Any,
+    ctx: StepContext,
+    hooks: Hooks,
+    warned: set[int],
+    step: int,
+) -> dict[str, float]:
+    """Run ``eval_fn`` under no_grad and eval mode; report ``eval_``-prefixed floats."""
+    model.eval()
+    try:
+        with torch.no_grad():
+            raw = eval_fn(model, eval_dataset, ctx)
+    finally:
+        model.train()
+    if not isinstance(raw, Mapping):
+        raise TypeError(f"eval_fn must return a dict of scalars, got {type(raw).__name__}")
+    metrics = {(k if k.startswith("eval_") else f"eval_{k}"): float(v) for k, v in raw.items()}
+    emit(hooks, "on_eval_end", {"step": step, "metrics": metrics}, warned=warned)
+    return metrics
+
+
+# ----------------------------------------------------------------------------- setup helpers
+
+
+def _check_resume_args(resume: str | None, evacuation: Any, cfg: TrainConfig) -> None:
+    if resume not in (None, "none", "auto"):
+        raise ValueError(
+            f"training_loop(resume=...): expected 'auto', 'none' or None, got {resume!r}"
+        )
+    # The auto-resume lookup itself happens before the dataset is built (the caller passes the
+    # found checkpoint as checkpoint_dict); evacuation is wired by the checkpoint work (issue 6).
+    if evacuation or cfg.evacuation_enabled:
+        raise NotImplementedError("evacuation is not available in this build of koochak.loop yet")
+
+
+def _param_banner(model: torch.nn.Module, num_params: int) -> str:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return (
+        f"koochak: {type(model).__name__} with {num_params:,} parameters "
+        f"({_human(num_params)}; trainable {_human(trainable)})"
+    )
+
+
+def _human(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def _maybe_shard(
+    dataset: Any, enabled: bool, mode: str, cfg: TrainConfig, rank: int, world_size: int
+) -> Any:
+    if world_size == 1:
+        return dataset
+    if enabled:
+        from koochak.loop.sharding import shard_dataset
+
+        return shard_dataset(dataset, rank, world_size, mode=mode)
+    if cfg.warn_unsharded and rank == 0:
+        warnings.warn(
+            "DDP is running but the dataset is not sharded by koochak: every rank sees the same "
+            "data unless you sharded it yourself (train.shard_dataset / train.warn_unsharded)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return dataset
+
+
+def _maybe_wrap_ddp(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> Any:
+    if not cfg.ddp or dist.get_world_size() == 1:
+        return model
+    device_ids = [device.index] if device.type == "cuda" else None
+    return torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=device_ids, find_unused_parameters=cfg.find_unused_parameters
+    )
+
+
+def _restore(
+    checkpoint: Mapping[str, Any],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    scaler: Scaler,
+) -> None:
+    """Load a checkpoint dict's state; RNG last, so the next step draws what it would have."""
+    from koochak.loop.seed import set_rng_state
+
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    if scheduler is not None and checkpoint.get("scheduler") is not None:
+        scheduler.load_state_dict(checkpoint["scheduler"])
+    scaler.load_state_dict(checkpoint.get("scaler"))
+    if checkpoint.get("rng") is not None:
+        set_rng_state(checkpoint["rng"])
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _build_checkpoint(
+    step: int,
+    next_step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    scaler: Scaler,
+    config_json: Mapping[str, Any] | None,
+    cfg: TrainConfig,
+    wall_time: float,
+    metrics: Mapping[str, float],
+) -> dict[str, Any]:
+    """The resume-ready state: a dict of named parts, loadable with weights_only=True."""
+    from koochak.loop.seed import get_rng_state
+
+    return {
+        "step": step,
+        "next_step": next_step,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "scaler": scaler.state_dict(),
+        "config": dict(config_json)
+        if config_json is not None
+        else {"train": dataclasses.asdict(cfg)},
+        "rng": get_rng_state(),
+        "wall_time": wall_time,
+        "metrics": dict(metrics),
+    }
+
+
+def _checkpoint_and_announce(
+    checkpoint: dict[str, Any],
+    step: int,
+    location: str,
+    cfg: TrainConfig,
+    rank: int,
+    hooks: Hooks,
+    warned: set[int],
+) -> None:
+    if rank != 0:
+        return
+    name = f"step{step:09d}.pt"
+    publication = _save_checkpoint(
+        checkpoint, location=location, name=name, keep_last_k=cfg.keep_last_k
+    )
+    path = publication.path or f"{location.rstrip('/')}/{name}"
+    info = {"step": step, "path": path, "checkpoint": checkpoint, "publication": publication}
+    emit(hooks, "on_checkpoint", info, warned=warned)
+
+
+def _save_checkpoint(
+    checkpoint: Mapping[str, Any], *, location: str, name: str, keep_last_k: int | None
+) -> Any:
+    """Serialize ``checkpoint`` and publish it create-only with a ready manifest under ``location``."""
+    from koochak.storage.artifact import publish
+    from koochak.storage.store import open_store
+
+    if "://" not in location:
+        os.makedirs(location, exist_ok=True)
+    buffer = io.BytesIO()
+    torch.save(dict(checkpoint), buffer)
+    return publish(
+        open_store(location),
+        name,
+        buffer.getvalue(),
+        kind="checkpoint",
+        keep_last_k=keep_last_k or None,
+        pattern=CHECKPOINT_PATTERN,
+        latest="latest.pt",
+    )

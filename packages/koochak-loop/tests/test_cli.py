@@ -1,0 +1,154 @@
+"""koochak-train: config + entry points -> training_loop; one-line errors with exit codes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from koochak.loop.cli import main
+
+USER_CODE = """
+import torch
+from torch.nn import functional as F
+
+
+def make_model(cfg):
+    torch.manual_seed(0)
+    return torch.nn.Linear(3, 1)
+
+
+def dataset(cfg, start_step=0):
+    gen = torch.Generator().manual_seed(int(cfg.train.seed) + start_step)
+    while True:
+        x = torch.randn(cfg.data.batch_size, 3, generator=gen)
+        yield x, x.sum(1, keepdim=True)
+
+
+def step_fn(model, batch, ctx):
+    x, y = batch
+    return {"loss": F.mse_loss(model(x), y)}
+
+
+def val_dataset(cfg):
+    return [(torch.ones(4, 3), torch.full((4, 1), 3.0))]
+
+
+def eval_fn(model, data, ctx):
+    return {"loss": sum(float(F.mse_loss(model(x), y)) for x, y in data)}
+
+
+def broken_step(model, batch, ctx):
+    raise RuntimeError("user code exploded")
+"""
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    """A user project in the working directory: a module of entry points and a config."""
+    name = f"userpkg_{abs(hash(str(tmp_path)))}"
+    (tmp_path / f"{name}.py").write_text(USER_CODE)
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "cfg.yaml"
+    config.write_text(
+        textwrap.dedent(
+            f"""
+            train:
+              max_steps: 6
+              log_every: 2
+              eval_every: 3
+              device: cpu
+              out_dir: {tmp_path / "run"}
+              progress_bar: false
+            data:
+              batch_size: 4
+            optim:
+              optimizer: {{name: sgd, lr: 0.05}}
+              scheduler: {{name: cosine}}
+            logging:
+              stdout: true
+            entry:
+              model: {name}:make_model
+              dataset: {name}:dataset
+              step: {name}:step_fn
+              eval_dataset: {name}:val_dataset
+              eval_fn: {name}:eval_fn
+            """
+        )
+    )
+    return tmp_path, name, config
+
+
+def test_runs_end_to_end_and_writes_logs_and_checkpoint(project, capsys):
+    root, _, config = project
+    assert main(["--config", str(config), "--resume", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "strict_config: true" in out and "koochak: Linear with 4 parameters" in out
+    run = root / "run"
+    assert (run / "log.csv").exists() and (run / "log.jsonl").exists()
+    ckpt = torch.load(run / "step000000006.pt", weights_only=True)
+    assert ckpt["step"] == 6 and ckpt["config"]["optim"]["optimizer"]["name"] == "sgd"
+    assert "eval_loss" in ckpt["metrics"]
+
+
+def test_overrides_apply_last(project):
+    root, _, config = project
+    assert main(["--config", str(config), "train.max_steps=2", "--resume", "none"]) == 0
+    assert (root / "run" / "step000000002.pt").exists()
+
+
+def one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "Traceback" not in err[0]
+    return err[0]
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("entry.model=nowhere_pkg:make_model", "entry.model: cannot import module 'nowhere_pkg'"),
+        ("entry.step={name}:nope", "entry.step: module '{name}' has no attribute 'nope'"),
+        ("entry.dataset=nocolon", "entry.dataset: expected 'module:callable', got 'nocolon'"),
+        ("entry.model=null", "entry.model: expected 'module:callable', got None"),
+        ("train.max_stpes=3", "did you mean 'train.max_steps'"),
+        ("train.amp=fp8", "train.amp: expected one of none|bf16|fp16, got 'fp8'"),
+        ("optim.optimizer.name=lion", "lion"),
+    ],
+)
+def test_bad_input_is_one_line_on_stderr_exit_2(project, capsys, override, expected):
+    _, name, config = project
+    code = main(["--config", str(config), override.format(name=name), "--resume", "none"])
+    assert code == 2
+    line = one_line_error(capsys)
+    assert line.startswith("koochak-train: error: ")
+    assert expected.format(name=name) in line
+
+
+def test_missing_config_file_exit_2(tmp_path, capsys):
+    assert main(["--config", str(tmp_path / "none.yaml")]) == 2
+    assert "none.yaml: config file not found" in one_line_error(capsys)
+
+
+def test_training_failure_exit_1_and_debug_shows_traceback(project, capsys):
+    _, name, config = project
+    args = ["--config", str(config), f"entry.step={name}:broken_step", "--resume", "none"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "user code exploded" in err and "Traceback" not in err and "--debug" in err
+    with pytest.raises(RuntimeError, match="user code exploded"):
+        main([*args, "--debug"])
+
+
+@pytest.mark.slow
+def test_python_dash_m_entry_point(project):
+    root, _, config = project
+    proc = subprocess.run(
+        [sys.executable, "-m", "koochak.loop.cli", "--config", str(config), "train.max_steps=2",
+         "--resume", "none"],
+        cwd=root, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert (root / "run" / "step000000002.pt").exists()

@@ -1,0 +1,109 @@
+"""Small loop helpers: precision, device, batch, prefetch, dist (single process)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict, namedtuple
+
+import pytest
+import torch
+from koochak.loop import dist
+from koochak.loop.batch import cycle, take, to_device
+from koochak.loop.device import get_device, get_lr
+from koochak.loop.precision import Scaler, autocast_context, check_amp_mode
+from koochak.loop.prefetch import cuda_prefetch
+
+
+def test_amp_modes_and_autocast_on_cpu():
+    assert check_amp_mode(None) == "none" and check_amp_mode("BF16") == "bf16"
+    with pytest.raises(ValueError, match="train.amp: expected one of none|bf16|fp16, got 'fp8'"):
+        check_amp_mode("fp8")
+    layer = torch.nn.Linear(2, 2)
+    with autocast_context("bf16", "cpu"):
+        assert layer(torch.ones(1, 2)).dtype == torch.bfloat16
+    with autocast_context("none", "cpu"):
+        assert layer(torch.ones(1, 2)).dtype == torch.float32
+
+
+def test_scaler_is_a_pass_through_off_cuda():
+    for mode in ("none", "bf16", "fp16"):
+        scaler = Scaler(mode, "cpu")
+        assert scaler.enabled is False and scaler.state_dict() is None
+        loss = torch.tensor(2.0)
+        assert scaler.scale(loss) is loss and scaler.get_scale() == 1.0
+    param = torch.nn.Parameter(torch.ones(1))
+    param.grad = torch.ones(1)
+    opt = torch.optim.SGD([param], lr=0.5)
+    scaler = Scaler("fp16", "cpu")
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    assert float(param.detach()) == 0.5
+
+
+def test_get_device_and_lr():
+    assert get_device("cpu") == torch.device("cpu")
+    assert get_device({"device": "cpu"}) == torch.device("cpu")
+    assert get_device("auto").type in ("cpu", "cuda")
+    with pytest.raises(ValueError, match="train.device: expected auto|cpu|cuda|cuda:N, got 'gpu'"):
+        get_device("gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            get_device("cuda:0")
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.25)
+    assert get_lr(opt) == 0.25
+
+
+def test_to_device_walks_nested_batches():
+    Pair = namedtuple("Pair", "x y")
+    batch = {"a": [torch.ones(1), (torch.zeros(2), "tag")], "p": Pair(torch.ones(3), 4)}
+    moved = to_device(batch, "cpu")
+    assert moved["a"][1][1] == "tag" and isinstance(moved["p"], Pair) and moved["p"].y == 4
+    assert torch.equal(moved["p"].x, torch.ones(3))
+    assert isinstance(to_device(OrderedDict(a=torch.ones(1)), "cpu"), OrderedDict)
+
+
+def test_cycle_reiterates_without_caching_and_take():
+    calls = []
+
+    class Reiterable:
+        def __iter__(self):
+            calls.append(1)
+            return iter([1, 2])
+
+    assert list(take(cycle(Reiterable()), 5)) == [1, 2, 1, 2, 1]
+    assert len(calls) == 3
+    with pytest.raises(ValueError, match="no items"):
+        next(cycle([]))
+    assert list(take(range(3), 10)) == [0, 1, 2]
+    with pytest.raises(ValueError):
+        take([], -1)
+
+
+def test_cuda_prefetch_off_cuda_is_a_pass_through_with_prepare():
+    data = [(torch.full((2,), float(i)), i) for i in range(4)]
+    out = list(cuda_prefetch(data, "cpu", lambda b: (b[0] * 2, b[1])))
+    assert [b[1] for b in out] == [0, 1, 2, 3]
+    assert torch.equal(out[3][0], torch.full((2,), 6.0))
+    assert list(cuda_prefetch([], "cpu")) == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_prefetch_on_cuda_delivers_every_batch_on_the_device():
+    data = [{"x": torch.full((1024,), float(i))} for i in range(5)]
+    out = list(cuda_prefetch(data, "cuda"))
+    assert [float(b["x"][0]) for b in out] == [0, 1, 2, 3, 4]
+    assert all(b["x"].is_cuda for b in out)
+
+
+def test_dist_single_process_answers():
+    assert dist.get_rank() == 0 and dist.get_world_size() == 1 and dist.is_rank0()
+    assert dist.is_initialized() is False
+    dist.barrier()
+    assert dist.all_gather_floats([1.5]) == [[1.5]]
+
+
+def test_init_process_group_without_launcher_env_names_what_is_missing(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(RuntimeError, match="RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT"):
+        dist.init_process_group()
