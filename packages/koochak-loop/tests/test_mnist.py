@@ -1,0 +1,106 @@
+"""The MNIST example on tiny generated IDX files, through the real training_loop."""
+
+import gzip
+import importlib
+import struct
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from koochak.loop.logging import read_csv_log, read_jsonl_log
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture
+def mnist(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))
+    return importlib.import_module("examples.mnist.main")
+
+
+def _write_idx(path: Path, array: np.ndarray, type_byte: int = 0x08) -> None:
+    header = bytes([0, 0, type_byte, array.ndim]) + b"".join(struct.pack(">I", n) for n in array.shape)
+    payload = header + array.astype(array.dtype.newbyteorder(">")).tobytes()
+    if path.suffix == ".gz":
+        path.write_bytes(gzip.compress(payload))
+    else:
+        path.write_bytes(payload)
+
+
+def _tiny_mnist(data_dir: Path, n_train: int = 96, n_test: int = 40, gz: bool = False) -> None:
+    """Images whose brightest quadrant encodes the label class (mod 4), so a few steps learn."""
+    rng = np.random.default_rng(0)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    suffix = ".gz" if gz else ""
+    for split, n in (("train", n_train), ("t10k", n_test)):
+        labels = rng.integers(0, 10, n).astype(np.uint8)
+        images = rng.integers(0, 40, (n, 28, 28)).astype(np.uint8)
+        for i, label in enumerate(labels):
+            r, c = divmod(int(label) % 4, 2)
+            images[i, r * 14 : r * 14 + 14, c * 14 : c * 14 + 14] += 200
+        _write_idx(data_dir / f"{split}-images-idx3-ubyte{suffix}", images)
+        _write_idx(data_dir / f"{split}-labels-idx1-ubyte{suffix}", labels)
+
+
+def test_read_idx_round_trips_plain_and_gzip(mnist, tmp_path):
+    array = np.arange(24, dtype=np.uint8).reshape(2, 3, 4)
+    for name in ("a-idx3-ubyte", "a-idx3-ubyte.gz"):
+        _write_idx(tmp_path / name, array)
+        np.testing.assert_array_equal(mnist.read_idx(tmp_path / name), array)
+    floats = np.linspace(0, 1, 6, dtype=np.float32).reshape(2, 3)
+    _write_idx(tmp_path / "f", floats, type_byte=0x0D)
+    np.testing.assert_array_equal(mnist.read_idx(tmp_path / "f"), floats)
+
+
+def test_read_idx_rejects_bad_files(mnist, tmp_path):
+    (tmp_path / "junk").write_bytes(b"PK\x03\x04 not idx")
+    with pytest.raises(ValueError, match="junk: not an IDX file"):
+        mnist.read_idx(tmp_path / "junk")
+    _write_idx(tmp_path / "short", np.zeros((4, 2), dtype=np.uint8))
+    (tmp_path / "short").write_bytes((tmp_path / "short").read_bytes()[:-1])
+    with pytest.raises(ValueError, match="short: IDX header promises 8 data bytes"):
+        mnist.read_idx(tmp_path / "short")
+
+
+def test_load_mnist_reads_torchvision_layout_and_gzip(mnist, tmp_path):
+    _tiny_mnist(tmp_path / "MNIST" / "raw", n_train=10, n_test=6, gz=True)
+    x, y = mnist.load_mnist(tmp_path, "train")
+    assert x.shape == (10, 1, 28, 28) and y.shape == (10,) and str(y.dtype) == "torch.int64"
+
+
+def test_missing_files_without_torchvision_name_it(mnist, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchvision", None)
+    monkeypatch.setitem(sys.modules, "torchvision.datasets", None)
+    with pytest.raises(ImportError, match="torchvision is not installed.*pip install torchvision"):
+        mnist.load_mnist(tmp_path / "empty", "train")
+
+
+@pytest.mark.slow
+def test_mnist_example_trains_logs_evaluates_and_checkpoints(mnist, tmp_path, capsys):
+    data_dir, out_dir = tmp_path / "data", tmp_path / "run"
+    _tiny_mnist(data_dir)
+    overrides = [
+        f"data.data_dir={data_dir}", f"train.out_dir={out_dir}", "data.batch_size=16",
+        "train.max_steps=6", "train.log_every=2", "train.eval_every=3", "train.ckpt_every=3",
+        "train.device=cpu", "train.progress_bar=false", "optim.scheduler.warmup_steps=2",
+    ]  # fmt: skip
+    checkpoint = mnist.main(["--config", str(REPO / "examples/mnist/config.yaml"), *overrides])
+
+    assert checkpoint["step"] == 6 and checkpoint["next_step"] == 6
+    assert (out_dir / "step000000006.pt").is_file()
+    rows = read_csv_log(out_dir / "log.csv")
+    assert [(r["event"], r["step"]) for r in rows] == [
+        ("log", 1), ("eval", 2), ("log", 3), ("log", 5), ("eval", 5)
+    ]
+    assert {"loss", "acc", "lr", "grad_norm"} <= rows[0]["metrics"].keys()
+    assert {"eval_loss", "eval_acc"} == rows[1]["metrics"].keys()
+    assert len(read_jsonl_log(out_dir / "log.jsonl")) == len(rows)
+    assert "log\tstep=5\tloss=" in capsys.readouterr().out
+
+    # The same command again resumes from the published checkpoint instead of starting over.
+    more = mnist.main(
+        ["--config", str(REPO / "examples/mnist/config.yaml"), *overrides, "train.max_steps=8"]
+    )
+    assert more["step"] == 8
+    assert [r["step"] for r in read_csv_log(out_dir / "log.csv")][-1] == 7
