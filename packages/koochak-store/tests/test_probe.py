@@ -298,3 +298,17 @@ def test_interrupted_probe_removes_its_scratch_directory(tmp_path, sig):
     assert proc.returncode == 130, err
     assert "interrupted" in err and "Traceback" not in err
     assert _leftovers(tmp_path) == []
+
+
+def test_emitted_profile_pastes_into_a_stores_file(tmp_path, capsys):
+    from koochak.storage.stores_file import load_stores_file
+
+    data = tmp_path / "data"
+    data.mkdir()
+    assert main([str(data), "--emit-profile", *TINY_ARGS]) == 0
+    block = capsys.readouterr().out
+    stores = tmp_path / "stores.yaml"
+    indented = "".join("    " + line + "\n" for line in block.splitlines())
+    stores.write_text(f"version: 1\nstores:\n  probed:\n    root: {data}\n{indented}")
+    settings = load_stores_file(stores)["probed"]
+    assert settings.profile == StoreProfile(**yaml.safe_load(block)["profile"])
