@@ -158,3 +158,37 @@ def test_missing_wandb_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` raise ImportError
     with pytest.raises(ImportError, match=r"koochak-loop\[wandb\]"):
         make_wandb_hooks({"enabled": True, "mode": "offline"})
+
+
+@pytest.mark.slow
+def test_training_loop_versions_its_checkpoints_as_one_artifact(offline_wandb):
+    from koochak.loop import training_loop
+
+    out_dir = offline_wandb / "loop"
+    config = {"wandb": {"enabled": True, "mode": "offline", "id": "loop-run-1"}}
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    data = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(6)]
+
+    def step_fn(model, batch, ctx):
+        x, y = batch
+        return {"loss": torch.nn.functional.mse_loss(model(x), y)}
+
+    training_loop(
+        model=model, dataset=data, step_fn=step_fn,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        train_cfg={"max_steps": 6, "log_every": 2, "ckpt_every": 3, "out_dir": str(out_dir),
+                   "device": "cpu", "keep_last_k": None},
+        config_json=config, hooks=make_wandb_hooks(config),
+    )  # fmt: skip
+
+    run = _read_run(out_dir, "loop-run-1")
+    assert run["config"]["wandb"]["id"] == "loop-run-1"
+    assert [row["_step"] for row in run["history"]] == [1, 3, 5]
+    # Periodic checkpoints keep their zero-based index; the terminal one is named by count.
+    assert [(aliases[-2:], files) for _, aliases, files in run["artifacts"]] == [
+        (["latest", "step-2"], ["step000000002.pt"]),
+        (["latest", "step-5"], ["step000000005.pt"]),
+        (["latest", "step-6"], ["step000000006.pt"]),
+    ]
+    assert {name for name, _, _ in run["artifacts"]} == {"model-loop-run-1"}
