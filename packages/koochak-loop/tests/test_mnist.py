@@ -104,3 +104,41 @@ def test_mnist_example_trains_logs_evaluates_and_checkpoints(mnist, tmp_path, ca
     )
     assert more["step"] == 8
     assert [r["step"] for r in read_csv_log(out_dir / "log.csv")][-1] == 7
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_ddp_launcher_trains_two_gloo_ranks_under_torchrun(tmp_path):
+    import os
+    import subprocess
+
+    import torch
+
+    data_dir, out_dir = tmp_path / "data", tmp_path / "run"
+    _tiny_mnist(data_dir)
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = [
+        torchrun, "--nproc_per_node=2", f"--master_port={_free_port()}",
+        "-m", "examples.mnist.ddp_main", "--config", "examples/mnist/config.yaml",
+        f"data.data_dir={data_dir}", f"train.out_dir={out_dir}", "data.batch_size=16",
+        "train.max_steps=4", "train.log_every=2", "train.eval_every=4", "train.ckpt_every=0",
+        "train.device=cpu", "train.progress_bar=false", "optim.scheduler.warmup_steps=1",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    checkpoint = torch.load(out_dir / "step000000004.pt", weights_only=True)
+    assert checkpoint["config"]["train"]["ddp"] is True  # forced by the launcher
+    # Rank 0 alone writes the logs: each event appears once, not once per rank.
+    assert [(r["event"], r["step"]) for r in read_csv_log(out_dir / "log.csv")] == [
+        ("log", 1), ("log", 3), ("eval", 3)
+    ]
+    assert result.stdout.count("log\tstep=3\t") == 1
