@@ -1,0 +1,294 @@
+#!/usr/bin/env python3
+"""koochak-store benchmark: put, copy_objects, small puts and SHA256 against their baselines.
+
+Everything runs in one scratch directory (so on one disk) and each figure is printed as a ratio
+against the natural baseline measured in the same run:
+
+  put            LocalStore.put of one SIZE object from a file (create-only, fsync, SHA256 while
+                 writing)                       vs  `cp SRC DST && sync DST`     target <= 1.15x time
+  raw write      the same bytes with a bare os.write loop + fsync, no hashing: put / raw shows
+                 whether hashing is overlapped with I/O (~1.0x) or added to it
+  copy_objects   one SIZE object LocalStore -> LocalStore (ranged reads, verified put, fsync)
+                                                vs  `cp` (and `cp` + `sync`)   target >= 0.9x throughput
+  small puts     N 1 KiB puts per second        vs  O_EXCL create + write + fsync + close
+  sha256         hashlib over the file           vs  `sha256sum`
+
+Times are the best of --repeat runs, variants interleaved (best, not median: on a shared machine
+other processes only ever add time); the page cache is flushed (`sync`, untimed) between runs so
+no run pays for another's writeback. Source files are warm in the page cache for every variant.
+
+    python tools/bench/store_bench.py                   # 256 MiB, 2,000 small puts: ~1 minute
+    python tools/bench/store_bench.py --size 1G --small 10000   # the issue's full size
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from koochak.storage.profile import parse_size
+from koochak.storage.store import LocalStore
+from koochak.storage.transfer import CopyItem, copy_objects
+
+_CHUNK = 8 << 20
+
+
+def _make_source(path: Path, size: int) -> str:
+    """Write ``size`` incompressible bytes to ``path``; return their SHA256."""
+    sha = hashlib.sha256()
+    block = os.urandom(min(size, _CHUNK))
+    with open(path, "wb") as f:
+        remaining = size
+        while remaining:
+            piece = block[: min(remaining, len(block))]
+            f.write(piece)
+            sha.update(piece)
+            remaining -= len(piece)
+        f.flush()
+        os.fsync(f.fileno())
+    return sha.hexdigest()
+
+
+def _warm(path: Path) -> None:
+    with open(path, "rb") as f:
+        while f.read(_CHUNK):
+            pass
+
+
+def _run(cmd: list[str]) -> None:
+    subprocess.run(cmd, check=True)
+
+
+def _timed(
+    prepare: Callable[[], None], call: Callable[[], object], cleanup: Callable[[], None]
+) -> float:
+    prepare()
+    start = time.perf_counter()
+    call()
+    seconds = time.perf_counter() - start
+    cleanup()
+    return seconds
+
+
+def _best_interleaved(variants: dict[str, Callable[[], float]], repeat: int) -> dict[str, float]:
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeat):
+        for name, run in variants.items():
+            times[name].append(run())
+    return {name: min(values) for name, values in times.items()}
+
+
+def _raw_write(src: Path, dst: Path) -> None:
+    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        with open(src, "rb", buffering=0) as f:
+            buffer = bytearray(_CHUNK)
+            view = memoryview(buffer)
+            while True:
+                n = f.readinto(buffer)
+                if not n:
+                    break
+                offset = 0
+                while offset < n:
+                    offset += os.write(fd, view[offset:n])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _hash_file(path: Path) -> str:
+    sha = hashlib.sha256()
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(buffer)
+            if not n:
+                return sha.hexdigest()
+            sha.update(view[:n])
+
+
+def bench(work: Path, size: int, small: int, repeat: int) -> dict[str, float]:
+    src = work / "source.bin"
+    digest = _make_source(src, size)
+    _warm(src)
+    store = LocalStore(work / "store")
+    out = work / "out"
+    out.mkdir()
+
+    def drop(path: Path) -> Callable[[], None]:
+        def cleanup() -> None:
+            path.unlink(missing_ok=True)
+            _run(["sync"])
+
+        return cleanup
+
+    def put() -> float:
+        def call() -> None:
+            with open(src, "rb") as f:
+                info = store.put("put.bin", f, expected_size=size)
+            assert info.sha256 == digest
+
+        return _timed(lambda: None, call, lambda: (store.delete("put.bin"), _run(["sync"])))
+
+    def cp_sync() -> float:
+        dst = out / "cp.bin"
+        return _timed(
+            lambda: None,
+            lambda: (_run(["cp", str(src), str(dst)]), _run(["sync", str(dst)])),
+            drop(dst),
+        )
+
+    def raw() -> float:
+        dst = out / "raw.bin"
+        return _timed(lambda: None, lambda: _raw_write(src, dst), drop(dst))
+
+    put_times = _best_interleaved({"put": put, "cp_sync": cp_sync, "raw_write": raw}, repeat)
+
+    # copy_objects: source object published once, copied to a fresh target store each run.
+    source = LocalStore(work / "src-store")
+    with open(src, "rb") as f:
+        source.put("obj.bin", f)
+    obj_path = Path(source.local_path("obj.bin"))
+    _warm(obj_path)
+    target_root = work / "dst-store"
+
+    def copy() -> float:
+        target = LocalStore(target_root)
+        item = CopyItem("obj.bin", size, digest)
+        return _timed(
+            lambda: None,
+            lambda: copy_objects(source, target, [item], show_progress=False),
+            lambda: (shutil.rmtree(target_root), _run(["sync"])),
+        )
+
+    def cp() -> float:
+        dst = out / "cp2.bin"
+        return _timed(lambda: None, lambda: _run(["cp", str(obj_path), str(dst)]), drop(dst))
+
+    def cp_then_sync() -> float:
+        dst = out / "cp3.bin"
+        return _timed(
+            lambda: None,
+            lambda: (_run(["cp", str(obj_path), str(dst)]), _run(["sync", str(dst)])),
+            drop(dst),
+        )
+
+    copy_times = _best_interleaved(
+        {"copy_objects": copy, "cp": cp, "cp_sync_copy": cp_then_sync}, repeat
+    )
+
+    # Small puts: N create-only, fsynced, hashed 1 KiB objects vs the bare syscalls for the same.
+    payload = os.urandom(1024)
+    small_store = LocalStore(work / "small-store")
+    start = time.perf_counter()
+    for i in range(small):
+        small_store.put(f"s/{i:06d}", payload)
+    small_put = time.perf_counter() - start
+    raw_dir = work / "small-raw"
+    raw_dir.mkdir()
+    start = time.perf_counter()
+    for i in range(small):
+        fd = os.open(raw_dir / f"{i:06d}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.write(fd, payload)
+        os.fsync(fd)
+        os.close(fd)
+    small_raw = time.perf_counter() - start
+
+    hash_times = _best_interleaved(
+        {
+            "sha256_hashlib": lambda: _timed(_warm_src(src), lambda: _hash_file(src), lambda: None),
+            "sha256sum": lambda: _timed(
+                _warm_src(src),
+                lambda: subprocess.run(["sha256sum", str(src)], check=True, capture_output=True),
+                lambda: None,
+            ),
+        },
+        repeat,
+    )
+    return {
+        **put_times,
+        **copy_times,
+        "small_put_per_second": small / small_put,
+        "small_raw_per_second": small / small_raw,
+        **hash_times,
+    }
+
+
+def _warm_src(src: Path) -> Callable[[], None]:
+    return lambda: _warm(src)
+
+
+def _report(r: dict[str, float], size: int, small: int, repeat: int, work: Path) -> str:
+    mib = size / (1 << 20)
+
+    def rate(seconds: float) -> str:
+        return f"{mib / seconds:8.1f} MiB/s"
+
+    put_ratio = r["put"] / r["cp_sync"]
+    copy_ratio = r["cp"] / r["copy_objects"]  # throughput ratio
+    lines = [
+        f"store_bench: {mib:.0f} MiB object, {small} small puts, best of {repeat}, in {work}",
+        "",
+        f"put (fsync+SHA256)   {r['put']:7.3f} s {rate(r['put'])}   cp+sync {r['cp_sync']:7.3f} s"
+        f"   time ratio {put_ratio:.2f}x (target <= 1.15x) {'ok' if put_ratio <= 1.15 else 'MISSED'}",
+        f"put vs raw write     {r['put']:7.3f} s vs {r['raw_write']:.3f} s (os.write+fsync, no hash)"
+        f"   ratio {r['put'] / r['raw_write']:.2f}x (~1.0x: hashing overlapped with I/O)",
+        f"copy_objects         {r['copy_objects']:7.3f} s {rate(r['copy_objects'])}   cp {r['cp']:7.3f} s"
+        f" {rate(r['cp'])}   throughput ratio {copy_ratio:.2f}x (target >= 0.9x)"
+        f" {'ok' if copy_ratio >= 0.9 else 'MISSED'}",
+        f"copy_objects vs cp+sync   cp+sync {r['cp_sync_copy']:7.3f} s   throughput ratio"
+        f" {r['cp_sync_copy'] / r['copy_objects']:.2f}x (both durable)",
+        f"small puts           {r['small_put_per_second']:8.0f} /s   raw O_EXCL+fsync"
+        f" {r['small_raw_per_second']:8.0f} /s   ratio {r['small_put_per_second'] / r['small_raw_per_second']:.2f}x",
+        f"sha256 streaming     {r['sha256_hashlib']:7.3f} s {rate(r['sha256_hashlib'])}   sha256sum"
+        f" {r['sha256sum']:7.3f} s   throughput ratio {r['sha256sum'] / r['sha256_hashlib']:.2f}x",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--size", default="256M", help="object size for put/copy/hash (default 256M; issue: 1G)"
+    )
+    parser.add_argument(
+        "--small", type=int, default=2000, help="small puts to time (default 2000; issue: 10000)"
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=5, help="runs per variant; the best is reported (default 5)"
+    )
+    parser.add_argument(
+        "--dir", default=None, help="scratch directory parent (default: the system temp dir)"
+    )
+    parser.add_argument("--json", action="store_true", help="also print the raw figures as JSON")
+    args = parser.parse_args(argv)
+    size = parse_size(args.size)
+    for tool in ("cp", "sync", "sha256sum"):
+        if shutil.which(tool) is None:
+            print(f"store_bench: needs {tool!r} on PATH for its baseline", file=sys.stderr)
+            return 1
+    work = Path(tempfile.mkdtemp(prefix="koochak-store-bench-", dir=args.dir))
+    try:
+        results = bench(work, size, args.small, args.repeat)
+        print(_report(results, size, args.small, args.repeat, work))
+        if args.json:
+            print(
+                json.dumps({"version": 1, "size": size, "small": args.small, **results}, indent=2)
+            )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
