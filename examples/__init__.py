@@ -1,0 +1,1 @@
+"""Runnable Koochak examples (`python -m examples.<name>.main` from the repository root)."""
