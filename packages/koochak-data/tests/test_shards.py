@@ -19,6 +19,7 @@ from koochak.data.shards import (
     load_index,
     parse_index,
     read_shard,
+    read_shards,
     write_index,
 )
 from koochak.storage.store import LocalStore
@@ -197,6 +198,33 @@ def test_index_with_wrong_record_count_is_caught_before_any_sample(store) -> Non
         read_shard(store, lying, lying.shards[0])
     with pytest.raises(ValueError, match="not listed in the index"):
         read_shard(store, index, "shard-999999.tar")
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 3])
+def test_read_shards_yields_everything_in_order(store, prefetch) -> None:
+    samples = _samples(40)
+    index = _build(store, samples)
+    assert list(read_shards(store, index, prefetch=prefetch)) == samples
+    subset = [index.shards[2].key, index.shards[0]]
+    assert list(read_shards(store, index, subset, prefetch=prefetch)) == (
+        list(read_shard(store, index, index.shards[2])) + list(read_shard(store, index, index.shards[0]))
+    )
+
+
+def test_read_shards_stops_at_a_bad_shard_without_its_samples(store) -> None:
+    index = _build(store, _samples(30))
+
+    def flip(data):
+        data[700] ^= 0x01
+
+    _tamper_shard(store, index, flip)  # shards[1]
+    got: list[dict] = []
+    with pytest.raises(ValueError, match="shard-000001.tar: sha256 mismatch"):
+        for sample in read_shards(store, index, prefetch=2):
+            got.append(sample)
+    assert got == list(read_shard(store, index, index.shards[0]))
+    with pytest.raises(ValueError, match="prefetch must be"):
+        list(read_shards(store, index, prefetch=-1))
 
 
 def _good_document() -> dict:

@@ -6,8 +6,8 @@ mtime, so the same samples always give byte-identical shards. We write the heade
 rather than through :mod:`tarfile`: the bytes are then fixed by this file alone, not by the
 defaults of whichever Python version built the dataset.
 
-The reader parses an in-memory shard (the caller has already read and verified its bytes) and
-returns byte ranges; it accepts what common writers produce (ustar and GNU headers, pax and GNU
+The reader parses a shard from a sequential stream, one read per header and per member; it
+accepts what common writers produce (ustar and GNU headers, pax and GNU
 long names, directory entries) and refuses anything a dataset shard must not contain (links,
 devices, unsafe paths, duplicate members, data after the end of the archive) with a ValueError.
 """
@@ -15,8 +15,9 @@ devices, unsafe paths, duplicate members, data after the end of the archive) wit
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass
+import struct
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Protocol
 
 BLOCK = 512
 END_OF_ARCHIVE = bytes(2 * BLOCK)
@@ -32,14 +33,6 @@ _MAX_SIZE = 8**11 - 1  # the largest size an 11-digit octal field holds (8 GiB -
 # restricted so that every sample we write splits back into exactly what was written.
 _FIELD_RE = re.compile(r"[a-z0-9_][a-z0-9_.\-]*")
 _MEMBER_RE = re.compile(r"^((?:.*/|)[^./][^./]*)\.([^/]+)$", re.DOTALL)
-
-
-@dataclass(frozen=True)
-class SampleSpan:
-    """One sample found in a shard: its key and the byte range of every field."""
-
-    key: str
-    fields: tuple[tuple[str, int, int], ...]  # (extension, start, end) into the shard buffer
 
 
 def check_path(path: str, what: str) -> None:
@@ -138,21 +131,50 @@ def member_header(name: str, size: int) -> bytes:
 # Reading
 
 
+# name, size, chksum, typeflag, magic, prefix; the x-padding skips the fields we never read.
+_HEADER = struct.Struct("100s24x12s12x8s1s100x6s2x64x16x155s12x")
+_ZERO_BLOCK = bytes(BLOCK)
+_REGULAR = (b"0", b"\x00", b"7")
+_LINK_KINDS = {
+    b"1": "hard link",
+    b"2": "symbolic link",
+    b"3": "character device",
+    b"4": "block device",
+    b"6": "FIFO",
+}
+
+
+def _where(source: str, pos: int) -> str:
+    return f"{source}: tar header at byte {pos}"
+
+
 def _field_str(raw: bytes) -> bytes:
     end = raw.find(b"\x00")
     return raw if end < 0 else raw[:end]
 
 
-def _octal(raw: bytes, what: str, where: str) -> int:
+def _octal(raw: bytes, what: str, source: str, pos: int) -> int:
     if raw[:1] == b"\x80":
         # GNU base-256 (big-endian) for values that do not fit in octal.
         return int.from_bytes(raw[1:], "big")
-    text = _field_str(raw).strip(b" ")
+    end = raw.find(b"\x00")
+    text = (raw if end < 0 else raw[:end]).strip(b" ")
     if not text:
         return 0
-    if not re.fullmatch(rb"[0-7]+", text):
-        raise ValueError(f"{where}: header field {what} is not an octal number: {bytes(raw)!r}")
-    return int(text, 8)
+    try:
+        if not text.isdigit():  # int() alone would accept signs, '_' and '0o'
+            raise ValueError(text)
+        return int(text, 8)
+    except ValueError:
+        raise ValueError(
+            f"{_where(source, pos)}: header field {what} is not an octal number: {raw!r}"
+        ) from None
+
+
+def _signed_checksum(header: bytes) -> int:
+    # Some old writers summed signed bytes; accept that sum too, as tar readers do.
+    rest = header[:148] + header[156:]
+    return sum(rest) + 8 * 32 - 256 * sum(1 for b in rest if b > 127)
 
 
 def _parse_pax(data: bytes, where: str) -> dict[str, str]:
@@ -184,62 +206,80 @@ def _decode_name(raw: bytes, where: str) -> str:
         raise ValueError(f"{where}: member name {raw!r} is not UTF-8") from exc
 
 
-def parse_members(buf: bytes | bytearray | memoryview, source: str) -> list[tuple[str, int, int]]:
-    """Every regular-file member of a tar archive held in ``buf``: (name, start, end).
+class Readable(Protocol):
+    def read(self, size: int, /) -> bytes: ...
 
-    Raises ValueError (naming ``source`` and the member) for anything malformed or unsafe.
+
+def _read_exact(stream: Readable, size: int, source: str, what: str, pos: int) -> bytes:
+    data = stream.read(size) if size else b""
+    if len(data) != size:
+        raise ValueError(
+            f"{source}: truncated tar archive: {what} at byte {pos} needs {size} bytes, "
+            f"{len(data)} remain"
+        )
+    return data
+
+
+def read_members(
+    stream: Readable, source: str, *, checksums: bool = True
+) -> Iterator[tuple[str, bytes]]:
+    """Every regular-file member of the tar archive read from ``stream``: (name, data).
+
+    Reads the stream sequentially to its end, one read per header and per member (so each
+    member's bytes arrive in their own bytes object, copied once). Raises ValueError naming
+    ``source`` and the member for anything malformed or unsafe. ``checksums=False`` skips the
+    per-header checksums, for bytes whose SHA256 is checked anyway; bounds and names are
+    always checked.
     """
-    view = memoryview(buf).cast("B")
-    total = len(view)
-    members: list[tuple[str, int, int]] = []
     pos = 0
     long_name: str | None = None
     pax: dict[str, str] = {}
     while True:
-        if pos + BLOCK > total:
+        header = stream.read(BLOCK)
+        if len(header) != BLOCK:
             raise ValueError(
-                f"{source}: truncated tar archive: no end-of-archive marker (ends at byte {total})"
+                f"{source}: truncated tar archive: no end-of-archive marker (ends at byte "
+                f"{pos + len(header)})"
             )
-        header = bytes(view[pos : pos + BLOCK])
-        where = f"{source}: tar header at byte {pos}"
-        if header == bytes(BLOCK):
+        if header == _ZERO_BLOCK:
             # End of archive. Anything after it must be zero padding (tar record blocking).
-            if bytes(view[pos:]).strip(b"\x00"):
-                raise ValueError(f"{source}: non-zero data after the end-of-archive marker at byte {pos}")
+            while chunk := stream.read(1 << 20):
+                if chunk.strip(b"\x00"):
+                    raise ValueError(
+                        f"{source}: non-zero data after the end-of-archive marker at byte {pos}"
+                    )
             if long_name is not None or pax:
-                raise ValueError(f"{where}: archive ends after a long-name/pax header")
-            return members
-        stored = _octal(header[148:156], "chksum", where)
-        computed = sum(header[:148]) + 8 * 32 + sum(header[156:])
-        # Some old writers summed signed bytes; accept either sum, as tar readers do.
-        signed = computed - 256 * sum(1 for b in header[:148] + header[156:] if b > 127)
-        if stored not in (computed, signed):
-            raise ValueError(f"{where}: header checksum mismatch (stored {stored}, computed {computed})")
-        magic = header[257:263]
+                raise ValueError(f"{_where(source, pos)}: archive ends after a long-name/pax header")
+            return
+        raw_name, raw_size, raw_sum, typeflag, magic, raw_prefix = _HEADER.unpack_from(header)
+        if checksums:
+            stored = _octal(raw_sum, "chksum", source, pos)
+            computed = sum(header) - sum(raw_sum) + 8 * 32
+            if stored != computed and stored != _signed_checksum(header):
+                raise ValueError(
+                    f"{_where(source, pos)}: header checksum mismatch "
+                    f"(stored {stored}, computed {computed})"
+                )
         if magic not in (b"ustar\x00", b"ustar "):
-            raise ValueError(f"{where}: not a ustar/GNU tar header (magic {magic!r})")
-        size = _octal(header[124:136], "size", where)
-        typeflag = header[156:157]
-        if typeflag in (b"0", b"\x00", b"7") and "size" in pax:
+            raise ValueError(f"{_where(source, pos)}: not a ustar/GNU tar header (magic {magic!r})")
+        size = _octal(raw_size, "size", source, pos)
+        if typeflag in _REGULAR and "size" in pax:
             if not re.fullmatch(r"[0-9]+", pax["size"]):
-                raise ValueError(f"{where}: pax size {pax['size']!r} is not a number")
+                raise ValueError(f"{_where(source, pos)}: pax size {pax['size']!r} is not a number")
             size = int(pax["size"])
-        start = pos + BLOCK
-        end = start + size
-        if end > total:
-            raise ValueError(
-                f"{where}: member data runs past the end of the archive "
-                f"({size} bytes from byte {start}, archive has {total})"
-            )
-        pos = start + -(-size // BLOCK) * BLOCK
+        header_pos = pos
+        data = _read_exact(stream, size, source, "member data", pos + BLOCK)
+        padding = -size % BLOCK
+        _read_exact(stream, padding, source, "member padding", pos + BLOCK + size)
+        pos += BLOCK + size + padding
         if typeflag == b"x":
-            pax = _parse_pax(bytes(view[start:end]), where)
+            pax = _parse_pax(data, _where(source, header_pos))
             continue
         if typeflag == b"g":
-            _parse_pax(bytes(view[start:end]), where)  # validated, but global headers carry no names we use
+            _parse_pax(data, _where(source, header_pos))  # validated; carries no names we use
             continue
         if typeflag == b"L":
-            long_name = _decode_name(_field_str(bytes(view[start:end])), where)
+            long_name = _decode_name(_field_str(data), source)
             continue
         if typeflag == b"K":
             continue  # GNU long link name: only meaningful for links, which are refused below
@@ -248,34 +288,31 @@ def parse_members(buf: bytes | bytearray | memoryview, source: str) -> list[tupl
         elif "path" in pax:
             name = pax["path"]
         else:
-            name = _decode_name(_field_str(header[0:100]), where)
+            name = _decode_name(_field_str(raw_name), source)
             if magic == b"ustar\x00":
-                prefix = _field_str(header[345:500])
+                prefix = _field_str(raw_prefix)
                 if prefix:
-                    name = _decode_name(prefix, where) + "/" + name
+                    name = _decode_name(prefix, source) + "/" + name
         long_name = None
         pax = {}
         if typeflag == b"5":
             continue  # directory entries carry no sample data
-        if typeflag not in (b"0", b"\x00", b"7"):
-            kind = {b"1": "hard link", b"2": "symbolic link", b"3": "character device",
-                    b"4": "block device", b"6": "FIFO"}.get(typeflag, f"type {typeflag!r}")
+        if typeflag not in _REGULAR:
+            kind = _LINK_KINDS.get(typeflag, f"type {typeflag!r}")
             raise ValueError(f"{source}: tar member {name!r} is a {kind}; shards hold regular files only")
         check_path(name, f"{source}: tar member name")
-        members.append((name, start, end))
+        yield name, data
 
 
-def group_samples(members: list[tuple[str, int, int]], source: str) -> list[SampleSpan]:
+def iter_samples(members: Iterable[tuple[str, bytes]], source: str) -> Iterator[dict[str, Any]]:
     """Group consecutive members sharing a key into samples, WebDataset style.
 
     A key that reappears after another key, or an extension repeated within one sample, is a
     ValueError: WebDataset readers would silently split or overwrite such samples.
     """
-    samples: list[SampleSpan] = []
     seen: set[str] = set()
-    current_key: str | None = None
-    fields: list[tuple[str, int, int]] = []
-    for name, start, end in members:
+    sample: dict[str, Any] | None = None
+    for name, data in members:
         match = _MEMBER_RE.match(name)
         if match is None:
             raise ValueError(
@@ -283,16 +320,15 @@ def group_samples(members: list[tuple[str, int, int]], source: str) -> list[Samp
                 "so it belongs to no sample"
             )
         key, ext = match.group(1), match.group(2).lower()
-        if key != current_key:
-            if current_key is not None:
-                samples.append(SampleSpan(current_key, tuple(fields)))
+        if sample is None or key != sample["__key__"]:
+            if sample is not None:
+                yield sample
             if key in seen:
                 raise ValueError(f"{source}: sample key {key!r} appears twice (members are not contiguous)")
             seen.add(key)
-            current_key, fields = key, []
-        if any(existing == ext for existing, _, _ in fields):
+            sample = {"__key__": key}
+        if ext in sample:
             raise ValueError(f"{source}: sample {key!r} has field {ext!r} twice")
-        fields.append((ext, start, end))
-    if current_key is not None:
-        samples.append(SampleSpan(current_key, tuple(fields)))
-    return samples
+        sample[ext] = data
+    if sample is not None:
+        yield sample

@@ -8,15 +8,17 @@ bytes is the dataset version. See docs/formats.md, "Dataset shards and index.jso
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import re
+from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import Any, BinaryIO
 
 from koochak.data import _tar
 from koochak.data.planning import assign_shards, worker_coordinates
@@ -35,6 +37,7 @@ __all__ = [
     "load_index",
     "parse_index",
     "read_shard",
+    "read_shards",
     "write_index",
 ]
 
@@ -49,8 +52,8 @@ DEFAULT_TARGET_BYTES = 256 << 20
 _INDEX_FIELDS = ("format", "kind", "metadata", "shards", "version")
 _SHARD_FIELDS = ("key", "records", "sha256", "size")
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
-# Read shards in large pieces so the hashing thread gets big buffers and readinto bypasses the
-# file object's own buffer.
+# Bytes handed to the hashing thread at a time: large enough that handing over costs nothing.
+_HASH_BATCH = 4 << 20
 _READ_CHUNK = 16 << 20
 
 Sample = dict[str, Any]  # {"__key__": str, "<ext>": bytes, ...}
@@ -83,6 +86,10 @@ class ShardIndex:
     @property
     def size(self) -> int:
         return sum(shard.size for shard in self.shards)
+
+    @functools.cached_property
+    def entries_by_key(self) -> dict[str, ShardEntry]:
+        return {shard.key: shard for shard in self.shards}
 
     def key_of(self, shard: ShardEntry | str) -> str:
         """The store key of ``shard`` (an entry of this index, or its relative key)."""
@@ -442,12 +449,17 @@ def write_index(
 
 
 def describe_shard(store: Store | str, key: str) -> ShardEntry:
-    """Size, SHA256 and record count of the tar shard at store key ``key`` (read in full)."""
+    """Size, SHA256 and record count of the tar shard at store key ``key`` (read in full once)."""
     store = open_store(store)
-    data = store.get(key)
     source = f"{store.location}/{key}"
-    spans = _tar.group_samples(_tar.parse_members(data, source), source)
-    return ShardEntry(key, len(data), hashlib.sha256(data).hexdigest(), len(spans))
+    with store.open(key) as f:
+        reader = _ShardStream(f, None, source, hash=True)
+        try:
+            records = sum(1 for _ in _tar.iter_samples(_tar.read_members(reader, source), source))
+            size, digest = reader.finish()
+        finally:
+            reader.close()
+    return ShardEntry(key, size, digest or "", records)
 
 
 def read_shard(
@@ -459,88 +471,172 @@ def read_shard(
     ever handed out: its size must match the index, with ``verify`` its SHA256 too (computed in
     a helper thread while the bytes arrive), and its tar structure and record count must match.
     Any mismatch raises ValueError naming the shard and the field. Memory: about twice the
-    shard size while the samples are cut out. ``verify=False`` skips only the SHA256.
+    shard size while the samples are cut out. ``verify=False`` skips the SHA256 (the tar
+    header checksums are checked instead).
     """
     store = open_store(store)
-    entry = _entry_of(index, shard)
+    return iter(_load_shard(store, index, _entry_of(index, shard), verify))
+
+
+def read_shards(
+    store: Store | str,
+    index: ShardIndex,
+    shards: Iterable[ShardEntry | str] | None = None,
+    *,
+    verify: bool = True,
+    prefetch: int = 1,
+) -> Iterator[Sample]:
+    """Samples of ``shards`` (default: all of ``index``) in order, each shard as read_shard.
+
+    Up to ``prefetch`` shards ahead are read and verified in background threads while the
+    current one is consumed, so hashing and I/O overlap with the caller's own work. Memory:
+    about ``prefetch + 1`` shards. The first bad shard raises ValueError when reached, after
+    every sample before it and none from it.
+    """
+    store = open_store(store)
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch must be an integer >= 0, got {prefetch!r}")
+    entries = [_entry_of(index, s) for s in (index.shards if shards is None else shards)]
+    if prefetch == 0:
+        for entry in entries:
+            yield from _load_shard(store, index, entry, verify)
+        return
+    pool = ThreadPoolExecutor(max_workers=prefetch, thread_name_prefix="koochak-shard-read")
+    pending: deque[Future[list[Sample]]] = deque()
+    try:
+        upcoming = iter(entries)
+        for entry in upcoming:
+            pending.append(pool.submit(_load_shard, store, index, entry, verify))
+            if len(pending) >= prefetch:
+                break
+        while pending:
+            samples = pending.popleft().result()
+            for entry in upcoming:
+                pending.append(pool.submit(_load_shard, store, index, entry, verify))
+                break
+            yield from samples
+            del samples  # let the shard's memory go before the next one is awaited
+    finally:
+        for future in pending:
+            future.cancel()
+        pool.shutdown(wait=True)
+
+
+def _load_shard(store: Store, index: ShardIndex, entry: ShardEntry, verify: bool) -> list[Sample]:
     key = index.key_of(entry)
     source = f"{store.location}/{key}"
-    buffer, hashed = _read_exactly(store, key, entry.size, source, verify)
-    # Cutting samples out overlaps with the last of the hashing; a corrupt shard is reported
-    # as a digest mismatch (the root cause) before any structural error it also causes.
-    parse_error: ValueError | None = None
-    try:
-        spans = _tar.group_samples(_tar.parse_members(buffer, source), source)
-        view = memoryview(buffer)
-        samples = [_sample(span, view) for span in spans]
-    except ValueError as exc:
-        parse_error = exc
-    digest = hashed.result() if hashed is not None else None
-    if digest is not None and digest != entry.sha256:
-        raise ValueError(
-            f"{source}: sha256 mismatch: index says {entry.sha256}, shard bytes hash to {digest}"
-        )
-    if parse_error is not None:
-        raise parse_error
+    with store.open(key) as f:
+        reader = _ShardStream(f, entry.size, source, hash=verify)
+        try:
+            try:
+                members = _tar.read_members(reader, source, checksums=not verify)
+                samples = list(_tar.iter_samples(members, source))
+            except ValueError:
+                # A corrupt shard is reported as a digest mismatch, the root cause, rather
+                # than as whichever structural error the corruption happened to cause.
+                if verify:
+                    reader.drain()
+                    reader.check_digest(entry.sha256)
+                raise
+            reader.finish()
+            if verify:
+                reader.check_digest(entry.sha256)
+        finally:
+            reader.close()
     if len(samples) != entry.records:
         raise ValueError(
             f"{source}: records mismatch: index says {entry.records}, shard holds {len(samples)}"
         )
-    return iter(samples)
+    return samples
 
 
 def _entry_of(index: ShardIndex, shard: ShardEntry | str) -> ShardEntry:
     name = shard.key if isinstance(shard, ShardEntry) else shard
-    for entry in index.shards:
-        if entry.key == name:
-            if isinstance(shard, ShardEntry) and shard != entry:
-                raise ValueError(f"shard {name!r} does not match its entry in the index")
-            return entry
-    raise ValueError(f"shard {name!r} is not listed in the index at {index.prefix or '.'!r}")
+    entry = index.entries_by_key.get(name)
+    if entry is None:
+        raise ValueError(f"shard {name!r} is not listed in the index at {index.prefix or '.'!r}")
+    if isinstance(shard, ShardEntry) and shard != entry:
+        raise ValueError(f"shard {name!r} does not match its entry in the index")
+    return entry
 
 
-def _sample(span: _tar.SampleSpan, view: memoryview) -> Sample:
-    sample: Sample = {"__key__": span.key}
-    for ext, start, end in span.fields:
-        sample[ext] = view[start:end].tobytes()
-    return sample
+class _ShardStream:
+    """A shard's byte stream for the tar reader: at most ``size`` bytes (None: unlimited),
+    hashed by one helper thread in large batches so that SHA256 overlaps reading and parsing
+    (hashlib releases the GIL on large buffers)."""
+
+    def __init__(self, f: BinaryIO, size: int | None, source: str, *, hash: bool) -> None:
+        self._f, self._size, self._source = f, size, source
+        self._left = size
+        self._read = 0
+        self._digest = hashlib.sha256() if hash else None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="koochak-shard-hash") if hash else None
+        self._batch: list[bytes] = []
+        self._batch_bytes = 0
+
+    def read(self, n: int) -> bytes:
+        want = n if self._left is None else min(n, self._left)
+        data = self._f.read(want)
+        if len(data) < want and self._left is not None:
+            raise ValueError(
+                f"{self._source}: size mismatch: index says {self._size} bytes, "
+                f"shard has {self._read + len(data)}"
+            )
+        self._read += len(data)
+        if self._left is not None:
+            self._left -= len(data)
+        if self._digest is not None and data:
+            self._batch.append(data)
+            self._batch_bytes += len(data)
+            if self._batch_bytes >= _HASH_BATCH:
+                self._flush()
+        return data
+
+    def _flush(self) -> None:
+        if self._batch and self._pool is not None and self._digest is not None:
+            # One worker runs the updates in submission order, so the digest is sequential.
+            self._pool.submit(_update_all, self._digest, self._batch)
+            self._batch, self._batch_bytes = [], 0
+
+    def drain(self) -> None:
+        while self.read(_HASH_BATCH):
+            pass
+
+    def finish(self) -> tuple[int, str | None]:
+        """After the archive ended: check nothing follows within or beyond ``size``; return
+        (bytes read, hex digest or None)."""
+        if self._left:
+            raise ValueError(
+                f"{self._source}: size mismatch: index says {self._size} bytes, "
+                f"the archive ends at byte {self._read}"
+            )
+        if self._size is not None and self._f.read(1):
+            raise ValueError(
+                f"{self._source}: size mismatch: index says {self._size} bytes, shard is longer"
+            )
+        return self._read, self.hexdigest()
+
+    def hexdigest(self) -> str | None:
+        if self._pool is None or self._digest is None:
+            return None
+        self._flush()
+        return self._pool.submit(self._digest.hexdigest).result()
+
+    def check_digest(self, expected: str) -> None:
+        digest = self.hexdigest()
+        if digest != expected:
+            raise ValueError(
+                f"{self._source}: sha256 mismatch: index says {expected}, shard bytes hash to {digest}"
+            )
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
 
-def _read_exactly(
-    store: Store, key: str, size: int, source: str, verify: bool
-) -> tuple[bytearray, Future[str] | None]:
-    """Read exactly ``size`` bytes of ``key``; with ``verify``, also a future of their SHA256.
-
-    The digest is computed by one helper thread fed chunk by chunk (hashlib releases the GIL on
-    large buffers), so hashing overlaps with reading instead of following it.
-    """
-    buffer = bytearray(size)
-    view = memoryview(buffer)
-    digest = hashlib.sha256()
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="koochak-shard-hash") if verify else None
-    try:
-        with store.open(key) as f:
-            pos = 0
-            while pos < size:
-                got = f.readinto(view[pos : pos + _READ_CHUNK])
-                if not got:
-                    raise ValueError(f"{source}: size mismatch: index says {size} bytes, shard has {pos}")
-                if pool is not None:
-                    # One worker runs updates in submission order, so the digest is sequential.
-                    pool.submit(digest.update, view[pos : pos + got])
-                pos += got
-            extra = f.read(1)
-        if extra:
-            raise ValueError(f"{source}: size mismatch: index says {size} bytes, shard is longer")
-    except BaseException:
-        if pool is not None:
-            pool.shutdown(wait=True)
-        raise
-    if pool is None:
-        return buffer, None
-    final = pool.submit(digest.hexdigest)  # runs after every queued update
-    pool.shutdown(wait=False)  # the queued work still runs; the thread exits once it is done
-    return buffer, final
+def _update_all(digest: Any, pieces: list[bytes]) -> None:
+    for piece in pieces:
+        digest.update(piece)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -556,12 +652,13 @@ def iter_worker_samples(
     epoch: int = 0,
     seed: int = 0,
     verify: bool = True,
+    prefetch: int = 1,
 ) -> Iterator[Sample]:
-    """Samples of the shards this process's worker owns this epoch (see plan_shards)."""
-    store = open_store(store)
+    """Samples of the shards this process's worker owns this epoch (see plan_shards), read
+    with read_shards; call it inside the DataLoader worker, where the data is read."""
     worker_id, num_workers = worker_coordinates(rank=rank, world_size=world_size)
-    for shard in assign_shards(index, worker_id, num_workers, epoch=epoch, seed=seed):
-        yield from read_shard(store, index, shard, verify=verify)
+    shards = assign_shards(index, worker_id, num_workers, epoch=epoch, seed=seed)
+    yield from read_shards(store, index, shards, verify=verify, prefetch=prefetch)
 
 
 def _make_shard_dataset() -> type:
@@ -584,11 +681,12 @@ def _make_shard_dataset() -> type:
             epoch: int = 0,
             seed: int = 0,
             verify: bool = True,
+            prefetch: int = 1,
         ) -> None:
             self.store = open_store(store)
             self.index = load_index(self.store, prefix)
             self.rank, self.world_size = rank, world_size
-            self.epoch, self.seed, self.verify = epoch, seed, verify
+            self.epoch, self.seed, self.verify, self.prefetch = epoch, seed, verify, prefetch
             worker_coordinates(rank=rank, world_size=world_size)  # validate now, not in a worker
 
         def set_epoch(self, epoch: int) -> None:
@@ -603,6 +701,7 @@ def _make_shard_dataset() -> type:
                 epoch=self.epoch,
                 seed=self.seed,
                 verify=self.verify,
+                prefetch=self.prefetch,
             )
 
     ShardDataset.__module__ = __name__

@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""koochak-data shard benchmark: verified shard reads against a raw sequential read.
+
+Builds a dataset of SIZE bytes (records of 1-64 KiB random bytes, ~SHARD_BYTES shards) with
+ShardWriter in a scratch directory, then reads every shard, variants interleaved:
+
+  raw         each shard file read whole with open().read(), one after another (the baseline)
+  verified    read_shard(verify=True) shard after shard: size + SHA256 checked (hashing overlaps
+              the read), tar parsed, every sample cut out before the first is handed over
+  prefetch    read_shards(verify=True, prefetch=P): the same with P shards read and verified
+              ahead in background threads                              target >= 0.8x throughput
+  unverified  read_shard(verify=False): no SHA256, to show what hashing costs
+
+Two cache states: "cold" evicts the shard files from the page cache before every run
+(posix_fadvise DONTNEED, no root needed), so bytes come from the disk as they would from a
+parallel filesystem or object store; "warm" reads them from memory, the hardest case for
+hashing to hide behind I/O. Figures are throughput ratios against raw in the same cache state
+(higher is better), medians of --repeat runs.
+
+    python tools/bench/shards_bench.py                     # 256 MiB in 32 MiB shards: ~1 minute
+    python tools/bench/shards_bench.py --size 4G --shard-bytes 256M   # larger
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from koochak.data.shards import ShardIndex, ShardWriter, read_shard, read_shards
+from koochak.storage.profile import parse_size
+from koochak.storage.store import LocalStore
+
+
+def _build(store: LocalStore, size: int, shard_bytes: int, seed: int) -> ShardIndex:
+    rnd = random.Random(seed)
+    pool = os.urandom(64 << 10)  # slices of one random block: incompressible, cheap to make
+    written = 0
+    with ShardWriter(store, "bench", target_bytes=shard_bytes) as writer:
+        i = 0
+        while written < size:
+            n = rnd.randint(1 << 10, 64 << 10)
+            writer.write({"__key__": f"r{i:08d}", "bin": pool[:n], "cls": str(i % 10).encode()})
+            written += n
+            i += 1
+    return writer.close()
+
+
+def _raw(paths: list[str]) -> int:
+    total = 0
+    for path in paths:
+        with open(path, "rb") as f:
+            total += len(f.read())
+    return total
+
+
+def _shards(store: LocalStore, index: ShardIndex, verify: bool) -> int:
+    total = 0
+    for shard in index.shards:
+        for sample in read_shard(store, index, shard, verify=verify):
+            total += len(sample["bin"])
+    return total
+
+
+def _prefetched(store: LocalStore, index: ShardIndex, prefetch: int) -> int:
+    return sum(len(s["bin"]) for s in read_shards(store, index, verify=True, prefetch=prefetch))
+
+
+def _evict(paths: list[str]) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="256M", help="dataset bytes (default 256M)")
+    parser.add_argument("--shard-bytes", default="32M", help="target shard size (default 32M)")
+    parser.add_argument("--repeat", type=int, default=5, help="runs per variant (default 5)")
+    parser.add_argument("--prefetch", type=int, default=2, help="read_shards prefetch (default 2)")
+    parser.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    args = parser.parse_args(argv)
+    size, shard_bytes = parse_size(args.size), parse_size(args.shard_bytes)
+
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="koochak-shards-bench-") as scratch:
+        store = LocalStore(Path(scratch) / "store", fsync=False)
+        started = time.perf_counter()
+        index = _build(store, size, shard_bytes, seed=0)
+        build_seconds = time.perf_counter() - started
+        paths = [store.local_path(index.key_of(s)) for s in index.shards]
+
+        variants: dict[str, Callable[[], int]] = {
+            "raw": lambda: _raw(paths),
+            "verified": lambda: _shards(store, index, verify=True),
+            "prefetch": lambda: _prefetched(store, index, args.prefetch),
+            "unverified": lambda: _shards(store, index, verify=False),
+        }
+        times = {(cache, name): [] for cache in ("cold", "warm") for name in variants}
+        for _ in range(args.repeat):
+            for cache in ("cold", "warm"):
+                for name, run in variants.items():
+                    if cache == "cold":
+                        _evict(paths)
+                    else:
+                        _raw(paths)
+                    start = time.perf_counter()
+                    run()
+                    times[cache, name].append(time.perf_counter() - start)
+
+    median = {key: statistics.median(values) for key, values in times.items()}
+    figures: dict[str, object] = {
+        "dataset_bytes": index.size,
+        "shards": len(index.shards),
+        "records": index.records,
+        "prefetch": args.prefetch,
+        "build_seconds": round(build_seconds, 3),
+        "target_prefetch_vs_raw": 0.8,
+    }
+    for (cache, name), seconds in sorted(median.items()):
+        figures[f"{cache}_{name}_gib_per_s"] = round(index.size / seconds / 2**30, 3)
+        if name != "raw":
+            figures[f"{cache}_{name}_vs_raw"] = round(median[cache, "raw"] / seconds, 3)
+    if args.json:
+        print(json.dumps(figures, indent=1))
+        return 0
+    print(
+        f"dataset: {index.size / 2**20:.0f} MiB in {len(index.shards)} shards, "
+        f"{index.records} records (built in {build_seconds:.1f} s); medians of {args.repeat} runs"
+    )
+    labels = {
+        "raw": "raw sequential read",
+        "verified": "read_shard verify=True",
+        "prefetch": f"read_shards prefetch={args.prefetch}",
+        "unverified": "read_shard verify=False",
+    }
+    for cache in ("cold", "warm"):
+        print(f"{cache} page cache:")
+        for name, label in labels.items():
+            rate = figures[f"{cache}_{name}_gib_per_s"]
+            ratio = "baseline" if name == "raw" else f"{figures[f'{cache}_{name}_vs_raw']:.2f}x raw"
+            target = "  (target >= 0.8x)" if name == "prefetch" else ""
+            print(f"  {label:<26} {rate:6.2f} GiB/s  {ratio}{target}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
