@@ -196,11 +196,11 @@ class _Syscalls:
 
 
 class _Hasher:
-    """SHA256 of a stream of chunks, overlapped with writing them.
+    """SHA256 of a stream of chunks, overlapped with reading and writing them.
 
-    hashlib releases the GIL for large buffers, so hashing chunk *n* on a helper thread while
-    ``os.write`` copies the same chunk into the page cache costs no extra wall time. A chunk is
-    always finished before the next one is accepted, so callers may reuse their buffers.
+    hashlib releases the GIL for large buffers, so a helper thread hashes chunk *n* while the
+    caller writes it and fetches chunk *n + 1*. At most one chunk is in flight, so the digest is
+    always taken in order; ``wait()`` before reusing a buffer that may be mutated.
     """
 
     def __init__(self) -> None:
@@ -564,6 +564,10 @@ class LocalStore:
                 hasher.start(chunk)
                 self._write_fully(fd, chunk)
                 size += len(chunk)
+                if not isinstance(chunk.obj, bytes):
+                    # The producer may refill this buffer for its next chunk (a bytearray, a
+                    # reused memoryview): finish hashing it first. Immutable bytes may lag.
+                    hasher.wait()
                 if expected_size is not None and size > expected_size:
                     raise ValueError(
                         f"put({key!r}): data is longer than expected_size={expected_size}"

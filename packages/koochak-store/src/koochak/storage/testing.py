@@ -278,6 +278,20 @@ class StoreConformance:
         for key in ("bytes", "bytearray", "memoryview", "stream", "iterable"):
             assert store.get(key) == data, key
 
+    def test_put_from_a_producer_that_reuses_its_buffer(self, store: Store) -> None:
+        # Readers often refill one buffer; each chunk must be consumed before the next is asked for.
+        parts = [_pattern(3 << 20, seed=seed) for seed in (10, 11, 12)]
+
+        def refilled() -> Iterator[bytearray]:
+            buffer = bytearray(3 << 20)
+            for part in parts:
+                buffer[:] = part
+                yield buffer
+
+        info = store.put("reused", refilled())
+        assert info.sha256 == _sha(b"".join(parts))
+        assert store.get("reused") == b"".join(parts)
+
     def test_put_refuses_text(self, store: Store) -> None:
         with pytest.raises(TypeError):
             store.put("text", "not bytes")  # type: ignore[arg-type]
