@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import subprocess
@@ -13,6 +14,7 @@ import time
 import pytest
 from koochak.storage.profile import StoreProfile
 from koochak.storage.store import LocalStore, ObjectInfo
+from koochak.storage.testing import Fault, FaultyStore, visible_files
 from koochak.storage.transfer import CopyItem, CopyReport, copy_objects
 
 
@@ -395,4 +397,50 @@ def test_cheap_request_sources_read_in_pipeline_sized_parts(tmp_path):
     copy_objects(recording, target, [CopyItem("k", size, _sha(data))])
     assert sorted((s, e) for _, s, e in recording.calls) == [(0, 16 << 20), (16 << 20, size + 1)]
     assert recording.max_in_flight == 1  # ranges do not scale: one read ahead of the put
+    assert target.get("k") == data
+
+
+# -- with koochak.storage.testing.FaultyStore (errno on the Nth filesystem call) ----------------
+
+
+@pytest.mark.parametrize(
+    ("fault", "fails"),
+    [
+        (Fault("write", nth=3, errno=errno.ENOSPC), True),
+        (Fault("fsync", nth=2), True),
+        (Fault("write", nth=2, mode="short", times=1000), False),  # put keeps writing the rest
+    ],
+    ids=["enospc", "fsync", "short-writes"],
+)
+def test_target_faults_leave_nothing_partial_and_a_rerun_completes(tmp_path, fault, fails):
+    source = LocalStore(tmp_path / "src")
+    objects = {f"o{i}": os.urandom(2500 + i) for i in range(4)}
+    items = _fill(source, objects)
+    target = FaultyStore(tmp_path / "dst", [fault])
+    if fails:
+        with pytest.raises(OSError):
+            copy_objects(source, target, items, streams=1, part_bytes=1000)
+        assert len(visible_files(tmp_path / "dst")) < len(objects)
+    else:
+        copy_objects(source, target, items, streams=1, part_bytes=1000)
+    for path in visible_files(tmp_path / "dst"):
+        assert (tmp_path / "dst" / path).read_bytes() == objects[path]
+    target.set_faults([])
+    copy_objects(source, target, items, part_bytes=1000)
+    assert sorted(visible_files(tmp_path / "dst")) == sorted(objects)
+    for key, data in objects.items():
+        assert target.get(key) == data
+
+
+def test_corrupted_source_read_is_caught_by_the_digest(tmp_path):
+    source = FaultyStore(tmp_path / "src")
+    data = os.urandom(3000)
+    item = CopyItem("k", len(data), source.put("k", data).sha256)
+    target = LocalStore(tmp_path / "dst")
+    source.set_faults([Fault("read", nth=2, mode="corrupt")])
+    with pytest.raises(ValueError, match="SHA256"):
+        copy_objects(source, target, [item], streams=1, range_streams=1, part_bytes=1000)
+    assert target.list() == []
+    source.set_faults([])
+    assert copy_objects(source, target, [item], part_bytes=1000).copied == 1
     assert target.get("k") == data
