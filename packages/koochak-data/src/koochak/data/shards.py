@@ -104,7 +104,7 @@ class ShardIndex:
 def _clean_prefix(prefix: str) -> str:
     if not isinstance(prefix, str):
         raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
-    prefix = prefix.strip("/") if prefix not in ("", "/") else ""
+    prefix = prefix.rstrip("/")  # "datasets/foo/" means "datasets/foo"; a leading "/" is refused
     return validate_key(prefix) if prefix else ""
 
 
