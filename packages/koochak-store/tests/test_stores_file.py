@@ -205,3 +205,18 @@ def test_the_shipped_example_is_valid(monkeypatch):
     assert entries["archive"].publish == "exclusive"
     assert entries["archive"].profile is not None
     assert entries["scratch"].root == "/scratch/example/koochak"
+
+
+def test_the_probes_emitted_profile_block_pastes_into_the_stores_file(tmp_path, stores):
+    from koochak.storage.probe import profile_yaml
+
+    measured = StoreProfile(0.00003, 123_456_789.0, 12, True, 32 << 20, False)
+    block = textwrap.indent(profile_yaml(measured), "    ")
+    stores.write_text(f"version: 1\nstores:\n  arc:\n    root: {tmp_path}\n{block}\n")
+    loaded = load_stores_file()["arc"].profile
+    assert loaded is not None
+    assert loaded.request_seconds == pytest.approx(measured.request_seconds)
+    assert (loaded.concurrency, loaded.part_bytes, loaded.range_reads_scale) == (12, 32 << 20, True)
+    assert loaded.stream_bytes_per_second == pytest.approx(
+        measured.stream_bytes_per_second, rel=1e-6
+    )
