@@ -194,3 +194,19 @@ def test_fault_descriptions_are_validated():
         Fault("rename")
     with pytest.raises(ValueError, match="short"):
         Fault("fsync", mode="short")
+
+
+def test_a_partial_object_that_cannot_be_removed_is_reported(tmp_path, caplog):
+    # Exclusive mode writes under the final name; if both the write and the cleanup fail, the
+    # put's own error propagates and the leftover is logged so nobody mistakes it for data.
+    store = FaultyStore(
+        tmp_path, [Fault("write", errno=errno.EIO), Fault("unlink", errno=errno.EACCES)],
+        publish="exclusive",
+    )  # fmt: skip
+    with (
+        caplog.at_level("WARNING", logger="koochak.storage.store"),
+        pytest.raises(OSError) as caught,
+    ):
+        store.put("obj", DATA)
+    assert caught.value.errno == errno.EIO
+    assert "could not be removed" in caplog.text and "obj" in caplog.text

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import logging
 import os
 import pathlib
 import re
@@ -40,6 +41,7 @@ __all__ = [
 PUBLISH_MODES = ("link", "exclusive")
 
 _T = TypeVar("_T")
+_log = logging.getLogger(__name__)
 
 # Errors some object-storage mounts return for minutes after another node closed a file (ETIME,
 # EIO) or while their client is cut off from the service. Only these are waited out, only on reads.
@@ -524,10 +526,7 @@ class LocalStore:
         except BaseException:
             # The link happened but the object is not known durable and readable: a put that
             # raises must leave nothing behind, and this object is ours alone to remove.
-            try:
-                self._sys.unlink(final)
-            except OSError:
-                pass
+            self._remove_failed(final)
             raise
         return ObjectInfo(key=key, size=size, mtime_ns=st.st_mtime_ns, sha256=digest)
 
@@ -550,11 +549,17 @@ class LocalStore:
             committed = True
         finally:
             if not committed:
-                try:
-                    self._sys.unlink(final)
-                except OSError:
-                    pass
+                self._remove_failed(final)
         return ObjectInfo(key=key, size=size, mtime_ns=st.st_mtime_ns, sha256=digest)
+
+    def _remove_failed(self, path: str) -> None:
+        """Remove the object of a put that is failing; the put's own error is what propagates."""
+        try:
+            self._sys.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            _log.warning("failed put left %s behind and it could not be removed: %s", path, exc)
 
     def _write_checked(self, key, fd, data, expected_size, want_sha) -> tuple[int, str]:
         hasher = _Hasher()
