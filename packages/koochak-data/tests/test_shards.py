@@ -159,6 +159,52 @@ def test_describe_and_write_index_cover_pre_existing_files(store) -> None:
         write_index(store, "again", ["a.tar", "a.tar"])
 
 
+def test_webdataset_reads_a_dataset_written_by_shard_writer(store) -> None:
+    import webdataset as wds
+
+    samples = _samples(25)
+    index = _build(store, samples)
+    urls = [store.local_path(index.key_of(shard)) for shard in index.shards]
+    got = list(wds.WebDataset(urls, shardshuffle=False))
+    assert [g["__key__"] for g in got] == [s["__key__"] for s in samples]
+    assert all(g["bin"] == s["bin"] and g["cls"] == s["cls"] for g, s in zip(got, samples))
+
+
+def test_shards_written_by_webdataset_can_be_indexed_and_read(store) -> None:
+    import webdataset as wds
+
+    root = Path(store.root) / "wds"
+    root.mkdir(parents=True)
+    expected = []
+    for part in range(2):
+        with wds.TarWriter(str(root / f"part-{part}.tar")) as sink:
+            for i in range(5):
+                sample = {"__key__": f"p{part}/s{i}", "txt": f"hello {part} {i}", "cls": i}
+                sink.write(sample)
+                expected.append({"__key__": f"p{part}/s{i}", "cls": str(i).encode(),
+                                 "txt": f"hello {part} {i}".encode()})
+    index = write_index(store, "wds", ["part-0.tar", "part-1.tar"])
+    assert [e.records for e in index.shards] == [5, 5]
+    assert list(read_shards(store, load_index(store, "wds"))) == expected
+
+
+def test_shard_dataset_pickles_for_spawned_workers(store) -> None:
+    import pickle
+
+    _build(store, _samples(12))
+    dataset = sh.ShardDataset(store, PREFIX, rank=1, world_size=2, epoch=4, seed=3)
+    clone = pickle.loads(pickle.dumps(dataset))
+    assert type(clone) is type(dataset)
+    assert [s["__key__"] for s in clone] == [s["__key__"] for s in dataset]
+
+
+def test_prefix_must_be_relative(store) -> None:
+    with pytest.raises(ValueError, match="absolute"):
+        load_index(store, "/datasets/foo")
+    _build(store, _samples(3))
+    assert load_index(store, PREFIX + "/").prefix == PREFIX
+
+
 def _tamper_shard(store, index, mutate) -> None:
     path = Path(store.local_path(index.key_of(index.shards[1])))
     data = bytearray(path.read_bytes())
