@@ -257,11 +257,21 @@ def test_first_failure_is_raised_after_in_flight_items_finish(stores):
     assert [info.key for info in target.list()] == ["b"]  # c and d never started
 
 
+def test_every_failure_beyond_the_first_is_logged(stores, caplog):
+    source, target = stores
+    items = [CopyItem(k, 3) for k in ("x", "y")]  # neither exists in the source
+    with pytest.raises(FileNotFoundError):
+        copy_objects(source, target, items, streams=2)
+    assert "another item failed too" in caplog.text
+
+
 @pytest.mark.parametrize(
     ("item", "message"),
     [
         (CopyItem("a", -1), "size"),
         (CopyItem("a", 1, "ABC"), "sha256"),
+        (CopyItem("../escape", 1), "escape"),
+        (CopyItem("a", 1, target_key="/abs"), "absolute"),
     ],
 )
 def test_bad_items_are_rejected_before_anything_moves(stores, item, message):

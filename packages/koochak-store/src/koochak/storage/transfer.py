@@ -12,6 +12,7 @@ verified put and is skipped; one with a different size is refused, never overwri
 
 from __future__ import annotations
 
+import logging
 import re
 import sys
 import threading
@@ -21,9 +22,11 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from koochak.storage.profile import min_object_bytes, profile_of
-from koochak.storage.store import Store
+from koochak.storage.store import Store, validate_key
 
 __all__ = ["CopyItem", "CopyReport", "copy_objects"]
+
+log = logging.getLogger(__name__)
 
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 
@@ -139,6 +142,8 @@ def copy_objects(
                 if error is not None:
                     if first_error is None:
                         first_error = error
+                    else:  # only the first is raised; the others must not vanish silently
+                        log.error("copy_objects: another item failed too: %s", error)
                     continue
                 if future.result():
                     copied += 1
@@ -172,6 +177,8 @@ def _validated(items: Iterable[CopyItem]) -> list[CopyItem]:
             raise ValueError(
                 f"copy_objects: item {item.key!r}: size must be an int >= 0, got {item.size!r}"
             )
+        validate_key(item.key)
+        validate_key(item.destination)
         if item.sha256 is not None and not _SHA256_RE.fullmatch(item.sha256):
             raise ValueError(
                 f"copy_objects: item {item.key!r}: sha256 must be 64 lowercase hex digits, "
