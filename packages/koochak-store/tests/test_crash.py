@@ -52,3 +52,9 @@ def test_a_process_killed_mid_put_leaves_no_visible_object(tmp_path):
     assert any(name.startswith(".koochak-tmp-") for name in os.listdir(root / "ckpt"))
     store.put("ckpt/step000000100.pt", b"complete")
     assert [info.key for info in store.list()] == ["ckpt/step000000100.pt"]
+    # The leftover only costs space; a sweep reclaims it once it is old enough.
+    assert store.remove_stale_temps(older_than_seconds=3600) == []
+    removed = store.remove_stale_temps(older_than_seconds=-1)
+    assert len(removed) == 1 and ".koochak-tmp-" in removed[0]
+    assert os.listdir(root / "ckpt") == ["step000000100.pt"]
+    assert store.get("ckpt/step000000100.pt") == b"complete"

@@ -469,6 +469,30 @@ class LocalStore:
         found.sort(key=lambda info: info.key)
         return found
 
+    def remove_stale_temps(self, older_than_seconds: float = 3600.0) -> list[str]:
+        """Delete publication temp files not modified for ``older_than_seconds``; return their paths.
+
+        A writer killed mid-put (link mode) leaves its hidden temp file behind: invisible, but it
+        holds disk space. A live writer keeps touching its temp file, so an age threshold well
+        above the longest pause between two writes is safe to run at any time.
+        """
+        if isinstance(older_than_seconds, bool) or not isinstance(older_than_seconds, (int, float)):
+            raise ValueError(f"older_than_seconds={older_than_seconds!r}; expected a number")
+        cutoff = time.time() - older_than_seconds
+        removed = []
+        for dirpath, _, names in os.walk(self.root):
+            for name in names:
+                if not name.startswith(TEMP_PREFIX):
+                    continue
+                path = os.path.join(dirpath, name)
+                try:
+                    if os.lstat(path).st_mtime < cutoff:
+                        os.unlink(path)
+                        removed.append(path)
+                except FileNotFoundError:
+                    continue  # its writer finished or another sweeper got it
+        return sorted(removed)
+
     # -- writes ----------------------------------------------------------------------------
 
     def delete(self, key: str) -> None:
