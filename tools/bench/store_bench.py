@@ -248,6 +248,9 @@ def _report(r: dict[str, float], size: int, small: int, repeat: int, work: Path)
         f" {'ok' if copy_ratio >= 0.9 else 'MISSED'}",
         f"copy_objects vs cp+sync   cp+sync {r['cp_sync_copy']:7.3f} s   throughput ratio"
         f" {r['cp_sync_copy'] / r['copy_objects']:.2f}x (both durable)",
+        f"floor on this machine: SHA256 alone takes {r['sha256_hashlib']:.3f} s ="
+        f" {r['sha256_hashlib'] / r['cp_sync']:.2f}x cp+sync and {r['sha256_hashlib'] / r['cp']:.2f}x cp;"
+        " a hashed put or copy cannot finish faster than its hash",
         f"small puts           {r['small_put_per_second']:8.0f} /s   raw O_EXCL+fsync"
         f" {r['small_raw_per_second']:8.0f} /s   ratio {r['small_put_per_second'] / r['small_raw_per_second']:.2f}x",
         f"sha256 streaming     {r['sha256_hashlib']:7.3f} s {rate(r['sha256_hashlib'])}   sha256sum"
