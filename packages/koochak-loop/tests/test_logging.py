@@ -182,3 +182,23 @@ def test_progress_hooks_are_empty_off_a_tty_and_draw_when_forced():
     emit(hooks, "on_log", {"step": 3, "metrics": {"loss": 0.5}})
     emit(hooks, "on_train_end", {"step": 4, "checkpoint": {}, "metrics": {}})
     assert "4/4" in out.getvalue()
+
+
+def test_progress_without_tqdm_names_the_extra(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    with pytest.raises(ImportError, match=r"koochak-loop\[tqdm\]"):
+        make_progress_hooks(io.StringIO(), force=True)
+
+
+def test_importing_the_sinks_does_not_import_wandb():
+    # (tqdm cannot be checked the same way: torch itself imports it.)
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, koochak.loop.logging\n"
+        "assert 'wandb' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

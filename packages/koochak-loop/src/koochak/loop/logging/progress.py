@@ -16,7 +16,7 @@ __all__ = ["make_progress_hooks"]
 
 def _import_tqdm() -> Any:
     try:
-        from tqdm.auto import tqdm
+        from tqdm import tqdm
     except ImportError:
         raise ImportError(
             "the progress bar needs tqdm; install the extra: pip install 'koochak-loop[tqdm]'"

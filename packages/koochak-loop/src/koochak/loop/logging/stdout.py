@@ -39,6 +39,13 @@ def make_stdout_hooks(stream: IO[str] | None = None, *, print_config: bool = Tru
 
     def _print(line: str) -> None:
         out = stream if stream is not None else sys.stdout
+        tqdm = sys.modules.get("tqdm")
+        if tqdm is not None and hasattr(tqdm, "tqdm"):
+            # A progress bar may be drawn on the same terminal: clear it, print, redraw it.
+            with tqdm.tqdm.external_write_mode(file=out):
+                out.write(line + "\n")
+                out.flush()
+            return
         out.write(line + "\n")
         out.flush()
 
