@@ -95,3 +95,19 @@ def test_put_leaves_no_temp_files(tmp_path):
     store = LocalStore(tmp_path)
     store.put("d/a", b"1")
     assert sorted(os.listdir(tmp_path / "d")) == ["a"]
+
+
+def test_localstore_pickles_with_its_settings(tmp_path):
+    # DataLoader workers started with spawn receive their store by pickling.
+    import pickle
+
+    from koochak.storage.profile import REMOTE_PROFILE
+
+    store = LocalStore(tmp_path, publish="exclusive", fsync=False, read_settle_seconds=3,
+                       profile=REMOTE_PROFILE)  # fmt: skip
+    store.put("k", b"v")
+    copy = pickle.loads(pickle.dumps(store))
+    assert (copy.root, copy.publish, copy.fsync, copy.read_settle_seconds, copy.profile) == (
+        store.root, "exclusive", False, 3.0, REMOTE_PROFILE,
+    )  # fmt: skip
+    assert copy.get("k") == b"v"

@@ -31,7 +31,7 @@ from typing import Any, BinaryIO
 import pytest
 from koochak.storage.store import TEMP_PREFIX, LocalStore, ObjectInfo, Store, _Syscalls
 
-__all__ = ["StoreConformance", "Fault", "FaultyStore", "FakeClock", "FAULT_OPS"]
+__all__ = ["StoreConformance", "Fault", "FaultyStore", "FakeClock", "FAULT_OPS", "visible_files"]
 
 FAULT_OPS = ("open", "read", "write", "fsync", "close", "stat", "link", "unlink", "list")
 
