@@ -98,6 +98,8 @@ def test_gnu_tar_lists_and_extracts_our_archive(tmp_path) -> None:
         ({"__key__": "a", "__url__": b"x"}, "lower-case"),
         ({"__key__": "a", "x/y": b"x"}, "lower-case"),
         ({"__key__": "a", "jpg": "text"}, "must be bytes"),
+        ({"__key__": "a", "jpg": b"x", 3: b"y"}, "field names must be str"),
+        ([("__key__", "a")], "must be a mapping"),
         ({"__key__": "a" * 300, "jpg": b"x"}, "too long"),
     ],
 )

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import struct
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 BLOCK = 512
 END_OF_ARCHIVE = bytes(2 * BLOCK)
@@ -35,17 +35,21 @@ _FIELD_RE = re.compile(r"[a-z0-9_][a-z0-9_.\-]*")
 _MEMBER_RE = re.compile(r"^((?:.*/|)[^./][^./]*)\.([^/]+)$", re.DOTALL)
 
 
+# Any of: NUL or backslash, a leading "/", or an empty, "." or ".." segment.
+_UNSAFE_PATH = re.compile(r"[\x00\\]|^/|(?:^|/)\.{0,2}(?:/|$)")
+
+
 def check_path(path: str, what: str) -> None:
     """Raise ValueError unless ``path`` is a plain relative path (no ``..``, ``.``, or ``//``)."""
+    if path and not _UNSAFE_PATH.search(path):
+        return  # the common case, in one regex call per tar member
     if not path:
         raise ValueError(f"{what} must be a non-empty relative path, got {path!r}")
     if "\x00" in path or "\\" in path:
         raise ValueError(f"{what} must not contain NUL or backslash, got {path!r}")
     if path.startswith("/"):
         raise ValueError(f"{what} must be relative, got absolute {path!r}")
-    for segment in path.split("/"):
-        if segment in ("", ".", ".."):
-            raise ValueError(f"{what} must not contain empty, '.' or '..' segments, got {path!r}")
+    raise ValueError(f"{what} must not contain empty, '.' or '..' segments, got {path!r}")
 
 
 def check_sample_key(key: object) -> str:
@@ -68,7 +72,11 @@ def encode_sample(sample: Mapping[str, object]) -> list[bytes]:
     if "__key__" not in sample:
         raise ValueError("sample has no '__key__' field")
     key = check_sample_key(sample["__key__"])
-    fields = sorted(name for name in sample if name != "__key__")
+    names = [name for name in sample if name != "__key__"]
+    for name in names:
+        if not isinstance(name, str):
+            raise ValueError(f"sample {key!r}: field names must be str, got {name!r}")
+    fields = sorted(names)
     if not fields:
         raise ValueError(f"sample {key!r} has no data fields besides '__key__'")
     chunks: list[bytes] = []
@@ -210,14 +218,10 @@ class Readable(Protocol):
     def read(self, size: int, /) -> bytes: ...
 
 
-def _read_exact(stream: Readable, size: int, source: str, what: str, pos: int) -> bytes:
-    data = stream.read(size) if size else b""
-    if len(data) != size:
-        raise ValueError(
-            f"{source}: truncated tar archive: {what} at byte {pos} needs {size} bytes, "
-            f"{len(data)} remain"
-        )
-    return data
+def _truncated(source: str, what: str, pos: int, want: int, got: int) -> NoReturn:
+    raise ValueError(
+        f"{source}: truncated tar archive: {what} at byte {pos} needs {want} bytes, {got} remain"
+    )
 
 
 def read_members(
@@ -268,9 +272,12 @@ def read_members(
                 raise ValueError(f"{_where(source, pos)}: pax size {pax['size']!r} is not a number")
             size = int(pax["size"])
         header_pos = pos
-        data = _read_exact(stream, size, source, "member data", pos + BLOCK)
+        data = stream.read(size) if size else b""
+        if len(data) != size:
+            _truncated(source, "member data", pos + BLOCK, size, len(data))
         padding = -size % BLOCK
-        _read_exact(stream, padding, source, "member padding", pos + BLOCK + size)
+        if padding and len(stream.read(padding)) != padding:
+            _truncated(source, "member padding", pos + BLOCK + size, padding, 0)
         pos += BLOCK + size + padding
         if typeflag == b"x":
             pax = _parse_pax(data, _where(source, header_pos))

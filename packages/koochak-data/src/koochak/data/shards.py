@@ -575,19 +575,23 @@ class _ShardStream:
         self._batch_bytes = 0
 
     def read(self, n: int) -> bytes:
-        want = n if self._left is None else min(n, self._left)
-        data = self._f.read(want)
-        if len(data) < want and self._left is not None:
-            raise ValueError(
-                f"{self._source}: size mismatch: index says {self._size} bytes, "
-                f"shard has {self._read + len(data)}"
-            )
-        self._read += len(data)
-        if self._left is not None:
-            self._left -= len(data)
-        if self._digest is not None and data:
+        # Called several times per tar member: kept lean.
+        left = self._left
+        if left is not None and n > left:
+            n = left
+        data = self._f.read(n)
+        got = len(data)
+        if left is not None:
+            if got < n:
+                raise ValueError(
+                    f"{self._source}: size mismatch: index says {self._size} bytes, "
+                    f"shard has {self._read + got}"
+                )
+            self._left = left - got
+        self._read += got
+        if self._digest is not None and got:
             self._batch.append(data)
-            self._batch_bytes += len(data)
+            self._batch_bytes += got
             if self._batch_bytes >= _HASH_BATCH:
                 self._flush()
         return data
