@@ -5,6 +5,8 @@ import math
 import koochak.loop.dist as kdist
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from koochak.loop.hooks import emit, merge
 from koochak.loop.logging import (
     CSVLogger,
@@ -202,3 +204,35 @@ def test_importing_the_sinks_does_not_import_wandb():
         "assert 'wandb' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+_names = st.sampled_from(["loss", "lr", "acc", "eval_loss", "grad,norm", 'q"uote', "ünï"])
+_values = st.one_of(st.floats(allow_nan=False), st.integers(-(2**53), 2**53))
+_record = st.tuples(st.sampled_from(["log", "eval"]), st.integers(0, 10**6),
+                    st.dictionaries(_names, _values, max_size=4))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(_record, max_size=8), st.integers(0, 8))
+def test_csv_and_jsonl_round_trip_any_record_sequence_across_a_reopen(records, reopen_at):
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = Path(tmp) / "log.csv", Path(tmp) / "log.jsonl"
+        loggers = CSVLogger(paths[0]), JSONLLogger(paths[1])
+        for index, (event, step, metrics) in enumerate(records):
+            if index == reopen_at:  # a resumed run reopens the same files
+                for logger in loggers:
+                    logger.close()
+                loggers = CSVLogger(paths[0]), JSONLLogger(paths[1])
+            for logger in loggers:
+                logger.log(step, metrics, event=event, wall_time=float(index))
+        for logger in loggers:
+            logger.close()
+        expected = [
+            {"event": event, "step": step, "time": float(i), "metrics": metrics}
+            for i, (event, step, metrics) in enumerate(records)
+        ]
+        assert (read_csv_log(paths[0]) if records else []) == expected
+        assert (read_jsonl_log(paths[1]) if records else []) == expected
