@@ -279,6 +279,12 @@ def build_scheduler(
     else:
         total = _total_steps(cfg, train_cfg, section)
         warmup = _integer(cfg, "warmup_steps", section, 0) if name == "cosine_warmup" else 0
+        if warmup and total <= warmup:
+            source = "T_max" if cfg.get("T_max") is not None else "T_max: null -> train.max_steps"
+            raise ValueError(
+                f"{section}.warmup_steps={warmup} must be below the schedule length {total} "
+                f"({section}.{source})"
+            )
         factories = []
         for group in optimizer.param_groups:
             # eta_min is an absolute LR; as a factor it depends on each group's base LR.
