@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """koochak-data shard benchmark: verified shard reads against a raw sequential read.
 
-Builds a dataset of SIZE bytes (records of 1-64 KiB random bytes, ~SHARD_BYTES shards) with
+Builds a dataset of SIZE bytes (records of 1-64 KiB random bytes by default, as in the issue's
+benchmark tree; --record-bytes to change; ~SHARD_BYTES shards) with
 ShardWriter in a scratch directory, then reads every shard, variants interleaved:
 
   raw         each shard file read whole with open().read(), one after another (the baseline)
@@ -15,7 +16,8 @@ Two cache states: "cold" evicts the shard files from the page cache before every
 (posix_fadvise DONTNEED, no root needed), so bytes come from the disk as they would from a
 parallel filesystem or object store; "warm" reads them from memory, the hardest case for
 hashing to hide behind I/O. Figures are throughput ratios against raw in the same cache state
-(higher is better), medians of --repeat runs.
+(higher is better), medians of --repeat runs. CPU s/GiB (all threads) shows the cost apart
+from contention on a shared machine.
 
     python tools/bench/shards_bench.py                     # 256 MiB in 32 MiB shards: ~1 minute
     python tools/bench/shards_bench.py --size 4G --shard-bytes 256M   # larger
@@ -39,14 +41,17 @@ from koochak.storage.profile import parse_size
 from koochak.storage.store import LocalStore
 
 
-def _build(store: LocalStore, size: int, shard_bytes: int, seed: int) -> ShardIndex:
+def _build(
+    store: LocalStore, size: int, shard_bytes: int, record_bytes: tuple[int, int], seed: int
+) -> ShardIndex:
     rnd = random.Random(seed)
-    pool = os.urandom(64 << 10)  # slices of one random block: incompressible, cheap to make
+    # Slices of one random block: incompressible, cheap to make.
+    pool = os.urandom(record_bytes[1])
     written = 0
     with ShardWriter(store, "bench", target_bytes=shard_bytes) as writer:
         i = 0
         while written < size:
-            n = rnd.randint(1 << 10, 64 << 10)
+            n = rnd.randint(*record_bytes)
             writer.write({"__key__": f"r{i:08d}", "bin": pool[:n], "cls": str(i % 10).encode()})
             written += n
             i += 1
@@ -86,17 +91,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="256M", help="dataset bytes (default 256M)")
     parser.add_argument("--shard-bytes", default="32M", help="target shard size (default 32M)")
+    parser.add_argument(
+        "--record-bytes", default="1K-64K", help="record size range MIN-MAX (default 1K-64K)"
+    )
     parser.add_argument("--repeat", type=int, default=5, help="runs per variant (default 5)")
     parser.add_argument("--prefetch", type=int, default=2, help="read_shards prefetch (default 2)")
     parser.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args(argv)
     size, shard_bytes = parse_size(args.size), parse_size(args.shard_bytes)
+    low, _, high = args.record_bytes.partition("-")
+    record_bytes = (parse_size(low), parse_size(high or low))
+    if not 0 < record_bytes[0] <= record_bytes[1]:
+        parser.error(f"--record-bytes must be MIN-MAX with 0 < MIN <= MAX, got {args.record_bytes!r}")
 
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="koochak-shards-bench-") as scratch:
         store = LocalStore(Path(scratch) / "store", fsync=False)
         started = time.perf_counter()
-        index = _build(store, size, shard_bytes, seed=0)
+        index = _build(store, size, shard_bytes, record_bytes, seed=0)
         build_seconds = time.perf_counter() - started
         paths = [store.local_path(index.key_of(s)) for s in index.shards]
 
@@ -107,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             "unverified": lambda: _shards(store, index, verify=False),
         }
         times = {(cache, name): [] for cache in ("cold", "warm") for name in variants}
+        cpu_times = {key: [] for key in times}  # all threads of this process
         for _ in range(args.repeat):
             for cache in ("cold", "warm"):
                 for name, run in variants.items():
@@ -114,9 +127,10 @@ def main(argv: list[str] | None = None) -> int:
                         _evict(paths)
                     else:
                         _raw(paths)
-                    start = time.perf_counter()
+                    start, cpu = time.perf_counter(), time.process_time()
                     run()
                     times[cache, name].append(time.perf_counter() - start)
+                    cpu_times[cache, name].append(time.process_time() - cpu)
 
     median = {key: statistics.median(values) for key, values in times.items()}
     figures: dict[str, object] = {
@@ -129,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     for (cache, name), seconds in sorted(median.items()):
         figures[f"{cache}_{name}_gib_per_s"] = round(index.size / seconds / 2**30, 3)
+        cpu = statistics.median(cpu_times[cache, name])
+        figures[f"{cache}_{name}_cpu_s_per_gib"] = round(cpu / (index.size / 2**30), 3)
         if name != "raw":
             figures[f"{cache}_{name}_vs_raw"] = round(median[cache, "raw"] / seconds, 3)
     if args.json:
@@ -136,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(
         f"dataset: {index.size / 2**20:.0f} MiB in {len(index.shards)} shards, "
-        f"{index.records} records (built in {build_seconds:.1f} s); medians of {args.repeat} runs"
+        f"{index.records} records of {args.record_bytes} (built in {build_seconds:.1f} s); "
+        f"medians of {args.repeat} runs"
     )
     labels = {
         "raw": "raw sequential read",
@@ -150,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
             rate = figures[f"{cache}_{name}_gib_per_s"]
             ratio = "baseline" if name == "raw" else f"{figures[f'{cache}_{name}_vs_raw']:.2f}x raw"
             target = "  (target >= 0.8x)" if name == "prefetch" else ""
-            print(f"  {label:<26} {rate:6.2f} GiB/s  {ratio}{target}")
+            cpu = figures[f"{cache}_{name}_cpu_s_per_gib"]
+            print(f"  {label:<26} {rate:6.2f} GiB/s  {cpu:5.2f} CPU s/GiB  {ratio}{target}")
     return 0
 
 
