@@ -9,7 +9,7 @@ import subprocess
 import time
 
 import pytest
-from koochak.data.archive import archive, plan_archive, read_groups, scan_source
+from koochak.data.archive import archive_tree, plan_archive, read_groups, scan_source
 from koochak.data.collection import load_collection
 from koochak.data.verify import verify_collection
 from koochak.storage.store import LocalStore
@@ -35,7 +35,7 @@ def tree(tmp_path):
 
 def test_archive_commits_a_collection_that_verifies(tree, tmp_path) -> None:
     dest = tmp_path / "dest"
-    report = archive(tree, dest, object_bytes=20_000, pack_bytes=8192)
+    report = archive_tree(tree, dest, object_bytes=20_000, pack_bytes=8192)
     assert (report.files, report.objects) == (14, 1)
     assert report.packs > 1
     collection = load_collection(str(dest))
@@ -52,7 +52,7 @@ def test_archive_commits_a_collection_that_verifies(tree, tmp_path) -> None:
 
 def test_packs_are_plain_tar_files(tree, tmp_path) -> None:
     dest = tmp_path / "dest"
-    archive(tree, dest, object_bytes=20_000)
+    archive_tree(tree, dest, object_bytes=20_000)
     out = tmp_path / "untarred"
     out.mkdir()
     for pack in sorted((dest / "packs").iterdir()):
@@ -71,7 +71,7 @@ def test_groups_are_contiguous_in_one_pack_in_order(tmp_path) -> None:
     groups.write_text("path,group,order\nx/05.bin,g1,2\nx/01.bin,g1,1\nx/09.bin,g1,3\n"
                       "x/02.bin,g2,1\nx/03.bin,g2,2\nmissing.bin,g3,1\n")
     dest = tmp_path / "dest"
-    report = archive(src, dest, groups=groups, pack_bytes=6 * 1536, object_bytes=1 << 20)
+    report = archive_tree(src, dest, groups=groups, pack_bytes=6 * 1536, object_bytes=1 << 20)
     assert report.unmatched_group_rows == 1
     entries = load_collection(str(dest)).entries
     g1 = [e for e in entries if e.group == "g1"]
@@ -106,11 +106,11 @@ def test_paths_that_are_not_store_keys_are_packed(tmp_path) -> None:
     src = tmp_path / "src"
     _write(src, "what?.bin", 5000)
     dest = tmp_path / "dest"
-    archive(src, dest, object_bytes=100)
+    archive_tree(src, dest, object_bytes=100)
     (entry,) = load_collection(str(dest)).entries
     assert entry.pack is not None
     with pytest.raises(ValueError, match="cannot be stored as an object"):
-        archive(src, tmp_path / "d2", layout="objects")
+        archive_tree(src, tmp_path / "d2", layout="objects")
 
 
 def test_filters_prune_skip_and_count(tree, tmp_path) -> None:
@@ -143,13 +143,13 @@ def test_files_from_takes_exactly_the_listed_paths(tree, tmp_path) -> None:
     os.symlink(tree / "d1", tree / "linked")
     listed = tmp_path / "list.txt"
     listed.write_text("d0/f0.bin\n./big/huge.bin\n\n")
-    report = archive(tree, tmp_path / "dest", files_from=listed)
+    report = archive_tree(tree, tmp_path / "dest", files_from=listed)
     assert report.files == 2
     for bad, message in (("linked/f0.bin", "not a plain directory"), ("nope", "does not exist"),
                          ("../x", "segment"), ("d0", "directory"), ("d0/f0.bin\nd0/f0.bin", "twice")):
         listed.write_text(bad + "\n")
         with pytest.raises(ValueError, match=message):
-            archive(tree, tmp_path / "dest2", files_from=listed, dry_run=True)
+            archive_tree(tree, tmp_path / "dest2", files_from=listed, dry_run=True)
 
 
 def test_groups_table_errors_name_the_line(tmp_path) -> None:
@@ -167,7 +167,7 @@ def test_groups_table_errors_name_the_line(tmp_path) -> None:
 
 def test_dry_run_writes_nothing(tree, tmp_path) -> None:
     dest = tmp_path / "dest"
-    report = archive(tree, dest, dry_run=True, object_bytes=20_000)
+    report = archive_tree(tree, dest, dry_run=True, object_bytes=20_000)
     assert not dest.exists()
     assert report.dry_run and report.files == 14 and report.objects == 1
     assert report.requests["pull_gets"] < report.requests["pull_gets_unpacked"]
@@ -175,14 +175,14 @@ def test_dry_run_writes_nothing(tree, tmp_path) -> None:
 
 def test_rerun_after_commit_writes_nothing_and_changed_source_is_refused(tree, tmp_path) -> None:
     dest = tmp_path / "dest"
-    archive(tree, dest, object_bytes=20_000)
+    archive_tree(tree, dest, object_bytes=20_000)
     before = {p: p.stat().st_mtime_ns for p in dest.rglob("*")}
-    again = archive(tree, dest, object_bytes=20_000)
+    again = archive_tree(tree, dest, object_bytes=20_000)
     assert again.already_committed
     assert {p: p.stat().st_mtime_ns for p in dest.rglob("*")} == before
     _write(tree, "d2/new.bin", 10)
     with pytest.raises(ValueError, match="different files"):
-        archive(tree, dest, object_bytes=20_000)
+        archive_tree(tree, dest, object_bytes=20_000)
 
 
 def _uncommit(dest) -> None:
@@ -193,12 +193,12 @@ def _uncommit(dest) -> None:
 
 def test_resume_reuses_packs_by_record_and_by_content(tree, tmp_path) -> None:
     dest = tmp_path / "dest"
-    first = archive(tree, dest, object_bytes=20_000, pack_bytes=8192)
+    first = archive_tree(tree, dest, object_bytes=20_000, pack_bytes=8192)
     _uncommit(dest)
     (dest / "records" / "pack-000001.json").unlink()  # killed between a pack and its record
     (dest / "packs" / "pack-000002.tar").unlink()  # killed before this pack
     (dest / "records" / "pack-000002.json").unlink()
-    again = archive(tree, dest, object_bytes=20_000, pack_bytes=8192)
+    again = archive_tree(tree, dest, object_bytes=20_000, pack_bytes=8192)
     assert again.packs_reused == first.packs - 1
     assert again.objects_reused == 1
     assert verify_collection(dest, deep=True).ok
@@ -206,7 +206,7 @@ def test_resume_reuses_packs_by_record_and_by_content(tree, tmp_path) -> None:
 
 def test_leftover_pack_that_does_not_match_is_refused(tree, tmp_path) -> None:
     dest = tmp_path / "dest"
-    archive(tree, dest, object_bytes=20_000, pack_bytes=8192)
+    archive_tree(tree, dest, object_bytes=20_000, pack_bytes=8192)
     _uncommit(dest)
     (dest / "records" / "pack-000000.json").unlink()
     pack = dest / "packs" / "pack-000000.tar"
@@ -216,27 +216,27 @@ def test_leftover_pack_that_does_not_match_is_refused(tree, tmp_path) -> None:
     pack.unlink()
     pack.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="left over"):
-        archive(tree, dest, object_bytes=20_000, pack_bytes=8192)
+        archive_tree(tree, dest, object_bytes=20_000, pack_bytes=8192)
 
 
 def test_leftover_record_for_a_changed_source_is_refused(tree, tmp_path) -> None:
     dest = tmp_path / "dest"
-    archive(tree, dest, object_bytes=20_000, pack_bytes=8192)
+    archive_tree(tree, dest, object_bytes=20_000, pack_bytes=8192)
     _uncommit(dest)
     os.utime(tree / "d0" / "f0.bin", ns=(1, 1))
     with pytest.raises(ValueError, match="left over"):
-        archive(tree, dest, object_bytes=20_000, pack_bytes=8192)
+        archive_tree(tree, dest, object_bytes=20_000, pack_bytes=8192)
 
 
 def test_leftover_object_with_other_content_is_refused(tree, tmp_path) -> None:
     dest = tmp_path / "dest"
-    archive(tree, dest, object_bytes=20_000)
+    archive_tree(tree, dest, object_bytes=20_000)
     _uncommit(dest)
     stat = os.stat(tree / "big" / "huge.bin")
     _write(tree, "big/huge.bin", 40_000, seed=99)  # same size, other bytes
     os.utime(tree / "big" / "huge.bin", ns=(stat.st_atime_ns, stat.st_mtime_ns))
     with pytest.raises(ValueError, match="objects/big/huge.bin"):
-        archive(tree, dest, object_bytes=20_000)
+        archive_tree(tree, dest, object_bytes=20_000)
 
 
 def test_delete_source_moves_unchanged_files_and_keeps_changed_ones(tree, tmp_path) -> None:
@@ -250,7 +250,7 @@ def test_delete_source_moves_unchanged_files_and_keeps_changed_ones(tree, tmp_pa
         if seen == total:  # every byte is archived; the file changes before deletion
             os.utime(tree / "d1" / "f2.bin", ns=(1, 1))
 
-    report = archive(tree, dest, object_bytes=20_000, delete_source=True,
+    report = archive_tree(tree, dest, object_bytes=20_000, delete_source=True,
                      progress=touch_when_all_read)
     assert report.verified is True
     assert report.kept_changed == ["d1/f2.bin"]
@@ -261,13 +261,13 @@ def test_delete_source_moves_unchanged_files_and_keeps_changed_ones(tree, tmp_pa
 
 def test_delete_source_deletes_nothing_when_verify_fails(tree, tmp_path) -> None:
     dest = tmp_path / "dest"
-    archive(tree, dest, object_bytes=20_000)
+    archive_tree(tree, dest, object_bytes=20_000)
     obj = dest / "objects" / "big" / "huge.bin"
     data = bytearray(obj.read_bytes())
     data[100] ^= 1
     obj.unlink()
     obj.write_bytes(bytes(data))
-    report = archive(tree, dest, object_bytes=20_000, delete_source=True)
+    report = archive_tree(tree, dest, object_bytes=20_000, delete_source=True)
     assert report.verified is False and report.deleted == 0
     assert any("huge.bin" in p for p in report.problems)
     assert (tree / "big" / "huge.bin").exists()
@@ -275,7 +275,7 @@ def test_delete_source_deletes_nothing_when_verify_fails(tree, tmp_path) -> None
 
 def test_files_table_lists_every_file_once(tree, tmp_path) -> None:
     dest = tmp_path / "dest"
-    archive(tree, dest, object_bytes=20_000)
+    archive_tree(tree, dest, object_bytes=20_000)
     lines = gzip.decompress((dest / "files.jsonl.gz").read_bytes()).decode().splitlines()
     paths = [json.loads(line)["path"] for line in lines]
     assert sorted(paths) == sorted(
@@ -285,6 +285,22 @@ def test_files_table_lists_every_file_once(tree, tmp_path) -> None:
 
 def test_archive_into_a_store_object(tree, tmp_path) -> None:
     store = LocalStore(tmp_path / "dest", publish="exclusive")
-    report = archive(tree, store, object_bytes=20_000)
+    report = archive_tree(tree, store, object_bytes=20_000)
     assert report.dest == store.location
     assert verify_collection(store, deep=True).ok
+
+
+def test_members_straddling_stream_buffers_stay_exact(tree, tmp_path, monkeypatch) -> None:
+    import koochak.data.archive as archive_module
+
+    monkeypatch.setattr(archive_module, "_STREAM_BUFFER", 1536)  # every member straddles
+    dest = tmp_path / "dest"
+    archive_tree(tree, dest, object_bytes=1 << 20)
+    assert verify_collection(dest, deep=True).ok
+    out = tmp_path / "untarred"
+    out.mkdir()
+    for pack in sorted((dest / "packs").iterdir()):
+        subprocess.run(["tar", "-xf", str(pack), "-C", str(out)], check=True)
+    for path in tree.rglob("*"):
+        if path.is_file():
+            assert (out / path.relative_to(tree)).read_bytes() == path.read_bytes()

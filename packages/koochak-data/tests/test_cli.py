@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -133,20 +134,40 @@ def _cli(*argv: str) -> list[str]:
     return [sys.executable, "-m", "koochak.data", *argv]
 
 
-def _kill_at_random_points(argv: list[str], seed: int) -> int:
-    """Start the command and SIGKILL it at random moments until a run finishes; returns kills."""
+def _seconds(argv: list[str]) -> float:
+    start = time.perf_counter()
+    subprocess.run(argv, check=True, capture_output=True)
+    return time.perf_counter() - start
+
+
+def _kill_at_random_points(
+    argv: list[str], seconds: float, seed: int, reset: Callable[[], None],
+    after_kill: Callable[[], None] = lambda: None,
+) -> int:
+    """Start the command and SIGKILL it at random moments inside its run; returns the kills.
+
+    ``seconds`` is how long one whole run took here, so kills land inside the work however
+    fast or loaded the machine is. A run that finished before its kill is undone with
+    ``reset`` and tried again with an earlier kill, until two kills have landed.
+    """
     rng = random.Random(seed)
     kills = 0
-    for _ in range(6):
+    scale = 1.0
+    for _ in range(12):
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        time.sleep(rng.uniform(0.3, 1.5))
+        time.sleep(rng.uniform(0.3, 0.9) * seconds * scale)
         if proc.poll() is not None:
             _, err = proc.communicate()
             assert proc.returncode == 0, err.decode()
-            return kills
+            reset()
+            scale *= 0.7
+            continue
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         kills += 1
+        after_kill()
+        if kills == 2:
+            break
     return kills
 
 
@@ -154,9 +175,13 @@ def _kill_at_random_points(argv: list[str], seed: int) -> int:
 def test_archive_killed_at_random_points_resumes_and_verifies(tmp_path) -> None:
     src, dest = tmp_path / "src", tmp_path / "coll"
     _big_tree(src)
-    argv = _cli("archive", str(src), str(dest), "--pack-bytes", "256K", "--object-bytes", "1M",
-                "--streams", "1")
-    assert _kill_at_random_points(argv, seed=1) >= 1
+    options = ["--pack-bytes", "64K", "--object-bytes", "1M", "--streams", "1"]
+    seconds = _seconds(_cli("archive", str(src), str(tmp_path / "timing"), *options))
+    argv = _cli("archive", str(src), str(dest), *options)
+    kills = _kill_at_random_points(
+        argv, seconds, seed=1, reset=lambda: shutil.rmtree(dest, ignore_errors=True)
+    )
+    assert kills >= 1
     subprocess.run(argv, check=True, capture_output=True)
     verified = subprocess.run(_cli("verify", str(dest), "--deep", "--json"),
                               capture_output=True, text=True)
@@ -170,22 +195,19 @@ def test_pull_killed_at_random_points_leaves_no_partial_file(tmp_path) -> None:
     _big_tree(src)
     subprocess.run(_cli("archive", str(src), str(dest), "--pack-bytes", "256K",
                         "--object-bytes", "1M"), check=True, capture_output=True)
-    argv = _cli("pull", str(dest), str(out), "--fsync", "--streams", "1")
-    rng = random.Random(2)
-    kills = 0
-    for _ in range(4):
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        time.sleep(rng.uniform(0.3, 1.2))
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            kills += 1
-        proc.wait()
-        # Whatever has its final name is complete and correct.
+    argv = _cli("pull", str(dest), str(out), "--streams", "1")
+    seconds = _seconds(_cli("pull", str(dest), str(tmp_path / "timing"), "--streams", "1"))
+
+    def only_complete_files() -> None:
         for path in out.rglob("*"):
             if path.is_file() and not path.name.startswith(".koochak-pull-"):
                 rel = path.relative_to(out)
-                assert hashlib.sha256(path.read_bytes()).digest() == \
-                    hashlib.sha256((src / rel).read_bytes()).digest(), rel
+                assert path.read_bytes() == (src / rel).read_bytes(), rel
+
+    kills = _kill_at_random_points(
+        argv, seconds, seed=2, reset=lambda: shutil.rmtree(out, ignore_errors=True),
+        after_kill=only_complete_files,
+    )
     assert kills >= 1
     subprocess.run(argv, check=True, capture_output=True)
     for path in src.rglob("*"):

@@ -10,9 +10,9 @@ import os
 import tarfile
 
 import pytest
-from koochak.data.archive import archive
+from koochak.data.archive import archive_tree
 from koochak.data.collection import FileEntry, load_collection
-from koochak.data.pull import merge_ranges, pull
+from koochak.data.pull import merge_ranges, pull_collection
 
 SHA = "00" * 32
 
@@ -33,7 +33,7 @@ def collection(tmp_path):
     os.chmod(src / "d1" / "f3.txt", 0o751)
     os.utime(src / "d2" / "f4.txt", ns=(5, 1_234_567_890_123_456_789))
     dest = tmp_path / "coll"
-    archive(src, dest, object_bytes=20_000, pack_bytes=16_384)
+    archive_tree(src, dest, object_bytes=20_000, pack_bytes=16_384)
     return src, dest
 
 
@@ -51,7 +51,7 @@ def _same_tree(a, b) -> None:
 def test_pull_restores_bytes_mode_and_exact_mtime(collection, tmp_path) -> None:
     src, coll = collection
     out = tmp_path / "out"
-    report = pull(coll, out)
+    report = pull_collection(coll, out)
     assert report.written == 16 and report.present == 0
     _same_tree(src, out)
     packs = len(load_collection(str(coll)).manifest.packs)
@@ -62,15 +62,15 @@ def test_pull_restores_bytes_mode_and_exact_mtime(collection, tmp_path) -> None:
 def test_rerun_skips_present_files_and_refuses_differing_ones(collection, tmp_path) -> None:
     src, coll = collection
     out = tmp_path / "out"
-    pull(coll, out)
-    again = pull(coll, out)
+    pull_collection(coll, out)
+    again = pull_collection(coll, out)
     assert (again.written, again.present) == (0, 16)
     (out / "d0" / "f0.txt").unlink()
     (out / "d0" / "f1.txt").write_bytes(b"mine")
     with pytest.raises(ValueError, match="--overwrite"):
-        pull(coll, out)
+        pull_collection(coll, out)
     assert not (out / "d0" / "f0.txt").exists()  # refused before writing anything
-    fixed = pull(coll, out, overwrite=True)
+    fixed = pull_collection(coll, out, overwrite=True)
     assert fixed.written == 2
     _same_tree(src, out)
 
@@ -78,7 +78,7 @@ def test_rerun_skips_present_files_and_refuses_differing_ones(collection, tmp_pa
 def test_include_selects_files(collection, tmp_path) -> None:
     _, coll = collection
     out = tmp_path / "out"
-    report = pull(coll, out, include=["d1/*", "*.bin"])
+    report = pull_collection(coll, out, include=["d1/*", "*.bin"])
     assert sorted(report.paths) == [f"d1/f{i}.txt" for i in range(5)] + ["objects/huge.bin"]
     assert not (out / "d0").exists()
 
@@ -102,13 +102,13 @@ def test_symlinks_under_dest_are_never_followed(collection, tmp_path) -> None:
     out.mkdir()
     os.symlink(outside, out / "d0")
     with pytest.raises(ValueError, match="symlink"):
-        pull(coll, out)
+        pull_collection(coll, out)
     assert list(outside.iterdir()) == []
     os.unlink(out / "d0")
     (out / "d1").mkdir(exist_ok=True)
     os.symlink(outside / "target.txt", out / "d1" / "f0.txt")
     with pytest.raises(ValueError, match="symlink"):
-        pull(coll, out)
+        pull_collection(coll, out)
     assert list(outside.iterdir()) == []
     assert os.path.islink(out / "d1" / "f0.txt")
 
@@ -132,7 +132,7 @@ def test_traversal_paths_in_the_manifest_write_nothing(collection, tmp_path, bad
     _rewrite_table(coll, lambda lines: lines[0].update(path=bad))
     out = tmp_path / "deep" / "out"
     with pytest.raises(ValueError, match="path"):
-        pull(coll, out)
+        pull_collection(coll, out)
     assert not (tmp_path / "deep").exists()
     assert not (tmp_path / "escape.txt").exists()
 
@@ -164,7 +164,7 @@ def test_tar_member_names_are_ignored(tmp_path) -> None:
     }
     (coll / "manifest.json").write_text(json.dumps(manifest))
     out = tmp_path / "a" / "out"
-    pull(coll, out)
+    pull_collection(coll, out)
     assert [p.name for p in out.iterdir()] == ["good.txt"]
     assert not (tmp_path / "a" / "evil.txt").exists()
 
@@ -179,7 +179,7 @@ def test_corrupt_bytes_are_never_written_under_a_final_name(collection, tmp_path
     pack.write_bytes(bytes(data))
     out = tmp_path / "out"
     with pytest.raises(ValueError, match="d0/f2.txt"):
-        pull(coll, out, include=["d0/*"], streams=1)
+        pull_collection(coll, out, include=["d0/*"], streams=1)
     assert not (out / "d0" / "f2.txt").exists()
     assert not list(out.rglob(".koochak-pull-*"))
 
@@ -191,18 +191,18 @@ def test_truncated_pack_is_reported(collection, tmp_path) -> None:
     pack.unlink()
     pack.write_bytes(data[:1000])
     with pytest.raises(ValueError, match="shorter"):
-        pull(coll, tmp_path / "out")
+        pull_collection(coll, tmp_path / "out")
 
 
 def test_leftover_temp_file_from_a_killed_pull_is_replaced(collection, tmp_path) -> None:
     src, coll = collection
     out = tmp_path / "out"
-    pull(coll, out)
+    pull_collection(coll, out)
     target = out / "d0" / "f0.txt"
     target.unlink()
     temp = ".koochak-pull-" + hashlib.sha256(b"f0.txt").hexdigest()[:20] + ".tmp"
     (out / "d0" / temp).write_bytes(b"half")
-    report = pull(coll, out)
+    report = pull_collection(coll, out)
     assert report.written == 1
     assert not (out / "d0" / temp).exists()
     _same_tree(src, out)

@@ -1,9 +1,9 @@
 """koochak.data."""
 
-from koochak.data.archive import ArchiveReport, archive
+from koochak.data.archive import ArchiveReport, archive_tree
 from koochak.data.collection import Collection, FileEntry, load_collection
 from koochak.data.planning import assign_shards, plan_shards, worker_coordinates
-from koochak.data.pull import PullReport, pull
+from koochak.data.pull import PullReport, pull_collection
 from koochak.data.shards import (
     ShardEntry,
     ShardIndex,
@@ -33,8 +33,8 @@ __all__ = [
     "FileEntry",
     "PullReport",
     "VerifyReport",
-    "archive",
+    "archive_tree",
     "load_collection",
-    "pull",
+    "pull_collection",
     "verify_collection",
 ]

@@ -105,9 +105,9 @@ def _table(rows: Sequence[tuple[str, Any]]) -> str:
 
 
 def _archive(args: argparse.Namespace) -> tuple[dict[str, Any], str, int]:
-    from koochak.data.archive import DEFAULT_PACK_BYTES, archive
+    from koochak.data.archive import DEFAULT_PACK_BYTES, archive_tree
 
-    report = archive(
+    report = archive_tree(
         args.src, args.dest, groups=args.groups,
         pack_bytes=args.pack_bytes or DEFAULT_PACK_BYTES, object_bytes=args.object_bytes,
         layout=args.layout, include=args.include, exclude=args.exclude,
@@ -142,9 +142,9 @@ def _archive(args: argparse.Namespace) -> tuple[dict[str, Any], str, int]:
 
 
 def _pull(args: argparse.Namespace) -> tuple[dict[str, Any], str, int]:
-    from koochak.data.pull import pull
+    from koochak.data.pull import pull_collection
 
-    report = pull(
+    report = pull_collection(
         args.src, args.dest, include=args.include, overwrite=args.overwrite, fsync=args.fsync,
         streams=args.streams, show_progress=args.progress,
     )

@@ -27,7 +27,7 @@ from typing import Any
 
 from koochak.data.collection import FileEntry, load_collection
 
-__all__ = ["PullReport", "merge_ranges", "pull"]
+__all__ = ["PullReport", "merge_ranges", "pull_collection"]
 
 _CHUNK = 1 << 20
 DEFAULT_MAX_RANGE_BYTES = 64 << 20
@@ -231,7 +231,7 @@ def _hash_file(dir_fd: int, name: str) -> str:
         os.close(fd)
 
 
-def pull(
+def pull_collection(
     source: Any,
     dest: str | os.PathLike[str],
     *,
