@@ -250,3 +250,20 @@ def test_candidates_only_count_keys_fully_matching_the_pattern(tmp_path):
         publish(store, name, b"x")
     assert published_candidates(store, PATTERN) == [(1, _name(1))]
     assert published_candidates(store, r"sub/step(\d+)\.pt") == [(4, "sub/step000000004.pt")]
+
+
+@pytest.mark.parametrize(
+    ("pattern", "keys", "expected"),
+    [
+        (r"ckpt?(\d+)", ["ckp1", "ckpt2"], [(2, "ckpt2"), (1, "ckp1")]),
+        (r"ab*(\d+)", ["a1", "abb2"], [(2, "abb2"), (1, "a1")]),
+        (r"x(\d+)|y(\d+)", ["x1"], [(1, "x1")]),
+        (r"^run/s(\d+)", ["run/s3", "runs/s4"], [(3, "run/s3")]),
+        (r"(?i)STEP(\d+)", ["step5"], [(5, "step5")]),
+    ],
+)
+def test_candidates_are_found_whatever_the_pattern_looks_like(tmp_path, pattern, keys, expected):
+    store = LocalStore(tmp_path)
+    for key in keys:
+        publish(store, key, b"x")
+    assert published_candidates(store, pattern) == expected

@@ -350,12 +350,24 @@ def _compile(pattern: str) -> re.Pattern[str]:
 
 
 def _literal_prefix(pattern: str) -> str:
-    """The plain text a pattern starts with, so listing can be narrowed to it."""
+    """Plain text every match of ``pattern`` starts with, so listing can be narrowed to it.
+
+    Conservative: stops at the first metacharacter, drops a character a quantifier makes
+    optional, and gives up on alternation (a prefix that is too short only costs listing time).
+    """
+    body = pattern[1:] if pattern.startswith("^") else pattern
+    if "|" in body:
+        return ""
     prefix = []
-    for char in pattern.removeprefix("^"):
+    for index, char in enumerate(body):
         if char in ".^$*+?{}[]\\|()":
             break
+        following = body[index + 1 : index + 2]
+        if following in ("?", "*", "{"):
+            break
         prefix.append(char)
+        if following == "+":
+            break
     return "".join(prefix)
 
 
