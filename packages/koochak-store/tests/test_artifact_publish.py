@@ -7,8 +7,11 @@ import hashlib
 import json
 import logging
 import os
+import tempfile
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from koochak.storage.artifact import (
     READY_SUFFIX,
     InvalidArtifact,
@@ -267,3 +270,20 @@ def test_candidates_are_found_whatever_the_pattern_looks_like(tmp_path, pattern,
     for key in keys:
         publish(store, key, b"x")
     assert published_candidates(store, pattern) == expected
+
+
+@settings(max_examples=25, deadline=None)
+@given(steps=st.lists(st.integers(0, 30), min_size=1, max_size=12), keep=st.integers(1, 4))
+def test_publishing_any_sequence_keeps_the_top_k_with_their_latest_bytes(steps, keep):
+    with tempfile.TemporaryDirectory() as root:
+        store = LocalStore(root, fsync=False)
+        last: dict[int, bytes] = {}
+        for index, step in enumerate(steps):
+            payload = f"{step}:{index}".encode()
+            publish(store, _name(step), payload, keep_last_k=keep, pattern=PATTERN)
+            last[step] = payload
+        kept = sorted(last, reverse=True)[:keep]
+        assert published_candidates(store, PATTERN) == [(s, _name(s)) for s in kept]
+        assert len(store.list()) == 2 * len(kept)  # nothing but the kept pairs
+        pub, data = highest_valid(store, PATTERN)
+        assert (pub.key, data) == (_name(kept[0]), last[kept[0]])
