@@ -111,6 +111,12 @@ def test_rerun_with_different_records_is_refused(store) -> None:
     changed[0]["cls"] = b"changed"
     with pytest.raises(FileExistsError, match=r"shard-000000.tar already exists with different content"):
         _build(store, changed)
+    writer = ShardWriter(store, PREFIX, target_bytes=4096)
+    with pytest.raises(FileExistsError):
+        for sample in changed:
+            writer.write(sample)
+    with pytest.raises(ValueError, match="is closed"):
+        writer.write(changed[-1])
     assert not any(i.key.endswith("index.json") for i in store.list(PREFIX))
 
 

@@ -289,7 +289,8 @@ class ShardWriter:
     and SHA256) is reused; a different one raises FileExistsError.
 
     A sample is ``{"__key__": "some/key", "<ext>": bytes, ...}``. Keys must be unique within a
-    shard (duplicates raise ValueError); make them unique across the dataset.
+    shard (duplicates raise ValueError); make them unique across the dataset. The shard being
+    filled is held in memory (up to ``target_bytes``, or one larger sample).
     """
 
     def __init__(
@@ -333,7 +334,7 @@ class ShardWriter:
         chunks = _tar.encode_sample(sample)
         nbytes = sum(len(chunk) for chunk in chunks)
         if self._keys and self._size + nbytes + len(_tar.END_OF_ARCHIVE) > self.target_bytes:
-            self._publish_shard()
+            self._publish_or_abort()
         key = sample["__key__"]
         if key in self._keys:
             raise ValueError(f"sample key {key!r} was already written to this shard")
@@ -376,13 +377,20 @@ class ShardWriter:
             return self._index
         if self._closed:
             raise ValueError(f"ShardWriter for {self.store.location}/{self.prefix} was aborted")
-        self._closed = True
         if self._keys:
-            self._publish_shard()
+            self._publish_or_abort()
+        self._closed = True
         self._index = _publish_index(
             self.store, self.prefix, self.format, self.metadata, self._entries
         )
         return self._index
+
+    def _publish_or_abort(self) -> None:
+        try:
+            self._publish_shard()
+        except BaseException:
+            self.abort()  # a writer whose shard failed to publish accepts nothing more
+            raise
 
     def abort(self) -> None:
         """Stop without committing: published shards stay (a rerun reuses them), no index."""
