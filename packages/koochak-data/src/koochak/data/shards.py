@@ -478,9 +478,9 @@ def read_shard(
     The whole shard is read and checked before this returns, so no sample of a bad shard is
     ever handed out: its size must match the index, with ``verify`` its SHA256 too (computed in
     a helper thread while the bytes arrive), and its tar structure and record count must match.
-    Any mismatch raises ValueError naming the shard and the field. Memory: about twice the
-    shard size while the samples are cut out. ``verify=False`` skips the SHA256 (the tar
-    header checksums are checked instead).
+    Any mismatch raises ValueError naming the shard and the field. Memory: the shard's samples
+    (about its size); each member's bytes are copied once. ``verify=False`` skips the SHA256
+    (the tar header checksums are checked instead).
     """
     store = open_store(store)
     return iter(_load_shard(store, index, _entry_of(index, shard), verify))
