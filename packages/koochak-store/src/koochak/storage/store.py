@@ -381,6 +381,9 @@ class LocalStore:
                 remaining = deadline - self._clock()
                 if exc.errno not in SETTLING_ERRNOS or remaining <= 0:
                     raise
+                if delay == 0.05:  # once per read: say why this read is slow
+                    _log.info("%s in %s: %s; retrying for up to %.0f s", what, self.location,
+                              exc, remaining)  # fmt: skip
                 self._sleep(min(delay, remaining))
                 delay = min(delay * 2, 2.0)
 
