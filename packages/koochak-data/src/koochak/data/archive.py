@@ -357,7 +357,7 @@ def tar_header(path: str, size: int, mode: int, mtime_ns: int) -> bytes:
     """
     name = path.encode("utf-8")
     mtime = mtime_ns // 1_000_000_000
-    if len(name) > 100 or not path.isascii() or size >= 8**11 or not 0 <= mtime < 8**11:
+    if not _plain_ustar(path, size, mtime):
         info = tarfile.TarInfo(path)
         info.size = size
         info.mode = mode
@@ -374,6 +374,17 @@ def tar_header(path: str, size: int, mode: int, mtime_ns: int) -> bytes:
     block[257:265] = b"ustar\x0000"
     block[148:156] = b"%06o\0 " % sum(block)
     return bytes(block)
+
+
+def _plain_ustar(path: str, size: int, mtime: int) -> bool:
+    """Whether one 512-byte ustar block holds the member (no pax record needed)."""
+    return len(path) <= 100 and path.isascii() and size < 8**11 and 0 <= mtime < 8**11
+
+
+def _header_size(f: SourceFile) -> int:
+    if _plain_ustar(f.path, f.size, f.mtime_ns // 1_000_000_000):
+        return TAR_BLOCK
+    return len(tar_header(f.path, f.size, f.mode, f.mtime_ns))
 
 
 def _padded(size: int) -> int:
@@ -429,7 +440,7 @@ def plan_archive(
 
     for group in sorted(grouped):
         items = [
-            (f, len(tar_header(f.path, f.size, f.mode, f.mtime_ns)))
+            (f, _header_size(f))
             for _, _, f in sorted(grouped[group], key=lambda t: (t[0], t[1]))
         ]
         need = sum(header + _padded(f.size) for f, header in items)

@@ -77,10 +77,13 @@ class _DestTree:
 
     def __init__(self, root: str) -> None:
         self.root = root
+        self.root_created = not os.path.lexists(root)
         os.makedirs(root, exist_ok=True)
         self._root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self._fds: dict[str, int] = {}
         self._users: dict[str, int] = {}
+        # Directories this run created: nothing can be present in them yet, so no stat needed.
+        self.created: set[str] = set()
         self._lock = threading.RLock()
 
     def acquire(self, rel_dir: str) -> int:
@@ -113,6 +116,7 @@ class _DestTree:
     def _open_dir(self, parent_fd: int, name: str, rel_dir: str) -> int:
         try:
             os.mkdir(name, 0o777, dir_fd=parent_fd)
+            self.created.add(rel_dir)
         except FileExistsError:
             pass
         flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -141,6 +145,8 @@ class _DestTree:
         dir_fd = self.acquire(rel_dir)
         full = os.path.join(self.root, entry.path)
         try:
+            if rel_dir in self.created or (not rel_dir and self.root_created):
+                return False
             try:
                 st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
             except FileNotFoundError:
@@ -169,17 +175,13 @@ class _DestTree:
         dir_fd = self.acquire(rel_dir)
         # Deterministic, so a rerun removes what a killed run left behind.
         temp = ".koochak-pull-" + hashlib.sha256(name.encode("utf-8")).hexdigest()[:20] + ".tmp"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
             try:
+                fd = os.open(temp, flags, 0o600, dir_fd=dir_fd)
+            except FileExistsError:  # left behind by a killed run
                 os.unlink(temp, dir_fd=dir_fd)
-            except FileNotFoundError:
-                pass
-            fd = os.open(
-                temp,
-                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                0o600,
-                dir_fd=dir_fd,
-            )
+                fd = os.open(temp, flags, 0o600, dir_fd=dir_fd)
             renamed = False
             try:
                 sha = hashlib.sha256()
