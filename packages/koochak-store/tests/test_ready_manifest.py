@@ -167,3 +167,16 @@ def test_a_symlinked_manifest_is_refused(tmp_path):
     (tmp_path / ("o" + READY_SUFFIX)).symlink_to(real)
     with pytest.raises(InvalidArtifact, match="symlink"):
         read_ready_manifest(target)
+
+
+def test_the_manifest_example_in_formats_md_is_a_valid_manifest():
+    import pathlib
+    import re
+
+    from koochak.storage.artifact import _parse_manifest
+
+    formats = pathlib.Path(__file__).resolve().parents[3] / "docs" / "formats.md"
+    section = formats.read_text().split("## Ready manifests", 1)[1].split("\n## ", 1)[0]
+    example = re.search(r"```json\n(.*?)```", section, re.S).group(1)
+    doc = _parse_manifest(example.encode(), "formats.md")
+    assert doc["artifact_id"] == "checkpoint/step000000100.pt"
