@@ -6,6 +6,8 @@ benchmark tree; --record-bytes to change; ~SHARD_BYTES shards) with
 ShardWriter in a scratch directory, then reads every shard, variants interleaved:
 
   raw         each shard file read whole with open().read(), one after another (the baseline)
+  raw_sha256  the same, then hashlib.sha256 of each file: what checking by hand costs, and the
+              floor for any reader that checks SHA256 on one core
   verified    read_shard(verify=True) shard after shard: size + SHA256 checked (hashing overlaps
               the read), tar parsed, every sample cut out before the first is handed over
   prefetch    read_shards(verify=True, prefetch=P): the same with P shards read and verified
@@ -26,6 +28,7 @@ from contention on a shared machine.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -63,6 +66,16 @@ def _raw(paths: list[str]) -> int:
     for path in paths:
         with open(path, "rb") as f:
             total += len(f.read())
+    return total
+
+
+def _raw_sha256(paths: list[str]) -> int:
+    total = 0
+    for path in paths:
+        with open(path, "rb") as f:
+            data = f.read()
+        hashlib.sha256(data).hexdigest()
+        total += len(data)
     return total
 
 
@@ -114,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
         variants: dict[str, Callable[[], int]] = {
             "raw": lambda: _raw(paths),
+            "raw_sha256": lambda: _raw_sha256(paths),
             "verified": lambda: _shards(store, index, verify=True),
             "prefetch": lambda: _prefetched(store, index, args.prefetch),
             "unverified": lambda: _shards(store, index, verify=False),
@@ -157,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     labels = {
         "raw": "raw sequential read",
+        "raw_sha256": "raw read, then hashlib",
         "verified": "read_shard verify=True",
         "prefetch": f"read_shards prefetch={args.prefetch}",
         "unverified": "read_shard verify=False",
