@@ -11,6 +11,7 @@ from koochak.data.shards import (
     describe_shard,
     load_index,
     read_shard,
+    read_shards,
     write_index,
 )
 from koochak.data.verify import VerifyReport, verify_collection
@@ -25,6 +26,7 @@ __all__ = [
     "load_index",
     "plan_shards",
     "read_shard",
+    "read_shards",
     "worker_coordinates",
     "write_index",
     # collections and the koochak-data tool
