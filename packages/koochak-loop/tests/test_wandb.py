@@ -192,3 +192,35 @@ def test_training_loop_versions_its_checkpoints_as_one_artifact(offline_wandb):
         (["latest", "step-6"], ["step000000006.pt"]),
     ]
     assert {name for name, _, _ in run["artifacts"]} == {"model-loop-run-1"}
+
+
+def test_training_loop_resumed_without_restart_settings_stops_before_the_first_step(
+    offline_wandb,
+):
+    from koochak.loop import training_loop
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    data = [(torch.randn(4, 2), torch.randn(4, 1)) for _ in range(4)]
+    steps = []
+
+    def step_fn(model, batch, ctx):
+        steps.append(ctx.step)
+        x, y = batch
+        return {"loss": torch.nn.functional.mse_loss(model(x), y)}
+
+    def run(checkpoint, hooks, max_steps):
+        return training_loop(
+            model=model, dataset=data, step_fn=step_fn,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            train_cfg={"max_steps": max_steps, "out_dir": str(offline_wandb / "r"),
+                       "device": "cpu"},
+            checkpoint_dict=checkpoint, hooks=hooks,
+        )  # fmt: skip
+
+    first = run(None, None, 2)
+    hooks = make_wandb_hooks({"enabled": True, "mode": "offline", "project": "p"})
+    steps.clear()
+    with pytest.raises(ValueError, match="resumes from checkpoint state.*wandb.resume: allow"):
+        run(first, hooks, 4)
+    assert steps == []
