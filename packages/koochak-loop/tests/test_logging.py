@@ -44,6 +44,16 @@ def test_csv_metric_that_appears_later_extends_header_without_losing_rows(tmp_pa
     assert [p.name for p in tmp_path.iterdir()] == ["log.csv"]  # no temp file left behind
 
 
+def test_csv_header_growth_keeps_the_file_mode(tmp_path):
+    path = tmp_path / "log.csv"
+    logger = CSVLogger(path)
+    logger.log(0, {"loss": 1.0})
+    path.chmod(0o640)
+    logger.log(1, {"loss": 1.0, "new": 2.0})
+    logger.close()
+    assert path.stat().st_mode & 0o777 == 0o640
+
+
 def test_csv_resume_appends_and_keeps_existing_columns(tmp_path):
     path = tmp_path / "log.csv"
     first = CSVLogger(path)

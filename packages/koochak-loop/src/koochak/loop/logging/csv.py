@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import io
 import os
+import stat
 import tempfile
 import time
 from collections.abc import Mapping
@@ -84,6 +85,8 @@ class CSVLogger:
         columns = self._columns + new_columns
         fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
         try:
+            # mkstemp creates 0600; keep the log's own permissions across the swap.
+            os.fchmod(fd, stat.S_IMODE(os.stat(self.path).st_mode))
             with os.fdopen(fd, "w", newline="", encoding="utf-8") as out, open(
                 self.path, newline="", encoding="utf-8"
             ) as old:
