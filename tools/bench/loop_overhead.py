@@ -1,0 +1,310 @@
+"""Per-step overhead of koochak's training_loop against a hand-written PyTorch loop.
+
+Same model init, data, optimizer and seed for every contender; logging every 50 steps (the raw
+loop reads the loss to the host there, koochak fires on_log). Contenders run interleaved, in
+alternating order, for several repeats; the figure is the median per-step time and the ratio
+against the raw loop measured in the same run. Optional frameworks (Lightning Trainer, Lightning
+Fabric, Accelerate, Ignite: the ``bench`` dependency group) join when importable.
+
+    python tools/bench/loop_overhead.py            # about a minute on 2 cores
+    python tools/bench/loop_overhead.py --full     # the issue's size: more steps and repeats
+    KOOCHAK_BENCH_FULL=1 python tools/bench/loop_overhead.py
+
+Target: koochak <= 1.03x raw on the tiny model (where overhead dominates).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+LOG_EVERY = 50
+# Per-thread CPU time by default: with one torch thread all work runs on this thread, and CPU
+# time is far less disturbed than wall time on a shared machine (--wall switches back).
+CLOCK: Callable[[], float] = time.thread_time
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    make_model: Callable[[], nn.Module]
+    in_features: int
+    out_features: int
+    batch_size: int
+    steps: int
+
+
+def _tiny() -> nn.Module:
+    return nn.Linear(8, 1)
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(128, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
+    )
+
+
+def make_data(w: Workload, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randn(w.batch_size, w.in_features, generator=gen),
+            torch.randn(w.batch_size, w.out_features, generator=gen),
+        )
+        for _ in range(w.steps)
+    ]
+
+
+def fresh(w: Workload) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = w.make_model()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def step_fn(model: nn.Module, batch, ctx) -> dict[str, torch.Tensor]:
+    x, y = batch
+    return {"loss": F.mse_loss(model(x), y)}
+
+
+# ----------------------------------------------------------------------------- contenders
+# Each returns seconds per step over the training steps only (setup and teardown excluded).
+
+
+def run_raw(w: Workload, data) -> float:
+    model, opt = fresh(w)
+    device = torch.device("cpu")
+    logged = []
+    start = CLOCK()
+    for step, (x, y) in enumerate(data):
+        x, y = x.to(device), y.to(device)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if (step + 1) % LOG_EVERY == 0 or step + 1 == len(data):
+            logged.append(loss.item())
+    return (CLOCK() - start) / len(data)
+
+
+def run_koochak(w: Workload, data) -> float:
+    from koochak.loop import training_loop
+
+    model, opt = fresh(w)
+    marks: dict[str, float] = {}
+    logged = []
+
+    def on_start(info):
+        marks["start"] = CLOCK()
+
+    def on_log(info):
+        logged.append(info["metrics"]["loss"])
+        marks["end"] = CLOCK()
+
+    with tempfile.TemporaryDirectory() as out, contextlib.redirect_stdout(io.StringIO()):
+        training_loop(
+            model=model,
+            dataset=data,
+            step_fn=step_fn,
+            optimizer=opt,
+            train_cfg={"max_steps": len(data), "log_every": LOG_EVERY, "out_dir": out,
+                       "device": "cpu"},
+            hooks={"on_train_start": [on_start], "on_log": [on_log]},
+        )  # fmt: skip
+    return (marks["end"] - marks["start"]) / len(data)
+
+
+def run_fabric(w: Workload, data) -> float:
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    model, opt = fresh(w)
+    model, opt = fabric.setup(model, opt)
+    start = CLOCK()
+    for step, (x, y) in enumerate(data):
+        loss = F.mse_loss(model(x), y)
+        fabric.backward(loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if (step + 1) % LOG_EVERY == 0:
+            loss.item()
+    return (CLOCK() - start) / len(data)
+
+
+def run_accelerate(w: Workload, data) -> float:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model, opt = fresh(w)
+    model, opt = accelerator.prepare(model, opt)
+    start = CLOCK()
+    for step, (x, y) in enumerate(data):
+        loss = F.mse_loss(model(x), y)
+        accelerator.backward(loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if (step + 1) % LOG_EVERY == 0:
+            loss.item()
+    return (CLOCK() - start) / len(data)
+
+
+def run_ignite(w: Workload, data) -> float:
+    from ignite.engine import Engine, Events
+
+    model, opt = fresh(w)
+
+    def update(engine, batch):
+        x, y = batch
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    engine = Engine(update)
+    engine.add_event_handler(
+        Events.ITERATION_COMPLETED(every=LOG_EVERY), lambda e: e.state.output.item()
+    )
+    start = CLOCK()
+    engine.run(data, max_epochs=1)
+    return (CLOCK() - start) / len(data)
+
+
+def run_lightning(w: Workload, data) -> float:
+    import lightning as L
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model, self.opt = fresh(w)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = F.mse_loss(self.model(x), y)
+            if (batch_idx + 1) % LOG_EVERY == 0:
+                self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return self.opt
+
+    marks: dict[str, float] = {}
+
+    class Timer(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            marks.setdefault("start", CLOCK())
+
+        def on_train_end(self, trainer, module):
+            marks["end"] = CLOCK()
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=len(data), logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        log_every_n_steps=LOG_EVERY, callbacks=[Timer()],
+    )  # fmt: skip
+    loader = torch.utils.data.DataLoader(data, batch_size=None)
+    trainer.fit(Module(), loader)
+    return (marks["end"] - marks["start"]) / len(data)
+
+
+CONTENDERS: dict[str, tuple[str | None, Callable[[Workload, list], float]]] = {
+    "raw": (None, run_raw),
+    "koochak": (None, run_koochak),
+    "lightning_trainer": ("lightning", run_lightning),
+    "lightning_fabric": ("lightning", run_fabric),
+    "accelerate": ("accelerate", run_accelerate),
+    "ignite": ("ignite", run_ignite),
+}
+
+
+def available() -> tuple[list[str], list[str]]:
+    import importlib.util
+
+    present, missing = [], []
+    for name, (module, _) in CONTENDERS.items():
+        if module is None or importlib.util.find_spec(module) is not None:
+            present.append(name)
+        else:
+            missing.append(f"{name} ({module} not installed)")
+    return present, missing
+
+
+def bench(w: Workload, names: list[str], repeats: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Median seconds/step per contender, and the median of per-repeat ratios against raw.
+
+    Each repeat runs every contender back to back (order alternating), so a ratio compares runs
+    that saw the same machine load; the median of those paired ratios resists the slow drift of
+    a shared machine better than a ratio of medians.
+    """
+    data = make_data(w)
+    for name in names:  # warm-up: first-call costs (allocator, lazy imports) stay out
+        CONTENDERS[name][1](w, data[: min(len(data), 200)])
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    ratios: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(repeats):
+        order = names if rep % 2 == 0 else names[::-1]
+        this = {name: CONTENDERS[name][1](w, data) for name in order}
+        for name, seconds in this.items():
+            samples[name].append(seconds)
+            ratios[name].append(seconds / this["raw"])
+    return (
+        {name: statistics.median(values) for name, values in samples.items()},
+        {name: statistics.median(values) for name, values in ratios.items()},
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--full", action="store_true", default=bool(os.environ.get("KOOCHAK_BENCH_FULL")),
+                        help="the issue's size (more steps and repeats)")  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--json", action="store_true", help="also print the figures as JSON")
+    parser.add_argument("--wall", action="store_true", help="wall-clock instead of thread CPU time")
+    args = parser.parse_args(argv)
+    global CLOCK
+    CLOCK = time.perf_counter if args.wall else time.thread_time
+    torch.set_num_threads(args.threads)
+    scale = 5 if args.full else 1
+    repeats = args.repeats or (41 if args.full else 11)
+    workloads = [
+        Workload("tiny (Linear 8->1, batch 32)", _tiny, 8, 1, 32, 2000 * scale),
+        Workload("small MLP (128-512-512-10, batch 64)", _mlp, 128, 10, 64, 200 * scale),
+    ]
+    names, missing = available()
+    print(f"loop overhead: {repeats} interleaved repeats, median; torch {torch.__version__}, "
+          f"{args.threads} thread(s); log every {LOG_EVERY} steps; "
+          f"{'wall' if args.wall else 'thread CPU'} time")  # fmt: skip
+    if missing:
+        print("skipped: " + ", ".join(missing) + " (install the `bench` dependency group)")
+    results = {}
+    print(f"{'workload':40} {'contender':18} {'us/step':>10} {'vs raw':>8}  (median paired ratio)")
+    for w in workloads:
+        figures, ratios = bench(w, names, repeats)
+        results[w.name] = {"seconds_per_step": figures, "ratio_vs_raw": ratios}
+        for name, seconds in figures.items():
+            print(f"{w.name:40} {name:18} {seconds * 1e6:10.1f} {ratios[name]:7.3f}x")
+    tiny_ratio = results[workloads[0].name]["ratio_vs_raw"]["koochak"]
+    verdict = "met" if tiny_ratio <= 1.03 else "MISSED"
+    print(f"target koochak <= 1.03x raw on the tiny model: {verdict}")
+    if args.json:
+        print(
+            json.dumps({"steps": {w.name: w.steps for w in workloads}, "seconds_per_step": results})
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
