@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from koochak.loop.checkpoint_format import (
     restore_training_state,
     rng_state_for_rank,
     serialize_checkpoint,
+    serialize_checkpoint_chunks,
 )
 from koochak.loop.seed import get_rng_state, set_rng_state
 
@@ -167,3 +169,16 @@ def test_rng_state_for_rank_uses_per_rank_states():
     assert rng_state_for_rank(ckpt, 1) == "r1"
     assert rng_state_for_rank(ckpt, 2) is None
     assert rng_state_for_rank({"rng": "r0", "rng_per_rank": None}, 1) is None
+
+
+def test_streamed_serialization_gives_the_same_bytes():
+    ckpt = build_checkpoint(step=0, next_step=1, model=_model(), rng=get_rng_state())
+    assert b"".join(serialize_checkpoint_chunks(ckpt)) == serialize_checkpoint(ckpt)
+
+
+def test_abandoned_stream_stops_the_serializer():
+    big = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+    stream = serialize_checkpoint_chunks(build_checkpoint(step=0, next_step=1, model=big), depth=1)
+    next(stream)
+    stream.close()  # what a failed write does; must not hang or leak a blocked thread
+    assert not any(t.name == "koochak-serialize" for t in threading.enumerate())

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import io
 import pickle
+import queue
 import re
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -123,14 +125,79 @@ def build_checkpoint(
 
 def serialize_checkpoint(ckpt: Mapping[str, Any]) -> bytes:
     """The checkpoint as ``torch.save`` bytes, with RNG states encoded for weights-only loading."""
+    buffer = io.BytesIO()
+    torch.save(_payload(ckpt), buffer)
+    return buffer.getvalue()
+
+
+def serialize_checkpoint_chunks(ckpt: Mapping[str, Any], depth: int = 4) -> Iterator[bytes]:
+    """The same bytes as ``serialize_checkpoint``, streamed while ``torch.save`` produces them.
+
+    ``torch.save`` runs on a helper thread and hands over its chunks through a queue of ``depth``
+    chunks, so a store can hash and write one chunk while the next is being serialized and the
+    whole payload never sits in memory twice. Use it only while nothing mutates the tensors (a
+    synchronous save); stopping early (a failed write) cancels the serialization.
+    """
+    payload = _payload(ckpt)  # format errors surface here, on the caller's thread
+    return _stream(payload, depth)
+
+
+def _stream(payload: dict[str, Any], depth: int) -> Iterator[bytes]:
+    chunks: queue.Queue[Any] = queue.Queue(maxsize=depth)
+    done = object()
+    state: dict[str, Any] = {"error": None, "cancel": False}
+
+    class _Writer:
+        def write(self, data: Any) -> int:
+            if state["cancel"]:
+                raise _SerializationCancelled
+            chunks.put(bytes(data))  # torch may reuse its buffer: hand over a copy
+            return len(data)
+
+        def flush(self) -> None:
+            pass
+
+    def produce() -> None:
+        try:
+            torch.save(payload, _Writer())
+        except _SerializationCancelled:
+            pass
+        except BaseException as exc:  # re-raised on the consuming thread
+            state["error"] = exc
+        finally:
+            chunks.put(done)
+
+    thread = threading.Thread(target=produce, name="koochak-serialize", daemon=True)
+    thread.start()
+    finished = False
+    try:
+        while True:
+            item = chunks.get()
+            if item is done:
+                finished = True
+                break
+            yield item
+    finally:
+        if not finished:  # the consumer stopped early: unblock and stop the producer
+            state["cancel"] = True
+            while chunks.get() is not done:
+                pass
+        thread.join()
+    if state["error"] is not None:
+        raise state["error"]
+
+
+class _SerializationCancelled(Exception):
+    pass
+
+
+def _payload(ckpt: Mapping[str, Any]) -> dict[str, Any]:
     check_checkpoint_format(ckpt, "checkpoint to save")
     payload = dict(ckpt)
     for key in ("rng", "rng_per_rank"):
         if payload.get(key) is not None:
             payload[key] = _encode(payload[key])
-    buffer = io.BytesIO()
-    torch.save(payload, buffer)
-    return buffer.getvalue()
+    return payload
 
 
 def deserialize_checkpoint(data: bytes | bytearray | memoryview, source: str) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from koochak.loop.checkpoint_format import (
     deserialize_checkpoint,
     rng_state_for_rank,
     serialize_checkpoint,
+    serialize_checkpoint_chunks,
 )
 from koochak.loop.publish import checkpoint_store, publication_path, publish_checkpoint
 from koochak.loop.resume import resolve_auto_resume
@@ -114,8 +115,6 @@ class CheckpointSaver:
     def save(self, ckpt: Mapping[str, Any], *, sync: bool = False) -> str | None:
         """Publish ``ckpt`` as ``step{N:09d}.pt``; returns its path (None while still in flight)."""
         name = checkpoint_name(int(ckpt["step"]))
-        # Serialize now, on this thread: the bytes must describe this step even if training moves on.
-        data = serialize_checkpoint(ckpt)
         store = self.store
 
         def announce(publication: artifact.Publication) -> str:
@@ -132,12 +131,16 @@ class CheckpointSaver:
             return path
 
         if self.async_publish and not sync:
+            # Serialize now, on this thread: the bytes must describe this step although training
+            # moves on (and mutates the tensors) while they are published.
+            data = serialize_checkpoint(ckpt)
             if self._async is None:
                 self._async = AsyncPublisher(self._publish)
             self._async.submit(name, data, announce)
             return None
         self.drain()
-        return announce(self._publish(name, data))
+        # Training waits here, so the tensors cannot change: stream straight into the store.
+        return announce(self._publish(name, serialize_checkpoint_chunks(ckpt)))
 
     def poll(self) -> None:
         """Deliver a finished background publication; raises if it failed."""
@@ -154,7 +157,7 @@ class CheckpointSaver:
         if self._async is not None:
             self._async.close()
 
-    def _publish(self, name: str, data: bytes) -> artifact.Publication:
+    def _publish(self, name: str, data: Any) -> artifact.Publication:
         return publish_checkpoint(self.store, name, data, keep_last_k=self.keep_last_k)
 
 

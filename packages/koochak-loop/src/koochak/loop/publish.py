@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import os
 import pathlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from koochak.loop.checkpoint_format import (
     CHECKPOINT_PATTERN,
     LATEST_NAME,
     checkpoint_name,
-    serialize_checkpoint,
+    serialize_checkpoint_chunks,
 )
 from koochak.storage import artifact
 from koochak.storage.store import Store, open_store
@@ -42,7 +42,7 @@ def checkpoint_store(location: str | os.PathLike[str] | Store) -> Store:
 def publish_checkpoint(
     store: Store,
     name: str,
-    data: bytes,
+    data: bytes | memoryview | Iterable[bytes],
     *,
     keep_last_k: int | None = None,
     provenance: Mapping[str, Any] | None = None,
@@ -69,12 +69,16 @@ def save(
 ) -> artifact.Publication:
     """Serialize ``ckpt`` and publish it; returns the Publication once its manifest has committed.
 
+    The bytes stream from ``torch.save`` into the store (hashed while written), never held whole.
+
     ``path_or_location`` is either a file path ending in ``.pt`` (published under that name in its
     directory) or a checkpoint location (directory, URI, Store), where the name is
     ``checkpoint_name(ckpt["step"])``.
     """
     store, name = split_checkpoint_path(path_or_location, ckpt)
-    return publish_checkpoint(store, name, serialize_checkpoint(ckpt), keep_last_k=keep_last_k)
+    return publish_checkpoint(
+        store, name, serialize_checkpoint_chunks(ckpt), keep_last_k=keep_last_k
+    )
 
 
 def split_checkpoint_path(

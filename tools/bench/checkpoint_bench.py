@@ -1,0 +1,154 @@
+"""Checkpoint publication benchmark: what "checkpoints that cannot lie" cost.
+
+Two figures, each a ratio against its baseline measured in the same run on the same disk:
+
+1. synchronous publish (serialize in memory, create-only write with SHA256 computed while writing,
+   fsync, ready manifest) vs ``torch.save`` to a file + fsync. Target <= 1.10x.
+2. with ``train.checkpoint_async`` on a store throttled to 100 MB/s (an object-storage mount's
+   speed): the training thread's stall per checkpoint vs a synchronous publish to that same
+   store. Target <= 0.25x. Training between checkpoints is simulated with sleep (GPU time the
+   CPU does not spend), long enough for a publication to finish in the background.
+
+Default size is 32 MB so it runs in well under two minutes; ``--mb 256`` is the issue's size
+(or KOOCHAK_BENCH_CKPT_MB=256).
+
+    .venv/bin/python tools/bench/checkpoint_bench.py [--mb 256] [--repeats 5] [--dir /path]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+from koochak.loop.checkpoint import build_checkpoint, save, serialize_checkpoint
+from koochak.loop.checkpoint_saver import CheckpointSaver
+from koochak.storage.store import LocalStore
+
+
+class ThrottledStore:
+    """A LocalStore whose writes stream at ``bytes_per_second`` (reads are not throttled)."""
+
+    def __init__(self, inner: LocalStore, bytes_per_second: float) -> None:
+        self.inner = inner
+        self.location = inner.location
+        self.rate = bytes_per_second
+
+    def put(self, key, data, *, expected_size=None, expected_sha256=None):
+        view = memoryview(data) if isinstance(data, (bytes, bytearray, memoryview)) else None
+        if view is None:  # small manifests arrive as bytes too; anything else passes through
+            return self.inner.put(key, data, expected_size=expected_size,
+                                  expected_sha256=expected_sha256)
+        return self.inner.put(key, self._paced(view), expected_size=expected_size,
+                              expected_sha256=expected_sha256)
+
+    def _paced(self, view: memoryview):
+        chunk = 1 << 20
+        start = time.perf_counter()
+        for offset in range(0, len(view), chunk):
+            piece = view[offset : offset + chunk]
+            due = start + (offset + len(piece)) / self.rate
+            delay = due - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            yield bytes(piece)
+
+    def get(self, key, start=None, end=None):
+        return self.inner.get(key, start, end)
+
+    def open(self, key):
+        return self.inner.open(key)
+
+    def stat(self, key):
+        return self.inner.stat(key)
+
+    def list(self, prefix=""):
+        return self.inner.list(prefix)
+
+    def delete(self, key):
+        return self.inner.delete(key)
+
+    def local_path(self, key):
+        return self.inner.local_path(key)
+
+
+def make_checkpoint(megabytes: int, step: int) -> dict:
+    # A stack of square linear layers: realistic tensor sizes, roughly `megabytes` of float32.
+    width = 1024
+    layers = max(1, round(megabytes * (1 << 20) / (4 * width * width)))
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+    return build_checkpoint(step=step, next_step=step + 1, model=model)
+
+
+def torch_save_fsync(ckpt: dict, path: str) -> None:
+    with open(path, "wb") as f:
+        torch.save(ckpt, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def bench_sync(ckpt: dict, root: str, repeats: int) -> tuple[float, float]:
+    baseline, publish = [], []
+    store = LocalStore(os.path.join(root, "sync"))
+    for i in range(repeats):
+        path = os.path.join(root, f"baseline{i}.pt")
+        t0 = time.perf_counter()
+        torch_save_fsync(ckpt, path)
+        baseline.append(time.perf_counter() - t0)
+        os.remove(path)
+        ckpt = dict(ckpt, step=i, next_step=i + 1)
+        t0 = time.perf_counter()
+        save(ckpt, store, keep_last_k=1)
+        publish.append(time.perf_counter() - t0)
+    return statistics.median(baseline), statistics.median(publish)
+
+
+def bench_async(ckpt: dict, root: str, repeats: int, rate: float) -> tuple[float, float]:
+    sync_store = ThrottledStore(LocalStore(os.path.join(root, "throttled-sync")), rate)
+    sync_times = []
+    for i in range(max(2, repeats // 2)):
+        t0 = time.perf_counter()
+        save(dict(ckpt, step=i, next_step=i + 1), sync_store, keep_last_k=1)
+        sync_times.append(time.perf_counter() - t0)
+    sync_publish = statistics.median(sync_times)
+
+    async_store = ThrottledStore(LocalStore(os.path.join(root, "throttled-async")), rate)
+    saver = CheckpointSaver(async_store, keep_last_k=1, async_publish=True)
+    stalls = []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        saver.poll()
+        saver.save(dict(ckpt, step=i, next_step=i + 1))
+        stalls.append(time.perf_counter() - t0)
+        time.sleep(sync_publish * 1.5)  # the training steps until the next checkpoint
+    saver.drain()
+    return sync_publish, statistics.median(stalls)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mb", type=int, default=int(os.environ.get("KOOCHAK_BENCH_CKPT_MB", 32)))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rate-mb", type=float, default=100.0, help="throttled store MB/s")
+    parser.add_argument("--dir", default=None, help="directory on the disk to measure (default: tmp)")
+    args = parser.parse_args()
+
+    ckpt = make_checkpoint(args.mb, 0)
+    with tempfile.TemporaryDirectory(dir=args.dir) as root:
+        size = len(serialize_checkpoint(ckpt))
+        base, publish = bench_sync(ckpt, root, args.repeats)
+        sync_slow, stall = bench_async(ckpt, root, args.repeats, args.rate_mb * 1e6)
+    print(f"checkpoint size: {size / 1e6:.1f} MB, repeats: {args.repeats} (medians)")
+    print(f"torch.save + fsync:                 {base:8.3f} s")
+    print(f"synchronous publish:                {publish:8.3f} s")
+    print(f"  ratio publish / torch.save+fsync: {publish / base:8.2f}x   (target <= 1.10x)")
+    print(f"sync publish @ {args.rate_mb:.0f} MB/s store:      {sync_slow:8.3f} s")
+    print(f"async training-thread stall:        {stall:8.3f} s")
+    print(f"  ratio stall / sync publish:       {stall / sync_slow:8.2f}x   (target <= 0.25x)")
+
+
+if __name__ == "__main__":
+    main()
