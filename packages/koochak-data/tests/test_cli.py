@@ -216,3 +216,24 @@ def test_pull_killed_at_random_points_leaves_no_partial_file(tmp_path) -> None:
             assert restored.read_bytes() == path.read_bytes()
             assert restored.stat().st_mtime_ns == path.stat().st_mtime_ns
     assert not list(out.rglob(".koochak-pull-*"))
+
+
+def test_scheme_dest_and_empty_tree(tmp_path, capsys) -> None:
+    from koochak.storage.store import LocalStore, register_store
+
+    register_store("clitest", lambda rest: LocalStore(tmp_path / "tier" / rest))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, text, _ = _run(capsys, "archive", str(empty), "clitest://sets/none", "--json")
+    assert code == 0 and json.loads(text)["files"] == 0
+    assert (tmp_path / "tier" / "sets" / "none" / "manifest.json").exists()
+    code, text, _ = _run(capsys, "ls", "clitest://sets/none")
+    assert code == 0 and text == ""
+    assert _run(capsys, "pull", "clitest://sets/none", str(tmp_path / "o"))[0] == 0
+
+
+def test_progress_bar_can_be_forced(src, tmp_path, capsys) -> None:
+    code, _, err = _run(capsys, "archive", str(src), str(tmp_path / "c"), "--progress")
+    assert code == 0 and "archive" in err and "100%" in err
+    code, _, err = _run(capsys, "verify", str(tmp_path / "c"), "--deep")
+    assert code == 0 and err == ""  # not a terminal: quiet
