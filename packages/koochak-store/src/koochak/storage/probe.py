@@ -492,17 +492,30 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stage_bar(args: argparse.Namespace):  # -> tqdm | None
+    """A tqdm bar over the probe's stages on a terminal; None without tqdm (it is optional)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    # semantics, small objects, reads, [checkpoint], [dataset], cleanup
+    total = 4 + bool(args.checkpoint_bytes) + bool(args.dataset_shards)
+    return tqdm(total=total, unit="stage", leave=False)
+
+
 def _raise_interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    bar = _stage_bar(args) if sys.stderr.isatty() else None
     stage = None
-    if sys.stderr.isatty() and not args.emit_profile:
+    if bar is not None:
 
         def stage(message: str) -> None:
-            print(f"koochak-probe: {message}...", file=sys.stderr, flush=True)
+            bar.set_description_str(f"koochak-probe: {message}")
+            bar.update(1)
 
     # A scheduler's SIGTERM must clean up like Ctrl-C does.
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -531,6 +544,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if bar is not None:
+            bar.close()
     if args.emit_profile:
         if report.profile is None:
             print(
