@@ -312,3 +312,22 @@ def test_emitted_profile_pastes_into_a_stores_file(tmp_path, capsys):
     stores.write_text(f"version: 1\nstores:\n  probed:\n    root: {data}\n{indented}")
     settings = load_stores_file(stores)["probed"]
     assert settings.profile == StoreProfile(**yaml.safe_load(block)["profile"])
+
+
+@pytest.mark.slow
+def test_console_script_runs_end_to_end(tmp_path):
+    script = Path(sys.executable).with_name("koochak-probe")
+    if not script.exists():
+        pytest.skip("koochak-probe console script not installed in this environment")
+    result = subprocess.run(
+        [str(script), str(tmp_path), "--json", *TINY_ARGS],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["version"] == REPORT_VERSION
+    assert _leftovers(tmp_path) == []
+    bad = subprocess.run([str(script), str(tmp_path / "missing")], capture_output=True, text=True)
+    assert bad.returncode == 1 and bad.stderr.startswith("koochak-probe: ")
+    assert "Traceback" not in bad.stderr
