@@ -38,20 +38,17 @@ class ThrottledStore:
         self.rate = bytes_per_second
 
     def put(self, key, data, *, expected_size=None, expected_sha256=None):
-        view = memoryview(data) if isinstance(data, (bytes, bytearray, memoryview)) else None
-        if view is None:  # small manifests arrive as bytes too; anything else passes through
-            return self.inner.put(key, data, expected_size=expected_size,
-                                  expected_sha256=expected_sha256)
-        return self.inner.put(key, self._paced(view), expected_size=expected_size,
-                              expected_sha256=expected_sha256)
+        return self.inner.put(key, self._paced(data), expected_size=expected_size,
+                              expected_sha256=expected_sha256)  # fmt: skip
 
-    def _paced(self, view: memoryview):
-        chunk = 1 << 20
-        start = time.perf_counter()
-        for offset in range(0, len(view), chunk):
-            piece = view[offset : offset + chunk]
-            due = start + (offset + len(piece)) / self.rate
-            delay = due - time.perf_counter()
+    def _paced(self, data):
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            view = memoryview(data).cast("B")
+            data = (view[i : i + (1 << 20)] for i in range(0, len(view), 1 << 20))
+        start, sent = time.perf_counter(), 0
+        for piece in data:
+            sent += len(piece)
+            delay = start + sent / self.rate - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
             yield bytes(piece)

@@ -24,7 +24,7 @@ class CheckpointPublishError(RuntimeError):
 class AsyncPublisher:
     """One background publication at a time; a second ``submit`` waits for the first."""
 
-    def __init__(self, publish: Callable[[str, bytes], Any]) -> None:
+    def __init__(self, publish: Callable[[str, Any], Any]) -> None:
         self._publish = publish
         self._thread: threading.Thread | None = None
         self._name: str | None = None
@@ -37,7 +37,7 @@ class AsyncPublisher:
         """Whether a publication was handed off and its outcome not yet delivered."""
         return self._thread is not None
 
-    def submit(self, name: str, data: bytes, on_commit: Callable[[Any], None]) -> None:
+    def submit(self, name: str, data: Any, on_commit: Callable[[Any], None]) -> None:
         """Publish ``data`` as ``name`` in the background; waits for the previous one first."""
         self.drain()
         self._name, self._on_commit = name, on_commit
@@ -67,7 +67,7 @@ class AsyncPublisher:
             except Exception as exc:  # the caller is already failing; keep its exception primary
                 log.error("checkpoint publication also failed: %s", exc)
 
-    def _run(self, name: str, data: bytes) -> None:
+    def _run(self, name: str, data: Any) -> None:
         try:
             self._result = self._publish(name, data)
         except BaseException as exc:  # delivered to the training thread by poll/drain

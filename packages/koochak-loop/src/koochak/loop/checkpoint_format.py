@@ -125,9 +125,24 @@ def build_checkpoint(
 
 def serialize_checkpoint(ckpt: Mapping[str, Any]) -> bytes:
     """The checkpoint as ``torch.save`` bytes, with RNG states encoded for weights-only loading."""
+    return bytes(serialize_checkpoint_buffer(ckpt))
+
+
+def serialize_checkpoint_buffer(ckpt: Mapping[str, Any]) -> memoryview:
+    """Like ``serialize_checkpoint`` without the final copy: a view of the serialized buffer."""
     buffer = io.BytesIO()
-    torch.save(_payload(ckpt), buffer)
-    return buffer.getvalue()
+    with _no_zip_crc():
+        torch.save(_payload(ckpt), buffer)
+    return buffer.getbuffer()
+
+
+def _no_zip_crc() -> Any:
+    # Every published byte is covered by the manifest's SHA256, checked on every resume read;
+    # the zip container's own CRC32 would cost about a third of serialization time on top.
+    # torch.load reads files without it. (The switch is process-wide while a save runs.)
+    from torch.utils.serialization import config
+
+    return config.patch({"save.compute_crc32": False})
 
 
 def serialize_checkpoint_chunks(ckpt: Mapping[str, Any], depth: int = 4) -> Iterator[bytes]:
@@ -159,7 +174,8 @@ def _stream(payload: dict[str, Any], depth: int) -> Iterator[bytes]:
 
     def produce() -> None:
         try:
-            torch.save(payload, _Writer())
+            with _no_zip_crc():
+                torch.save(payload, _Writer())
         except _SerializationCancelled:
             pass
         except BaseException as exc:  # re-raised on the consuming thread

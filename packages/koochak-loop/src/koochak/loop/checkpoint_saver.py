@@ -22,7 +22,7 @@ from koochak.loop.checkpoint_format import (
     checkpoint_name,
     deserialize_checkpoint,
     rng_state_for_rank,
-    serialize_checkpoint,
+    serialize_checkpoint_buffer,
     serialize_checkpoint_chunks,
 )
 from koochak.loop.publish import checkpoint_store, publication_path, publish_checkpoint
@@ -133,7 +133,7 @@ class CheckpointSaver:
         if self.async_publish and not sync:
             # Serialize now, on this thread: the bytes must describe this step although training
             # moves on (and mutates the tensors) while they are published.
-            data = serialize_checkpoint(ckpt)
+            data = serialize_checkpoint_buffer(ckpt)
             if self._async is None:
                 self._async = AsyncPublisher(self._publish)
             self._async.submit(name, data, announce)
