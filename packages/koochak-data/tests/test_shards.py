@@ -194,6 +194,21 @@ def test_shards_written_by_webdataset_can_be_indexed_and_read(store) -> None:
     assert list(read_shards(store, load_index(store, "wds"))) == expected
 
 
+def test_header_claiming_a_huge_member_is_a_clean_error(store) -> None:
+    from koochak.data import _tar
+
+    header = bytearray(_tar.member_header("a.bin", 0))
+    header[124:136] = b"\x80" + (2**80).to_bytes(11, "big")  # GNU base-256 size
+    header[148:156] = b" " * 8
+    header[148:156] = b"%06o\x00 " % sum(header)
+    store.put("hostile/shard.tar", bytes(header) + bytes(4096))
+    with pytest.raises(ValueError, match="truncated tar archive"):
+        describe_shard(store, "hostile/shard.tar")
+    with pytest.raises(ValueError, match="truncated tar archive"):
+        write_index(store, "hostile", ["shard.tar"])
+    assert not any(i.key.endswith("index.json") for i in store.list("hostile"))
+
+
 def test_shard_dataset_pickles_for_spawned_workers(store) -> None:
     import pickle
 

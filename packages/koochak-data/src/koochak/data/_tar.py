@@ -1,4 +1,4 @@
-"""Deterministic WebDataset-layout tar encoding and a strict tar reader over a byte buffer.
+"""Deterministic WebDataset-layout tar encoding and a strict, streaming tar reader.
 
 A sample ``{"__key__": "a/b", "jpg": ..., "cls": ...}`` becomes the members ``a/b.cls`` and
 ``a/b.jpg`` (fields in sorted order), each a POSIX ustar regular file with fixed mode, owner and
@@ -7,8 +7,8 @@ rather than through :mod:`tarfile`: the bytes are then fixed by this file alone,
 defaults of whichever Python version built the dataset.
 
 The reader parses a shard from a sequential stream, one read per header and per member; it
-accepts what common writers produce (ustar and GNU headers, pax and GNU
-long names, directory entries) and refuses anything a dataset shard must not contain (links,
+accepts what common writers produce (ustar and GNU headers, pax and GNU long names, directory
+entries) and refuses anything a dataset shard must not contain (links,
 devices, unsafe paths, duplicate members, data after the end of the archive) with a ValueError.
 """
 
@@ -81,7 +81,7 @@ def encode_sample(sample: Mapping[str, object]) -> list[bytes]:
         raise ValueError(f"sample {key!r} has no data fields besides '__key__'")
     chunks: list[bytes] = []
     for field in fields:
-        if not isinstance(field, str) or not _FIELD_RE.fullmatch(field) or field.startswith("__"):
+        if not _FIELD_RE.fullmatch(field) or field.startswith("__"):
             raise ValueError(
                 f"sample {key!r}: field name {field!r} must be a lower-case extension such as "
                 "'jpg' or 'seg.png' ([a-z0-9_.-], not starting with '__' or '.')"

@@ -460,11 +460,14 @@ def describe_shard(store: Store | str, key: str) -> ShardEntry:
     """Size, SHA256 and record count of the tar shard at store key ``key`` (read in full once)."""
     store = open_store(store)
     source = f"{store.location}/{key}"
+    # The stat'ed size bounds every read, so a hostile header claiming a huge member cannot
+    # make the reader allocate more than the object holds.
+    size = store.stat(key).size
     with store.open(key) as f:
-        reader = _ShardStream(f, None, source, hash=True)
+        reader = _ShardStream(f, size, source, hash=True, expected_by="stat")
         try:
             records = sum(1 for _ in _tar.iter_samples(_tar.read_members(reader, source), source))
-            size, digest = reader.finish()
+            digest = reader.finish()
         finally:
             reader.close()
     return ShardEntry(key, size, digest or "", records)
@@ -569,34 +572,34 @@ def _entry_of(index: ShardIndex, shard: ShardEntry | str) -> ShardEntry:
 
 
 class _ShardStream:
-    """A shard's byte stream for the tar reader: at most ``size`` bytes (None: unlimited),
-    hashed by one helper thread in large batches so that SHA256 overlaps reading and parsing
-    (hashlib releases the GIL on large buffers)."""
+    """A shard's bytes for the tar reader: exactly ``size`` bytes of ``f``, never more, hashed
+    by one helper thread in large batches so that SHA256 overlaps reading and parsing (hashlib
+    releases the GIL on large buffers)."""
 
-    def __init__(self, f: BinaryIO, size: int | None, source: str, *, hash: bool) -> None:
+    def __init__(
+        self, f: BinaryIO, size: int, source: str, *, hash: bool, expected_by: str = "index"
+    ) -> None:
         self._f, self._size, self._source = f, size, source
+        self._expected = f"{expected_by} says {size} bytes"
         self._left = size
-        self._read = 0
         self._digest = hashlib.sha256() if hash else None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="koochak-shard-hash") if hash else None
         self._batch: list[bytes] = []
         self._batch_bytes = 0
 
     def read(self, n: int) -> bytes:
-        # Called several times per tar member: kept lean.
-        left = self._left
-        if left is not None and n > left:
-            n = left
+        # Called several times per tar member: kept lean. Reads stop at ``size``, so a header
+        # claiming a huge member gets a short read (and a truncation error), not an allocation.
+        if n > self._left:
+            n = self._left
         data = self._f.read(n)
         got = len(data)
-        if left is not None:
-            if got < n:
-                raise ValueError(
-                    f"{self._source}: size mismatch: index says {self._size} bytes, "
-                    f"shard has {self._read + got}"
-                )
-            self._left = left - got
-        self._read += got
+        if got < n:
+            raise ValueError(
+                f"{self._source}: size mismatch: {self._expected}, "
+                f"shard has {self._size - self._left + got}"
+            )
+        self._left -= got
         if self._digest is not None and got:
             self._batch.append(data)
             self._batch_bytes += got
@@ -614,19 +617,17 @@ class _ShardStream:
         while self.read(_HASH_BATCH):
             pass
 
-    def finish(self) -> tuple[int, str | None]:
-        """After the archive ended: check nothing follows within or beyond ``size``; return
-        (bytes read, hex digest or None)."""
+    def finish(self) -> str | None:
+        """After the archive ended: check that it filled ``size`` and nothing follows; return
+        the hex digest (None without hashing)."""
         if self._left:
             raise ValueError(
-                f"{self._source}: size mismatch: index says {self._size} bytes, "
-                f"the archive ends at byte {self._read}"
+                f"{self._source}: size mismatch: {self._expected}, "
+                f"the archive ends at byte {self._size - self._left}"
             )
-        if self._size is not None and self._f.read(1):
-            raise ValueError(
-                f"{self._source}: size mismatch: index says {self._size} bytes, shard is longer"
-            )
-        return self._read, self.hexdigest()
+        if self._f.read(1):
+            raise ValueError(f"{self._source}: size mismatch: {self._expected}, shard is longer")
+        return self.hexdigest()
 
     def hexdigest(self) -> str | None:
         if self._pool is None or self._digest is None:
