@@ -494,3 +494,25 @@ def test_warnings_are_not_raised_on_an_ordinary_run(tmp_path):
             model=model, dataset=regression_batches(3), step_fn=mse_step,
             optimizer=torch.optim.SGD(model.parameters(), lr=0.1), train_cfg=cfg(tmp_path),
         )  # fmt: skip
+
+
+def test_compile_wraps_the_training_model_but_checkpoints_the_bare_one(tmp_path, monkeypatch):
+    class Compiled(nn.Module):  # stands in for torch.compile's OptimizedModule
+        def __init__(self, inner):
+            super().__init__()
+            self._orig_mod = inner
+
+        def forward(self, x):
+            return self._orig_mod(x)
+
+    monkeypatch.setattr(torch, "compile", lambda m, **kw: Compiled(m))
+    seen = []
+    model = make_model()
+    ckpt = training_loop(
+        model=model, dataset=regression_batches(2),
+        step_fn=lambda m, b, c: seen.append(type(m).__name__) or mse_step(m, b, c),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        train_cfg=cfg(tmp_path, compile=True),
+    )  # fmt: skip
+    assert seen == ["Compiled", "Compiled"]
+    assert set(ckpt["model"]) == set(model.state_dict())  # no _orig_mod. prefix

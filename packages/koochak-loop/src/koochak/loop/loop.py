@@ -203,7 +203,9 @@ def training_loop(
             is_check = bool(check_every) and (step + 1) % check_every == 0
             if clip is not None or is_log or is_check:
                 scaler.unscale_(optimizer)
-                if is_check:
+                if (
+                    is_check and not scaler.enabled
+                ):  # a GradScaler's overflow is a skip, not an error
                     check_finite(named_params, step)
                 norm = total_norm(grads_of(named_params))
                 if is_log:  # one read brings the norm and every logged scalar to the host
