@@ -664,44 +664,72 @@ def _hash_source(root: str, f: SourceFile) -> str:
     return sha.hexdigest()
 
 
+def _hash_object(target: Any, key: str) -> str:
+    sha = hashlib.sha256()
+    with target.open(key) as handle:
+        while chunk := handle.read(_CHUNK):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+class _DigestRecorder:
+    """The target store, keeping the SHA256 that each ``put`` computed while writing.
+
+    copy_objects reports counts, not digests; recording them here spares reading and hashing
+    every object a second time (64 MiB objects would otherwise cost an extra full pass).
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self._lock = threading.Lock()
+        self.digests: dict[str, str | None] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def put(self, key: str, data: Any, **kwargs: Any) -> Any:
+        info = self._inner.put(key, data, **kwargs)
+        with self._lock:
+            self.digests[key] = info.sha256
+        return info
+
+
 def _copy_objects(
     root: str, target: Any, objects: Sequence[ObjectPlan], streams: int, progress: Progress
 ) -> tuple[dict[str, str], int]:
-    """Hash each object's source, then move the bytes with copy_objects (checked in flight).
+    """Move the objects with copy_objects; returns (path -> SHA256, objects already there).
 
-    Objects already in the target are re-read and hashed, because copy_objects skips any object
-    of the expected size and a leftover from an older source could have that size too.
+    Each digest is the one the target's put computed while writing. Objects already present
+    (a resumed run) are hashed in the target and compared with their source file, because
+    copy_objects skips any object of the expected size and a leftover from an older source
+    could have that size too. A source that changed during the copy fails the archive.
     """
     from koochak.storage.store import LocalStore
     from koochak.storage.transfer import CopyItem, copy_objects
 
     if not objects:
         return {}, 0
-    with ThreadPoolExecutor(max_workers=streams) as pool:
-        digests = dict(
-            zip(
-                (o.file.path for o in objects),
-                pool.map(lambda o: _hash_source(root, o.file), objects),
-            )
-        )
-    existing = []
-    for o in objects:
-        try:
-            target.stat(o.key)
-            existing.append(o)
-        except FileNotFoundError:
-            pass
+    recorder = _DigestRecorder(target)
     source = LocalStore(root, fsync=False)
-    items = [CopyItem(o.file.path, o.file.size, digests[o.file.path], o.key) for o in objects]
-    copy_objects(source, target, items, streams=streams, progress=progress, show_progress=False)
-    for o in existing:
-        sha = hashlib.sha256()
-        with target.open(o.key) as handle:
-            while chunk := handle.read(_CHUNK):
-                sha.update(chunk)
-        if sha.hexdigest() != digests[o.file.path]:
-            raise _leftover(o.key, "its SHA256 differs from the source file")
-    return digests, len(existing)
+    items = [CopyItem(o.file.path, o.file.size, None, o.key) for o in objects]
+    copy_objects(source, recorder, items, streams=streams, progress=progress, show_progress=False)
+    digests: dict[str, str] = {}
+    existing = 0
+    for o in objects:
+        written = recorder.digests.get(o.key)
+        if o.key in recorder.digests:
+            digests[o.file.path] = written or _hash_object(target, o.key)
+        else:
+            existing += 1
+            digests[o.file.path] = _hash_source(root, o.file)
+            if _hash_object(target, o.key) != digests[o.file.path]:
+                raise _leftover(o.key, "its SHA256 differs from the source file")
+        st = os.stat(os.path.join(root, o.file.path), follow_symlinks=False)
+        if st.st_size != o.file.size or st.st_mtime_ns != o.file.mtime_ns:
+            raise ValueError(
+                f"{os.path.join(root, o.file.path)} changed while it was copied; rerun archive"
+            )
+    return digests, existing
 
 
 # ----------------------------------------------------------------------------- the run
