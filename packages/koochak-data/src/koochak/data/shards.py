@@ -32,6 +32,7 @@ __all__ = [
     "ShardEntry",
     "ShardIndex",
     "ShardWriter",
+    "TAR",
     "describe_shard",
     "iter_worker_samples",
     "load_index",
@@ -46,7 +47,8 @@ log = logging.getLogger(__name__)
 INDEX_NAME = "index.json"
 INDEX_KIND = "koochak.shards"
 INDEX_VERSION = 1
-FORMATS = ("tar",)
+TAR = "tar"  # ShardWriter(..., format=TAR): WebDataset-layout tar, the one format so far
+FORMATS = (TAR,)
 DEFAULT_TARGET_BYTES = 256 << 20
 
 _INDEX_FIELDS = ("format", "kind", "metadata", "shards", "version")
@@ -299,7 +301,7 @@ class ShardWriter:
         prefix: str,
         *,
         target_bytes: int | str = DEFAULT_TARGET_BYTES,
-        format: str = "tar",
+        format: str = TAR,
         metadata: Mapping[str, Any] | None = None,
     ) -> None:
         self.store = open_store(store)
@@ -425,7 +427,7 @@ def write_index(
     prefix: str,
     keys: Iterable[str],
     *,
-    format: str = "tar",
+    format: str = TAR,
     metadata: Mapping[str, Any] | None = None,
 ) -> ShardIndex:
     """Index pre-existing shard files: describe each of ``keys`` (relative to ``prefix``) and
