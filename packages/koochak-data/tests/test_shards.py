@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -192,6 +193,25 @@ def test_shards_written_by_webdataset_can_be_indexed_and_read(store) -> None:
     index = write_index(store, "wds", ["part-0.tar", "part-1.tar"])
     assert [e.records for e in index.shards] == [5, 5]
     assert list(read_shards(store, load_index(store, "wds"))) == expected
+
+
+@pytest.mark.skipif(shutil.which("tar") is None, reason="needs the tar program")
+def test_shards_made_with_tar_can_be_indexed_and_read(store, tmp_path) -> None:
+    src = tmp_path / "src"
+    (src / "train").mkdir(parents=True)
+    for i in range(3):
+        (src / "train" / f"{i:03d}.cls").write_bytes(str(i).encode())
+        (src / "train" / f"{i:03d}.input.npy").write_bytes(bytes([i]) * 700)
+    members = sorted(str(p.relative_to(src)) for p in (src / "train").iterdir())  # keys contiguous
+    target = Path(store.root) / "tarred" / "shard-0.tar"
+    target.parent.mkdir(parents=True)
+    subprocess.run(
+        ["tar", "-cf", str(target), "--no-recursion", "-C", str(src), "train", *members], check=True
+    )
+    index = write_index(store, "tarred", ["shard-0.tar"])
+    got = list(read_shards(store, index))
+    assert [s["__key__"] for s in got] == ["train/000", "train/001", "train/002"]
+    assert got[2] == {"__key__": "train/002", "cls": b"2", "input.npy": bytes([2]) * 700}
 
 
 def test_header_claiming_a_huge_member_is_a_clean_error(store) -> None:
