@@ -78,13 +78,18 @@ def test_finite_dataset_stops_when_exhausted_without_hidden_epochs(tmp_path):
             yield batch
 
     model = make_model()
+    logged = []
     ckpt = training_loop(
         model=model, dataset=data(), step_fn=mse_step,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        train_cfg=cfg(tmp_path, max_steps=100),
+        train_cfg=cfg(tmp_path, max_steps=None, log_every=5),
+        hooks={"on_log": [lambda info: logged.append((info["step"], info["metrics"]["loss"]))]},
     )  # fmt: skip
     assert pulled == list(range(7))
     assert ckpt["step"] == 7 and ckpt["next_step"] == 7
+    # the last update is logged even though only the exhausted data said it was the last
+    assert [step for step, _ in logged] == [4, 6]
+    assert ckpt["metrics"]["loss"] == logged[-1][1]
 
 
 def test_infinite_iterable_stops_at_max_steps(tmp_path):
