@@ -304,3 +304,16 @@ def test_members_straddling_stream_buffers_stay_exact(tree, tmp_path, monkeypatc
     for path in tree.rglob("*"):
         if path.is_file():
             assert (out / path.relative_to(tree)).read_bytes() == path.read_bytes()
+
+
+def test_malformed_pack_record_is_refused(tree, tmp_path) -> None:
+    dest = tmp_path / "dest"
+    archive_tree(tree, dest, object_bytes=20_000, pack_bytes=8192)
+    _uncommit(dest)
+    record = dest / "records" / "pack-000000.json"
+    doc = json.loads(record.read_text())
+    doc["members"][0]["sha256"] = "not-a-digest"
+    record.unlink()
+    record.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="not a SHA256"):
+        archive_tree(tree, dest, object_bytes=20_000, pack_bytes=8192)

@@ -21,6 +21,7 @@ import datetime
 import hashlib
 import json
 import os
+import re
 import stat
 import tarfile
 import threading
@@ -64,6 +65,7 @@ __all__ = [
 DEFAULT_PACK_BYTES = 64 << 20
 RECORD_KIND = "koochak.collection.pack-record"
 _CHUNK = 1 << 20
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 # Pack bytes handed to the store per piece: big enough for its hashing to overlap writing.
 _STREAM_BUFFER = 4 << 20
 Progress = Callable[[int], None]
@@ -589,7 +591,10 @@ def _parse_record(data: bytes, pack: PackPlan, where: str) -> tuple[str, dict[st
     if doc["pack"] != pack.key or doc["size"] != pack.size or found != planned:
         raise _leftover(pack.key, _first_difference(planned, found))
     digests = {x["path"]: x.get("sha256") for x in members}
-    return str(doc["sha256"]), digests  # type: ignore[return-value]
+    for value in (doc["sha256"], *digests.values()):
+        if not isinstance(value, str) or not _SHA256.fullmatch(value):
+            raise ValueError(f"{where}: {value!r} is not a SHA256 (64 lowercase hex digits)")
+    return doc["sha256"], digests  # type: ignore[return-value]
 
 
 def _first_difference(planned: list[dict], found: list[dict]) -> str:
