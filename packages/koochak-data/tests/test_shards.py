@@ -103,6 +103,45 @@ def test_interrupted_build_commits_nothing_and_rerun_reuses_shards(store) -> Non
     assert _read_all(store, rerun.close()) == samples
 
 
+_KILLABLE_BUILD = """
+import sys, time
+from koochak.data.shards import ShardWriter
+from koochak.storage.store import LocalStore
+
+store = LocalStore(sys.argv[1])
+with ShardWriter(store, "killed", target_bytes=4096) as writer:
+    for i in range(60):
+        writer.write({"__key__": f"r/{i:05d}", "bin": bytes([i]) * (300 + i)})
+        if i == 30:
+            print("halfway", flush=True)
+            time.sleep(60)  # killed here
+"""
+
+
+@pytest.mark.slow
+def test_build_killed_with_sigkill_commits_nothing_and_a_rerun_completes(store) -> None:
+    import signal
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLABLE_BUILD, str(store.root)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "halfway\n"
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    left = [info.key for info in store.list("killed")]
+    assert left and "killed/index.json" not in left
+    with pytest.raises(FileNotFoundError):
+        load_index(store, "killed")
+    samples = [{"__key__": f"r/{i:05d}", "bin": bytes([i]) * (300 + i)} for i in range(60)]
+    with ShardWriter(store, "killed", target_bytes=4096) as writer:
+        for sample in samples:
+            writer.write(sample)
+    assert writer.shards_reused == len(left)
+    assert list(read_shards(store, load_index(store, "killed"))) == samples
+
+
 def test_rerun_with_different_records_is_refused(store) -> None:
     with pytest.raises(RuntimeError), ShardWriter(store, PREFIX, target_bytes=4096) as writer:
         for sample in _samples(20):
