@@ -27,6 +27,8 @@ def _entries(index: ShardIndex | Sequence[ShardEntry]) -> tuple[ShardEntry, ...]
             getattr(entry, "records", None), int
         ):
             raise TypeError(f"expected ShardEntry items (key, records), got {type(entry).__name__}")
+        if entry.records < 0:
+            raise ValueError(f"shard {entry.key!r} has a negative record count ({entry.records})")
     return entries
 
 
