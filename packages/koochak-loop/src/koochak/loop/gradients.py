@@ -91,7 +91,9 @@ def apply_gate(
     """Check and clip gradients given their host-side total ``norm``.
 
     Returns the metrics to log (``grad_norm``; with clipping also ``grad_clip_coefficient`` and
-    ``grad_clip_scaled_norm``, 1.0 when the scaled reduction was needed), or None when the update
+    ``grad_clip_scaled_norm``, the norm after clipping, i.e. of the update actually applied;
+    ``grad_norm_rescaled`` is 1.0 on a step whose plain norm overflowed and was recomputed with
+    the scaled reduction), or None when the update
     must be skipped (only with ``allow_skip``, i.e. under an fp16 GradScaler, which then lowers
     its scale). Raises NonFiniteGradientError otherwise.
     """
@@ -109,13 +111,14 @@ def apply_gate(
                 f"step {step}: non-finite gradient (NaN or inf) in parameter {bad!r}; "
                 "the update was rejected before the optimizer step"
             )
+    metrics = {"grad_norm": norm}
+    if scaled:
+        metrics["grad_norm_rescaled"] = 1.0
     if max_norm is None:
-        return {"grad_norm": norm}
+        return metrics
     coefficient = min(1.0, max_norm / (norm + _EPS))
     if coefficient < 1.0:
         torch._foreach_mul_(grads_of(named_params), coefficient)
-    return {
-        "grad_norm": norm,
-        "grad_clip_coefficient": coefficient,
-        "grad_clip_scaled_norm": 1.0 if scaled else 0.0,
-    }
+    metrics["grad_clip_coefficient"] = coefficient
+    metrics["grad_clip_scaled_norm"] = norm * coefficient
+    return metrics
