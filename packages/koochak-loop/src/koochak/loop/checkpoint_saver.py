@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -51,15 +50,18 @@ def capture_checkpoint(
     scheduler: Any,
     scaler: Any,
     config: Mapping[str, Any] | None,
-    start_time: float,
+    wall_time: float,
     metrics: Mapping[str, Any] | None,
-) -> dict[str, Any] | None:
-    """Build the checkpoint dict on rank 0 (None elsewhere); every rank must call it."""
+) -> dict[str, Any]:
+    """Build the checkpoint dict; every rank must call it (it gathers per-rank RNG states).
+
+    Rank 0's dict carries every rank's RNG state in ``rng_per_rank`` and is the one published;
+    the others get their own state only (what ``training_loop`` returns there).
+    """
     from koochak.loop.seed import get_rng_state
 
-    states = ddp.gather_rng_states(get_rng_state())
-    if dist.get_rank() != 0:
-        return None
+    own = get_rng_state()
+    states = ddp.gather_rng_states(own)
     world_size = dist.get_world_size()
     return build_checkpoint(
         step=step,
@@ -70,10 +72,10 @@ def capture_checkpoint(
         scheduler=scheduler,
         scaler=scaler,
         config=config,
-        rng=states[0] if states else None,
-        rng_per_rank=states if world_size > 1 else None,
+        rng=own,
+        rng_per_rank=states if world_size > 1 and states is not None else None,
         world_size=world_size,
-        wall_time=time.time() - start_time,
+        wall_time=wall_time,
         metrics=metrics,
     )
 

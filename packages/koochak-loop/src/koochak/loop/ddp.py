@@ -30,13 +30,14 @@ class DdpSetup:
     device: torch.device
 
 
-def setup_ddp(train_cfg: Mapping[str, Any], device: torch.device) -> DdpSetup:
+def setup_ddp(train_cfg: Any, device: torch.device) -> DdpSetup:
     """Initialize the process group if ``train.ddp`` asks for it; returns where this rank runs.
 
-    On CUDA, a device without an index (``cuda``) becomes ``cuda:<LOCAL_RANK>`` and is made the
-    current device, so NCCL collectives and ``.cuda()`` calls land on this rank's GPU.
+    ``train_cfg`` is the train section (a mapping or TrainConfig). On CUDA, a device without an
+    index (``cuda``) becomes ``cuda:<LOCAL_RANK>`` and is made the current device, so NCCL
+    collectives and ``.cuda()`` calls land on this rank's GPU.
     """
-    if not train_cfg.get("ddp", False):
+    if not _get(train_cfg, "ddp", False):
         return DdpSetup(False, dist.get_rank(), dist.get_world_size(), 0, False, device)
     local_rank = dist.get_local_rank()
     if device.type == "cuda":
@@ -48,14 +49,15 @@ def setup_ddp(train_cfg: Mapping[str, Any], device: torch.device) -> DdpSetup:
     return DdpSetup(True, dist.get_rank(), dist.get_world_size(), local_rank, created, device)
 
 
-def wrap_model(
-    model: torch.nn.Module, setup: DdpSetup, train_cfg: Mapping[str, Any]
-) -> torch.nn.Module:
-    """Wrap in DistributedDataParallel (``train.find_unused_parameters`` passed through)."""
-    if not setup.enabled:
+def wrap_model(model: torch.nn.Module, setup: DdpSetup, train_cfg: Any) -> torch.nn.Module:
+    """Wrap in DistributedDataParallel (``train.find_unused_parameters`` passed through).
+
+    A single-rank "DDP" run is left unwrapped: there is nothing to all-reduce.
+    """
+    if not setup.enabled or setup.world_size == 1:
         return model
     kwargs: dict[str, Any] = {
-        "find_unused_parameters": bool(train_cfg.get("find_unused_parameters", False))
+        "find_unused_parameters": bool(_get(train_cfg, "find_unused_parameters", False))
     }
     if setup.device.type == "cuda":
         kwargs["device_ids"] = [setup.device.index]
@@ -66,29 +68,30 @@ def wrap_model(
 def shard_datasets(
     dataset: Iterable[Any],
     eval_dataset: Iterable[Any] | None,
-    train_cfg: Mapping[str, Any],
+    train_cfg: Any,
     setup: DdpSetup,
 ) -> tuple[Iterable[Any], Iterable[Any] | None]:
     """Apply the opt-in sharding; rank 0 warns about whatever DDP runs unsharded."""
     if not setup.enabled or setup.world_size == 1:
         return dataset, eval_dataset
     unsharded: list[str] = []
-    if train_cfg.get("shard_dataset", False):
-        dataset = _shard(dataset, train_cfg.get("shard_dataset_mode") or "iterable", setup)
+    if _get(train_cfg, "shard_dataset", False):
+        dataset = _shard(dataset, _get(train_cfg, "shard_dataset_mode", None) or "iterable", setup)
     else:
         unsharded.append("train.shard_dataset")
     if eval_dataset is not None:
-        if train_cfg.get("shard_eval_dataset", False):
-            mode = train_cfg.get("shard_eval_dataset_mode") or "iterable"
+        if _get(train_cfg, "shard_eval_dataset", False):
+            mode = _get(train_cfg, "shard_eval_dataset_mode", None) or "iterable"
             eval_dataset = _shard(eval_dataset, mode, setup)
         else:
             unsharded.append("train.shard_eval_dataset")
-    if unsharded and setup.rank == 0 and train_cfg.get("warn_unsharded", True):
+    if unsharded and setup.rank == 0 and _get(train_cfg, "warn_unsharded", True):
         warnings.warn(
             f"DDP with {setup.world_size} ranks but {' and '.join(unsharded)} is false: every "
             "rank sees the same data unless your dataset shards itself. Set it to true, or "
             "train.warn_unsharded: false to silence this.",
-            stacklevel=2,
+            RuntimeWarning,
+            stacklevel=3,
         )
     return dataset, eval_dataset
 
@@ -122,6 +125,12 @@ def broadcast_object(value: Any, src: int = 0) -> Any:
     box = [value]
     torch.distributed.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def _get(cfg: Any, key: str, default: Any) -> Any:
+    if isinstance(cfg, Mapping):
+        return cfg.get(key, default)
+    return getattr(cfg, key, default)
 
 
 def _shard(dataset: Iterable[Any], mode: str, setup: DdpSetup) -> Iterable[Any]:

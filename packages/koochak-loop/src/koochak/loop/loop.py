@@ -1,9 +1,11 @@
 """`training_loop`: the one function that owns the repetitive mechanics of training.
 
-It reads in the order it runs. Setup once: device -> [shard] -> start hook -> compile -> [DDP]
--> [resume]. Then, per update: batch -> micro-steps x grad_accum -> gradient gate -> update
-(optimizer -> scaler -> [EMA] -> scheduler) -> observe (hooks, log) -> maybe eval -> maybe save.
-Finally the terminal state is packed into a resume-ready checkpoint, saved, and returned.
+It reads in the order it runs. Setup once: device -> [resume lookup] -> [shard] -> start hook ->
+compile -> [DDP] -> [restore]. Then, per update: batch -> micro-steps x grad_accum -> gradient gate
+-> update (optimizer -> scaler -> [EMA] -> scheduler) -> observe (hooks, log) -> [GPU health] ->
+maybe eval -> maybe save -> [evacuate]. Finally the terminal state is packed into a resume-ready
+checkpoint, saved, and returned. Checkpoint mechanics live in ``checkpoint_saver`` (capture,
+publish sync/async, resume), ``evacuation``, ``health`` and ``ddp``.
 
 The user's ``step_fn(model, batch, ctx) -> {"loss": Tensor, ...}`` owns the model semantics.
 Every optional behaviour is a helper call or a hook. On the ordinary path the loop adds no
@@ -15,8 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
-import os
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -25,16 +25,24 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from koochak.loop import dist
+from koochak.loop import ddp, dist
 from koochak.loop.batch import to_device
+from koochak.loop.checkpoint_format import restore_training_state
+from koochak.loop.checkpoint_saver import (
+    CheckpointSaver,
+    capture_checkpoint,
+    restore_rng,
+    resume_checkpoint,
+)
 from koochak.loop.config import TrainConfig, resolve_train_config
 from koochak.loop.device import get_device, get_lr
+from koochak.loop.evacuation import Evacuated, EvacuationController, make_evacuation
 from koochak.loop.gradients import apply_gate, check_finite, grads_of, total_norm
+from koochak.loop.health import GpuHealthWatchdog, GpuUnhealthy, make_gpu_health
 from koochak.loop.hooks import Hooks, emit, merge
 from koochak.loop.precision import Scaler, autocast_factory
 from koochak.loop.prefetch import cuda_prefetch
 
-CHECKPOINT_PATTERN = r"step(\d{9})\.pt"
 _NULL = contextlib.nullcontext()
 _END = object()
 
@@ -73,38 +81,40 @@ def training_loop(
     prepare_batch_fn: Callable[[Any], Any] | None = None,
     resume: str | None = None,
     auto_resume_path: str | None = None,
-    evacuation: Any = None,
+    evacuation: bool | EvacuationController | None = None,
+    gpu_health: GpuHealthWatchdog | None = None,
 ) -> dict[str, Any]:
     """Train ``model`` on ``dataset`` until ``train.max_steps`` updates or the data runs out.
 
     ``dataset`` is any iterable, finite or infinite; it is iterated once (no hidden epochs).
     Returns the resume-ready terminal checkpoint dict (also saved to ``train.checkpoint_dir``).
     See the package README for ``ctx``, the hook events and every ``train`` key.
+
+    ``resume="auto"`` continues from the highest valid published checkpoint in
+    ``train.checkpoint_dir`` (else ``out_dir``), or starts at step 0 when there is none; pass the
+    one you resolved yourself (to build the dataset from its ``next_step``) as ``checkpoint_dict``
+    with ``auto_resume_path``. ``evacuation`` (or ``train.evacuation_enabled``) saves a terminal
+    checkpoint and exits 75 on SIGUSR1; ``gpu_health`` checks a CUDA device (exit 79 when bad).
+    See docs/checkpoints.md.
     """
     cfg = resolve_train_config(train_cfg)
     hooks = merge(hooks)
     warned: set[int] = set()  # hooks that already warned once
-    _check_resume_args(resume, evacuation, cfg)
     started = time.perf_counter()
-    prior_wall_time = float(checkpoint_dict.get("wall_time", 0.0)) if checkpoint_dict else 0.0
-    start_step = int(checkpoint_dict["next_step"]) if checkpoint_dict else 0
     location = cfg.checkpoint_dir or cfg.out_dir
-
-    # ---- setup once: device -> [shard] -> start hook -> compile -> [DDP] -> [resume]
-    if cfg.ddp:
-        dist.init_process_group()
-    device = get_device(cfg.device)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    raw_model = model.to(device)
-    dataset = _maybe_shard(
-        dataset, cfg.shard_dataset, cfg.shard_dataset_mode, cfg, rank, world_size
-    )
-    if eval_dataset is not None:
-        eval_dataset = _maybe_shard(
-            eval_dataset, cfg.shard_eval_dataset, cfg.shard_eval_dataset_mode, cfg, rank, world_size
-        )
-    scaler = Scaler(cfg.amp, device)
     train_dict = dataclasses.asdict(cfg)
+
+    # ---- setup once: device -> [resume lookup] -> [shard] -> start hook -> compile -> [DDP]
+    setup = ddp.setup_ddp(cfg, get_device(cfg.device))  # process group; device from LOCAL_RANK
+    device, rank, world_size = setup.device, setup.rank, setup.world_size
+    checkpoint_dict, auto_resume_path = resume_checkpoint(
+        resume, location, checkpoint_dict, auto_resume_path
+    )
+    prior_wall_time = float(checkpoint_dict.get("wall_time") or 0.0) if checkpoint_dict else 0.0
+    start_step = int(checkpoint_dict["next_step"]) if checkpoint_dict else 0
+    raw_model = model.to(device)
+    dataset, eval_dataset = ddp.shard_datasets(dataset, eval_dataset, cfg, setup)
+    scaler = Scaler(cfg.amp, device)
     ctx = StepContext(
         device=device,
         rank=rank,
@@ -119,6 +129,8 @@ def training_loop(
     if rank == 0:
         print(_param_banner(raw_model, num_params), flush=True)
     step = start_step
+    saver: CheckpointSaver | None = None
+    evac: EvacuationController | None = None
     try:
         emit(
             hooks,
@@ -134,14 +146,25 @@ def training_loop(
                 "world_size": world_size,
                 "out_dir": cfg.out_dir,
                 "resumed": checkpoint_dict is not None,
+                "resume_path": auto_resume_path,
             },
         )
         # Compile the bare module first so DDP wraps the compiled graph (torch's recommended order).
         train_model = torch.compile(raw_model) if cfg.compile else raw_model
-        train_model = _maybe_wrap_ddp(train_model, cfg, device)
+        train_model = ddp.wrap_model(train_model, setup, cfg)
         if checkpoint_dict is not None:
-            _restore(checkpoint_dict, raw_model, optimizer, scheduler, scaler)
+            restore_training_state(checkpoint_dict, raw_model, optimizer, scheduler, scaler)
         raw_model.train()
+        parts = (raw_model, optimizer, scheduler, scaler, _config_of(config_json, cfg))
+        if rank == 0:  # only rank 0 publishes; every rank takes part in capturing (RNG gather)
+            saver = CheckpointSaver(
+                location, keep_last_k=cfg.keep_last_k or None, async_publish=cfg.checkpoint_async,
+                on_checkpoint=lambda info: emit(hooks, "on_checkpoint", info, warned=warned),
+            )  # fmt: skip
+        evac = make_evacuation(evacuation, train_dict)
+        if evac is not None:
+            evac.install()
+        health = make_gpu_health(train_dict, device, cfg.out_dir, gpu_health)
 
         # Everything the per-step code needs, looked up once.
         named_params = [(n, p) for n, p in raw_model.named_parameters() if p.requires_grad]
@@ -167,8 +190,12 @@ def training_loop(
         last_batch: Any = None
         logged = True
         optimizer.zero_grad(set_to_none=True)
+        if checkpoint_dict is not None:
+            restore_rng(checkpoint_dict)  # last thing before the first step: nothing draws after
         while max_steps is None or step < max_steps:
             ctx.step = step
+            if saver is not None:
+                saver.poll()  # deliver a finished async publication; raise if it failed
 
             # ---- micro-steps: autocast -> step_fn -> scaled backward, grad_accum times
             pending: Any = None
@@ -239,6 +266,14 @@ def training_loop(
                 window_start, window_steps = time.perf_counter(), 0
             logged = is_log
 
+            # ---- protect: GPU health (every rank checks its device; one bad device stops all)
+            if health is not None and health.due(step):
+                verdict = health.check(step)
+                if ddp.any_rank(not verdict.healthy, device):
+                    ckpt = _terminal(saver, "gpu_health", step + 1, parts, {**metrics, **eval_metrics},
+                                     prior_wall_time, started, best_effort=True)  # fmt: skip
+                    raise GpuUnhealthy(step + 1, verdict, ckpt[1] if ckpt else None)
+
             # ---- maybe eval
             if eval_fn is not None and cfg.eval_every and (step + 1) % cfg.eval_every == 0:
                 eval_metrics = _evaluate(eval_fn, raw_model, eval_dataset, ctx, hooks, warned, step)
@@ -247,12 +282,23 @@ def training_loop(
 
             # ---- maybe save (periodic: keeps its zero-based index, resumes at step + 1)
             if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0:
-                periodic = _build_checkpoint(
-                    step, step + 1, raw_model, optimizer, scheduler, scaler, config_json, cfg,
-                    prior_wall_time + time.perf_counter() - started, {**metrics, **eval_metrics},
+                periodic = capture_checkpoint(
+                    step=step, next_step=step + 1, reason="periodic", **_parts(parts),
+                    wall_time=prior_wall_time + time.perf_counter() - started, metrics={**metrics, **eval_metrics},
                 )  # fmt: skip
-                _checkpoint_and_announce(periodic, step, location, cfg, rank, hooks, warned)
+                if saver is not None:
+                    saver.save(periodic)
             step += 1
+
+            # ---- evacuate: all ranks agree at the end of a completed update, then leave (75)
+            if evac is not None and evac.should_evacuate():
+                final_metrics = {**metrics, **eval_metrics}
+                checkpoint, path = _terminal(
+                    saver, "evacuation", step, parts, final_metrics, prior_wall_time, started
+                )
+                emit(hooks, "on_train_end", {"step": step, "checkpoint": checkpoint,
+                     "metrics": final_metrics, "reason": "evacuation"}, warned=warned)  # fmt: skip
+                raise Evacuated(step, checkpoint, path)
 
         # ---- finish: the last update is always logged, the terminal state saved and returned
         if not logged and outputs is not None:
@@ -261,11 +307,14 @@ def training_loop(
             _add_rate(metrics, last_batch, window_steps, grad_accum, world_size)
             emit(hooks, "on_log", {"step": step - 1, "metrics": metrics}, warned=warned)
         final_metrics = {**metrics, **eval_metrics}
-        checkpoint = _build_checkpoint(
-            step, step, raw_model, optimizer, scheduler, scaler, config_json, cfg,
-            prior_wall_time + time.perf_counter() - started, final_metrics,
+        # A resumed run with nothing left to do already has this exact terminal checkpoint
+        # published; re-publishing would only open a window in which it is un-committed.
+        republish = not (
+            checkpoint_dict is not None and step == start_step
+            and checkpoint_dict.get("step") == step and checkpoint_dict.get("reason") == "terminal"
         )  # fmt: skip
-        _checkpoint_and_announce(checkpoint, step, location, cfg, rank, hooks, warned)
+        checkpoint, _ = _terminal(saver, "terminal", step, parts, final_metrics, prior_wall_time,
+                                  started, publish=republish)  # fmt: skip
         emit(
             hooks,
             "on_train_end",
@@ -275,7 +324,12 @@ def training_loop(
         return checkpoint
     except (Exception, KeyboardInterrupt) as exc:
         emit(hooks, "on_exception", {"step": step, "exception": exc}, warned=warned)
+        if saver is not None:
+            saver.close()  # an in-flight publication finishes; the original error stays primary
         raise
+    finally:
+        if evac is not None:
+            evac.uninstall()
 
 
 # ----------------------------------------------------------------------------- per-step helpers
@@ -425,17 +479,6 @@ def _evaluate(
 # ----------------------------------------------------------------------------- setup helpers
 
 
-def _check_resume_args(resume: str | None, evacuation: Any, cfg: TrainConfig) -> None:
-    if resume not in (None, "none", "auto"):
-        raise ValueError(
-            f"training_loop(resume=...): expected 'auto', 'none' or None, got {resume!r}"
-        )
-    # The auto-resume lookup itself happens before the dataset is built (the caller passes the
-    # found checkpoint as checkpoint_dict); evacuation is wired by the checkpoint work (issue 6).
-    if evacuation or cfg.evacuation_enabled:
-        raise NotImplementedError("evacuation is not available in this build of koochak.loop yet")
-
-
 def _param_banner(model: torch.nn.Module, num_params: int) -> str:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return (
@@ -451,124 +494,48 @@ def _human(n: int) -> str:
     return str(n)
 
 
-def _maybe_shard(
-    dataset: Any, enabled: bool, mode: str, cfg: TrainConfig, rank: int, world_size: int
-) -> Any:
-    if world_size == 1:
-        return dataset
-    if enabled:
-        from koochak.loop.sharding import shard_dataset
-
-        return shard_dataset(dataset, rank, world_size, mode=mode)
-    if cfg.warn_unsharded and rank == 0:
-        warnings.warn(
-            "DDP is running but the dataset is not sharded by koochak: every rank sees the same "
-            "data unless you sharded it yourself (train.shard_dataset / train.warn_unsharded)",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-    return dataset
-
-
-def _maybe_wrap_ddp(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> Any:
-    if not cfg.ddp or dist.get_world_size() == 1:
-        return model
-    device_ids = [device.index] if device.type == "cuda" else None
-    return torch.nn.parallel.DistributedDataParallel(
-        model, device_ids=device_ids, find_unused_parameters=cfg.find_unused_parameters
-    )
-
-
-def _restore(
-    checkpoint: Mapping[str, Any],
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    scaler: Scaler,
-) -> None:
-    """Load a checkpoint dict's state; RNG last, so the next step draws what it would have."""
-    from koochak.loop.seed import set_rng_state
-
-    model.load_state_dict(checkpoint["model"])
-    optimizer.load_state_dict(checkpoint["optimizer"])
-    if scheduler is not None and checkpoint.get("scheduler") is not None:
-        scheduler.load_state_dict(checkpoint["scheduler"])
-    scaler.load_state_dict(checkpoint.get("scaler"))
-    if checkpoint.get("rng") is not None:
-        set_rng_state(checkpoint["rng"])
-
-
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def _build_checkpoint(
+def _config_of(config_json: Mapping[str, Any] | None, cfg: TrainConfig) -> dict[str, Any]:
+    return dict(config_json) if config_json is not None else {"train": dataclasses.asdict(cfg)}
+
+
+def _parts(parts: tuple[Any, ...]) -> dict[str, Any]:
+    model, optimizer, scheduler, scaler, config = parts
+    return {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler,
+            "config": config}  # fmt: skip
+
+
+def _terminal(
+    saver: CheckpointSaver | None,
+    reason: str,
     step: int,
-    next_step: int,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    scaler: Scaler,
-    config_json: Mapping[str, Any] | None,
-    cfg: TrainConfig,
-    wall_time: float,
+    parts: tuple[Any, ...],
     metrics: Mapping[str, float],
-) -> dict[str, Any]:
-    """The resume-ready state: a dict of named parts, loadable with weights_only=True."""
-    from koochak.loop.seed import get_rng_state
+    prior_wall_time: float,
+    started: float,
+    publish: bool = True,
+    best_effort: bool = False,
+) -> tuple[dict[str, Any] | None, str | None]:
+    """Capture a terminal-kind checkpoint (``next_step == step``) and publish it synchronously.
 
-    return {
-        "step": step,
-        "next_step": next_step,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "scaler": scaler.state_dict(),
-        "config": dict(config_json)
-        if config_json is not None
-        else {"train": dataclasses.asdict(cfg)},
-        "rng": get_rng_state(),
-        "wall_time": wall_time,
-        "metrics": dict(metrics),
-    }
-
-
-def _checkpoint_and_announce(
-    checkpoint: dict[str, Any],
-    step: int,
-    location: str,
-    cfg: TrainConfig,
-    rank: int,
-    hooks: Hooks,
-    warned: set[int],
-) -> None:
-    if rank != 0:
-        return
-    name = f"step{step:09d}.pt"
-    publication = _save_checkpoint(
-        checkpoint, location=location, name=name, keep_last_k=cfg.keep_last_k
-    )
-    path = publication.path or f"{location.rstrip('/')}/{name}"
-    info = {"step": step, "path": path, "checkpoint": checkpoint, "publication": publication}
-    emit(hooks, "on_checkpoint", info, warned=warned)
-
-
-def _save_checkpoint(
-    checkpoint: Mapping[str, Any], *, location: str, name: str, keep_last_k: int | None
-) -> Any:
-    """Serialize ``checkpoint`` and publish it create-only with a ready manifest under ``location``."""
-    from koochak.storage.artifact import publish
-    from koochak.storage.store import open_store
-
-    if "://" not in location:
-        os.makedirs(location, exist_ok=True)
-    buffer = io.BytesIO()
-    torch.save(dict(checkpoint), buffer)
-    return publish(
-        open_store(location),
-        name,
-        buffer.getvalue(),
-        kind="checkpoint",
-        keep_last_k=keep_last_k or None,
-        pattern=CHECKPOINT_PATTERN,
-        latest="latest.pt",
-    )
+    Every rank captures (RNG gather); rank 0 drains any async publication first, then publishes;
+    all ranks wait for it, so no rank exits (and no launcher tears rank 0 down) mid-publication.
+    ``best_effort`` (a failing GPU): a failed save is logged and the caller still exits.
+    """
+    path = None
+    try:
+        checkpoint = capture_checkpoint(
+            step=step, next_step=step, reason=reason, **_parts(parts),
+            wall_time=prior_wall_time + time.perf_counter() - started, metrics=metrics,
+        )  # fmt: skip
+        if saver is not None and checkpoint is not None and publish:
+            path = saver.save(checkpoint, sync=True)
+    except Exception as exc:
+        if not best_effort:
+            raise
+        warnings.warn(f"{reason} checkpoint at step {step} could not be saved: {exc}", stacklevel=2)
+        checkpoint = None
+    dist.barrier()
+    return checkpoint, path

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import pathlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Generator, Iterable, Mapping
 from typing import Any
 
 from koochak.loop.checkpoint_format import (
@@ -50,16 +50,22 @@ def publish_checkpoint(
     """Publish serialized checkpoint bytes under ``name`` and prune to the last ``keep_last_k``."""
     if keep_last_k is not None and keep_last_k < 1:
         raise ValueError(f"train.keep_last_k must be null or >= 1, got {keep_last_k}")
-    return artifact.publish(
-        store,
-        name,
-        data,
-        kind="checkpoint",
-        keep_last_k=keep_last_k,
-        pattern=CHECKPOINT_PATTERN,
-        latest=LATEST_NAME,
-        provenance=dict(provenance) if provenance is not None else None,
-    )
+    try:
+        return artifact.publish(
+            store,
+            name,
+            data,
+            kind="checkpoint",
+            keep_last_k=keep_last_k,
+            pattern=CHECKPOINT_PATTERN,
+            latest=LATEST_NAME,
+            provenance=dict(provenance) if provenance is not None else None,
+        )
+    finally:
+        if isinstance(data, Generator):
+            # A put that failed part-way leaves a streaming serializer waiting; stop it now
+            # rather than whenever the generator happens to be collected.
+            data.close()
 
 
 def save(
