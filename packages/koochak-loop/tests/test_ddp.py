@@ -1,0 +1,156 @@
+"""DDP for real: 2 gloo processes on CPU, launched by torchrun, by torch.multiprocessing, and by
+hand with the torchrun environment. This file is also the per-rank training script.
+
+- 2 ranks on the halves of each batch end where 1 process on the whole batch ends;
+- an evacuation request seen by rank 1 only makes both ranks publish-then-exit with 75;
+- a run moves 1 -> 2 -> 1 ranks through checkpoints and still matches the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+FULL = 8  # rows per full batch; each of 2 ranks gets half
+
+
+def _full_batch(t: int) -> dict:
+    g = torch.Generator().manual_seed(500 + t)
+    x = torch.randn(FULL, 4, generator=g)
+    return {"x": x, "y": x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])}
+
+
+def _half_batches(start: int, stop: int) -> list:
+    # Interleaved halves: map-mode sharding hands rank r the items r, r+2, ... i.e. half r of
+    # every full batch, so 2 ranks together see exactly the single-process batches.
+    out = []
+    for t in range(start, stop):
+        full = _full_batch(t)
+        out += [{k: v[: FULL // 2] for k, v in full.items()}, {k: v[FULL // 2 :] for k, v in full.items()}]
+    return out
+
+
+def _step_fn(model, batch, ctx):
+    if ctx.world_size > 1 and ctx.rank == 1 and os.environ.get("EVACUATE_AT") == str(ctx.step):
+        os.kill(os.getpid(), signal.SIGUSR1)  # only rank 1 is asked to leave
+    return {"loss": torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])}
+
+
+def _train(out_dir: str, max_steps: int, ddp: bool) -> dict:
+    from koochak.loop import training_loop
+    from koochak.loop.checkpoint import resolve_auto_resume
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    found = resolve_auto_resume(out_dir)
+    ckpt, path = (found[1], found[0]) if found else (None, None)
+    start = ckpt["next_step"] if ckpt else 0
+    dataset = _half_batches(start, max_steps) if ddp else [_full_batch(t) for t in range(start, max_steps)]
+    return training_loop(
+        model=model,
+        dataset=dataset,
+        step_fn=_step_fn,
+        optimizer=optimizer,
+        train_cfg={
+            "max_steps": max_steps,
+            "log_every": 1000,
+            "device": "cpu",
+            "out_dir": out_dir,
+            "ddp": ddp,
+            "shard_dataset": True,
+            "shard_dataset_mode": "map",
+            "evacuation_enabled": True,
+            "progress_bar": False,
+        },
+        resume="auto",
+        checkpoint_dict=ckpt,
+        auto_resume_path=path,
+    )
+
+
+def _spawned(local_rank: int, out_dir: str, max_steps: int, port: int) -> None:
+    os.environ.update(
+        RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )  # fmt: skip
+    _train(out_dir, max_steps, ddp=True)
+    torch.distributed.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _script(*args: str) -> list[str]:
+    return [__file__, *args]
+
+
+def _weights(ckpt: dict) -> torch.Tensor:
+    return torch.cat([v.flatten() for v in ckpt["model"].values()])
+
+
+@pytest.mark.slow
+def test_two_ranks_match_one_process_on_the_concatenated_batch(tmp_path):
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = [torchrun, "--nproc_per_node=2", f"--master_port={_free_port()}",
+           *_script("train", str(tmp_path / "ddp"), "4")]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    from koochak.loop.checkpoint import load
+
+    ddp_final = load(str(tmp_path / "ddp" / "step000000004.pt"))
+    assert ddp_final["world_size"] == 2 and len(ddp_final["rng_per_rank"]) == 2
+    single_final = _train(str(tmp_path / "single"), 4, ddp=False)
+    assert torch.allclose(_weights(ddp_final), _weights(single_final), atol=1e-6)
+    assert "module." not in next(iter(ddp_final["model"]))
+
+
+@pytest.mark.slow
+def test_evacuation_requested_on_rank_1_exits_both_ranks_with_75(tmp_path):
+    port = _free_port()
+    procs = []
+    for rank in (0, 1):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), EVACUATE_AT="2")  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, *_script("train", str(tmp_path), "10")],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))  # fmt: skip
+    outputs = [p.communicate(timeout=120)[0].decode() for p in procs]
+    assert [p.returncode for p in procs] == [75, 75], outputs
+    from koochak.loop.checkpoint import resolve_auto_resume
+
+    path, ckpt = resolve_auto_resume(tmp_path)
+    assert path.endswith("step000000003.pt")
+    assert (ckpt["step"], ckpt["next_step"], ckpt["reason"]) == (3, 3, "evacuation")
+
+
+@pytest.mark.slow
+def test_resume_across_world_sizes_one_two_one(tmp_path):
+    run = str(tmp_path / "run")
+    _train(run, 2, ddp=False)
+    result = subprocess.run([sys.executable, *_script("spawn", run, "4", str(_free_port()))],
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    final = _train(run, 6, ddp=False)
+    uninterrupted = _train(str(tmp_path / "straight"), 6, ddp=False)
+    assert final["step"] == 6
+    assert torch.allclose(_weights(final), _weights(uninterrupted), atol=1e-6)
+
+
+if __name__ == "__main__":
+    mode, out_dir, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    if mode == "train":  # one rank, environment from torchrun or the test
+        _train(out_dir, steps, ddp=True)
+        torch.distributed.destroy_process_group()
+    else:  # "spawn": both ranks via torch.multiprocessing
+        import torch.multiprocessing as mp
+
+        mp.spawn(_spawned, args=(out_dir, steps, int(sys.argv[4])), nprocs=2, join=True)
