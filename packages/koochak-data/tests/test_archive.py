@@ -317,3 +317,21 @@ def test_malformed_pack_record_is_refused(tree, tmp_path) -> None:
     record.write_text(json.dumps(doc))
     with pytest.raises(ValueError, match="not a SHA256"):
         archive_tree(tree, dest, object_bytes=20_000, pack_bytes=8192)
+
+
+def test_source_changing_mid_pack_fails_and_leaves_no_pack(tmp_path) -> None:
+    src = tmp_path / "src"
+    for i in range(6):
+        _write(src, f"f{i}.bin", 3000, seed=i)
+    dest = tmp_path / "dest"
+
+    def change_last_file(n: int) -> None:
+        os.utime(src / "f5.bin", ns=(1, 1))
+
+    with pytest.raises(ValueError, match="f5.bin changed since it was scanned"):
+        archive_tree(src, dest, object_bytes=1 << 20, streams=1, progress=change_last_file)
+    assert not (dest / "packs" / "pack-000000.tar").exists()
+    assert not (dest / "manifest.json").exists()
+    # The rerun plans with the new mtime and completes.
+    assert archive_tree(src, dest, object_bytes=1 << 20).files == 6
+    assert verify_collection(dest, deep=True).ok

@@ -21,6 +21,7 @@ import datetime
 import hashlib
 import json
 import os
+import queue
 import re
 import stat
 import tarfile
@@ -547,6 +548,58 @@ def _pack_stream(
     yield buffer[: used + end]
 
 
+class _End:
+    """What the producer thread sends last: None when done, else the exception it raised."""
+
+    def __init__(self, error: BaseException | None) -> None:
+        self.error = error
+
+
+def _read_ahead(chunks: Iterator[memoryview], depth: int = 2) -> Iterator[memoryview]:
+    """Run ``chunks`` on a helper thread, at most ``depth`` buffers ahead of the consumer.
+
+    Reading and hashing the source files then overlaps with the store writing (and hashing)
+    the previous buffer. If the consumer stops early (a failed put), the producer is told to
+    stop and the source generator is closed, so no file descriptor is left open.
+    """
+    ready: queue.Queue[memoryview | _End] = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def offer(item: memoryview | _End) -> bool:
+        while not stop.is_set():
+            try:
+                ready.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for chunk in chunks:
+                if not offer(chunk):
+                    return
+            offer(_End(None))
+        except BaseException as exc:  # handed to the consumer, which re-raises it
+            offer(_End(exc))
+        finally:
+            chunks.close()  # type: ignore[attr-defined]
+
+    worker = threading.Thread(target=produce, name="koochak-pack-reader", daemon=True)
+    worker.start()
+    try:
+        while True:
+            item = ready.get()
+            if isinstance(item, _End):
+                if item.error is not None:
+                    raise item.error
+                return
+            yield item
+    finally:
+        stop.set()
+        worker.join()
+
+
 def _record_doc(pack: PackPlan, size: int, sha256: str, digests: dict[str, str]) -> bytes:
     doc = {
         "version": VERSION,
@@ -644,7 +697,9 @@ def _write_pack(
     digests = {}
     try:
         info = target.put(
-            pack.key, _pack_stream(root, pack, digests, progress), expected_size=pack.size
+            pack.key,
+            _read_ahead(_pack_stream(root, pack, digests, progress)),
+            expected_size=pack.size,
         )
         sha = info.sha256 or hashlib.sha256(target.get(pack.key)).hexdigest()
     except FileExistsError:
