@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -454,3 +455,54 @@ def test_corrupted_source_read_is_caught_by_the_digest(tmp_path):
     source.set_faults([])
     assert copy_objects(source, target, [item], part_bytes=1000).copied == 1
     assert target.get("k") == data
+
+
+_INTERRUPTED_COPY = textwrap.dedent(
+    """
+    import sys, time
+    from koochak.storage.store import LocalStore
+    from koochak.storage.transfer import CopyItem, copy_objects
+
+    class Slow:
+        def __init__(self, inner):
+            self.inner, self.location, self.profile = inner, inner.location, None
+        def get(self, key, start=None, end=None):
+            if start == 1000:
+                print("copying", flush=True)
+            time.sleep(0.05)  # 200 parts: ten seconds unless Ctrl-C stops the copy
+            return self.inner.get(key, start, end)
+
+    source, target = LocalStore(sys.argv[1]), LocalStore(sys.argv[2])
+    try:
+        copy_objects(Slow(source), target, [CopyItem("big.bin", 200_000)],
+                     streams=1, range_streams=2, part_bytes=1000)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+        sys.exit(130)
+    """
+)
+
+
+@pytest.mark.slow
+def test_ctrl_c_aborts_an_in_flight_copy_promptly_leaving_nothing(tmp_path):
+    source, target = LocalStore(tmp_path / "src"), LocalStore(tmp_path / "dst")
+    data = os.urandom(200_000)
+    source.put("big.bin", data)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _INTERRUPTED_COPY, str(source.root), str(target.root)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "copying"
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=5)  # far less than the 10 s the copy would take
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "interrupted" in out
+    assert target.list() == []
+    assert (
+        copy_objects(source, target, [CopyItem("big.bin", len(data))], part_bytes=1000).copied == 1
+    )
+    assert target.get("big.bin") == data
