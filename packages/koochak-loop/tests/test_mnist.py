@@ -101,12 +101,6 @@ def test_mnist_example_trains_logs_evaluates_and_checkpoints(mnist, tmp_path, ca
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    reason="training_loop's checkpoints lack the 'version' field that resolve_auto_resume "
-    "requires, so auto-resume finds nothing (loop/checkpoint integration pending)",
-    raises=AssertionError,
-    strict=False,
-)
 def test_mnist_example_rerun_resumes_from_the_published_checkpoint(mnist, tmp_path):
     data_dir, out_dir = tmp_path / "data", tmp_path / "run"
     _tiny_mnist(data_dir)
