@@ -185,14 +185,26 @@ def resume_checkpoint(
         raise ValueError(
             "resume='auto' needs train.checkpoint_dir or train.out_dir to know where to look"
         )
-    found = resolve_auto_resume(location) if dist.get_rank() == 0 else None
     if not dist.is_initialized() or dist.get_world_size() == 1:
+        found = resolve_auto_resume(location)
         return (found[1], found[0]) if found is not None else (None, None)
+    found, failure = None, None
+    if dist.get_rank() == 0:
+        try:
+            found = resolve_auto_resume(location)
+        except Exception as exc:  # tell the other ranks before raising, or they wait forever
+            failure = exc
     chosen = ddp.broadcast_object(
-        (found[0], int(found[1]["step"])) if found is not None else None, src=0
-    )
+        ("error", f"{type(failure).__name__}: {failure}") if failure is not None
+        else (found[0], int(found[1]["step"])) if found is not None else None,
+        src=0,
+    )  # fmt: skip
+    if failure is not None:
+        raise failure
     if chosen is None:
         return None, None
+    if chosen[0] == "error":
+        raise RuntimeError(f"rank 0 could not resolve the checkpoint to resume: {chosen[1]}")
     path, step = chosen
     if found is not None:
         return found[1], path
