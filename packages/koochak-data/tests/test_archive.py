@@ -335,3 +335,9 @@ def test_source_changing_mid_pack_fails_and_leaves_no_pack(tmp_path) -> None:
     # The rerun plans with the new mtime and completes.
     assert archive_tree(src, dest, object_bytes=1 << 20).files == 6
     assert verify_collection(dest, deep=True).ok
+
+
+def test_dest_inside_src_is_refused(tree) -> None:
+    with pytest.raises(ValueError, match="inside SRC"):
+        archive_tree(tree, tree / "coll")
+    assert not (tree / "coll").exists()

@@ -869,6 +869,14 @@ def archive_tree(
 
     root = os.path.abspath(os.fspath(src))
     target = open_store(dest)
+    dest_root = getattr(target, "root", None)
+    if dest_root is not None:
+        inside = os.path.realpath(dest_root)
+        if os.path.commonpath([inside, os.path.realpath(root)]) == os.path.realpath(root):
+            raise ValueError(
+                f"archive DEST {target.location} lies inside SRC {root}; the archive would "
+                "pick up its own packs on a rerun — choose a DEST outside SRC"
+            )
     profile = profile_of(target)
     if object_bytes is None:
         object_bytes = min_object_bytes(profile)
