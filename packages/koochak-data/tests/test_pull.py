@@ -7,9 +7,14 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import tarfile
+import tempfile
+from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from koochak.data.archive import archive_tree
 from koochak.data.collection import FileEntry, load_collection
 from koochak.data.pull import merge_ranges, pull_collection
@@ -206,3 +211,43 @@ def test_leftover_temp_file_from_a_killed_pull_is_replaced(collection, tmp_path)
     assert report.written == 1
     assert not (out / "d0" / temp).exists()
     _same_tree(src, out)
+
+
+_hostile_paths = st.one_of(
+    st.sampled_from(["../x", "/abs", "a/../../x", "..", ".", "a//b", "a/./b", "d0", "d0/f0.txt/x",
+                     "ok.txt", "d1/new.txt", "sub/dir/f.txt", ".koochak-pull-x.tmp", "a\x00b"]),
+    st.text(alphabet="./ab", min_size=1, max_size=8),
+)
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(index=st.integers(0, 15), path=_hostile_paths, offset_delta=st.sampled_from([0, 0, 512, -512, 10**9]),
+       size_delta=st.sampled_from([0, 0, 1, -1, -(10**6)]))
+def test_fuzzed_manifests_only_fail_cleanly_and_never_escape(
+    collection, index: int, path: str, offset_delta: int, size_delta: int
+) -> None:
+    _, coll = collection
+    with tempfile.TemporaryDirectory() as scratch:
+        work = Path(scratch) / "coll"
+        shutil.copytree(coll, work)
+
+        def edit(lines: list[dict]) -> None:
+            entry = lines[index % len(lines)]
+            entry["path"] = path
+            entry["size"] = entry["size"] + size_delta
+            if "offset" in entry:
+                entry["offset"] = entry["offset"] + offset_delta
+
+        _rewrite_table(work, edit)
+        out = Path(scratch) / "box" / "out"
+        try:
+            pull_collection(work, out, streams=2)
+        except ValueError:
+            pass
+        # Nothing outside DEST, and nothing but regular files and directories inside it.
+        assert sorted(p.name for p in (Path(scratch)).iterdir()) in (["coll"], ["box", "coll"])
+        if (Path(scratch) / "box").exists():
+            assert [p.name for p in (Path(scratch) / "box").iterdir()] == ["out"]
+            for p in out.rglob("*"):
+                assert not p.is_symlink() and (p.is_file() or p.is_dir())
