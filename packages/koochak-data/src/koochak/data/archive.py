@@ -882,6 +882,8 @@ def archive_tree(
         object_bytes = min_object_bytes(profile)
     if streams is None:
         streams = max(1, min(profile.concurrency, 16))
+    if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
+        raise ValueError(f"streams={streams!r}: expected a whole number >= 1")
     listed = None
     if files_from is not None:
         with open(files_from, encoding="utf-8") as handle:

@@ -27,6 +27,16 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -65,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--delete-source", action="store_true",
                    help="after a deep verify of the committed collection, delete unchanged sources")
     a.add_argument("--dry-run", action="store_true", help="plan and report; write nothing")
-    a.add_argument("--streams", type=int, default=None, help="packs written at once")
+    a.add_argument("--streams", type=_positive, default=None, help="packs written at once")
 
     p = sub.add_parser("pull", parents=[common], help="restore files from a collection")
     p.add_argument("src", metavar="SRC", help="collection location")
@@ -75,12 +85,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true",
                    help="replace existing files whose content differs")
     p.add_argument("--fsync", action="store_true", help="fsync every file before its rename")
-    p.add_argument("--streams", type=int, default=None, help="requests in flight")
+    p.add_argument("--streams", type=_positive, default=None, help="requests in flight")
 
     v = sub.add_parser("verify", parents=[common], help="check a collection against its manifest")
     v.add_argument("src", metavar="SRC", help="collection location")
     v.add_argument("--deep", action="store_true", help="read every byte and check every SHA256")
-    v.add_argument("--streams", type=int, default=None, help="packs/objects read at once")
+    v.add_argument("--streams", type=_positive, default=None, help="packs/objects read at once")
 
     s = sub.add_parser("ls", parents=[common], help="list files from the manifest")
     s.add_argument("src", metavar="SRC", help="collection location")

@@ -259,6 +259,8 @@ def pull_collection(
     profile = profile_of(store)
     if streams is None:
         streams = max(1, min(profile.concurrency, 16))
+    if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
+        raise ValueError(f"streams={streams!r}: expected a whole number >= 1")
     if gap_bytes is None:
         # Reading a gap is cheaper than another request while it takes less than a request.
         raw = profile.request_seconds * profile.stream_bytes_per_second

@@ -83,6 +83,8 @@ def verify_collection(
     collection = load_collection(store)
     if streams is None:
         streams = max(1, min(profile_of(store).concurrency, os.cpu_count() or 1, 8))
+    if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
+        raise ValueError(f"streams={streams!r}: expected a whole number >= 1")
     members: dict[str, list[FileEntry]] = {p.key: [] for p in collection.manifest.packs}
     objects = []
     for e in collection.entries:
