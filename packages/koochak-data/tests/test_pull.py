@@ -251,3 +251,9 @@ def test_fuzzed_manifests_only_fail_cleanly_and_never_escape(
             assert [p.name for p in (Path(scratch) / "box").iterdir()] == ["out"]
             for p in out.rglob("*"):
                 assert not p.is_symlink() and (p.is_file() or p.is_dir())
+
+
+def test_include_a_directory_selects_its_tree(collection, tmp_path) -> None:
+    _, coll = collection
+    report = pull_collection(coll, tmp_path / "out", include=["d2"])
+    assert sorted(report.paths) == [f"d2/f{i}.txt" for i in range(5)]

@@ -118,8 +118,12 @@ class Collection:
     entries: tuple[FileEntry, ...]
 
     def select(self, include: Sequence[str] = ()) -> list[FileEntry]:
-        """Entries whose path matches any of the ``include`` globs (all when empty), by path."""
-        chosen = [e for e in self.entries if not include or matches_any(e.path, include)]
+        """Entries matching any ``include`` glob (all when empty), sorted by path.
+
+        A glob selects a file when it matches the file's path (or base name, for a glob without
+        ``/``) or one of its parent directories, so ``train`` or ``data/train`` selects a tree.
+        """
+        chosen = [e for e in self.entries if not include or _selected(e.path, include)]
         return sorted(chosen, key=lambda e: e.path)
 
     def by_path(self) -> dict[str, FileEntry]:
@@ -135,6 +139,13 @@ def matches_any(path: str, globs: Iterable[str]) -> bool:
         if "/" not in pattern and fnmatch.fnmatchcase(base, pattern):
             return True
     return False
+
+
+def _selected(path: str, globs: Sequence[str]) -> bool:
+    if matches_any(path, globs):
+        return True
+    parts = path.split("/")
+    return any(matches_any("/".join(parts[:i]), globs) for i in range(1, len(parts)))
 
 
 def check_relative_path(path: object, where: str) -> str:
