@@ -341,3 +341,17 @@ def test_dest_inside_src_is_refused(tree) -> None:
     with pytest.raises(ValueError, match="inside SRC"):
         archive_tree(tree, tree / "coll")
     assert not (tree / "coll").exists()
+
+
+@pytest.mark.parametrize("fault", [("write", 1), ("write", 3), ("fsync", 2), ("write", 6)])
+def test_storage_faults_fail_the_archive_and_a_rerun_completes(tree, tmp_path, fault) -> None:
+    from koochak.storage.testing import Fault, FaultyStore
+
+    op, nth = fault
+    dest = tmp_path / "dest"
+    faulty = FaultyStore(dest, [Fault(op, nth=nth)])
+    with pytest.raises(OSError):
+        archive_tree(tree, faulty, object_bytes=20_000, pack_bytes=8192, streams=1)
+    assert not (dest / "manifest.json").exists()
+    archive_tree(tree, dest, object_bytes=20_000, pack_bytes=8192)
+    assert verify_collection(dest, deep=True).ok

@@ -257,3 +257,14 @@ def test_include_a_directory_selects_its_tree(collection, tmp_path) -> None:
     _, coll = collection
     report = pull_collection(coll, tmp_path / "out", include=["d2"])
     assert sorted(report.paths) == [f"d2/f{i}.txt" for i in range(5)]
+
+
+def test_corrupt_read_from_the_store_is_caught_and_a_rerun_completes(collection, tmp_path) -> None:
+    from koochak.storage.testing import Fault, FaultyStore
+
+    src, coll = collection
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match="SHA256"):
+        pull_collection(FaultyStore(coll, [Fault("read", nth=3, mode="corrupt")]), out, streams=1)
+    pull_collection(coll, out)
+    _same_tree(src, out)
