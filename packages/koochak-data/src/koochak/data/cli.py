@@ -119,7 +119,8 @@ def _archive(args: argparse.Namespace) -> tuple[dict[str, Any], str, int]:
 
     report = archive_tree(
         args.src, args.dest, groups=args.groups,
-        pack_bytes=args.pack_bytes or DEFAULT_PACK_BYTES, object_bytes=args.object_bytes,
+        pack_bytes=DEFAULT_PACK_BYTES if args.pack_bytes is None else args.pack_bytes,
+        object_bytes=args.object_bytes,
         layout=args.layout, include=args.include, exclude=args.exclude,
         skip_symlinks=args.skip_symlinks, min_age_hours=args.min_age_hours,
         files_from=args.files_from, delete_source=args.delete_source, dry_run=args.dry_run,
