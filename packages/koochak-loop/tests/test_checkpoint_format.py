@@ -178,7 +178,7 @@ def test_streamed_serialization_gives_the_same_bytes():
 
 def test_abandoned_stream_stops_the_serializer():
     big = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
-    stream = serialize_checkpoint_chunks(build_checkpoint(step=0, next_step=1, model=big), depth=1)
+    stream = serialize_checkpoint_chunks(build_checkpoint(step=0, next_step=1, model=big))
     next(stream)
     stream.close()  # what a failed write does; must not hang or leak a blocked thread
     assert not any(t.name == "koochak-serialize" for t in threading.enumerate())

@@ -145,59 +145,92 @@ def _no_zip_crc() -> Any:
     return config.patch({"save.compute_crc32": False})
 
 
-def serialize_checkpoint_chunks(ckpt: Mapping[str, Any], depth: int = 4) -> Iterator[bytes]:
+def serialize_checkpoint_chunks(ckpt: Mapping[str, Any]) -> Iterator[bytes | memoryview]:
     """The same bytes as ``serialize_checkpoint``, streamed while ``torch.save`` produces them.
 
-    ``torch.save`` runs on a helper thread and hands over its chunks through a queue of ``depth``
-    chunks, so a store can hash and write one chunk while the next is being serialized and the
-    whole payload never sits in memory twice. Use it only while nothing mutates the tensors (a
-    synchronous save); stopping early (a failed write) cancels the serialization.
+    ``torch.save`` runs on a helper thread; large writes (tensor storages) are handed over as
+    views without copying, and the helper waits until the consumer asks for the next chunk, which
+    a Store does only once it has written and hashed the previous one. Small writes (headers,
+    the pickle) are batched into copies. So the payload is never held whole in memory and tensor
+    bytes are never copied on the way to the store. Use it only while nothing mutates the tensors
+    (a synchronous save); stopping early (a failed write) cancels the serialization.
     """
     payload = _payload(ckpt)  # format errors surface here, on the caller's thread
-    return _stream(payload, depth)
+    return _stream(payload)
 
 
-def _stream(payload: dict[str, Any], depth: int) -> Iterator[bytes]:
-    chunks: queue.Queue[Any] = queue.Queue(maxsize=depth)
+# Writes at least this large go over as views; smaller ones are copied into batches this large.
+_ZERO_COPY_BYTES = 1 << 20
+
+
+def _stream(payload: dict[str, Any]) -> Iterator[bytes | memoryview]:
+    handoff: queue.Queue[Any] = queue.Queue()
     done = object()
     state: dict[str, Any] = {"error": None, "cancel": False}
 
     class _Writer:
+        def __init__(self) -> None:
+            self.pending = bytearray()
+
         def write(self, data: Any) -> int:
             if state["cancel"]:
                 raise _SerializationCancelled
-            chunks.put(bytes(data))  # torch may reuse its buffer: hand over a copy
-            return len(data)
+            view = memoryview(data).cast("B")
+            if view.nbytes < _ZERO_COPY_BYTES:
+                self.pending += view
+                if len(self.pending) >= _ZERO_COPY_BYTES:
+                    self.flush()
+                return view.nbytes
+            self.flush()
+            consumed = threading.Event()
+            handoff.put((view, consumed))
+            consumed.wait()  # torch may free or reuse the buffer once write() returns
+            if state["cancel"]:
+                raise _SerializationCancelled
+            return view.nbytes
 
         def flush(self) -> None:
-            pass
+            if self.pending:
+                handoff.put((bytes(self.pending), None))
+                self.pending.clear()
 
     def produce() -> None:
         try:
+            writer = _Writer()
             with _no_zip_crc():
-                torch.save(payload, _Writer())
+                torch.save(payload, writer)
+            writer.flush()
         except _SerializationCancelled:
             pass
         except BaseException as exc:  # re-raised on the consuming thread
             state["error"] = exc
         finally:
-            chunks.put(done)
+            handoff.put(done)
 
     thread = threading.Thread(target=produce, name="koochak-serialize", daemon=True)
     thread.start()
     finished = False
     try:
         while True:
-            item = chunks.get()
+            item = handoff.get()
             if item is done:
                 finished = True
                 break
-            yield item
+            chunk, consumed = item
+            try:
+                yield chunk
+            finally:  # resumed (or closed): the consumer is done with this chunk
+                if consumed is not None:
+                    consumed.set()
     finally:
-        if not finished:  # the consumer stopped early: unblock and stop the producer
+        if not finished:  # the consumer stopped early: release and stop the producer
             state["cancel"] = True
-            while chunks.get() is not done:
-                pass
+            while True:
+                item = handoff.get()
+                if item is done:
+                    break
+                if item[1] is not None:
+                    item[1].set()
         thread.join()
     if state["error"] is not None:
         raise state["error"]
