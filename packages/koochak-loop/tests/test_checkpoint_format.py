@@ -173,7 +173,8 @@ def test_rng_state_for_rank_uses_per_rank_states():
 
 def test_streamed_serialization_gives_the_same_bytes():
     ckpt = build_checkpoint(step=0, next_step=1, model=_model(), rng=get_rng_state())
-    assert b"".join(serialize_checkpoint_chunks(ckpt)) == serialize_checkpoint(ckpt)
+    # Copy each chunk as it arrives: views are valid only until the next one is requested.
+    assert b"".join(bytes(c) for c in serialize_checkpoint_chunks(ckpt)) == serialize_checkpoint(ckpt)
 
 
 def test_abandoned_stream_stops_the_serializer():
