@@ -172,7 +172,8 @@ def test_rng_state_for_rank_uses_per_rank_states():
 
 
 def test_streamed_serialization_gives_the_same_bytes():
-    ckpt = build_checkpoint(step=0, next_step=1, model=_model(), rng=get_rng_state())
+    big = torch.nn.Sequential(_model(), torch.nn.Linear(2, 1024), torch.nn.Linear(1024, 512))
+    ckpt = build_checkpoint(step=0, next_step=1, model=big, rng=get_rng_state())  # > 1 MB tensors
     # Copy each chunk as it arrives: views are valid only until the next one is requested.
     assert b"".join(bytes(c) for c in serialize_checkpoint_chunks(ckpt)) == serialize_checkpoint(ckpt)
 

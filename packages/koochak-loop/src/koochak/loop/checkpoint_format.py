@@ -152,8 +152,9 @@ def serialize_checkpoint_chunks(ckpt: Mapping[str, Any]) -> Iterator[bytes | mem
     views without copying, and the helper waits until the consumer asks for the next chunk, which
     a Store does only once it has written and hashed the previous one. Small writes (headers,
     the pickle) are batched into copies. So the payload is never held whole in memory and tensor
-    bytes are never copied on the way to the store. Use it only while nothing mutates the tensors
-    (a synchronous save); stopping early (a failed write) cancels the serialization.
+    bytes are never copied on the way to the store. Each chunk is valid only until the next one is
+    requested (copy it to keep it). Use it only while nothing mutates the tensors (a synchronous
+    save); stopping early (a failed write) cancels the serialization.
     """
     payload = _payload(ckpt)  # format errors surface here, on the caller's thread
     return _stream(payload)
