@@ -176,7 +176,9 @@ def resume_checkpoint(
     rank 0 chooses, every other rank reads and verifies the same object, so all ranks agree.
     """
     if resume is not None and resume not in RESUME_MODES:
-        raise ValueError(f"training_loop(resume=...): expected 'auto', 'none' or None, got {resume!r}")
+        raise ValueError(
+            f"training_loop(resume=...): expected 'auto', 'none' or None, got {resume!r}"
+        )
     if checkpoint_dict is not None:
         return dict(checkpoint_dict), auto_resume_path
     if resume != "auto":

@@ -80,7 +80,9 @@ def assess_gpu_health(
     """Decide from readings alone (pure). ``baseline`` is the first reading of the run."""
     reasons: list[str] = []
     if not reading.kernel_ok:
-        reasons.append(f"test kernel failed on {reading.device}: {reading.kernel_error or 'wrong result'}")
+        reasons.append(
+            f"test kernel failed on {reading.device}: {reading.kernel_error or 'wrong result'}"
+        )
     if reading.kernel_seconds is not None and reading.kernel_seconds > policy.max_kernel_seconds:
         reasons.append(
             f"test kernel took {reading.kernel_seconds:.2f}s (limit {policy.max_kernel_seconds}s)"
@@ -90,7 +92,9 @@ def assess_gpu_health(
             f"temperature {reading.temperature_c:.0f}C above {policy.max_temperature_c:.0f}C"
         )
     if reading.ecc_uncorrected is not None:
-        before = baseline.ecc_uncorrected if baseline and baseline.ecc_uncorrected is not None else 0
+        before = (
+            baseline.ecc_uncorrected if baseline and baseline.ecc_uncorrected is not None else 0
+        )
         new = reading.ecc_uncorrected - before
         if new > policy.max_new_ecc_uncorrected:
             reasons.append(f"{new} new uncorrectable ECC error(s)")
@@ -110,7 +114,11 @@ def read_gpu_health(device: torch.device) -> GpuReading:
         pass
     fields.update(_nvml_readings(device))
     return GpuReading(
-        device=name, kernel_ok=kernel_ok, kernel_error=kernel_error, kernel_seconds=seconds, **fields
+        device=name,
+        kernel_ok=kernel_ok,
+        kernel_error=kernel_error,
+        kernel_seconds=seconds,
+        **fields,
     )
 
 

@@ -97,9 +97,7 @@ def split_checkpoint_path(
             parent, _, name = text.rpartition("/")
             return checkpoint_store(parent or "."), name
     if ckpt is None:
-        raise ValueError(
-            f"{path_or_location!s}: expected a checkpoint file path ending in .pt"
-        )
+        raise ValueError(f"{path_or_location!s}: expected a checkpoint file path ending in .pt")
     return checkpoint_store(path_or_location), checkpoint_name(int(ckpt["step"]))
 
 
