@@ -170,10 +170,12 @@ def test_damaged_newest_falls_back_with_a_logged_reason(tmp_path, caplog, damage
     assert "step000000002.pt" in logged and reason in logged
 
 
-def test_manifest_less_checkpoint_is_not_evidence(tmp_path):
+def test_manifest_less_checkpoint_is_not_evidence(tmp_path, caplog):
     _publish_steps(tmp_path, [0, 1])
     os.remove(tmp_path / "step000000001.pt.ready.json")
-    assert resolve_auto_resume(tmp_path)[1]["step"] == 0
+    with caplog.at_level(logging.INFO):
+        assert resolve_auto_resume(tmp_path)[1]["step"] == 0
+    assert "step000000001.pt: no ready manifest" in caplog.text
 
 
 def test_latest_link_and_stray_files_never_count(tmp_path):

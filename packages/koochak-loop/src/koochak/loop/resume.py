@@ -19,6 +19,7 @@ from koochak.loop.checkpoint_format import (
     LATEST_NAME,
     check_resume_cursor,
     deserialize_checkpoint,
+    step_of_name,
 )
 from koochak.loop.publish import checkpoint_store, publication_path
 from koochak.storage import artifact
@@ -104,10 +105,23 @@ def resolve_auto_resume(
     """
     store = checkpoint_store(location)
     found = artifact.highest_valid(store, CHECKPOINT_PATTERN, check=_validated_checkpoint(store))
+    _log_unmanifested(store, found[1]["step"] if found is not None else -1)
     if found is None:
         return None
     publication, ckpt = found
     return publication_path(store, publication), ckpt
+
+
+def _log_unmanifested(store: Store, chosen: int) -> None:
+    """Say why newer-looking files were passed over: they were never committed by a manifest."""
+    keys = {info.key for info in store.list("step")}
+    for key in sorted(keys):
+        number = step_of_name(key)
+        if number is not None and number > chosen and key + artifact.READY_SUFFIX not in keys:
+            log.warning(
+                "ignoring %s: no ready manifest (an incomplete or interrupted publication)",
+                _key_path(store, key),
+            )
 
 
 def _validated_checkpoint(store: Store):
