@@ -9,12 +9,14 @@ Koochak writes goes through it.
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import logging
 import os
 import pathlib
 import re
 import stat as _stat
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -54,6 +56,9 @@ TEMP_PREFIX = ".koochak-tmp-"
 
 # Large enough that per-call overhead vanishes against the disk, small enough to pipeline hashing.
 _CHUNK = 8 << 20
+# Reads from a stream: larger than LocalStore.open's 8 MiB buffer, so a BufferedReader reads
+# straight into put's buffer instead of through its own.
+_READ_CHUNK = 16 << 20
 # Below this a chunk is hashed inline; handing it to a thread would cost more than it saves.
 _OVERLAP_MIN = 1 << 20
 
@@ -174,6 +179,18 @@ class _Syscalls:
     def fsync(self, fd: int) -> None:
         os.fsync(fd)
 
+    def start_writeback(self, fd: int, offset: int, length: int) -> bool:
+        """Start (not wait for) writeback of a written range; False where that is unsupported.
+
+        Only a head start for the fsync that follows, which alone makes the bytes durable and
+        reports any write error, so a refusal here (no such call, a filesystem that does not
+        support it) is no fault of the put.
+        """
+        function = _sync_file_range()
+        if function is None:
+            return False
+        return function(fd, offset, length, _SYNC_FILE_RANGE_WRITE) == 0
+
     def close(self, fd: int) -> None:
         os.close(fd)
 
@@ -237,28 +254,52 @@ class _Hasher:
                 self._pool = None
 
 
-def _chunks(data: object) -> Iterator[memoryview]:
-    """Yield the payload of ``put`` as memoryviews without copying buffers."""
+@functools.cache
+def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """libc's ``sync_file_range`` (Linux only; not in Python's os module), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function  # ctypes releases the GIL for the call, so hashing keeps running
+
+
+_SYNC_FILE_RANGE_WRITE = 2  # <fcntl.h>: start writeback of dirty pages, do not wait for it
+
+
+def _views(data: bytes | bytearray | memoryview) -> Iterator[memoryview]:
+    """Split one buffer into ``_CHUNK``-sized views, without copying."""
+    view = memoryview(data).cast("B")
+    for offset in range(0, len(view), _CHUNK):
+        yield view[offset : offset + _CHUNK]
+
+
+def _chunks(data: object) -> Iterator[tuple[memoryview, bool]]:
+    """Yield the payload of ``put`` as ``(chunk, stable)`` memoryviews, without copying buffers.
+
+    ``stable`` means the chunk's bytes stay unchanged while the *next* chunk is produced, so its
+    hash may still be running then. That holds for immutable bytes, for a buffer handed to put
+    whole (its owner is blocked in put), and for this function's own two alternating read
+    buffers; it does not hold for blocks from a caller's iterable, which may refill one buffer.
+    """
     if isinstance(data, str):
         raise TypeError(
             "put() data must be bytes, a binary stream or an iterable of bytes, not str"
         )
     if isinstance(data, (bytes, bytearray, memoryview)):
-        view = memoryview(data).cast("B")
-        for offset in range(0, len(view), _CHUNK):
-            yield view[offset : offset + _CHUNK]
+        for view in _views(data):
+            yield view, True
         return
     read = getattr(data, "read", None)
     if callable(read):
-        while True:
-            block = read(_CHUNK)
-            if block is None:  # non-blocking stream with nothing ready: not supported
-                raise TypeError("put() stream returned None; pass a blocking binary stream")
-            if isinstance(block, str):
-                raise TypeError("put() stream is in text mode; open it with 'rb'")
-            if not block:
-                return
-            yield memoryview(block).cast("B")
+        yield from _stream_chunks(data, read)
+        return
     try:
         iterator = iter(data)  # type: ignore[call-overload]
     except TypeError:
@@ -269,9 +310,50 @@ def _chunks(data: object) -> Iterator[memoryview]:
     for block in iterator:
         if not isinstance(block, (bytes, bytearray, memoryview)):
             raise TypeError(f"put() iterable yielded {type(block).__name__}; expected bytes")
-        view = memoryview(block).cast("B")
-        for offset in range(0, len(view), _CHUNK):
-            yield view[offset : offset + _CHUNK]
+        stable = isinstance(block, bytes)
+        for view in _views(block):
+            yield view, stable
+
+
+def _stream_chunks(
+    stream: object, read: Callable[[int], object]
+) -> Iterator[tuple[memoryview, bool]]:
+    """Chunks of a binary stream: read into two reused buffers where the stream allows it.
+
+    A fresh 8 MiB bytes object per read costs an allocation and page faults on every chunk;
+    ``readinto`` fills the same two buffers in turn (one being written and hashed while the
+    other is filled). The first read uses ``read`` so a small stream never pays for the buffers.
+    """
+    block = _checked_block(read(_READ_CHUNK))
+    if not block:
+        return
+    yield memoryview(block).cast("B"), isinstance(block, bytes)
+    readinto = getattr(stream, "readinto", None)
+    if len(block) < _READ_CHUNK or not callable(readinto):
+        while block := _checked_block(read(_READ_CHUNK)):
+            yield memoryview(block).cast("B"), isinstance(block, bytes)
+        return
+    buffers = [memoryview(bytearray(_READ_CHUNK)), memoryview(bytearray(_READ_CHUNK))]
+    turn = 0
+    while True:
+        buffer = buffers[turn]
+        got = readinto(buffer)
+        if got is None:
+            raise TypeError("put() stream returned None; pass a blocking binary stream")
+        if not got:
+            return
+        yield buffer[:got], True
+        turn ^= 1
+
+
+def _checked_block(block: object) -> bytes:
+    if block is None:  # non-blocking stream with nothing ready: not supported
+        raise TypeError("put() stream returned None; pass a blocking binary stream")
+    if isinstance(block, str):
+        raise TypeError("put() stream is in text mode; open it with 'rb'")
+    if not isinstance(block, (bytes, bytearray, memoryview)):
+        raise TypeError(f"put() stream read returned {type(block).__name__}; expected bytes")
+    return block  # type: ignore[return-value]
 
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
@@ -591,14 +673,20 @@ class LocalStore:
     def _write_checked(self, key, fd, data, expected_size, want_sha) -> tuple[int, str]:
         hasher = _Hasher()
         size = 0
+        # With fsync on, ask the kernel to start writing each chunk to disk as soon as it is
+        # written, so the disk works while the next chunks are read and hashed and the final
+        # fsync has little left to do. Off for the rest of the put once unsupported.
+        writeback = self.fsync
         try:
-            for chunk in _chunks(data):
+            for chunk, stable in _chunks(data):
                 hasher.start(chunk)
                 self._write_fully(fd, chunk)
+                if writeback and len(chunk) >= _OVERLAP_MIN:
+                    writeback = self._sys.start_writeback(fd, size, len(chunk))
                 size += len(chunk)
-                if not isinstance(chunk.obj, bytes):
+                if not stable:
                     # The producer may refill this buffer for its next chunk (a bytearray, a
-                    # reused memoryview): finish hashing it first. Immutable bytes may lag.
+                    # reused memoryview): finish hashing it first. Stable chunks may lag.
                     hasher.wait()
                 if expected_size is not None and size > expected_size:
                     raise ValueError(

@@ -116,6 +116,12 @@ class _FaultySyscalls(_Syscalls):
         self._fault("fsync")
         super().fsync(fd)
 
+    def start_writeback(self, fd: int, offset: int, length: int) -> bool:
+        # Counted, never failed: it is only a hint and the real call reports no errors.
+        with self._lock:
+            self.calls["writeback"] += 1
+        return super().start_writeback(fd, offset, length)
+
     def close(self, fd: int) -> None:
         try:
             self._fault("close")

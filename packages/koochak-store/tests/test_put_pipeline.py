@@ -1,0 +1,155 @@
+"""How put moves bytes: reused read buffers, SHA256 overlapped, disk writeback started early."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import sys
+
+import pytest
+from koochak.storage import store as store_module
+from koochak.storage.store import LocalStore, _stream_chunks
+from koochak.storage.testing import FaultyStore
+
+DATA = bytes(range(256)) * 12_000  # ~3 MB
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Many chunks from little data, each hashed on the helper thread as in a large put."""
+    monkeypatch.setattr(store_module, "_READ_CHUNK", 64 << 10)
+    monkeypatch.setattr(store_module, "_CHUNK", 64 << 10)
+    monkeypatch.setattr(store_module, "_OVERLAP_MIN", 1)
+
+
+class _ShortReads(io.RawIOBase):
+    """A raw stream whose reads return at most 10,000 bytes, like a pipe or a socket."""
+
+    def __init__(self, data: bytes) -> None:
+        self._data = memoryview(data)
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        n = min(len(buffer), 10_000, len(self._data) - self._pos)
+        buffer[:n] = self._data[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+
+class _ReadOnly:
+    """A stream with read() only (no readinto)."""
+
+    def __init__(self, data: bytes) -> None:
+        self._inner = io.BytesIO(data)
+
+    def read(self, n: int = -1) -> bytes:
+        return self._inner.read(n)
+
+
+@pytest.mark.parametrize("publish", ["link", "exclusive"])
+@pytest.mark.parametrize(
+    "make",
+    [io.BytesIO, _ReadOnly, _ShortReads, lambda d: io.BufferedReader(_ShortReads(d))],
+    ids=["BytesIO", "read-only", "raw-short-reads", "buffered"],
+)
+def test_streams_hash_and_store_every_byte_across_many_reused_buffers(
+    tmp_path, small_chunks, publish, make
+):
+    store = LocalStore(tmp_path, publish=publish)
+    info = store.put("obj", make(DATA), expected_size=len(DATA))
+    assert info.sha256 == hashlib.sha256(DATA).hexdigest()
+    assert store.get("obj") == DATA
+
+
+def test_stream_chunks_alternate_two_buffers_after_the_first_read(small_chunks):
+    # The producer refills buffer k while chunk k - 1 (the other buffer) is hashed and written;
+    # a chunk's buffer is reused only two chunks later, after its hash was waited for.
+    stream = io.BytesIO(DATA)
+    chunks = _stream_chunks(stream, stream.read)
+    first, stable = next(chunks)
+    assert stable and isinstance(first.obj, bytes)
+    owners = []
+    for chunk, stable in chunks:
+        assert stable
+        owners.append(id(chunk.obj))
+    assert len(owners) > 4
+    assert owners[0] != owners[1] and owners[0::2] == [owners[0]] * len(owners[0::2])
+    assert owners[1::2] == [owners[1]] * len(owners[1::2])
+
+
+def test_a_small_stream_never_allocates_the_read_buffers(monkeypatch):
+    made = []
+    real = bytearray
+
+    def spy(*args):
+        made.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(store_module, "bytearray", spy, raising=False)
+    stream = io.BytesIO(b"tiny")
+    assert [bytes(c) for c, _ in _stream_chunks(stream, stream.read)] == [b"tiny"]
+    assert made == []
+
+
+def test_a_stream_that_returns_none_or_text_is_refused(tmp_path):
+    class NonBlocking(io.RawIOBase):
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, buffer):
+            return None
+
+    store = LocalStore(tmp_path)
+    with pytest.raises(TypeError, match="blocking"):
+        store.put("a", NonBlocking())
+    with pytest.raises(TypeError, match="text mode"):
+        store.put("b", io.StringIO("text"))
+    assert store.list() == []
+
+
+def test_put_starts_writeback_of_each_large_chunk_then_fsyncs(tmp_path, small_chunks):
+    store = FaultyStore(tmp_path)
+    store.put("obj", DATA)
+    chunks = -(-len(DATA) // (64 << 10))
+    assert store.calls["writeback"] == chunks
+    assert store.calls["fsync"] >= 2  # the file, then its directory: durability is fsync's job
+    assert store.get("obj") == DATA
+
+
+def test_without_fsync_no_writeback_is_started(tmp_path, small_chunks):
+    store = FaultyStore(tmp_path, fsync=False)
+    store.put("obj", DATA)
+    assert store.calls["writeback"] == 0
+
+
+def test_small_puts_make_no_writeback_call(tmp_path):
+    store = FaultyStore(tmp_path)
+    store.put("obj", b"x" * 1000)
+    assert store.calls["writeback"] == 0
+
+
+def test_writeback_unavailable_is_tried_once_and_the_put_still_succeeds(
+    tmp_path, small_chunks, monkeypatch
+):
+    monkeypatch.setattr(store_module, "_sync_file_range", lambda: None)
+    store = FaultyStore(tmp_path)
+    info = store.put("obj", DATA)
+    assert store.calls["writeback"] == 1  # refused once, then not asked again in this put
+    assert info.sha256 == hashlib.sha256(DATA).hexdigest()
+    assert store.get("obj") == DATA
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux-only")
+def test_sync_file_range_is_found_and_accepts_a_written_range_on_linux(tmp_path):
+    # Guards the ctypes signature: a wrong one would fail silently and lose the speed-up.
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, b"x" * 8192)
+        assert store_module._Syscalls().start_writeback(fd, 0, 8192) is True
+    finally:
+        os.close(fd)
