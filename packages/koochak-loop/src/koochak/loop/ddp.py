@@ -72,7 +72,8 @@ def shard_datasets(
     setup: DdpSetup,
 ) -> tuple[Iterable[Any], Iterable[Any] | None]:
     """Apply the opt-in sharding; rank 0 warns about whatever DDP runs unsharded."""
-    if not setup.enabled or setup.world_size == 1:
+    # Keyed on the world size, not train.ddp: a process group started by hand shards on request too.
+    if setup.world_size == 1:
         return dataset, eval_dataset
     unsharded: list[str] = []
     if _get(train_cfg, "shard_dataset", False):
