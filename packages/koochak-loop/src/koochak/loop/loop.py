@@ -270,9 +270,11 @@ def training_loop(
             if health is not None and health.due(step):
                 verdict = health.check(step)
                 if ddp.any_rank(not verdict.healthy, device):
-                    ckpt = _terminal(saver, "gpu_health", step + 1, parts, {**metrics, **eval_metrics},
-                                     prior_wall_time, started, best_effort=True)  # fmt: skip
-                    raise GpuUnhealthy(step + 1, verdict, ckpt[1] if ckpt else None)
+                    _, path = _terminal(
+                        saver, "gpu_health", step + 1, parts, {**metrics, **eval_metrics},
+                        prior_wall_time, started, best_effort=True,
+                    )  # fmt: skip
+                    raise GpuUnhealthy(step + 1, verdict, path)
 
             # ---- maybe eval
             if eval_fn is not None and cfg.eval_every and (step + 1) % cfg.eval_every == 0:
@@ -284,7 +286,8 @@ def training_loop(
             if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0:
                 periodic = capture_checkpoint(
                     step=step, next_step=step + 1, reason="periodic", **_parts(parts),
-                    wall_time=prior_wall_time + time.perf_counter() - started, metrics={**metrics, **eval_metrics},
+                    wall_time=prior_wall_time + time.perf_counter() - started,
+                    metrics={**metrics, **eval_metrics},
                 )  # fmt: skip
                 if saver is not None:
                     saver.save(periodic)
