@@ -94,6 +94,7 @@ def test_evacuation_request_publishes_terminal_checkpoint_and_exits_75(tmp_path)
             os.kill(os.getpid(), signal.SIGUSR1)  # the handler only records it
         return _step(model, batch, ctx)
 
+    previous = signal.getsignal(signal.SIGUSR1)
     with pytest.raises(Evacuated) as info:
         _run(tmp_path, step_fn=step_fn, hooks=_recorder(events), evacuation=controller,
              train={"ckpt_every": 0, "checkpoint_async": True})  # fmt: skip
@@ -102,7 +103,7 @@ def test_evacuation_request_publishes_terminal_checkpoint_and_exits_75(tmp_path)
     path, ckpt = resolve_auto_resume(tmp_path)
     assert (ckpt["step"], ckpt["next_step"], ckpt["reason"]) == (3, 3, "evacuation")
     assert events == [("on_checkpoint", 3, True), ("on_train_end", 3, "evacuation")]
-    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # handler removed again
+    assert signal.getsignal(signal.SIGUSR1) is previous  # our handler is gone again
 
 
 def test_evacuated_run_resumes_to_the_uninterrupted_result(tmp_path):
