@@ -61,6 +61,8 @@ _CHUNK = 8 << 20
 _READ_CHUNK = 16 << 20
 # Below this a chunk is hashed inline; handing it to a thread would cost more than it saves.
 _OVERLAP_MIN = 1 << 20
+# How a put creates its file (a temp name, or the key itself): never an existing one.
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
 
 
 @dataclass(frozen=True)
@@ -611,14 +613,9 @@ class LocalStore:
     def _put_link(self, key, final, parent, data, expected_size, want_sha) -> ObjectInfo:
         name = os.path.basename(final)
         temp = os.path.join(parent, f"{TEMP_PREFIX}{uuid.uuid4().hex}-{name[:120]}")
-        fd = self._sys.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd = self._sys.open(temp, _CREATE_FLAGS, 0o644)
         try:
-            try:
-                size, digest = self._write_checked(key, fd, data, expected_size, want_sha)
-                if self.fsync:
-                    self._sys.fsync(fd)
-            finally:
-                self._sys.close(fd)
+            size, digest = self._fill_and_close(fd, key, data, expected_size, want_sha)
             if self.verify_readback:
                 self._verify_bytes(key, temp, size, digest)
             # os.link never replaces: a concurrent writer of the same key makes this fail.
@@ -640,16 +637,12 @@ class LocalStore:
         return ObjectInfo(key=key, size=size, mtime_ns=st.st_mtime_ns, sha256=digest)
 
     def _put_exclusive(self, key, final, parent, data, expected_size, want_sha) -> ObjectInfo:
-        fd = self._sys.open(final, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        # Opened outside the try: if O_EXCL fails, the existing file is someone else's.
+        fd = self._sys.open(final, _CREATE_FLAGS, 0o644)
         committed = False
         try:
-            try:
-                size, digest = self._write_checked(key, fd, data, expected_size, want_sha)
-                if self.fsync:
-                    self._sys.fsync(fd)
-            finally:
-                # The mount publishes on close, so a failed close is a failed put.
-                self._sys.close(fd)
+            # The mount publishes on close, so a failed close is a failed put.
+            size, digest = self._fill_and_close(fd, key, data, expected_size, want_sha)
             if self.fsync:
                 self._fsync_dir(parent)
             st = self._wait_visible(key, final, size)
@@ -660,6 +653,19 @@ class LocalStore:
             if not committed:
                 self._remove_failed(final)
         return ObjectInfo(key=key, size=size, mtime_ns=st.st_mtime_ns, sha256=digest)
+
+    def _fill_and_close(self, fd, key, data, expected_size, want_sha) -> tuple[int, str]:
+        """Write and check ``data`` into a new file, fsync and close it; return (size, SHA256).
+
+        The descriptor is closed even when writing fails, and a failed close fails the put.
+        """
+        try:
+            size, digest = self._write_checked(key, fd, data, expected_size, want_sha)
+            if self.fsync:
+                self._sys.fsync(fd)
+        finally:
+            self._sys.close(fd)
+        return size, digest
 
     def _remove_failed(self, path: str) -> None:
         """Remove the object of a put that is failing; the put's own error is what propagates."""
