@@ -102,6 +102,31 @@ def test_plan_is_deterministic_and_objects_by_size(tree) -> None:
     assert not everything.packs and len(everything.objects) == len(files)
 
 
+def test_layout_objects_stores_every_file_as_is_and_round_trips(tree, tmp_path) -> None:
+    dest = tmp_path / "dest"
+    report = archive_tree(tree, dest, layout="objects", object_bytes=1 << 30)
+    assert report.packs == 0 and report.objects == report.files == 14
+    for entry in load_collection(dest).entries:
+        assert entry.pack is None and entry.object == f"objects/{entry.path}"
+        assert (dest / entry.object).read_bytes() == (tree / entry.path).read_bytes()
+    assert verify_collection(dest, deep=True).ok
+
+
+def test_object_bytes_default_comes_from_the_targets_profile(tree, tmp_path) -> None:
+    from koochak.storage.profile import StoreProfile, min_object_bytes
+
+    # request_seconds * bandwidth = 8 KiB: files at least that large become objects. (Without
+    # a profile the conservative default puts the threshold far above this tree's 40 KB file.)
+    profile = StoreProfile(request_seconds=0.001, stream_bytes_per_second=8.192e6, concurrency=2,
+                           range_reads_scale=False, part_bytes=8 << 20, listing_cheap=True)
+    assert min_object_bytes(profile) == 8192
+    report = archive_tree(tree, LocalStore(tmp_path / "dest", profile=profile))
+    collection = load_collection(tmp_path / "dest")
+    assert [e.path for e in collection.entries if e.object] == ["big/huge.bin"]
+    assert report.objects == 1 and collection.manifest.metadata["object_bytes"] == 8192
+    assert archive_tree(tree, tmp_path / "plain", dry_run=True).objects == 0
+
+
 def test_paths_that_are_not_store_keys_are_packed(tmp_path) -> None:
     src = tmp_path / "src"
     _write(src, "what?.bin", 5000)
@@ -146,9 +171,11 @@ def test_files_from_takes_exactly_the_listed_paths(tree, tmp_path) -> None:
     report = archive_tree(tree, tmp_path / "dest", files_from=listed)
     assert report.files == 2
     for bad, message in (("linked/f0.bin", "not a plain directory"), ("nope", "does not exist"),
+                         ("nodir/x.bin", "nodir does not exist"),
                          ("../x", "segment"), ("d0", "directory"), ("d0/f0.bin\nd0/f0.bin", "twice")):
         listed.write_text(bad + "\n")
-        with pytest.raises(ValueError, match=message):
+        # Errors name the list file and its line, so a long list is easy to fix.
+        with pytest.raises(ValueError, match=f"--files-from {listed} line [12]: .*{message}"):
             archive_tree(tree, tmp_path / "dest2", files_from=listed, dry_run=True)
 
 

@@ -62,6 +62,12 @@ def test_dry_run_reports_and_writes_nothing(src, tmp_path, capsys) -> None:
     assert code == 0 and report["dry_run"] and report["files"] == 21 and report["objects"] == 1
     assert report["packs"] > 1 and report["requests"]["target_puts"] > report["packs"]
     assert not dest.exists()
+    groups = tmp_path / "groups.csv"
+    groups.write_text("path,group\npart0/file000.dat,g\npart0/typo.dat,g\n")
+    code, text, _ = _run(capsys, "archive", str(src), str(dest), "--dry-run", "--groups", str(groups))
+    assert code == 0 and "dry run (nothing written)" in text and "reused" not in text
+    assert "skipped           none" in text and "puts to write it" in text
+    assert "1 row(s) of --groups name no archived file" in text and "part0/typo.dat" in text
 
 
 def test_verify_exits_1_on_problems(src, tmp_path, capsys) -> None:

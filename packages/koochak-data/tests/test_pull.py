@@ -88,6 +88,14 @@ def test_include_selects_files(collection, tmp_path) -> None:
     assert not (out / "d0").exists()
 
 
+def test_include_that_matches_nothing_is_an_error(collection, tmp_path) -> None:
+    _, coll = collection
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=r"--include 'd1/\*\.bin' matches no file"):
+        pull_collection(coll, out, include=["d1/*", "d1/*.bin"])
+    assert not any(out.rglob("*.txt"))
+
+
 def test_merge_ranges_joins_neighbours_within_gap_and_cap() -> None:
     def entry(offset: int, size: int) -> FileEntry:
         return FileEntry(f"f{offset}", size, SHA, 0o644, 0, "g", "packs/pack-000000.tar", offset)
@@ -183,7 +191,7 @@ def test_corrupt_bytes_are_never_written_under_a_final_name(collection, tmp_path
     pack.unlink()
     pack.write_bytes(bytes(data))
     out = tmp_path / "out"
-    with pytest.raises(ValueError, match="d0/f2.txt"):
+    with pytest.raises(ValueError, match=rf"d0/f2.txt \(in {entry.pack}\): got .* not written"):
         pull_collection(coll, out, include=["d0/*"], streams=1)
     assert not (out / "d0" / "f2.txt").exists()
     assert not list(out.rglob(".koochak-pull-*"))

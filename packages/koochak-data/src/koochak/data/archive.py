@@ -148,7 +148,8 @@ class ArchiveReport:
     problems: list[str] = field(default_factory=list)
     deleted: int = 0
     kept_changed: list[str] = field(default_factory=list)
-    unmatched_group_rows: int = 0
+    unmatched_group_rows: int = 0  # groups-table rows naming no archived file (a typo?)
+    unmatched_group_paths: list[str] = field(default_factory=list)  # the first 20 of them
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -173,6 +174,7 @@ def scan_source(
     skip_symlinks: bool = False,
     min_age_hours: float | None = None,
     files_from: Sequence[str] | None = None,
+    listed_in: str = "--files-from",
     now_ns: int | None = None,
 ) -> tuple[list[SourceFile], dict[str, int]]:
     """The regular files to archive under ``src`` (sorted by path) and counts of what was skipped.
@@ -180,7 +182,7 @@ def scan_source(
     Excluded directories are pruned (never entered); ``include`` keeps only matching files.
     A symlink raises ValueError unless ``skip_symlinks`` or excluded; a special file (FIFO,
     socket, device) always raises unless excluded. ``files_from`` names the exact relative paths
-    to take instead of walking.
+    to take instead of walking (its lines; errors name ``listed_in`` and the line number).
     """
     root = os.fspath(src)
     if not os.path.isdir(root):
@@ -196,7 +198,7 @@ def scan_source(
     )
     skipped = {"excluded": 0, "not_included": 0, "symlinks": 0, "too_new": 0}
     if files_from is not None:
-        files = _scan_listed(root, files_from, filters, skipped)
+        files = _scan_listed(root, files_from, filters, skipped, listed_in)
     else:
         files = _walk(root, filters, skipped)
     files.sort(key=lambda f: f.path)
@@ -262,7 +264,7 @@ def _walk(root: str, filters: _Filters, skipped: dict[str, int]) -> list[SourceF
 
 
 def _scan_listed(
-    root: str, listed: Sequence[str], filters: _Filters, skipped: dict[str, int]
+    root: str, listed: Sequence[str], filters: _Filters, skipped: dict[str, int], listed_in: str
 ) -> list[SourceFile]:
     files: list[SourceFile] = []
     seen: set[str] = set()
@@ -271,22 +273,23 @@ def _scan_listed(
         rel = line.rstrip("\r\n")
         if not rel:
             continue
+        where = f"{listed_in} line {number}"
         while rel.startswith("./"):
             rel = rel[2:]
-        check_relative_path(rel, f"--files-from line {number}")
+        check_relative_path(rel, where)
         if rel in seen:
-            raise ValueError(f"--files-from line {number}: {rel!r} is listed twice")
+            raise ValueError(f"{where}: {rel!r} is listed twice")
         seen.add(rel)
-        _check_parents(root, rel, safe_dirs, f"--files-from line {number}")
+        _check_parents(root, rel, safe_dirs, where)
         try:
             st = os.lstat(os.path.join(root, rel))
         except FileNotFoundError:
             raise ValueError(
-                f"--files-from line {number}: {os.path.join(root, rel)} does not exist"
+                f"{where}: {os.path.join(root, rel)} does not exist"
             ) from None
         if stat.S_ISDIR(st.st_mode):
             raise ValueError(
-                f"--files-from line {number}: {rel!r} is a directory; list files, not directories"
+                f"{where}: {rel!r} is a directory; list files, not directories"
             )
         found = _consider(root, rel, st, filters, skipped)
         if found is not None:
@@ -301,7 +304,10 @@ def _check_parents(root: str, rel: str, safe: set[str], where: str) -> None:
         parent = "/".join(parts[:i])
         if parent in safe:
             continue
-        st = os.lstat(os.path.join(root, parent))
+        try:
+            st = os.lstat(os.path.join(root, parent))
+        except FileNotFoundError:
+            raise ValueError(f"{where}: {os.path.join(root, parent)} does not exist") from None
         if not stat.S_ISDIR(st.st_mode):
             raise ValueError(f"{where}: {os.path.join(root, parent)} is not a plain directory")
         safe.add(parent)
@@ -890,7 +896,7 @@ def archive_tree(
             listed = handle.read().split("\n")
     files, skipped = scan_source(
         root, include=include, exclude=exclude, skip_symlinks=skip_symlinks,
-        min_age_hours=min_age_hours, files_from=listed,
+        min_age_hours=min_age_hours, files_from=listed, listed_in=f"--files-from {files_from}",
     )
     table = read_groups(groups) if groups is not None else None
     plan = plan_archive(
@@ -898,7 +904,9 @@ def archive_tree(
     )
     report = ArchiveReport(source=root, dest=target.location, skipped=skipped, dry_run=dry_run)
     if table is not None:
-        report.unmatched_group_rows = len(set(table) - {f.path for f in files})
+        unmatched = sorted(set(table) - {f.path for f in files})
+        report.unmatched_group_rows = len(unmatched)
+        report.unmatched_group_paths = unmatched[:20]
     _fill_counts(report, plan)
     if dry_run:
         return report

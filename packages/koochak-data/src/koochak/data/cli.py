@@ -129,18 +129,24 @@ def _archive(args: argparse.Namespace) -> tuple[dict[str, Any], str, int]:
     state = "dry run (nothing written)" if report.dry_run else (
         "already committed" if report.already_committed else "committed"
     )
+    reused_packs = "" if report.dry_run else f", {report.packs_reused} reused"
+    reused_objects = "" if report.dry_run else f", {report.objects_reused} reused"
+    skipped = [f"{n} {why.replace('_', ' ')}" for why, n in report.skipped.items() if n]
+    req = report.requests
     rows: list[tuple[str, Any]] = [
         ("collection", report.dest),
         ("state", state),
         ("files", f"{report.files} ({_human(report.bytes)})"),
-        ("packs", f"{report.packs} ({_human(report.pack_bytes)}), {report.packs_reused} reused"),
-        ("objects", f"{report.objects} ({_human(report.object_bytes)}), "
-                    f"{report.objects_reused} reused"),
-        ("skipped", ", ".join(f"{k} {v}" for k, v in report.skipped.items())),
-        ("requests", ", ".join(f"{k} {v}" for k, v in report.requests.items())),
+        ("packs", f"{report.packs} ({_human(report.pack_bytes)}){reused_packs}"),
+        ("objects", f"{report.objects} ({_human(report.object_bytes)}){reused_objects}"),
+        ("skipped", ", ".join(skipped) or "none"),
+        ("requests", f"{req['target_puts']} puts to write it; a full pull takes "
+                     f"{req['pull_gets']} gets ({req['pull_gets_unpacked']} if unpacked)"),
     ]
     if report.unmatched_group_rows:
-        rows.append(("group rows unmatched", report.unmatched_group_rows))
+        rows.append(("groups unmatched",
+                     f"{report.unmatched_group_rows} row(s) of --groups name no archived file"))
+        rows += [("  unmatched", path) for path in report.unmatched_group_paths[:5]]
     code = 0
     if args.delete_source:
         rows.append(("deep verify", "ok" if report.verified else "FAILED: nothing deleted"))

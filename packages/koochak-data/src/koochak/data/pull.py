@@ -194,8 +194,9 @@ class _DestTree:
                         view = view[os.write(fd, view) :]
                 if size != entry.size or sha.hexdigest() != entry.sha256:
                     raise ValueError(
-                        f"{entry.path}: got {size} bytes with SHA256 {sha.hexdigest()}, the "
-                        f"manifest says {entry.size} bytes with {entry.sha256}; not written"
+                        f"{entry.path} (in {entry.key}): got {size} bytes with SHA256 "
+                        f"{sha.hexdigest()}, the manifest says {entry.size} bytes with "
+                        f"{entry.sha256}; not written (verify --deep lists every damaged file)"
                     )
                 os.fchmod(fd, entry.mode & 0o777)
                 os.utime(fd, ns=(time.time_ns(), entry.mtime_ns))
@@ -248,8 +249,9 @@ def pull_collection(
 ) -> PullReport:
     """Restore the files of the collection ``source`` matching ``include`` under ``dest``.
 
-    Raises ValueError for a malformed manifest, a symlink or a differing file in the way
-    (unless ``overwrite``), and for bytes whose SHA256 does not match (that file is not written).
+    Raises ValueError for a malformed manifest, an ``include`` glob that matches no file, a
+    symlink or a differing file in the way (unless ``overwrite``), and for bytes whose SHA256
+    does not match (that file is not written).
     """
     from koochak.data._progress import progress_bar
     from koochak.storage.profile import profile_of
@@ -267,6 +269,10 @@ def pull_collection(
         gap_bytes = int(min(max(raw, 64 << 10), 16 << 20))
     collection = load_collection(store)
     selected = collection.select(include)
+    for pattern in include:
+        # A glob that selects nothing is almost always a typo; saying so beats "0 files".
+        if not collection.select([pattern]):
+            raise ValueError(f"--include {pattern!r} matches no file in {store.location}")
     root = os.path.abspath(os.fspath(dest))
     report = PullReport(source=store.location, dest=root, files=len(selected))
     report.bytes = sum(e.size for e in selected)
