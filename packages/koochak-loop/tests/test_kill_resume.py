@@ -127,14 +127,15 @@ def main(out_dir: str, kill_mode: str, kill_step: int) -> None:
 
 
 def _run(out_dir, kill_mode="none", kill_step=-1, kill_after=None) -> tuple[int, str]:
+    """Run the script; returns (exit code, stdout + stderr), stdout starting with "START n"."""
     cmd = [sys.executable, __file__, str(out_dir), kill_mode, str(kill_step)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     first = proc.stdout.readline()  # "START n": imports are done, training is under way
     if kill_after is not None and first.startswith("START"):
         time.sleep(kill_after)
         proc.send_signal(signal.SIGKILL)
-    rest, _ = proc.communicate(timeout=120)
-    return proc.wait(), first + rest
+    rest, err = proc.communicate(timeout=120)
+    return proc.wait(), first + rest + err
 
 
 def _final_state(out_dir):
