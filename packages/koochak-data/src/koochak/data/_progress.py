@@ -10,9 +10,14 @@ from contextlib import contextmanager
 
 @contextmanager
 def progress_bar(
-    total: int, desc: str, *, enabled: bool | None = None
+    total: int,
+    desc: str,
+    *,
+    enabled: bool | None = None,
+    also: Callable[[int], None] | None = None,
 ) -> Iterator[Callable[[int], None]]:
-    """Yield ``advance(n_bytes)``; safe to call from several threads.
+    """Yield ``advance(n_bytes)``, which moves the bar and calls ``also(n_bytes)`` (a caller's
+    own progress callback); safe to call from several threads, calls are serialised.
 
     ``enabled=None`` shows a bar only when stderr is a terminal. Without tqdm installed there is
     simply no bar: progress is a convenience, never a reason to fail the work.
@@ -30,9 +35,13 @@ def progress_bar(
     lock = threading.Lock()
 
     def advance(n: int) -> None:
-        if bar is not None and n > 0:
-            with lock:
+        if n <= 0 or (bar is None and also is None):
+            return
+        with lock:
+            if bar is not None:
                 bar.update(n)
+            if also is not None:
+                also(n)
 
     try:
         yield advance

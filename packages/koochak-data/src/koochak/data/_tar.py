@@ -22,10 +22,8 @@ from typing import Any, NoReturn, Protocol
 BLOCK = 512
 END_OF_ARCHIVE = bytes(2 * BLOCK)
 
-# Fixed header fields: every member looks the same apart from its name and size.
-_MODE = b"0000644\x00"
+# Fixed header fields: a shard member differs from another only by its name and size.
 _ZERO_ID = b"0000000\x00"
-_MTIME = b"%011o\x00" % 0
 _MAX_SIZE = 8**11 - 1  # the largest size an 11-digit octal field holds (8 GiB - 1)
 
 # WebDataset splits a member name into key and extension at the first dot of the last path
@@ -102,8 +100,18 @@ def encode_sample(sample: Mapping[str, object]) -> list[bytes]:
     return chunks
 
 
-def member_header(name: str, size: int) -> bytes:
-    """A deterministic ustar header for a regular file ``name`` of ``size`` bytes."""
+def padded(size: int) -> int:
+    """``size`` rounded up to whole tar blocks: the space member data takes in an archive."""
+    return -(-size // BLOCK) * BLOCK
+
+
+def member_header(name: str, size: int, *, mode: int = 0o644, mtime: int = 0) -> bytes:
+    """A deterministic ustar header for a regular file ``name`` of ``size`` bytes.
+
+    The one tar header writer of koochak.data: shards use the defaults (every member alike),
+    collection packs pass each file's permission bits and mtime in seconds. uid/gid are 0 and
+    there are no user or group names, so the bytes depend on these arguments alone.
+    """
     raw = name.encode("utf-8")
     prefix = b""
     if len(raw) > 100:
@@ -116,14 +124,16 @@ def member_header(name: str, size: int) -> bytes:
             )
         prefix, raw = raw[: cuts[0]], raw[cuts[0] + 1 :]
     if size > _MAX_SIZE:
-        raise ValueError(f"tar member {name!r} is {size} bytes; a shard field holds at most {_MAX_SIZE}")
+        raise ValueError(f"tar member {name!r} is {size} bytes; a ustar member holds at most {_MAX_SIZE}")
+    if not 0 <= mtime <= _MAX_SIZE or not 0 <= mode <= 0o7777:
+        raise ValueError(f"tar member {name!r}: mtime {mtime} or mode {mode:#o} does not fit a ustar header")
     header = bytearray(BLOCK)
     header[0:100] = raw.ljust(100, b"\x00")
-    header[100:108] = _MODE
+    header[100:108] = b"%07o\x00" % mode
     header[108:116] = _ZERO_ID
     header[116:124] = _ZERO_ID
     header[124:136] = b"%011o\x00" % size
-    header[136:148] = _MTIME
+    header[136:148] = b"%011o\x00" % mtime
     header[148:156] = b" " * 8
     header[156:157] = b"0"
     header[257:263] = b"ustar\x00"

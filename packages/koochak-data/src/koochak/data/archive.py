@@ -22,7 +22,6 @@ import hashlib
 import json
 import os
 import queue
-import re
 import stat
 import tarfile
 import threading
@@ -32,6 +31,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from koochak.data import _tar
+from koochak.data._digest import SHA256_HEX, sha256_object
+from koochak.data._tar import padded
 from koochak.data.collection import (
     FILES_KEY,
     KIND,
@@ -66,7 +68,6 @@ __all__ = [
 DEFAULT_PACK_BYTES = 64 << 20
 RECORD_KIND = "koochak.collection.pack-record"
 _CHUNK = 1 << 20
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 # Pack bytes handed to the store per piece: big enough for its hashing to overlap writing.
 _STREAM_BUFFER = 4 << 20
 Progress = Callable[[int], None]
@@ -360,29 +361,22 @@ def _object_key(path: str) -> str | None:
 
 
 def tar_header(path: str, size: int, mode: int, mtime_ns: int) -> bytes:
-    """The deterministic header block(s) of one regular-file member, as tarfile's PAX format
-    writes them (uid/gid 0, no user names). Plain ustar needs no pax record, so the common case
-    is formatted directly: tarfile spends ~40 µs per header, which would dominate small files.
+    """The deterministic header block(s) of one regular-file pack member (uid/gid 0, no user
+    names). A member that fits plain ustar gets the one block ``_tar.member_header`` writes;
+    long or non-ASCII names, huge sizes and odd mtimes get tarfile's PAX records. (tarfile
+    spends ~40 µs per header, which would dominate small files, so it is kept for the rare case.)
     """
-    name = path.encode("utf-8")
     mtime = mtime_ns // 1_000_000_000
-    if not _plain_ustar(path, size, mtime):
-        info = tarfile.TarInfo(path)
-        info.size = size
-        info.mode = mode
-        info.mtime = mtime
-        info.type = tarfile.REGTYPE
-        info.uid = info.gid = 0
-        info.uname = info.gname = ""
-        return info.tobuf(format=tarfile.PAX_FORMAT, encoding="utf-8", errors="strict")
-    block = bytearray(TAR_BLOCK)
-    block[0 : len(name)] = name
-    block[100:148] = b"%07o\0%07o\0%07o\0%011o\0%011o\0" % (mode & 0o7777, 0, 0, size, mtime)
-    block[148:156] = b"        "  # the checksum counts its own field as spaces
-    block[156] = ord(tarfile.REGTYPE)
-    block[257:265] = b"ustar\x0000"
-    block[148:156] = b"%06o\0 " % sum(block)
-    return bytes(block)
+    if _plain_ustar(path, size, mtime):
+        return _tar.member_header(path, size, mode=mode & 0o7777, mtime=mtime)
+    info = tarfile.TarInfo(path)
+    info.size = size
+    info.mode = mode
+    info.mtime = mtime
+    info.type = tarfile.REGTYPE
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    return info.tobuf(format=tarfile.PAX_FORMAT, encoding="utf-8", errors="strict")
 
 
 def _plain_ustar(path: str, size: int, mtime: int) -> bool:
@@ -394,10 +388,6 @@ def _header_size(f: SourceFile) -> int:
     if _plain_ustar(f.path, f.size, f.mtime_ns // 1_000_000_000):
         return TAR_BLOCK
     return len(tar_header(f.path, f.size, f.mode, f.mtime_ns))
-
-
-def _padded(size: int) -> int:
-    return -(-size // TAR_BLOCK) * TAR_BLOCK
 
 
 def plan_archive(
@@ -452,11 +442,11 @@ def plan_archive(
             (f, _header_size(f))
             for _, _, f in sorted(grouped[group], key=lambda t: (t[0], t[1]))
         ]
-        need = sum(header + _padded(f.size) for f, header in items)
+        need = sum(header + padded(f.size) for f, header in items)
         if current and used + need + TAR_END > pack_bytes:
             close()
         for f, header in items:
-            span = header + _padded(f.size)
+            span = header + padded(f.size)
             # Only a group larger than a whole pack reaches this: it spills file by file.
             if current and used + span + TAR_END > pack_bytes:
                 close()
@@ -538,7 +528,7 @@ def _pack_stream(
                 remaining -= got
         finally:
             os.close(fd)
-        pad = _padded(f.size) - f.size
+        pad = padded(f.size) - f.size
         if used + pad > size:  # the padding straddles buffers: finish it in the next one
             pad -= size - used
             yield buffer
@@ -651,7 +641,7 @@ def _parse_record(data: bytes, pack: PackPlan, where: str) -> tuple[str, dict[st
         raise _leftover(pack.key, _first_difference(planned, found))
     digests = {x["path"]: x.get("sha256") for x in members}
     for value in (doc["sha256"], *digests.values()):
-        if not isinstance(value, str) or not _SHA256.fullmatch(value):
+        if not isinstance(value, str) or not SHA256_HEX.fullmatch(value):
             raise ValueError(f"{where}: {value!r} is not a SHA256 (64 lowercase hex digits)")
     return doc["sha256"], digests  # type: ignore[return-value]
 
@@ -683,7 +673,7 @@ def _adopt_pack(target: Any, pack: PackPlan) -> tuple[str, dict[str, str]]:
         if data[position : position + len(header)] != header or m.offset != position + len(header):
             raise _leftover(pack.key, f"member {f.path!r} has a different tar header")
         digests[f.path] = hashlib.sha256(data[m.offset : m.offset + f.size]).hexdigest()
-        position = m.offset + _padded(f.size)
+        position = m.offset + padded(f.size)
     return hashlib.sha256(data).hexdigest(), digests
 
 
@@ -727,14 +717,6 @@ def _hash_source(root: str, f: SourceFile) -> str:
     sha = hashlib.sha256()
     for chunk in _read_source(root, f):
         sha.update(chunk)
-    return sha.hexdigest()
-
-
-def _hash_object(target: Any, key: str) -> str:
-    sha = hashlib.sha256()
-    with target.open(key) as handle:
-        while chunk := handle.read(_CHUNK):
-            sha.update(chunk)
     return sha.hexdigest()
 
 
@@ -784,11 +766,11 @@ def _copy_objects(
     for o in objects:
         written = recorder.digests.get(o.key)
         if o.key in recorder.digests:
-            digests[o.file.path] = written or _hash_object(target, o.key)
+            digests[o.file.path] = written or sha256_object(target, o.key)[0]
         else:
             existing += 1
             digests[o.file.path] = _hash_source(root, o.file)
-            if _hash_object(target, o.key) != digests[o.file.path]:
+            if sha256_object(target, o.key)[0] != digests[o.file.path]:
                 raise _leftover(o.key, "its SHA256 differs from the source file")
         st = os.stat(os.path.join(root, o.file.path), follow_symlinks=False)
         if st.st_size != o.file.size or st.st_mtime_ns != o.file.mtime_ns:
@@ -943,15 +925,7 @@ def _write_collection(
 
     digests: dict[str, str] = {}
     packs: list[PackInfo] = []
-    with progress_bar(plan.bytes, "archive", enabled=show_progress) as bar:
-        lock = threading.Lock()
-
-        def advance(n: int) -> None:
-            with lock:
-                bar(n)
-                if progress is not None:
-                    progress(n)
-
+    with progress_bar(plan.bytes, "archive", enabled=show_progress, also=progress) as advance:
         # One extra worker moves the objects (copy_objects runs its own streams) while the
         # packs are written, so neither phase waits for the other.
         with ThreadPoolExecutor(max_workers=streams + 1) as pool:

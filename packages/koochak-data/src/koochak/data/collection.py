@@ -28,6 +28,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from koochak.data._digest import SHA256_HEX
+from koochak.data._tar import BLOCK, END_OF_ARCHIVE, padded
+
 __all__ = [
     "FILES_KEY",
     "MANIFEST_KEY",
@@ -52,12 +55,11 @@ FILES_KEY = "files.jsonl.gz"
 PACK_PREFIX = "packs/"
 OBJECT_PREFIX = "objects/"
 RECORD_PREFIX = "records/"
-TAR_BLOCK = 512
+TAR_BLOCK = BLOCK
 # A tar archive ends with two zero blocks; member data can never reach into them.
-TAR_END = 2 * TAR_BLOCK
+TAR_END = len(END_OF_ARCHIVE)
 
 _PACK_KEY = re.compile(r"packs/pack-[0-9]{6,}\.tar")
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 # A hostile manifest must not make the reader build huge structures; no real manifest nests deep.
 _MAX_TABLE_BYTES = 1 << 34
 
@@ -198,7 +200,7 @@ def _str(value: object, where: str) -> str:
 
 
 def _sha(value: object, where: str) -> str:
-    if not isinstance(value, str) or not _SHA256.fullmatch(value):
+    if not isinstance(value, str) or not SHA256_HEX.fullmatch(value):
         raise ValueError(f"{where}: expected 64 lowercase hex digits (SHA256), got {value!r}")
     return value
 
@@ -463,7 +465,7 @@ def _check_pack_members(entries: list[FileEntry], packs: dict[str, PackInfo]) ->
                     f"{FILES_KEY}: field 'offset': {e.path!r} at {e.offset} overlaps the previous "
                     f"member of pack {key!r} (which ends at {end})"
                 )
-            end = e.offset + _padded(e.size)
+            end = e.offset + padded(e.size)
 
 
 def _check_totals(entries: list[FileEntry], manifest: Manifest) -> None:
@@ -476,10 +478,6 @@ def _check_totals(entries: list[FileEntry], manifest: Manifest) -> None:
     ):
         if said != found:
             raise ValueError(f"{MANIFEST_KEY}: field {name!r}: says {said}, {FILES_KEY} has {found}")
-
-
-def _padded(size: int) -> int:
-    return -(-size // TAR_BLOCK) * TAR_BLOCK
 
 
 def load_collection(store: Any) -> Collection:

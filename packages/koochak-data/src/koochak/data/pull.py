@@ -25,11 +25,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from koochak.data._digest import CHUNK, sha256_stream
 from koochak.data.collection import FileEntry, load_collection
 
 __all__ = ["PullReport", "merge_ranges", "pull_collection"]
 
-_CHUNK = 1 << 20
 DEFAULT_MAX_RANGE_BYTES = 64 << 20
 # Directory descriptors kept open between files; beyond this the idle ones are closed.
 _MAX_OPEN_DIRS = 256
@@ -226,10 +226,7 @@ class _DestTree:
 def _hash_file(dir_fd: int, name: str) -> str:
     fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
-        sha = hashlib.sha256()
-        while chunk := os.read(fd, _CHUNK):
-            sha.update(chunk)
-        return sha.hexdigest()
+        return sha256_stream(lambda n: os.read(fd, n))[0]
     finally:
         os.close(fd)
 
@@ -296,7 +293,8 @@ def pull_collection(
             for r in merge_ranges(entries, gap_bytes=gap_bytes, max_range_bytes=max_range_bytes)
         ]
         report.requests += len(ranges) + len(objects)
-        with progress_bar(sum(e.size for e in todo), "pull", enabled=show_progress) as bar:
+        total = sum(e.size for e in todo)
+        with progress_bar(total, "pull", enabled=show_progress, also=progress) as advance:
             lock = threading.Lock()
 
             def done(entry: FileEntry) -> None:
@@ -304,9 +302,7 @@ def pull_collection(
                     report.written += 1
                     report.bytes_written += entry.size
                     report.paths.append(entry.path)
-                bar(entry.size)
-                if progress is not None:
-                    progress(entry.size)
+                advance(entry.size)
 
             def fetch_range(job: tuple[str, tuple[int, int, list[FileEntry]]]) -> None:
                 key, (start, end, entries) = job
@@ -324,7 +320,7 @@ def pull_collection(
 
             def fetch_object(e: FileEntry) -> None:
                 with store.open(e.key) as handle:
-                    tree.write(e, iter(lambda: handle.read(_CHUNK), b""), fsync)
+                    tree.write(e, iter(lambda: handle.read(CHUNK), b""), fsync)
                 done(e)
 
             with ThreadPoolExecutor(max_workers=streams) as pool:

@@ -12,7 +12,6 @@ import functools
 import hashlib
 import json
 import logging
-import re
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,6 +20,7 @@ from types import TracebackType
 from typing import Any, BinaryIO
 
 from koochak.data import _tar
+from koochak.data._digest import SHA256_HEX, sha256_object
 from koochak.data.planning import assign_shards, worker_coordinates
 from koochak.storage.profile import parse_size
 from koochak.storage.store import Store, open_store, validate_key
@@ -53,7 +53,6 @@ DEFAULT_TARGET_BYTES = 256 << 20
 
 _INDEX_FIELDS = ("format", "kind", "metadata", "shards", "version")
 _SHARD_FIELDS = ("key", "records", "sha256", "size")
-_SHA256_RE = re.compile(r"[0-9a-f]{64}")
 # Bytes handed to the hashing thread at a time: large enough that handing over costs nothing.
 _HASH_BATCH = 4 << 20
 _READ_CHUNK = 16 << 20
@@ -209,7 +208,7 @@ def parse_index(data: bytes, *, source: str = INDEX_NAME, prefix: str = "") -> S
             raise ValueError(f"{where}.key {key!r} is listed twice")
         seen.add(key)
         sha256 = item["sha256"]
-        if not isinstance(sha256, str) or not _SHA256_RE.fullmatch(sha256):
+        if not isinstance(sha256, str) or not SHA256_HEX.fullmatch(sha256):
             raise ValueError(f"{where}.sha256 must be 64 lower-case hex digits, got {sha256!r}")
         entries.append(
             ShardEntry(
@@ -364,7 +363,7 @@ class ShardWriter:
     def _check_existing(self, key: str, size: int, digest: str) -> None:
         where = f"{self.store.location}/{key}"
         info = self.store.stat(key)
-        if info.size == size and _sha256_of(self.store, key) == digest:
+        if info.size == size and sha256_object(self.store, key, chunk=_READ_CHUNK)[0] == digest:
             log.info("%s: reusing identical shard from an earlier build", where)
             return
         raise FileExistsError(
@@ -412,14 +411,6 @@ class ShardWriter:
             self.close()
         else:
             self.abort()
-
-
-def _sha256_of(store: Store, key: str) -> str:
-    digest = hashlib.sha256()
-    with store.open(key) as f:
-        while chunk := f.read(_READ_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def write_index(

@@ -13,11 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from koochak.data._digest import CHUNK, sha256_object
 from koochak.data.collection import Collection, FileEntry, PackInfo, load_collection
 
 __all__ = ["Problem", "VerifyReport", "verify_collection"]
-
-_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -94,13 +93,8 @@ def verify_collection(
             objects.append(e)
     total = sum(p.size for p in collection.manifest.packs) + sum(e.size for e in objects)
     # Only a deep verify moves bytes; a size check is one stat per key and needs no bar.
-    with progress_bar(total, "verify", enabled=show_progress if deep else False) as bar:
-
-        def advance(n: int) -> None:
-            bar(n)
-            if progress is not None:
-                progress(n)
-
+    enabled = show_progress if deep else False
+    with progress_bar(total, "verify", enabled=enabled, also=progress) as advance:
         def check_pack(pack: PackInfo) -> tuple[list[Problem], int]:
             return _check_pack(store, pack, members[pack.key], deep, advance)
 
@@ -149,7 +143,7 @@ def _check_pack(
             nonlocal position
             got = 0
             while got < n:
-                chunk = handle.read(min(_CHUNK, n - got))
+                chunk = handle.read(min(CHUNK, n - got))
                 if not chunk:
                     break
                 for h in hashers:
@@ -185,15 +179,9 @@ def _check_object(
     problem = _stat_problem(store, key, entry.size)
     if problem is not None or not deep:
         return ([problem] if problem else []), 0
-    sha = hashlib.sha256()
-    got = 0
-    with store.open(key) as handle:
-        while chunk := handle.read(_CHUNK):
-            sha.update(chunk)
-            got += len(chunk)
-            advance(len(chunk))
+    digest, got = sha256_object(store, key, progress=advance)
     if got != entry.size:
         return [Problem(key, entry.path, f"read {got} bytes, manifest says {entry.size}")], got
-    if sha.hexdigest() != entry.sha256:
+    if digest != entry.sha256:
         return [Problem(key, entry.path, "SHA256 differs from the manifest")], got
     return [], got
