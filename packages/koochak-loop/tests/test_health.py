@@ -13,6 +13,7 @@ from koochak.loop.health import (
     GpuUnhealthy,
     HealthPolicy,
     assess_gpu_health,
+    health_policy,
     make_gpu_health,
     read_gpu_health,
     under_scruffy,
@@ -72,6 +73,32 @@ def test_watchdog_is_opt_in_and_cuda_only(tmp_path):
     assert made is not None and made.every == 10
     with pytest.raises(ValueError, match="train.gpu_health_every"):
         GpuHealthWatchdog(0, "cpu")
+
+
+def test_config_keys_reach_the_watchdog_and_its_decisions(tmp_path):
+    import dataclasses
+
+    from koochak.loop.config import ConfigError, load_config, resolve_train_config
+
+    cfg = load_config(None, ["train.gpu_health_every=5", "train.gpu_health_max_temperature_c=80",
+                             "train.gpu_health_max_new_ecc_uncorrected=1"])  # fmt: skip
+    train = dataclasses.asdict(resolve_train_config(cfg.train))
+    dog = make_gpu_health(train, torch.device("cuda", 0), tmp_path)
+    assert dog is not None and dog.every == 5
+    assert dog.policy == HealthPolicy(max_temperature_c=80.0, max_kernel_seconds=10.0,
+                                      max_new_ecc_uncorrected=1)  # fmt: skip
+    # Injected readings: 85C passes the default limit but not the configured one; one new ECC
+    # error is tolerated, two are not.
+    readings = iter([GOOD, GpuReading(**{**GOOD.__dict__, "ecc_uncorrected": 3}),
+                     GpuReading(**{**GOOD.__dict__, "temperature_c": 85.0}),
+                     GpuReading(**{**GOOD.__dict__, "ecc_uncorrected": 4})])  # fmt: skip
+    dog.reader = lambda device: next(readings)
+    assert [dog.check(s).healthy for s in (4, 9, 14, 19)] == [True, True, False, False]
+    assert health_policy({}) == HealthPolicy()
+    with pytest.raises(ConfigError, match="train.gpu_health_max_temperature_c"):
+        load_config(None, ["train.gpu_health_max_temperature_c=0"])
+    with pytest.raises(ConfigError, match="train.gpu_health_every"):
+        load_config(None, ["train.gpu_health_every=-1"])
 
 
 def test_under_scruffy_needs_both_variables():

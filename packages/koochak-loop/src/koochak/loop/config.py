@@ -63,6 +63,10 @@ class TrainConfig:
     checkpoint_async: bool = False
     evacuation_enabled: bool = False
     evacuation_signal: str = "USR1"
+    gpu_health_every: Optional[int] = None  # CUDA only; null or 0: no GPU health checks
+    gpu_health_max_temperature_c: float = 90.0
+    gpu_health_max_kernel_seconds: float = 10.0
+    gpu_health_max_new_ecc_uncorrected: int = 0
 
 
 @dataclass
@@ -163,6 +167,8 @@ _NON_NEGATIVE_OR_NULL = (
     "train.ckpt_every",
     "train.keep_last_k",
     "train.nonfinite_grad_check_every",
+    "train.gpu_health_every",
+    "train.gpu_health_max_new_ecc_uncorrected",
 )
 
 
@@ -281,6 +287,9 @@ def _check_values(values: Mapping[str, Any], section: str) -> None:
             if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
                 what = f"an integer >= {lowest}" + (" or null" if nullable else "")
                 raise ConfigError(f"{path}: expected {what}, got {value!r}")
+    for key in ("gpu_health_max_temperature_c", "gpu_health_max_kernel_seconds"):
+        if section == "train" and key in values and values[key] <= 0:
+            raise ConfigError(f"train.{key}: expected a positive number, got {values[key]!r}")
     if section == "train" and values.get("grad_clip") is not None and values["grad_clip"] <= 0:
         raise ConfigError(
             f"train.grad_clip: expected a positive number or null, got {values['grad_clip']!r}"

@@ -182,13 +182,27 @@ def make_gpu_health(
     out_dir: str | os.PathLike[str] | None,
     watchdog: GpuHealthWatchdog | None = None,
 ) -> GpuHealthWatchdog | None:
-    """The loop's watchdog: the argument wins; else ``train.gpu_health_every`` (> 0, CUDA only)."""
+    """The loop's watchdog: the argument wins; else ``train.gpu_health_every`` (> 0, CUDA only).
+
+    The limits come from ``train.gpu_health_max_temperature_c``, ``..._max_kernel_seconds`` and
+    ``..._max_new_ecc_uncorrected`` (``HealthPolicy``'s defaults where a key is absent).
+    """
     if watchdog is not None:
         return watchdog
     every = int(train_cfg.get("gpu_health_every") or 0)
     if every <= 0 or device.type != "cuda":
         return None
-    return GpuHealthWatchdog(every, device, out_dir)
+    return GpuHealthWatchdog(every, device, out_dir, policy=health_policy(train_cfg))
+
+
+def health_policy(train_cfg: Mapping[str, Any]) -> HealthPolicy:
+    """The ``HealthPolicy`` the ``train.gpu_health_max_*`` keys describe."""
+    limits = {
+        field.name: train_cfg[f"gpu_health_{field.name}"]
+        for field in dataclasses.fields(HealthPolicy)
+        if train_cfg.get(f"gpu_health_{field.name}") is not None
+    }
+    return HealthPolicy(**limits)
 
 
 def under_scruffy(env: Mapping[str, str]) -> bool:
