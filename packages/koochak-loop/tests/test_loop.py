@@ -138,8 +138,7 @@ def test_hook_events_order_and_info(tmp_path):
         ("on_log", 9),
         ("on_log", 11),
         ("on_eval_end", 11),
-        ("on_checkpoint", 11),
-        ("on_checkpoint", 12),
+        ("on_checkpoint", 12),  # no periodic save at 11: the terminal one of the same state follows
         ("on_train_end", 12),
     ]
     start = events[0][1]
@@ -152,9 +151,35 @@ def test_hook_events_order_and_info(tmp_path):
     assert all(isinstance(v, float) for v in log.values())
     assert set(dict(events)["on_eval_end"]["metrics"]) == {"eval_loss"}
     ckpt_info = [i for n, i in events if n == "on_checkpoint"]
-    assert [c["checkpoint"]["next_step"] for c in ckpt_info] == [6, 12, 12]
+    assert [c["checkpoint"]["next_step"] for c in ckpt_info] == [6, 12]
     assert ckpt_info[0]["path"].endswith("step000000005.pt")
     assert ckpt_info[-1]["path"].endswith("step000000012.pt")
+
+
+def test_last_update_publishes_only_the_terminal_checkpoint(tmp_path):
+    """ckpt_every dividing max_steps: one save of the final state (step{N}.pt), not two."""
+    saved = []
+    model = make_model()
+    training_loop(
+        model=model, dataset=regression_batches(8), step_fn=mse_step,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        train_cfg=cfg(tmp_path, max_steps=8, ckpt_every=4, keep_last_k=None),
+        hooks={"on_checkpoint": [lambda info: saved.append(info["path"].rsplit("/", 1)[-1])]},
+    )
+    assert saved == ["step000000003.pt", "step000000008.pt"]
+    assert sorted(p.name for p in (tmp_path / "run").glob("step*.pt")) == saved
+
+
+def test_data_running_out_keeps_the_periodic_checkpoint(tmp_path):
+    """Without max_steps the loop cannot know an update is the last one: periodic saves stay."""
+    model = make_model()
+    training_loop(
+        model=model, dataset=regression_batches(4), step_fn=mse_step,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        train_cfg=cfg(tmp_path, max_steps=None, ckpt_every=2, keep_last_k=None),
+    )
+    names = sorted(p.name for p in (tmp_path / "run").glob("step*.pt"))
+    assert names == ["step000000001.pt", "step000000003.pt", "step000000004.pt"]
 
 
 def test_checkpoint_dict_contents_and_published_file(tmp_path):

@@ -282,8 +282,9 @@ def training_loop(
                 if scheduler is not None and cfg.scheduler_step == "eval":
                     _step_scheduler(scheduler, eval_metrics)
 
-            # ---- maybe save (periodic: keeps its zero-based index, resumes at step + 1)
-            if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0:
+            # ---- maybe save (periodic: keeps its zero-based index, resumes at step + 1). Not after
+            # the update that reaches max_steps: the terminal save of the same state follows.
+            if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 != max_steps:
                 periodic = capture_checkpoint(
                     step=step, next_step=step + 1, reason="periodic", **_parts(parts),
                     wall_time=prior_wall_time + time.perf_counter() - started,
