@@ -6,7 +6,7 @@ mtime, so the same samples always give byte-identical shards. We write the heade
 rather than through :mod:`tarfile`: the bytes are then fixed by this file alone, not by the
 defaults of whichever Python version built the dataset.
 
-The reader parses a shard from a sequential stream, one read per header and per member; it
+The reader parses a shard from a sequential stream, with about two reads per member; it
 accepts what common writers produce (ustar and GNU headers, pax and GNU long names, directory
 entries) and refuses anything a dataset shard must not contain (links,
 devices, unsafe paths, duplicate members, data after the end of the archive) with a ValueError.
@@ -24,6 +24,12 @@ END_OF_ARCHIVE = bytes(2 * BLOCK)
 
 # Fixed header fields: a shard member differs from another only by its name and size.
 _ZERO_ID = b"0000000\x00"
+# Bytes 156..345 of every header we write: typeflag "0" (regular file), no link name, magic
+# "ustar\0" version "00", no user or group name, device numbers 0.
+_AFTER_CHECKSUM = b"0" + bytes(100) + b"ustar\x0000" + bytes(64) + _ZERO_ID + _ZERO_ID
+_PADDING = bytes(12)
+# The checksum counts its own field as eight spaces.
+_CONSTANT_SUM = sum(_AFTER_CHECKSUM) + 8 * 32
 _MAX_SIZE = 8**11 - 1  # the largest size an 11-digit octal field holds (8 GiB - 1)
 
 # WebDataset splits a member name into key and extension at the first dot of the last path
@@ -127,22 +133,21 @@ def member_header(name: str, size: int, *, mode: int = 0o644, mtime: int = 0) ->
         raise ValueError(f"tar member {name!r} is {size} bytes; a ustar member holds at most {_MAX_SIZE}")
     if not 0 <= mtime <= _MAX_SIZE or not 0 <= mode <= 0o7777:
         raise ValueError(f"tar member {name!r}: mtime {mtime} or mode {mode:#o} does not fit a ustar header")
-    header = bytearray(BLOCK)
-    header[0:100] = raw.ljust(100, b"\x00")
-    header[100:108] = b"%07o\x00" % mode
-    header[108:116] = _ZERO_ID
-    header[116:124] = _ZERO_ID
-    header[124:136] = b"%011o\x00" % size
-    header[136:148] = b"%011o\x00" % mtime
-    header[148:156] = b" " * 8
-    header[156:157] = b"0"
-    header[257:263] = b"ustar\x00"
-    header[263:265] = b"00"
-    header[329:337] = _ZERO_ID
-    header[337:345] = _ZERO_ID
-    header[345:500] = prefix.ljust(155, b"\x00")
-    header[148:156] = b"%06o\x00 " % sum(header)
-    return bytes(header)
+    # Built as one join with the checksum summed arithmetically: headers are written for every
+    # small file of an archive, and formatting a 512-byte bytearray field by field (then summing
+    # it) cost several times more than the join.
+    numbers = b"%07o\x00%s%s%011o\x00%011o\x00" % (mode, _ZERO_ID, _ZERO_ID, size, mtime)
+    checksum = sum(raw) + sum(prefix) + sum(numbers) + _CONSTANT_SUM
+    return b"".join(
+        (
+            raw.ljust(100, b"\x00"),
+            numbers,
+            b"%06o\x00 " % checksum,
+            _AFTER_CHECKSUM,
+            prefix.ljust(155, b"\x00"),
+            _PADDING,
+        )
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,8 +244,9 @@ def read_members(
 ) -> Iterator[tuple[str, bytes]]:
     """Every regular-file member of the tar archive read from ``stream``: (name, data).
 
-    Reads the stream sequentially to its end, one read per header and per member (so each
-    member's bytes arrive in their own bytes object, copied once). Raises ValueError naming
+    Reads the stream sequentially to its end, one read per member's data and one for its
+    padding plus the next header (so each member's bytes arrive in their own bytes object,
+    copied once). Raises ValueError naming
     ``source`` and the member for anything malformed or unsafe. ``checksums=False`` skips the
     per-header checksums, for bytes whose SHA256 is checked anyway; bounds and names are
     always checked.
@@ -248,8 +254,8 @@ def read_members(
     pos = 0
     long_name: str | None = None
     pax: dict[str, str] = {}
+    header = stream.read(BLOCK)
     while True:
-        header = stream.read(BLOCK)
         if len(header) != BLOCK:
             raise ValueError(
                 f"{source}: truncated tar archive: no end-of-archive marker (ends at byte "
@@ -286,8 +292,14 @@ def read_members(
         if len(data) != size:
             _truncated(source, "member data", pos + BLOCK, size, len(data))
         padding = -size % BLOCK
-        if padding and len(stream.read(padding)) != padding:
-            _truncated(source, "member padding", pos + BLOCK + size, padding, 0)
+        if padding:
+            # The padding and the next header in one read: a third fewer calls per member.
+            tail = stream.read(padding + BLOCK)
+            if len(tail) < padding:
+                _truncated(source, "member padding", pos + BLOCK + size, padding, len(tail))
+            header = tail[padding:]
+        else:
+            header = stream.read(BLOCK)
         pos += BLOCK + size + padding
         if long_name is None and not pax and typeflag in _REGULAR:
             # The common case, a regular file named by its own header, in as few steps as we can.
