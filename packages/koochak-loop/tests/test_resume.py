@@ -17,7 +17,8 @@ from koochak.loop.checkpoint import (
     highest_valid_published,
     latest,
     load,
-    publish_checkpoint,
+    match_state_dict_to_model,
+    publish,
     resolve_auto_resume,
     save,
     serialize_checkpoint,
@@ -189,7 +190,7 @@ def test_wrong_cursor_is_skipped_with_a_reason(tmp_path, caplog):
     _publish_steps(tmp_path, [0])
     store = checkpoint_store(tmp_path)
     # A valid, verified payload published under a name that disagrees with its cursor.
-    publish_checkpoint(store, "step000000007.pt", serialize_checkpoint(_ckpt(3)))
+    publish(store, "step000000007.pt", serialize_checkpoint(_ckpt(3)))
     with caplog.at_level(logging.INFO):
         assert resolve_auto_resume(tmp_path)[1]["step"] == 0
     assert "file name says 7" in caplog.text
@@ -205,7 +206,7 @@ def test_published_payload_with_code_is_skipped_not_run(tmp_path, caplog):
     evil = {"version": 1, "step": 1, "next_step": 2, "model": {}, "metrics": _RunsCode()}
     buffer = io.BytesIO()
     torch.save(evil, buffer)
-    publish_checkpoint(checkpoint_store(tmp_path), "step000000001.pt", buffer.getvalue())
+    publish(checkpoint_store(tmp_path), "step000000001.pt", buffer.getvalue())
     with caplog.at_level(logging.INFO):
         assert resolve_auto_resume(tmp_path)[1]["step"] == 0
     assert "weights-only" in caplog.text
@@ -263,3 +264,39 @@ def test_disk_filling_up_mid_write_keeps_the_previous_checkpoint(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "step000000000.pt", "step000000000.pt.ready.json"
     ]
+
+
+@pytest.fixture(params=["directory", "stores-file-uri", "store"])
+def location(request, tmp_path, monkeypatch):
+    """The same checkpoint location spelled the three ways the spec allows."""
+    root = tmp_path / "ckpt"
+    if request.param == "directory":
+        return str(root), root, True
+    if request.param == "store":
+        return LocalStore(root, publish="exclusive"), root, False
+    stores = tmp_path / "stores.yaml"
+    stores.write_text(f"version: 1\nstores:\n  vault:\n    root: {tmp_path}\n    publish: exclusive\n")
+    monkeypatch.setenv("KOOCHAK_STORES", str(stores))
+    return "vault://ckpt", root, False
+
+
+def test_every_spec_helper_takes_a_directory_a_uri_and_a_store(location):
+    where, root, links = location
+    assert checkpoint_store(where).local_path("x") == str(root / "x")
+    first = publish(where, "step000000000.pt", _ckpt(0, loss=0.5), keep_last_k=2)  # a dict
+    assert first.artifact_id == "checkpoint/step000000000.pt"
+    data = serialize_checkpoint(_ckpt(1, loss=0.1))  # bytes this time, through the Store itself
+    publish(checkpoint_store(where), "step000000001.pt", data, keep_last_k=2)
+    save(_ckpt(2, loss=0.3), where, keep_last_k=2)
+    published = sorted(p.name for p in root.iterdir() if p.name.endswith(".ready.json"))
+    assert published == ["step000000001.pt.ready.json", "step000000002.pt.ready.json"]
+    newest = str(root / "step000000002.pt")
+    assert os.path.islink(root / "latest.pt") == links  # only directory (link-mode) stores
+    assert latest(where) == (str(root / "latest.pt") if links else newest)
+    assert highest_valid_published(where) == newest
+    path, ckpt = resolve_auto_resume(where)
+    assert path == newest and (ckpt["step"], ckpt["next_step"]) == (2, 3)
+    assert best(where, "loss") == str(root / "step000000001.pt")
+    assert load(newest)["step"] == 2 and load(where, "step000000001.pt")["step"] == 1
+    model = torch.nn.Linear(3, 2)
+    model.load_state_dict(match_state_dict_to_model(model, ckpt["model"]))

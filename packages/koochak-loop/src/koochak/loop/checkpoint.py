@@ -3,7 +3,8 @@
 - format (``checkpoint_format``): ``checkpoint_name``, ``build_checkpoint``, weights-only
   ``serialize_checkpoint``/``deserialize_checkpoint``, ``match_state_dict_to_model``,
   ``restore_training_state``;
-- publication (``publish``): ``checkpoint_store``, ``save`` through ``koochak.storage.artifact``;
+- publication (``publish`` module): ``publish``, ``save``, ``checkpoint_store``, through
+  ``koochak.storage.artifact``;
 - selection (``resume``): ``load``, ``latest``, ``best``, ``highest_valid_published``,
   ``resolve_auto_resume``.
 
@@ -25,7 +26,7 @@ from koochak.loop.checkpoint_format import (
     serialize_checkpoint,
     unwrap_model,
 )
-from koochak.loop.publish import checkpoint_store, publish_checkpoint, save
+from koochak.loop.publish import checkpoint_store, publish, save
 from koochak.loop.resume import best, highest_valid_published, latest, load, resolve_auto_resume
 
 __all__ = [
@@ -43,7 +44,7 @@ __all__ = [
     "latest",
     "load",
     "match_state_dict_to_model",
-    "publish_checkpoint",
+    "publish",
     "resolve_auto_resume",
     "restore_training_state",
     "rng_state_for_rank",

@@ -24,7 +24,7 @@ from koochak.loop.checkpoint_format import (
     serialize_checkpoint_buffer,
     serialize_checkpoint_chunks,
 )
-from koochak.loop.publish import checkpoint_store, publication_path, publish_checkpoint
+from koochak.loop.publish import checkpoint_store, publication_path, publish
 from koochak.loop.resume import resolve_auto_resume
 from koochak.storage import artifact
 from koochak.storage.store import Store
@@ -160,7 +160,7 @@ class CheckpointSaver:
             self._async.close()
 
     def _publish(self, name: str, data: Any) -> artifact.Publication:
-        return publish_checkpoint(self.store, name, data, keep_last_k=self.keep_last_k)
+        return publish(self.store, name, data, keep_last_k=self.keep_last_k)
 
 
 def resume_checkpoint(

@@ -39,20 +39,27 @@ def checkpoint_store(location: str | os.PathLike[str] | Store) -> Store:
     return open_store(location)
 
 
-def publish_checkpoint(
-    store: Store,
+def publish(
+    store: str | os.PathLike[str] | Store,
     name: str,
-    data: bytes | memoryview | Iterable[bytes],
+    data: Mapping[str, Any] | bytes | memoryview | Iterable[bytes],
     *,
     keep_last_k: int | None = None,
     provenance: Mapping[str, Any] | None = None,
 ) -> artifact.Publication:
-    """Publish serialized checkpoint bytes under ``name`` and prune to the last ``keep_last_k``."""
+    """Publish a checkpoint under ``name`` and prune to the last ``keep_last_k``.
+
+    ``store`` is a Store or a location (directory, ``scheme://`` URI). ``data`` is serialized
+    bytes (or an iterable of them), or a checkpoint dict, which is streamed from ``torch.save``.
+    Returns the Publication once its ready manifest has committed.
+    """
     if keep_last_k is not None and keep_last_k < 1:
         raise ValueError(f"train.keep_last_k must be null or >= 1, got {keep_last_k}")
+    if isinstance(data, Mapping):
+        data = serialize_checkpoint_chunks(data)
     try:
         return artifact.publish(
-            store,
+            checkpoint_store(store),
             name,
             data,
             kind="checkpoint",
@@ -82,9 +89,7 @@ def save(
     ``checkpoint_name(ckpt["step"])``.
     """
     store, name = split_checkpoint_path(path_or_location, ckpt)
-    return publish_checkpoint(
-        store, name, serialize_checkpoint_chunks(ckpt), keep_last_k=keep_last_k
-    )
+    return publish(store, name, ckpt, keep_last_k=keep_last_k)
 
 
 def split_checkpoint_path(
