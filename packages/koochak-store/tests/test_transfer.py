@@ -270,6 +270,8 @@ def test_every_failure_beyond_the_first_is_logged(stores, caplog):
     ("item", "message"),
     [
         (CopyItem("a", -1), "size"),
+        (CopyItem("a", True), "size"),  # a bool is not a byte count
+        (CopyItem("a", 1.0), "size"),  # type: ignore[arg-type]
         (CopyItem("a", 1, "ABC"), "sha256"),
         (CopyItem("../escape", 1), "escape"),
         (CopyItem("a", 1, target_key="/abs"), "absolute"),

@@ -173,7 +173,7 @@ def _validated(items: Iterable[CopyItem]) -> list[CopyItem]:
             raise TypeError(
                 f"copy_objects: items must be CopyItem records, got {type(item).__name__}"
             )
-        if not isinstance(item.size, int) or item.size < 0:
+        if isinstance(item.size, bool) or not isinstance(item.size, int) or item.size < 0:
             raise ValueError(
                 f"copy_objects: item {item.key!r}: size must be an int >= 0, got {item.size!r}"
             )
