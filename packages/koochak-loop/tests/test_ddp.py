@@ -139,9 +139,15 @@ def test_resume_across_world_sizes_one_two_one(tmp_path):
     result = subprocess.run([sys.executable, *_script("spawn", run, "4", str(_free_port()))],
                             capture_output=True, text=True, timeout=120)  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
+    from koochak.loop.checkpoint import load
+
+    # Each leg really ran at its world size and continued from the previous leg's checkpoint.
+    middle = load(os.path.join(run, "step000000004.pt"))
+    assert (middle["world_size"], len(middle["rng_per_rank"])) == (2, 2)
+    assert load(os.path.join(run, "step000000002.pt"))["world_size"] == 1
     final = _train(run, 6, ddp=False)
     uninterrupted = _train(str(tmp_path / "straight"), 6, ddp=False)
-    assert final["step"] == 6
+    assert (final["step"], final["world_size"]) == (6, 1)
     assert torch.allclose(_weights(final), _weights(uninterrupted), atol=1e-6)
 
 
