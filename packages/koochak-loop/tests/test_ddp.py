@@ -151,6 +151,46 @@ def test_resume_across_world_sizes_one_two_one(tmp_path):
     assert torch.allclose(_weights(final), _weights(uninterrupted), atol=1e-6)
 
 
+def _setup(rank: int, world_size: int = 2):
+    from koochak.loop.ddp import DdpSetup
+
+    return DdpSetup(True, rank, world_size, rank, False, torch.device("cpu"))
+
+
+def test_sharding_is_opt_in_for_train_and_eval_and_rank0_warns_about_the_rest(recwarn):
+    from koochak.loop.ddp import shard_datasets
+
+    cfg = {"shard_dataset": True, "shard_dataset_mode": "map",
+           "shard_eval_dataset": True, "shard_eval_dataset_mode": "iterable"}  # fmt: skip
+    train, evaluation = shard_datasets(list(range(10)), list(range(6)), cfg, _setup(1))
+    assert list(train) == [1, 3, 5, 7, 9] and list(evaluation) == [1, 3, 5]
+    assert not recwarn.list
+    with pytest.warns(RuntimeWarning, match="train.shard_eval_dataset is false"):
+        train, evaluation = shard_datasets([0, 1], [0, 1], {"shard_dataset": True}, _setup(0))
+    assert list(evaluation) == [0, 1]  # unsharded: every rank sees all of it
+    shard_datasets([0, 1], None, {}, _setup(1))  # only rank 0 warns
+    shard_datasets([0, 1], None, {"warn_unsharded": False}, _setup(0))
+    assert not recwarn.list
+    assert shard_datasets([0, 1], None, {}, _setup(0, world_size=1))[0] == [0, 1]
+
+
+def test_wrap_model_passes_find_unused_parameters_through(tmp_path):
+    from koochak.loop.ddp import wrap_model
+
+    model = torch.nn.Linear(2, 1)
+    assert wrap_model(model, _setup(0, world_size=1), {}) is model  # nothing to all-reduce
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1
+    )
+    try:
+        for flag in (True, False):
+            wrapped = wrap_model(model, _setup(0), {"find_unused_parameters": flag})
+            assert isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
+            assert wrapped.find_unused_parameters is flag
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 if __name__ == "__main__":
     mode, out_dir, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     if mode == "train":  # one rank, environment from torchrun or the test
