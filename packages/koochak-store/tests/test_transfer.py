@@ -197,8 +197,9 @@ def test_conflicting_size_is_refused_and_untouched(stores):
     source, target = stores
     source.put("k.bin", b"new content")
     target.put("k.bin", b"old")
-    with pytest.raises(FileExistsError, match=r"'k\.bin'.*3 bytes, expected 11"):
+    with pytest.raises(FileExistsError, match=r"'k\.bin'.*3 bytes, expected 11") as caught:
         copy_objects(source, target, [CopyItem("k.bin", 11)])
+    assert "delete it and rerun" in str(caught.value)  # says how to get unstuck
     assert target.get("k.bin") == b"old"
 
 

@@ -298,7 +298,9 @@ class _Copier:
             raise FileExistsError(
                 f"copy_objects: target {self.target.location!r} already has key "
                 f"{item.destination!r} with {info.size} bytes, expected {item.size} "
-                f"(copy of source key {item.key!r}); refusing to overwrite it"
+                f"(copy of source key {item.key!r}); refusing to overwrite it. If it is what "
+                f"a killed copy left on a store that publishes on close (publish='exclusive'), "
+                f"delete it and rerun"
             )
         self.report(item.size)
         return True
