@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from koochak.loop import dist, load_config, to_container, training_loop
-from koochak.loop.batch import cycle
+from koochak.loop.batch import shuffled_batches
 from koochak.loop.cli import build_hooks
 from koochak.loop.optim import build_optimizer, build_scheduler
 from koochak.loop.seed import make_worker_init_fn, set_all_seeds
@@ -66,7 +66,11 @@ def read_idx(path: str | os.PathLike[str]) -> np.ndarray:
             f"{path}: IDX header promises {expected} data bytes for shape {shape}, "
             f"file holds {len(raw) - header}"
         )
-    return np.frombuffer(raw, dtype=dtype, offset=header).reshape(shape).astype(dtype.newbyteorder("="))
+    return (
+        np.frombuffer(raw, dtype=dtype, offset=header)
+        .reshape(shape)
+        .astype(dtype.newbyteorder("="))
+    )
 
 
 def _find(data_dir: Path, name: str) -> Path | None:
@@ -123,9 +127,13 @@ class MnistNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        )  # fmt: skip
+            nn.Conv2d(1, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+        )
         self.head = nn.Sequential(nn.Flatten(), nn.Dropout(0.1), nn.Linear(32 * 7 * 7, 10))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -166,37 +174,51 @@ def _resume(cfg: DictConfig, mode: str) -> tuple[str | None, dict[str, Any] | No
     return (None, None) if found is None else (str(found[0]), found[1])
 
 
-def run(cfg: DictConfig, *, resume: str = "auto") -> dict[str, Any]:
-    """Train on MNIST as ``cfg`` says; return the terminal checkpoint dict."""
-    train, data = cfg.train, cfg.data
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    seed = int(train.seed)
-    set_all_seeds(seed + rank)  # per-rank streams: ranks must not draw the same randomness
+def train_loader(
+    cfg: DictConfig, x: torch.Tensor, y: torch.Tensor, *, start_step: int = 0
+) -> DataLoader:
+    """Endless shuffled training batches for this rank, starting at update ``start_step``.
 
-    train_x, train_y = load_mnist(data.data_dir, "train")
-    test_x, test_y = load_mnist(data.data_dir, "test")
-    train_set: Any = TensorDataset(train_x, train_y)
+    Pass p is shuffled with seed ``(train.seed, p)`` (``shuffled_batches``), so batch b is the same
+    in every run: a resumed run continues the data stream exactly where its checkpoint left it.
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    seed = int(cfg.train.seed)
+    train_set: Any = TensorDataset(x, y)
     if world_size > 1:
         # Equal lengths per rank, so no rank waits in an all-reduce for a step the others skip.
         train_set = shard_map_dataset(train_set, rank, world_size, drop_remainder=True)
-    loader = DataLoader(
+    first = start_step * int(cfg.train.grad_accum)  # micro-batches already consumed
+    order = shuffled_batches(len(train_set), int(cfg.data.batch_size), seed=seed, start=first)
+    return DataLoader(
         train_set,
-        batch_size=int(data.batch_size),
-        shuffle=True,
-        drop_last=True,
-        num_workers=int(data.num_workers),
+        batch_sampler=(idx.tolist() for idx in order),  # endless: max_steps decides when to stop
+        num_workers=int(cfg.data.num_workers),
         worker_init_fn=make_worker_init_fn(seed, rank),
+        # Its own generator: seeding workers must not draw from the RNG the checkpoint restored.
         generator=torch.Generator().manual_seed(seed + rank),
     )
+
+
+def run(cfg: DictConfig, *, resume: str = "auto") -> dict[str, Any]:
+    """Train on MNIST as ``cfg`` says; return the terminal checkpoint dict."""
+    train, data = cfg.train, cfg.data
+    set_all_seeds(int(train.seed) + dist.get_rank())  # per-rank streams: no shared randomness
+
+    train_x, train_y = load_mnist(data.data_dir, "train")
+    test_x, test_y = load_mnist(data.data_dir, "test")
+    # Resume before building the data stream: it starts at the checkpoint's next_step.
+    resume_path, checkpoint = _resume(cfg, resume)
+    start_step = int(checkpoint["next_step"]) if checkpoint is not None else 0
+    loader = train_loader(cfg, train_x, train_y, start_step=start_step)
     eval_batches = DataLoader(TensorDataset(test_x, test_y), batch_size=512)
 
-    resume_path, checkpoint = _resume(cfg, resume)
     model = MnistNet()
     optimizer = build_optimizer(model.parameters(), cfg.optim.optimizer)
     scheduler = build_scheduler(optimizer, cfg.optim.scheduler, train)
     return training_loop(
         model=model,
-        dataset=cycle(loader),  # endless: max_steps decides when to stop, not epochs
+        dataset=loader,
         step_fn=step_fn,
         optimizer=optimizer,
         scheduler=scheduler,

@@ -7,6 +7,7 @@ import pathlib
 import pytest
 import torch
 from koochak.loop.cli import main as cli_main
+from koochak.loop.logging import read_csv_log
 
 from examples.digits import main as digits
 
@@ -28,6 +29,16 @@ def test_digits_entry_points_work_through_koochak_train(tmp_path, monkeypatch):
                      "--resume", "none"])  # fmt: skip
     assert code == 0
     assert (tmp_path / "step000000002.pt").exists()
+
+
+def test_digits_main_rerun_continues_from_its_checkpoint(tmp_path):
+    args = [f"train.out_dir={tmp_path}", "train.log_every=1", "train.eval_every=0",
+            "logging.stdout=false", "optim.scheduler.name=none"]  # fmt: skip
+    digits.main([*args, "train.max_steps=2"])
+    ckpt = digits.main([*args, "train.max_steps=4"])
+    assert ckpt["step"] == 4
+    # Only updates 2 and 3 ran again; a fresh start would have logged 0 and 1 twice.
+    assert [row["step"] for row in read_csv_log(tmp_path / "log.csv")] == [0, 1, 2, 3]
 
 
 def test_digits_dataset_resumes_at_the_same_batch():

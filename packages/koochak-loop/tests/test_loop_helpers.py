@@ -7,7 +7,7 @@ from collections import OrderedDict, namedtuple
 import pytest
 import torch
 from koochak.loop import dist
-from koochak.loop.batch import cycle, take, to_device
+from koochak.loop.batch import cycle, shuffled_batches, take, to_device
 from koochak.loop.device import get_device, get_lr
 from koochak.loop.precision import Scaler, autocast_context, check_amp_mode
 from koochak.loop.prefetch import cuda_prefetch
@@ -107,3 +107,29 @@ def test_init_process_group_without_launcher_env_names_what_is_missing(monkeypat
         monkeypatch.delenv(key, raising=False)
     with pytest.raises(RuntimeError, match="RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT"):
         dist.init_process_group()
+
+
+def test_shuffled_batches_cover_each_pass_and_resume_at_any_batch():
+    full = list(take(shuffled_batches(10, 3, seed=7), 9))  # 3 full batches a pass, 3 passes
+    for p in range(3):
+        seen = torch.cat(full[3 * p : 3 * p + 3])
+        assert len(set(seen.tolist())) == 9  # no repeats within a pass; one item left out
+    assert not torch.equal(torch.cat(full[:3]), torch.cat(full[3:6]))  # each pass reshuffled
+    for start in (0, 2, 3, 7):
+        resumed = list(take(shuffled_batches(10, 3, seed=7, start=start), 9 - start))
+        assert all(torch.equal(a, b) for a, b in zip(resumed, full[start:]))
+    other = next(shuffled_batches(10, 3, seed=8))
+    assert not torch.equal(other, full[0])
+
+
+def test_shuffled_batches_leave_the_global_rng_alone():
+    state = torch.get_rng_state()
+    list(take(shuffled_batches(100, 10, seed=0), 25))
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_shuffled_batches_reject_impossible_sizes():
+    with pytest.raises(ValueError, match="batch_size=5 for 4 items"):
+        next(shuffled_batches(4, 5, seed=0))
+    with pytest.raises(ValueError, match="start must be >= 0"):
+        next(shuffled_batches(4, 2, seed=0, start=-1))

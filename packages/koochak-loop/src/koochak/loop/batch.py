@@ -1,9 +1,10 @@
-"""Batch helpers: move nested batches to a device, repeat an iterable, take a prefix."""
+"""Batch helpers: move nested batches to a device, repeat an iterable, take a prefix, and an
+endless resumable shuffle (`shuffled_batches`)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from itertools import islice
+from itertools import count, islice
 from typing import Any, TypeVar
 
 import torch
@@ -55,3 +56,33 @@ def take(iterable: Iterable[T], n: int) -> Iterator[T]:
     if n < 0:
         raise ValueError(f"take(): n must be >= 0, got {n}")
     return islice(iterable, n)
+
+
+def shuffled_batches(
+    num_items: int, batch_size: int, *, seed: int, start: int = 0
+) -> Iterator[torch.Tensor]:
+    """Endless index batches over ``num_items`` items, reproducible batch by batch.
+
+    Pass ``p`` is a permutation drawn from ``(seed, p)`` alone, cut into ``num_items //
+    batch_size`` full batches (the ragged tail is dropped). Batch ``b`` is therefore the same in
+    every run, and a resumed run passes ``start=checkpoint["next_step"] * grad_accum`` to see
+    exactly the batches an uninterrupted run would have seen next. Nothing is drawn from the
+    global RNG, so the checkpoint's RNG state stays untouched.
+    """
+    if batch_size < 1 or num_items < batch_size:
+        raise ValueError(
+            f"shuffled_batches(): need 1 <= batch_size <= num_items, got batch_size={batch_size} "
+            f"for {num_items} items"
+        )
+    if start < 0:
+        raise ValueError(f"shuffled_batches(): start must be >= 0, got {start}")
+    per_pass = num_items // batch_size
+    first_pass, offset = divmod(start, per_pass)
+    for p in count(first_pass):
+        # A large odd multiplier keeps (seed, pass) pairs from colliding for small seeds.
+        order = torch.randperm(
+            num_items, generator=torch.Generator().manual_seed(seed * 1_000_003 + p)
+        )
+        for i in range(offset, per_pass):
+            yield order[i * batch_size : (i + 1) * batch_size]
+        offset = 0
