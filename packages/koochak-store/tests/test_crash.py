@@ -1,4 +1,4 @@
-"""A writer killed with SIGKILL in the middle of put() leaves no visible object."""
+"""A writer killed with SIGKILL in the middle of put() leaves no visible or committed object."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import textwrap
 import time
 
 import pytest
+from koochak.storage.artifact import highest_valid, publish, published_candidates
 from koochak.storage.store import LocalStore
 from koochak.storage.testing import visible_files
 
@@ -58,3 +59,48 @@ def test_a_process_killed_mid_put_leaves_no_visible_object(tmp_path):
     assert len(removed) == 1 and ".koochak-tmp-" in removed[0]
     assert os.listdir(root / "ckpt") == ["step000000100.pt"]
     assert store.get("ckpt/step000000100.pt") == b"complete"
+
+
+@pytest.mark.slow
+def test_a_publish_killed_mid_put_on_an_exclusive_store_is_never_committed(tmp_path):
+    # publish="exclusive" writes under the final name, so a killed writer's partial object can
+    # stay visible (a FUSE mount may even publish it on the implicit close). What keeps readers
+    # safe is the ready manifest: the partial object is never a committed artifact, and the
+    # next publish of the same name replaces it.
+    root = tmp_path / "store"
+    marker = tmp_path / "writing"
+    pattern = r"step(\d+)\.pt"
+    store = LocalStore(root, publish="exclusive")
+    publish(store, "step000000100.pt", b"committed", pattern=pattern, keep_last_k=2)
+    script = textwrap.dedent(f"""
+        import pathlib, time
+        from koochak.storage.artifact import publish
+        from koochak.storage.store import LocalStore
+
+        def chunks():
+            yield b"x" * (1 << 20)
+            pathlib.Path({str(marker)!r}).write_text("started")
+            while True:
+                yield b"y" * (1 << 20)
+                time.sleep(0.01)
+
+        publish(LocalStore({str(root)!r}, publish="exclusive"), "step000000200.pt", chunks())
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists():
+            assert proc.poll() is None, "writer exited before it was killed"
+            assert time.monotonic() < deadline, "writer never started"
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    assert (root / "step000000200.pt").exists()  # the partial object, under its final name
+    assert published_candidates(store, pattern) == [(100, "step000000100.pt")]
+    publication, data = highest_valid(store, pattern)
+    assert (publication.key, data) == ("step000000100.pt", b"committed")
+    publish(store, "step000000200.pt", b"complete", pattern=pattern, keep_last_k=2)
+    publication, data = highest_valid(store, pattern)
+    assert (publication.key, data) == ("step000000200.pt", b"complete")
