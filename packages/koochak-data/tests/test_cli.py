@@ -243,3 +243,19 @@ def test_progress_bar_can_be_forced(src, tmp_path, capsys) -> None:
     assert code == 0 and "archive" in err and "100%" in err
     code, _, err = _run(capsys, "verify", str(tmp_path / "c"), "--deep")
     assert code == 0 and err == ""  # not a terminal: quiet
+
+
+def test_progress_bar_shows_on_a_terminal_by_default(src, tmp_path, monkeypatch) -> None:
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    for argv in (["archive", str(src), str(tmp_path / "c")],
+                 ["verify", str(tmp_path / "c"), "--deep"],
+                 ["pull", str(tmp_path / "c"), str(tmp_path / "out")]):
+        terminal = Terminal()
+        monkeypatch.setattr(sys, "stderr", terminal)
+        assert main(argv) == 0
+        assert f"{argv[0]}:" in terminal.getvalue() and "100%" in terminal.getvalue(), argv

@@ -155,7 +155,7 @@ def test_tampered_table_is_refused_by_digest() -> None:
 
 def test_load_collection_needs_a_committed_manifest(tmp_path) -> None:
     store = LocalStore(tmp_path)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match="holds no collection: manifest.json not found"):
         load_collection(store)
     entries = _entries()
     table = encode_files_table(entries)

@@ -96,6 +96,14 @@ def test_include_that_matches_nothing_is_an_error(collection, tmp_path) -> None:
     assert not any(out.rglob("*.txt"))
 
 
+def test_dest_that_is_a_file_is_refused(collection, tmp_path) -> None:
+    _, coll = collection
+    (tmp_path / "afile").write_text("keep me")
+    with pytest.raises(ValueError, match="exists and is not a directory"):
+        pull_collection(coll, tmp_path / "afile")
+    assert (tmp_path / "afile").read_text() == "keep me"
+
+
 def test_merge_ranges_joins_neighbours_within_gap_and_cap() -> None:
     def entry(offset: int, size: int) -> FileEntry:
         return FileEntry(f"f{offset}", size, SHA, 0o644, 0, "g", "packs/pack-000000.tar", offset)

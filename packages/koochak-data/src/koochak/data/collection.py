@@ -489,7 +489,14 @@ def load_collection(store: Any) -> Collection:
     from koochak.storage.store import open_store
 
     store = open_store(store)
-    manifest = parse_manifest(store.get(MANIFEST_KEY))
+    try:
+        data = store.get(MANIFEST_KEY)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{store.location} holds no collection: {MANIFEST_KEY} not found (an interrupted "
+            "archive commits nothing; rerun it to finish)"
+        ) from None
+    manifest = parse_manifest(data)
     try:
         table = store.get(FILES_KEY)
     except FileNotFoundError:

@@ -78,6 +78,8 @@ class _DestTree:
     def __init__(self, root: str) -> None:
         self.root = root
         self.root_created = not os.path.lexists(root)
+        if not self.root_created and not os.path.isdir(root):
+            raise ValueError(f"pull DEST {root} exists and is not a directory")
         os.makedirs(root, exist_ok=True)
         self._root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self._fds: dict[str, int] = {}
