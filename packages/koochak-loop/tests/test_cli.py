@@ -113,7 +113,11 @@ def one_line_error(capsys) -> str:
         ("entry.step={name}:nope", "entry.step: module '{name}' has no attribute 'nope'"),
         ("entry.dataset=nocolon", "entry.dataset: expected 'module:callable', got 'nocolon'"),
         ("entry.model=null", "entry.model: expected 'module:callable', got None"),
+        ("entry.step={name}:step_fm", "(did you mean '{name}:step_fn'?)"),
         ("train.max_stpes=3", "did you mean 'train.max_steps'"),
+        ("trian.max_steps=3", "unknown config key 'trian' (did you mean 'train'?)"),
+        ("train.max_steps=many", "train.max_steps: expected int or null, got 'many'"),
+        ("train.max_steps", "override 'train.max_steps': expected key=value"),
         ("train.amp=fp8", "train.amp: expected one of none|bf16|fp16, got 'fp8'"),
         ("optim.optimizer.name=lion", "lion"),
     ],
@@ -127,6 +131,15 @@ def test_bad_input_is_one_line_on_stderr_exit_2(project, capsys, override, expec
     assert expected.format(name=name) in line
 
 
+def test_warmup_longer_than_the_run_names_the_fix(project, capsys):
+    _, _, config = project
+    args = ["optim.scheduler.name=cosine_warmup", "optim.scheduler.warmup_steps=10"]
+    assert main(["--config", str(config), *args, "--resume", "none"]) == 2
+    line = one_line_error(capsys)
+    assert "warmup_steps=10 must be below the schedule length 6" in line
+    assert line.endswith("set optim.scheduler.warmup_steps=0 or a longer schedule")
+
+
 def test_missing_config_file_exit_2(tmp_path, capsys):
     assert main(["--config", str(tmp_path / "none.yaml")]) == 2
     assert "none.yaml: config file not found" in one_line_error(capsys)
@@ -138,6 +151,7 @@ def test_training_failure_exit_1_and_debug_shows_traceback(project, capsys):
     assert main(args) == 1
     err = capsys.readouterr().err
     assert "user code exploded" in err and "Traceback" not in err and "--debug" in err
+    assert len(err.strip().splitlines()) == 1
     with pytest.raises(RuntimeError, match="user code exploded"):
         main([*args, "--debug"])
 

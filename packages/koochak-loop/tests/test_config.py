@@ -67,7 +67,7 @@ def test_unknown_key_fails_with_full_path_and_suggestion(tmp_path):
     assert "did you mean 'train.max_steps'" in message
     with pytest.raises(ConfigError, match=r"'optim\.optimizer\.learning_rate'"):
         load_config(None, ["optim.optimizer.learning_rate=1"])
-    with pytest.raises(ConfigError, match="'trian'"):
+    with pytest.raises(ConfigError, match="'trian' \\(did you mean 'train'\\?\\)"):
         load_config(None, ["trian.max_steps=1"])
 
 

@@ -164,7 +164,8 @@ def test_none_and_null_build_no_scheduler():
         ({"name": "cosine"}, {}, "train.max_steps must be an int"),
         ({"name": "cosine"}, {"max_steps": 10, "scheduler_step": "eval"}, "T_max is null"),
         ({"name": "cosine_warmup", "warmup_steps": 10, "T_max": 10}, {},
-         r"warmup_steps=10 must be below the schedule length 10 \(optim.scheduler.T_max\)"),
+         r"warmup_steps=10 must be below the schedule length 10 \(optim.scheduler.T_max\): "
+         r"set optim.scheduler.warmup_steps=1 or a longer schedule"),
         ({"name": "cosine_warmup", "warmup_steps": 100}, {"max_steps": 40},
          "length 40.*train.max_steps"),
         ({"name": "step"}, {}, "step_size is required"),

@@ -14,6 +14,7 @@ an error raised during training prints one line and exits 1. ``--debug`` shows t
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import inspect
 import os
@@ -21,6 +22,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from koochak.loop.checkpoint import resolve_auto_resume
 from koochak.loop.config import (
     ConfigError,
     format_summary,
@@ -29,11 +31,6 @@ from koochak.loop.config import (
     to_container,
 )
 from omegaconf import DictConfig
-
-try:  # CHECKPOINT's auto-resume lookup, when that module is present in this build.
-    from koochak.loop.checkpoint import resolve_auto_resume as _resolve_auto_resume
-except ImportError:
-    _resolve_auto_resume = None
 
 EXIT_USAGE = 2
 EXIT_TRAINING_FAILED = 1
@@ -70,18 +67,24 @@ def import_entry(path: str | None, key: str) -> Callable[..., Any]:
     if not path or ":" not in path:
         raise EntryError(f"{key}: expected 'module:callable', got {path!r}")
     module_name, _, attr = path.partition(":")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(
-            0, os.getcwd()
-        )  # user code next to the config, as `python -m` would find it
+    if os.getcwd() not in sys.path:  # user code next to the config, as `python -m` finds it
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise EntryError(f"{key}: cannot import module {module_name!r} ({exc})") from None
     target: Any = module
-    for part in attr.split("."):
+    parts = attr.split(".")
+    for i, part in enumerate(parts):
         if not hasattr(target, part):
-            raise EntryError(f"{key}: module {module_name!r} has no attribute {attr!r}")
+            names = [n for n in dir(target) if not n.startswith("_")]
+            close = difflib.get_close_matches(part, names, n=1)
+            fix = (
+                f" (did you mean '{module_name}:{'.'.join([*parts[:i], *close])}'?)"
+                if close
+                else ""
+            )
+            raise EntryError(f"{key}: module {module_name!r} has no attribute {attr!r}{fix}")
         target = getattr(target, part)
     if not callable(target):
         raise EntryError(f"{key}: {path!r} is not callable")
@@ -111,16 +114,16 @@ def build_hooks(cfg: DictConfig) -> dict[str, list[Callable[[dict[str, Any]], No
     )
     if cfg.wandb.enabled:
         parts.append(sinks.make_wandb_hooks(cfg))
-    if cfg.train.progress_bar and hasattr(sinks, "make_progress_hooks"):
+    if cfg.train.progress_bar:
         parts.append(sinks.make_progress_hooks())
     return merge(*parts)
 
 
 def _find_resume(cfg: DictConfig, mode: str) -> tuple[str | None, dict[str, Any] | None]:
-    if mode != "auto" or _resolve_auto_resume is None:
+    if mode != "auto":
         return None, None
     location = str(cfg.train.checkpoint_dir or cfg.train.out_dir)
-    found = _resolve_auto_resume(location)
+    found = resolve_auto_resume(location)
     return (None, None) if found is None else (str(found[0]), found[1])
 
 
@@ -166,9 +169,9 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _fail(prefix: str, exc: BaseException) -> None:
+def _fail(prefix: str, exc: BaseException, suffix: str = "") -> None:
     message = " ".join(str(exc).split()) or type(exc).__name__
-    print(f"koochak-train: {prefix}{message}", file=sys.stderr)
+    print(f"koochak-train: {prefix}{message}{suffix}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -187,8 +190,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         if args.debug:
             raise
-        _fail(f"training failed ({type(exc).__name__}): ", exc)
-        print("koochak-train: rerun with --debug for the traceback", file=sys.stderr)
+        _fail(
+            f"training failed ({type(exc).__name__}): ",
+            exc,
+            " (rerun with --debug for the traceback)",
+        )
         return EXIT_TRAINING_FAILED
     return 0
 

@@ -208,6 +208,8 @@ def _known_paths(schema: type, prefix: str = "") -> list[str]:
 
 def _did_you_mean(path: str, schema: type) -> str:
     known = _known_paths(schema)
+    # Sections too, so a misspelt one ('trian') finds 'train' rather than nothing.
+    known += sorted({p.rsplit(".", i)[0] for p in known for i in range(1, p.count(".") + 1)})
     close = difflib.get_close_matches(path, known, n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
 

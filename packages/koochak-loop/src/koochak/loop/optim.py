@@ -283,7 +283,7 @@ def build_scheduler(
             source = "T_max" if cfg.get("T_max") is not None else "T_max: null -> train.max_steps"
             raise ValueError(
                 f"{section}.warmup_steps={warmup} must be below the schedule length {total} "
-                f"({section}.{source})"
+                f"({section}.{source}): set {section}.warmup_steps={total // 10} or a longer schedule"
             )
         factories = []
         for group in optimizer.param_groups:
