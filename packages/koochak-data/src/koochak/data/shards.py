@@ -316,11 +316,9 @@ class ShardWriter:
         self._closed = False
         self._start_shard()
 
-    # The shard being filled: its chunks, running size and digest, and the keys it holds.
+    # The shard being filled: its bytes so far and the keys it holds.
     def _start_shard(self) -> None:
-        self._chunks: list[bytes] = []
-        self._size = 0
-        self._digest = hashlib.sha256()
+        self._buffer = bytearray()
         self._keys: set[str] = set()
 
     @property
@@ -334,30 +332,32 @@ class ShardWriter:
             raise ValueError(f"ShardWriter for {self.store.location}/{self.prefix} is closed")
         chunks = _tar.encode_sample(sample)
         nbytes = sum(len(chunk) for chunk in chunks)
-        if self._keys and self._size + nbytes + len(_tar.END_OF_ARCHIVE) > self.target_bytes:
+        if self._keys and len(self._buffer) + nbytes + len(_tar.END_OF_ARCHIVE) > self.target_bytes:
             self._publish_or_abort()
         key = sample["__key__"]
         if key in self._keys:
             raise ValueError(f"sample key {key!r} was already written to this shard")
         self._keys.add(key)
+        # One contiguous buffer per shard: put() then writes it in large pieces and hashes it
+        # on its own thread while writing, instead of one write and one hash call per member.
         for chunk in chunks:
-            self._digest.update(chunk)
-        self._chunks.extend(chunks)
-        self._size += nbytes
+            self._buffer += chunk
 
     def _publish_shard(self) -> None:
-        self._chunks.append(_tar.END_OF_ARCHIVE)
-        self._digest.update(_tar.END_OF_ARCHIVE)
-        self._size += len(_tar.END_OF_ARCHIVE)
+        self._buffer += _tar.END_OF_ARCHIVE
+        size = len(self._buffer)
         name = f"shard-{len(self._entries):06d}.{self.format}"
         key = _join(self.prefix, name)
-        digest = self._digest.hexdigest()
         try:
-            self.store.put(key, self._chunks, expected_size=self._size, expected_sha256=digest)
+            info = self.store.put(key, self._buffer, expected_size=size)
+            # The digest put computed of exactly the bytes it wrote: no second pass of our own
+            # (a store that does not report one gets the shard hashed here).
+            digest = info.sha256 or hashlib.sha256(self._buffer).hexdigest()
         except FileExistsError:
-            self._check_existing(key, self._size, digest)
+            digest = hashlib.sha256(self._buffer).hexdigest()
+            self._check_existing(key, size, digest)
             self._reused += 1
-        self._entries.append(ShardEntry(name, self._size, digest, len(self._keys)))
+        self._entries.append(ShardEntry(name, size, digest, len(self._keys)))
         self._start_shard()
 
     def _check_existing(self, key: str, size: int, digest: str) -> None:
