@@ -15,7 +15,8 @@ ShardWriter in a scratch directory, then reads every shard, variants interleaved
   unverified  read_shard(verify=False): no SHA256, to show what hashing costs
 
 Two cache states: "cold" evicts the shard files from the page cache before every run
-(posix_fadvise DONTNEED, no root needed), so bytes come from the disk as they would from a
+(posix_fadvise DONTNEED, no root needed; --drop-caches drops the whole cache through
+/proc/sys/vm/drop_caches instead, as root), so bytes come from the disk as they would from a
 parallel filesystem or object store; "warm" reads them from memory, the hardest case for
 hashing to hide behind I/O. Figures are throughput ratios against raw in the same cache state
 (higher is better), medians of --repeat runs. CPU s/GiB (all threads) shows the cost apart
@@ -91,7 +92,14 @@ def _prefetched(store: LocalStore, index: ShardIndex, prefetch: int) -> int:
     return sum(len(s["bin"]) for s in read_shards(store, index, verify=True, prefetch=prefetch))
 
 
-def _evict(paths: list[str]) -> None:
+def _evict(paths: list[str], drop_caches: bool = False) -> None:
+    if drop_caches:
+        # The whole page cache, as root: what a fresh node sees. (posix_fadvise below already
+        # leaves none of the shard files' pages resident, as `fincore` confirms on Linux.)
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as control:
+            control.write("1\n")
+        return
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -111,6 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefetch", type=int, default=2, help="read_shards prefetch (default 2)")
     parser.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument(
+        "--drop-caches", action="store_true",
+        help="cold runs drop the whole page cache (root; affects every process on the machine) "
+        "instead of evicting only the shard files",
+    )
     args = parser.parse_args(argv)
     size, shard_bytes = parse_size(args.size), parse_size(args.shard_bytes)
     low, _, high = args.record_bytes.partition("-")
@@ -138,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             for cache in ("cold", "warm"):
                 for name, run in variants.items():
                     if cache == "cold":
-                        _evict(paths)
+                        _evict(paths, args.drop_caches)
                     else:
                         _raw(paths)
                     start, cpu = time.perf_counter(), time.process_time()
