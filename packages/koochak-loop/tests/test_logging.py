@@ -38,8 +38,12 @@ def test_csv_metric_that_appears_later_extends_header_without_losing_rows(tmp_pa
         {"event": "log", "step": 1, "time": 2.0, "metrics": {"loss": 1.25, "lr": 0.1}},
         {"event": "eval", "step": 1, "time": 3.0, "metrics": {"eval_loss": 1.5, "eval_acc": 0.75}},
         # repr() keeps every bit of the float.
-        {"event": "log", "step": 2, "time": 4.0,
-         "metrics": {"loss": 1 / 3, "lr": 0.05, "grad_norm": 7.0}},
+        {
+            "event": "log",
+            "step": 2,
+            "time": 4.0,
+            "metrics": {"loss": 1 / 3, "lr": 0.05, "grad_norm": 7.0},
+        },
     ]
     assert [p.name for p in tmp_path.iterdir()] == ["log.csv"]  # no temp file left behind
 
@@ -124,7 +128,10 @@ def test_jsonl_round_trip_and_flush_per_line(tmp_path):
     logger.log(3, {"loss": 0.125, "lr": torch.tensor(1e-3)}, wall_time=10.0)
     # Flushed per line: readable while the logger is still open.
     assert json.loads(path.read_text()) == {
-        "version": 1, "event": "log", "step": 3, "time": 10.0,
+        "version": 1,
+        "event": "log",
+        "step": 3,
+        "time": 10.0,
         "metrics": {"loss": 0.125, "lr": pytest.approx(1e-3)},
     }
     logger.log(3, {"eval_loss": 0.5}, event="eval", wall_time=11.0)
@@ -154,9 +161,21 @@ def test_stdout_hooks_print_config_and_compact_tsv(capsys):
     emit(hooks, "on_log", {"step": 9, "metrics": {"loss": 0.123456, "lr": 0.0003}})
     emit(hooks, "on_eval_end", {"step": 9, "metrics": {"eval_acc": 0.5}})
     lines = capsys.readouterr().out.splitlines()
-    assert lines[:3] == ["# resolved config", "train:", "  max_steps: 3"]
+    assert lines[:4] == [
+        "# resolved config",
+        "train:",
+        "  max_steps: 3",
+        "start\tstep=0\tmax_steps=None",
+    ]
     assert lines[-2] == "log\tstep=9\tloss=0.1235\tlr=0.0003"
     assert lines[-1] == "eval\tstep=9\teval_acc=0.5"
+
+
+def test_stdout_start_line_names_the_checkpoint_a_run_resumed_from(capsys):
+    info = {"step": 30, "max_steps": 30, "resume_path": "/runs/x/step000000030.pt"}
+    emit(make_stdout_hooks(print_config=False), "on_train_start", info)
+    out = capsys.readouterr().out
+    assert out == "start\tstep=30\tmax_steps=30\tresumed_from=/runs/x/step000000030.pt\n"
 
 
 def test_file_sinks_write_only_on_rank0(tmp_path, monkeypatch, capsys):
@@ -209,17 +228,17 @@ def test_importing_the_sinks_does_not_import_wandb():
     import subprocess
     import sys
 
-    code = (
-        "import sys, koochak.loop.logging\n"
-        "assert 'wandb' not in sys.modules\n"
-    )
+    code = "import sys, koochak.loop.logging\nassert 'wandb' not in sys.modules\n"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 _names = st.sampled_from(["loss", "lr", "acc", "eval_loss", "grad,norm", 'q"uote', "ünï"])
 _values = st.one_of(st.floats(allow_nan=False), st.integers(-(2**53), 2**53))
-_record = st.tuples(st.sampled_from(["log", "eval"]), st.integers(0, 10**6),
-                    st.dictionaries(_names, _values, max_size=4))
+_record = st.tuples(
+    st.sampled_from(["log", "eval"]),
+    st.integers(0, 10**6),
+    st.dictionaries(_names, _values, max_size=4),
+)
 
 
 @settings(max_examples=40, deadline=None)

@@ -1,4 +1,5 @@
-"""Compact TSV lines on stdout (rank 0): the resolved config at start, then one line per log/eval.
+"""Compact TSV lines on stdout (rank 0): the resolved config and a ``start`` line (first update,
+``max_steps``, the checkpoint resumed from), then one line per log/eval.
 
 Lines look like ``log<TAB>step=50<TAB>loss=0.6931<TAB>lr=0.001`` so they are easy to grep, cut and
 read; files (CSV, JSONL) keep the exact values.
@@ -21,7 +22,9 @@ __all__ = ["format_tsv", "make_stdout_hooks"]
 def format_tsv(event: str, step: int, metrics: Mapping[str, Any]) -> str:
     """One TSV line: the event, ``step=<n>``, then ``name=value`` per metric in dict order."""
     fields = [event, f"step={step}"]
-    fields.extend(f"{name}={format_number(value)}" for name, value in clean_metrics(metrics).items())
+    fields.extend(
+        f"{name}={format_number(value)}" for name, value in clean_metrics(metrics).items()
+    )
     return "\t".join(fields)
 
 
@@ -50,13 +53,17 @@ def make_stdout_hooks(stream: IO[str] | None = None, *, print_config: bool = Tru
         out.flush()
 
     def on_train_start(info: dict[str, Any]) -> None:
-        if not print_config:
-            return
-        config = info.get("config_json")
-        if config is None:
-            config = {"train": info.get("train_cfg")}
-        text = yaml.safe_dump(_plain_config(config), sort_keys=False, default_flow_style=False)
-        _print("# resolved config\n" + text.rstrip("\n"))
+        if print_config:
+            config = info.get("config_json")
+            if config is None:
+                config = {"train": info.get("train_cfg")}
+            text = yaml.safe_dump(_plain_config(config), sort_keys=False, default_flow_style=False)
+            _print("# resolved config\n" + text.rstrip("\n"))
+        # Where this run starts, so a resumed run (or one with nothing left to do) says so.
+        fields = ["start", f"step={info.get('step', 0)}", f"max_steps={info.get('max_steps')}"]
+        if info.get("resume_path"):
+            fields.append(f"resumed_from={info['resume_path']}")
+        _print("\t".join(fields))
 
     def on_log(info: dict[str, Any]) -> None:
         _print(format_tsv("log", info["step"], info["metrics"]))
