@@ -32,17 +32,15 @@ from koochak.storage.artifact import unpublish
 from koochak.storage.store import LocalStore
 
 
-class ThrottledStore:
+class ThrottledStore(LocalStore):
     """A LocalStore whose writes stream at ``bytes_per_second`` (reads are not throttled)."""
 
-    def __init__(self, inner: LocalStore, bytes_per_second: float) -> None:
-        self.inner = inner
-        self.location = inner.location
+    def __init__(self, root: str, bytes_per_second: float) -> None:
+        super().__init__(root)
         self.rate = bytes_per_second
 
-    def put(self, key, data, *, expected_size=None, expected_sha256=None):
-        return self.inner.put(key, self._paced(data), expected_size=expected_size,
-                              expected_sha256=expected_sha256)  # fmt: skip
+    def put(self, key, data, **expected):
+        return super().put(key, self._paced(data), **expected)
 
     def _paced(self, data):
         if isinstance(data, (bytes, bytearray, memoryview)):
@@ -55,24 +53,6 @@ class ThrottledStore:
             if delay > 0:
                 time.sleep(delay)
             yield bytes(piece)
-
-    def get(self, key, start=None, end=None):
-        return self.inner.get(key, start, end)
-
-    def open(self, key):
-        return self.inner.open(key)
-
-    def stat(self, key):
-        return self.inner.stat(key)
-
-    def list(self, prefix=""):
-        return self.inner.list(prefix)
-
-    def delete(self, key):
-        return self.inner.delete(key)
-
-    def local_path(self, key):
-        return self.inner.local_path(key)
 
 
 def make_checkpoint(megabytes: int, step: int) -> dict:
@@ -129,7 +109,7 @@ def bench_sync(ckpt: dict, root: str, repeats: int) -> dict[str, tuple[float, fl
 
 
 def bench_async(ckpt: dict, root: str, repeats: int, rate: float) -> tuple[float, float]:
-    sync_store = ThrottledStore(LocalStore(os.path.join(root, "throttled-sync")), rate)
+    sync_store = ThrottledStore(os.path.join(root, "throttled-sync"), rate)
     sync_times = []
     for i in range(max(2, repeats // 2)):
         t0 = time.perf_counter()
@@ -137,7 +117,7 @@ def bench_async(ckpt: dict, root: str, repeats: int, rate: float) -> tuple[float
         sync_times.append(time.perf_counter() - t0)
     sync_publish = statistics.median(sync_times)
 
-    async_store = ThrottledStore(LocalStore(os.path.join(root, "throttled-async")), rate)
+    async_store = ThrottledStore(os.path.join(root, "throttled-async"), rate)
     saver = CheckpointSaver(async_store, keep_last_k=1, async_publish=True)
     stalls = []
     for i in range(repeats):

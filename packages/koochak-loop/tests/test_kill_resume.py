@@ -42,55 +42,38 @@ def _step_fn(model, batch, ctx):
     return {"loss": loss}
 
 
-class _KillingStore:
-    """Delegates to a LocalStore but SIGKILLs this process at a chosen point of a publication."""
+def _killing_store(root: str, mode: str, step: int):
+    """A LocalStore that SIGKILLs this process at a chosen point of one publication."""
+    from koochak.storage.store import LocalStore
 
-    def __init__(self, inner, mode: str, step: int) -> None:
-        self.inner, self.mode = inner, mode
-        self.name = f"step{step:09d}.pt"
-        self.location = inner.location
+    name = f"step{step:09d}.pt"
 
-    def put(self, key, data, *, expected_size=None, expected_sha256=None):
-        if self.mode == "object" and key == self.name:
-            view = memoryview(b"".join(data))
+    class KillingStore(LocalStore):
+        def put(self, key, data, **expected):
+            if mode == "object" and key == name:
+                view = memoryview(b"".join(data))
 
-            def half_then_die():
-                yield bytes(view[: len(view) // 2])
+                def half_then_die():
+                    yield bytes(view[: len(view) // 2])
+                    os.kill(os.getpid(), signal.SIGKILL)
+                    yield bytes(view[len(view) // 2 :])
+
+                return super().put(key, half_then_die())
+            if mode == "manifest" and key.startswith(name) and key != name:
                 os.kill(os.getpid(), signal.SIGKILL)
-                yield bytes(view[len(view) // 2 :])
+            return super().put(key, data, **expected)
 
-            return self.inner.put(key, half_then_die())
-        if self.mode == "manifest" and key.startswith(self.name) and key != self.name:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return self.inner.put(key, data, expected_size=expected_size, expected_sha256=expected_sha256)
-
-    def get(self, key, start=None, end=None):
-        return self.inner.get(key, start, end)
-
-    def open(self, key):
-        return self.inner.open(key)
-
-    def stat(self, key):
-        return self.inner.stat(key)
-
-    def list(self, prefix=""):
-        return self.inner.list(prefix)
-
-    def delete(self, key):
-        return self.inner.delete(key)
-
-    def local_path(self, key):
-        return self.inner.local_path(key)
+    return KillingStore(root)
 
 
 def main(out_dir: str, kill_mode: str, kill_step: int) -> None:
     from koochak.loop import training_loop
     from koochak.loop.checkpoint import resolve_auto_resume
     from koochak.loop.seed import set_all_seeds
-    from koochak.storage.store import LocalStore, register_store
+    from koochak.storage.store import register_store
 
     os.makedirs(out_dir, exist_ok=True)
-    register_store("killtest", lambda rest: _KillingStore(LocalStore(out_dir), kill_mode, kill_step))
+    register_store("killtest", lambda rest: _killing_store(out_dir, kill_mode, kill_step))
     location = "killtest://ckpt"
 
     set_all_seeds(0)

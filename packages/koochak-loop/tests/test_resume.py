@@ -38,41 +38,29 @@ def _ckpt(step: int, *, reason: str = "periodic", loss: float | None = None) -> 
     )
 
 
-class FaultyStore:
-    """A LocalStore wrapper that raises chosen OSErrors, as a flaky object-storage mount would."""
+class FaultyStore(LocalStore):
+    """A LocalStore that raises chosen OSErrors per key, as a flaky object-storage mount would."""
 
-    def __init__(self, inner: LocalStore) -> None:
-        self.inner = inner
-        self.location = inner.location
+    def __init__(self, root) -> None:
+        super().__init__(root)
         self.fail_get: dict[str, int] = {}
         self.fail_put: dict[str, int] = {}
 
+    def _maybe_fail(self, failures: dict[str, int], key: str) -> None:
+        if key in failures:
+            raise OSError(failures[key], os.strerror(failures[key]), key)
+
     def get(self, key, start=None, end=None):
-        if key in self.fail_get:
-            raise OSError(self.fail_get[key], os.strerror(self.fail_get[key]), key)
-        return self.inner.get(key, start, end)
+        self._maybe_fail(self.fail_get, key)
+        return super().get(key, start, end)
 
     def open(self, key):
-        if key in self.fail_get:
-            raise OSError(self.fail_get[key], os.strerror(self.fail_get[key]), key)
-        return self.inner.open(key)
+        self._maybe_fail(self.fail_get, key)
+        return super().open(key)
 
-    def put(self, key, data, *, expected_size=None, expected_sha256=None):
-        if key in self.fail_put:
-            raise OSError(self.fail_put[key], os.strerror(self.fail_put[key]), key)
-        return self.inner.put(key, data, expected_size=expected_size, expected_sha256=expected_sha256)
-
-    def stat(self, key):
-        return self.inner.stat(key)
-
-    def list(self, prefix=""):
-        return self.inner.list(prefix)
-
-    def delete(self, key):
-        return self.inner.delete(key)
-
-    def local_path(self, key):
-        return self.inner.local_path(key)
+    def put(self, key, data, **expected):
+        self._maybe_fail(self.fail_put, key)
+        return super().put(key, data, **expected)
 
 
 def _publish_steps(location, steps) -> None:
@@ -214,7 +202,7 @@ def test_published_payload_with_code_is_skipped_not_run(tmp_path, caplog):
 
 def test_eio_on_the_newest_raises_instead_of_rolling_back(tmp_path):
     _publish_steps(tmp_path, [0, 1])
-    store = FaultyStore(LocalStore(tmp_path))
+    store = FaultyStore(tmp_path)
     store.fail_get["step000000001.pt"] = errno.EIO
     with pytest.raises(OSError) as info:
         resolve_auto_resume(store)
@@ -222,7 +210,7 @@ def test_eio_on_the_newest_raises_instead_of_rolling_back(tmp_path):
 
 
 def test_full_disk_during_publication_keeps_the_previous_checkpoint(tmp_path):
-    store = FaultyStore(LocalStore(tmp_path))
+    store = FaultyStore(tmp_path)
     save(_ckpt(0), store)
     store.fail_put["step000000001.pt"] = errno.ENOSPC
     with pytest.raises(OSError) as info:

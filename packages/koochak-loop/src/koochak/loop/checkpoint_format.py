@@ -416,31 +416,41 @@ def _plain(value: Any) -> Any:
 
 def _encode(value: Any) -> Any:
     """NumPy arrays become tagged tuples of bytes; everything else is walked as is."""
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover - numpy is a dependency
-        np = None
-    if np is not None and isinstance(value, np.ndarray):
-        return (_NDARRAY_TAG, value.dtype.str, list(value.shape), value.tobytes())
-    if isinstance(value, Mapping):
-        return {k: _encode(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_encode(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_encode(v) for v in value)
-    return value
+    return _walk(value, _tag_ndarray)
 
 
 def _decode(value: Any) -> Any:
+    return _walk(value, _untag_ndarray)
+
+
+def _walk(value: Any, leaf: Any) -> Any:
+    """Rebuild dicts, lists and tuples, replacing whatever ``leaf`` turns into something else."""
+    replaced = leaf(value)
+    if replaced is not value:
+        return replaced
+    if isinstance(value, Mapping):
+        return {k: _walk(v, leaf) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_walk(v, leaf) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_walk(v, leaf) for v in value)
+    return value
+
+
+def _tag_ndarray(value: Any) -> Any:
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        return value
+    if isinstance(value, np.ndarray):
+        return (_NDARRAY_TAG, value.dtype.str, list(value.shape), value.tobytes())
+    return value
+
+
+def _untag_ndarray(value: Any) -> Any:
     if isinstance(value, tuple) and len(value) == 4 and value[0] == _NDARRAY_TAG:
         import numpy as np
 
         _, dtype, shape, raw = value
         return np.frombuffer(raw, dtype=np.dtype(dtype)).reshape(shape).copy()
-    if isinstance(value, Mapping):
-        return {k: _decode(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_decode(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_decode(v) for v in value)
     return value
