@@ -156,6 +156,14 @@ def test_filters_prune_skip_and_count(tree, tmp_path) -> None:
     assert skipped == {"excluded": 1, "not_included": 1, "symlinks": 1, "too_new": 1}
 
 
+def test_include_a_directory_keeps_its_tree_and_a_glob_keeping_nothing_fails(tree) -> None:
+    files, skipped = scan_source(tree, include=["d1"])
+    assert [f.path for f in files] == [f"d1/f{i}.bin" for i in range(4)]
+    assert skipped["not_included"] == 10
+    with pytest.raises(ValueError, match=r"--include 'd9' selects no file to archive"):
+        scan_source(tree, include=["d1", "d9"])
+
+
 def test_special_files_are_refused_unless_excluded(tree) -> None:
     os.mkfifo(tree / "pipe")
     with pytest.raises(ValueError, match="special file"):

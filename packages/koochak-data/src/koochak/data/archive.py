@@ -53,6 +53,7 @@ from koochak.data.collection import (
     encode_manifest,
     load_collection,
     matches_any,
+    selected_by,
 )
 
 __all__ = [
@@ -180,7 +181,9 @@ def scan_source(
 ) -> tuple[list[SourceFile], dict[str, int]]:
     """The regular files to archive under ``src`` (sorted by path) and counts of what was skipped.
 
-    Excluded directories are pruned (never entered); ``include`` keeps only matching files.
+    Excluded directories are pruned (never entered); ``include`` keeps only files that a glob
+    matches, or whose parent directory it matches (``train`` keeps the tree); an ``include``
+    glob that keeps nothing is a ValueError.
     A symlink raises ValueError unless ``skip_symlinks`` or excluded; a special file (FIFO,
     socket, device) always raises unless excluded. ``files_from`` names the exact relative paths
     to take instead of walking (its lines; errors name ``listed_in`` and the line number).
@@ -203,6 +206,10 @@ def scan_source(
     else:
         files = _walk(root, filters, skipped)
     files.sort(key=lambda f: f.path)
+    for pattern in include:
+        # A glob that selects nothing is almost always a typo; saying so beats "0 files".
+        if not any(selected_by(f.path, [pattern]) for f in files):
+            raise ValueError(f"--include {pattern!r} selects no file to archive under {root}")
     return files, skipped
 
 
@@ -224,7 +231,7 @@ def _consider(
         raise ValueError(
             f"{os.path.join(root, rel)} is a special file (not a regular file); --exclude it"
         )
-    if filters.include and not matches_any(rel, filters.include):
+    if filters.include and not selected_by(rel, filters.include):
         skipped["not_included"] += 1
         return None
     if filters.newer_than_ns is not None and st.st_mtime_ns > filters.newer_than_ns:

@@ -44,6 +44,7 @@ __all__ = [
     "encode_manifest",
     "load_collection",
     "matches_any",
+    "selected_by",
     "parse_files_table",
     "parse_manifest",
 ]
@@ -125,7 +126,7 @@ class Collection:
         A glob selects a file when it matches the file's path (or base name, for a glob without
         ``/``) or one of its parent directories, so ``train`` or ``data/train`` selects a tree.
         """
-        chosen = [e for e in self.entries if not include or _selected(e.path, include)]
+        chosen = [e for e in self.entries if not include or selected_by(e.path, include)]
         return sorted(chosen, key=lambda e: e.path)
 
     def by_path(self) -> dict[str, FileEntry]:
@@ -143,7 +144,9 @@ def matches_any(path: str, globs: Iterable[str]) -> bool:
     return False
 
 
-def _selected(path: str, globs: Sequence[str]) -> bool:
+def selected_by(path: str, globs: Sequence[str]) -> bool:
+    """True when a glob matches ``path`` or one of its parent directories (``train`` selects
+    ``train/a/b.png``): what ``--include`` means for archive, pull and ls alike."""
     if matches_any(path, globs):
         return True
     parts = path.split("/")
