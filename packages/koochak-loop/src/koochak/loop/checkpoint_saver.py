@@ -34,12 +34,6 @@ log = logging.getLogger("koochak.loop.checkpoint")
 RESUME_MODES = ("auto", "none")
 
 
-def checkpoint_location(train_cfg: Mapping[str, Any]) -> str | None:
-    """``train.checkpoint_dir``, else ``train.out_dir``; None when neither is set."""
-    location = train_cfg.get("checkpoint_dir") or train_cfg.get("out_dir")
-    return os.fspath(location) if location else None
-
-
 def capture_checkpoint(
     *,
     step: int,

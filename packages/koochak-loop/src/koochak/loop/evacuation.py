@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from koochak.loop import ddp, dist
 
 # Reserved exit code: "left on request after publishing a resumable checkpoint".
 EVACUATION_EXIT_CODE = 75
@@ -75,13 +76,9 @@ class EvacuationController:
         Under an initialized process group all ranks must call this at the same step; it costs
         one tiny all-reduce.
         """
-        flag = self._requested
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            device = _collective_device()
-            tensor = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
-            torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
-            flag = bool(tensor.item())
-        return flag
+        if not dist.is_initialized():
+            return self._requested
+        return ddp.any_rank(self._requested, _collective_device())
 
     def _handle(self, signum: int, frame: Any) -> None:
         # Only record: anything more could deadlock or corrupt the interrupted code.

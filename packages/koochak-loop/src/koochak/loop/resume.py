@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
 from typing import Any
 
 from koochak.loop.checkpoint_format import (
@@ -141,10 +140,3 @@ def _key_path(store: Store, key: str) -> str:
     local = store.local_path(key)
     return local if local is not None else f"{store.location.rstrip('/')}/{key}"
 
-
-def checkpoint_summary(ckpt: Mapping[str, Any]) -> str:
-    """One line for logs: step, next_step, reason."""
-    return (
-        f"step={ckpt.get('step')} next_step={ckpt.get('next_step')} "
-        f"reason={ckpt.get('reason', 'periodic')}"
-    )
