@@ -88,6 +88,18 @@ def test_failed_background_publication_fails_the_next_step(tmp_path):
     assert resolve_auto_resume(tmp_path / "ckpt")[1]["step"] == 1
 
 
+def test_full_disk_during_a_synchronous_save_stops_training_and_keeps_the_previous(tmp_path):
+    register_store("syncfail", lambda rest: _FailingStore(tmp_path / rest))
+    seen: list = []
+    hooks = {"on_exception": [lambda info: seen.append(info["step"])]}
+    with pytest.raises(OSError, match="No space left on device"):
+        _run(tmp_path, hooks=hooks, train={"checkpoint_dir": "syncfail://ckpt"})
+    assert seen == [2]  # the update whose save failed; training went no further
+    path, ckpt = resolve_auto_resume(tmp_path / "ckpt")
+    assert ckpt["step"] == 1 and path.endswith("step000000001.pt")
+    assert not (tmp_path / "ckpt" / "step000000002.pt").exists()
+
+
 def test_evacuation_request_publishes_terminal_checkpoint_and_exits_75(tmp_path):
     controller = EvacuationController()
     events: list = []
