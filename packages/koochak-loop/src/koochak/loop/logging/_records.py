@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
+
+from koochak.loop.hooks import Hooks, rank0_only
 
 METRIC_LOG_VERSION = 1
 EVENTS = ("log", "eval")
@@ -50,3 +52,29 @@ def format_number(value: int | float | str) -> str:
     if isinstance(value, float):
         return f"{value:.4g}" if math.isfinite(value) else str(value)
     return str(value)
+
+
+class _MetricFile(Protocol):
+    def log(self, step: int, metrics: Mapping[str, Any], *, event: str = "log") -> None: ...
+
+    def close(self) -> None: ...
+
+
+def metric_file_hooks(logger: _MetricFile) -> Hooks:
+    """Rank-0 hooks writing ``on_log``/``on_eval_end`` through ``logger``; closed at the end."""
+
+    def on_log(info: dict[str, Any]) -> None:
+        logger.log(info["step"], info["metrics"], event="log")
+
+    def on_eval_end(info: dict[str, Any]) -> None:
+        logger.log(info["step"], info["metrics"], event="eval")
+
+    def close(info: dict[str, Any]) -> None:
+        logger.close()
+
+    return {
+        "on_log": [rank0_only(on_log)],
+        "on_eval_end": [rank0_only(on_eval_end)],
+        "on_train_end": [rank0_only(close)],
+        "on_exception": [rank0_only(close)],
+    }

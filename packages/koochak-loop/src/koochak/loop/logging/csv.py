@@ -19,13 +19,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from koochak.loop.hooks import Hooks, rank0_only
+from koochak.loop.hooks import Hooks
 from koochak.loop.logging._records import (
     FIXED_COLUMNS,
     METRIC_LOG_VERSION,
     check_event,
     check_step,
     clean_metrics,
+    metric_file_hooks,
 )
 
 __all__ = ["CSVLogger", "make_csv_hooks", "read_csv_log"]
@@ -83,13 +84,16 @@ class CSVLogger:
         self._file.close()
         self._file = None
         columns = self._columns + new_columns
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        fd, tmp = tempfile.mkstemp(
+            prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent
+        )
         try:
             # mkstemp creates 0600; keep the log's own permissions across the swap.
             os.fchmod(fd, stat.S_IMODE(os.stat(self.path).st_mode))
-            with os.fdopen(fd, "w", newline="", encoding="utf-8") as out, open(
-                self.path, newline="", encoding="utf-8"
-            ) as old:
+            with (
+                os.fdopen(fd, "w", newline="", encoding="utf-8") as out,
+                open(self.path, newline="", encoding="utf-8") as old,
+            ):
                 writer = csv.writer(out)
                 reader = csv.reader(old)
                 next(reader, None)
@@ -191,20 +195,4 @@ def read_csv_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 def make_csv_hooks(path: str | os.PathLike[str]) -> Hooks:
     """Rank-0 hooks appending ``on_log`` and ``on_eval_end`` metrics to the CSV at ``path``."""
-    logger = CSVLogger(path)
-
-    def on_log(info: dict[str, Any]) -> None:
-        logger.log(info["step"], info["metrics"], event="log")
-
-    def on_eval_end(info: dict[str, Any]) -> None:
-        logger.log(info["step"], info["metrics"], event="eval")
-
-    def close(info: dict[str, Any]) -> None:
-        logger.close()
-
-    return {
-        "on_log": [rank0_only(on_log)],
-        "on_eval_end": [rank0_only(on_eval_end)],
-        "on_train_end": [rank0_only(close)],
-        "on_exception": [rank0_only(close)],
-    }
+    return metric_file_hooks(CSVLogger(path))

@@ -14,8 +14,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from koochak.loop.hooks import Hooks, rank0_only
-from koochak.loop.logging._records import METRIC_LOG_VERSION, check_event, check_step, clean_metrics
+from koochak.loop.hooks import Hooks
+from koochak.loop.logging._records import (
+    METRIC_LOG_VERSION,
+    check_event,
+    check_step,
+    clean_metrics,
+    metric_file_hooks,
+)
 
 __all__ = ["JSONLLogger", "make_jsonl_hooks", "read_jsonl_log"]
 
@@ -102,20 +108,4 @@ def read_jsonl_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 def make_jsonl_hooks(path: str | os.PathLike[str]) -> Hooks:
     """Rank-0 hooks appending ``on_log`` and ``on_eval_end`` records to the JSONL file at ``path``."""
-    logger = JSONLLogger(path)
-
-    def on_log(info: dict[str, Any]) -> None:
-        logger.log(info["step"], info["metrics"], event="log")
-
-    def on_eval_end(info: dict[str, Any]) -> None:
-        logger.log(info["step"], info["metrics"], event="eval")
-
-    def close(info: dict[str, Any]) -> None:
-        logger.close()
-
-    return {
-        "on_log": [rank0_only(on_log)],
-        "on_eval_end": [rank0_only(on_eval_end)],
-        "on_train_end": [rank0_only(close)],
-        "on_exception": [rank0_only(close)],
-    }
+    return metric_file_hooks(JSONLLogger(path))

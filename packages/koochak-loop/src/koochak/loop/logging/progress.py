@@ -39,7 +39,10 @@ def make_progress_hooks(stream: IO[str] | None = None, *, force: bool = False) -
 
     def on_train_start(info: dict[str, Any]) -> None:
         state["bar"] = tqdm(
-            total=info.get("max_steps"), initial=info.get("step", 0), file=out, unit="step",
+            total=info.get("max_steps"),
+            initial=info.get("step", 0),
+            file=out,
+            unit="step",
             dynamic_ncols=True,
         )
 

@@ -72,7 +72,9 @@ def wandb_run_id(wandb_cfg: Mapping[str, Any]) -> str | None:
     if wandb_cfg.get("id"):
         return str(wandb_cfg["id"])
     if wandb_cfg.get("name") and wandb_cfg.get("resume") == "allow":
-        key = f"{wandb_cfg.get('entity') or ''}/{wandb_cfg.get('project') or ''}/{wandb_cfg['name']}"
+        key = (
+            f"{wandb_cfg.get('entity') or ''}/{wandb_cfg.get('project') or ''}/{wandb_cfg['name']}"
+        )
         return "koochak-" + hashlib.sha256(key.encode()).hexdigest()[:16]
     return None
 
@@ -108,7 +110,10 @@ def _validate(wandb_cfg: Mapping[str, Any]) -> None:
         )
     for key in ("artifact_name_prefix", "artifact_type"):
         value = wandb_cfg.get(key) or "model"
-        if not isinstance(value, str) or not value.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        if (
+            not isinstance(value, str)
+            or not value.replace("-", "").replace("_", "").replace(".", "").isalnum()
+        ):
             raise ValueError(f"wandb.{key} must be letters, digits, '-', '_' or '.', got {value!r}")
 
 
@@ -132,7 +137,9 @@ def make_wandb_hooks(
     if track is not None:
         bad = {k: v for k, v in track.items() if v not in _DIRECTIONS}
         if bad:
-            raise ValueError(f"make_wandb_hooks(track=...): directions must be min or max, got {bad}")
+            raise ValueError(
+                f"make_wandb_hooks(track=...): directions must be min or max, got {bad}"
+            )
     wandb = _import_wandb()
     prefix = wandb_cfg.get("artifact_name_prefix") or "model"
     artifact_type = wandb_cfg.get("artifact_type") or "model"
@@ -165,8 +172,10 @@ def make_wandb_hooks(
             state["run"].log(dict(info["metrics"]), step=int(info["step"]))
 
     def _improved(metrics: Mapping[str, Any]) -> list[str]:
-        tracked = dict(track) if track is not None else (
-            {"eval_loss": "min"} if "eval_loss" in metrics else {"loss": "min"}
+        tracked = (
+            dict(track)
+            if track is not None
+            else ({"eval_loss": "min"} if "eval_loss" in metrics else {"loss": "min"})
         )
         improved = []
         for name, direction in tracked.items():
