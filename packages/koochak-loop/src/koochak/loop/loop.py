@@ -155,12 +155,21 @@ def training_loop(
         if checkpoint_dict is not None:
             restore_training_state(checkpoint_dict, raw_model, optimizer, scheduler, scaler)
         raw_model.train()
-        parts = (raw_model, optimizer, scheduler, scaler, _config_of(config_json, cfg))
+        # What every checkpoint is captured from (live objects: each capture reads them anew).
+        parts = {
+            "model": raw_model,
+            "optimizer": optimizer,
+            "scheduler": scheduler,
+            "scaler": scaler,
+            "config": _config_of(config_json, cfg),
+        }
         if rank == 0:  # only rank 0 publishes; every rank takes part in capturing (RNG gather)
             saver = CheckpointSaver(
-                location, keep_last_k=cfg.keep_last_k or None, async_publish=cfg.checkpoint_async,
+                location,
+                keep_last_k=cfg.keep_last_k or None,
+                async_publish=cfg.checkpoint_async,
                 on_checkpoint=lambda info: emit(hooks, "on_checkpoint", info, warned=warned),
-            )  # fmt: skip
+            )
         evac = make_evacuation(evacuation, train_dict)
         if evac is not None:
             evac.install()
@@ -230,9 +239,7 @@ def training_loop(
             is_check = bool(check_every) and (step + 1) % check_every == 0
             if clip is not None or is_log or is_check:
                 scaler.unscale_(optimizer)
-                if (
-                    is_check and not scaler.enabled
-                ):  # a GradScaler's overflow is a skip, not an error
+                if is_check and not scaler.enabled:  # under a GradScaler, overflow is a skip
                     check_finite(named_params, step)
                 norm = total_norm(grads_of(named_params))
                 if is_log:  # one read brings the norm and every logged scalar to the host
@@ -271,9 +278,15 @@ def training_loop(
                 verdict = health.check(step)
                 if ddp.any_rank(not verdict.healthy, device):
                     _, path = _terminal(
-                        saver, "gpu_health", step + 1, parts, {**metrics, **eval_metrics},
-                        prior_wall_time, started, best_effort=True,
-                    )  # fmt: skip
+                        saver,
+                        "gpu_health",
+                        step + 1,
+                        parts,
+                        {**metrics, **eval_metrics},
+                        prior_wall_time,
+                        started,
+                        best_effort=True,
+                    )
                     raise GpuUnhealthy(step + 1, verdict, path)
 
             # ---- maybe eval
@@ -286,10 +299,13 @@ def training_loop(
             # the update that reaches max_steps: the terminal save of the same state follows.
             if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 != max_steps:
                 periodic = capture_checkpoint(
-                    step=step, next_step=step + 1, reason="periodic", **_parts(parts),
+                    step=step,
+                    next_step=step + 1,
+                    reason="periodic",
+                    **parts,
                     wall_time=prior_wall_time + time.perf_counter() - started,
                     metrics={**metrics, **eval_metrics},
-                )  # fmt: skip
+                )
                 if saver is not None:
                     saver.save(periodic)
             step += 1
@@ -300,25 +316,28 @@ def training_loop(
                 checkpoint, path = _terminal(
                     saver, "evacuation", step, parts, final_metrics, prior_wall_time, started
                 )
-                emit(hooks, "on_train_end", {"step": step, "checkpoint": checkpoint,
-                     "metrics": final_metrics, "reason": "evacuation"}, warned=warned)  # fmt: skip
+                end = {"step": step, "checkpoint": checkpoint, "metrics": final_metrics}
+                emit(hooks, "on_train_end", {**end, "reason": "evacuation"}, warned=warned)
                 raise Evacuated(step, checkpoint, path)
 
         # ---- finish: the last update is always logged, the terminal state saved and returned
         if not logged and outputs is not None:
-            metrics = _log_metrics(_to_host(outputs, None), None, get_lr(optimizer),
-                                   time.perf_counter() - window_start)  # fmt: skip
+            window_s = time.perf_counter() - window_start
+            metrics = _log_metrics(_to_host(outputs, None), None, get_lr(optimizer), window_s)
             _add_rate(metrics, last_batch, window_steps, grad_accum, world_size)
             emit(hooks, "on_log", {"step": step - 1, "metrics": metrics}, warned=warned)
         final_metrics = {**metrics, **eval_metrics}
         # A resumed run with nothing left to do already has this exact terminal checkpoint
         # published; re-publishing would only open a window in which it is un-committed.
         republish = not (
-            checkpoint_dict is not None and step == start_step
-            and checkpoint_dict.get("step") == step and checkpoint_dict.get("reason") == "terminal"
-        )  # fmt: skip
-        checkpoint, _ = _terminal(saver, "terminal", step, parts, final_metrics, prior_wall_time,
-                                  started, publish=republish)  # fmt: skip
+            checkpoint_dict is not None
+            and step == start_step
+            and checkpoint_dict.get("step") == step
+            and checkpoint_dict.get("reason") == "terminal"
+        )
+        checkpoint, _ = _terminal(
+            saver, "terminal", step, parts, final_metrics, prior_wall_time, started, republish
+        )
         emit(
             hooks,
             "on_train_end",
@@ -505,17 +524,11 @@ def _config_of(config_json: Mapping[str, Any] | None, cfg: TrainConfig) -> dict[
     return dict(config_json) if config_json is not None else {"train": dataclasses.asdict(cfg)}
 
 
-def _parts(parts: tuple[Any, ...]) -> dict[str, Any]:
-    model, optimizer, scheduler, scaler, config = parts
-    return {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler,
-            "config": config}  # fmt: skip
-
-
 def _terminal(
     saver: CheckpointSaver | None,
     reason: str,
     step: int,
-    parts: tuple[Any, ...],
+    parts: Mapping[str, Any],
     metrics: Mapping[str, float],
     prior_wall_time: float,
     started: float,
@@ -531,9 +544,13 @@ def _terminal(
     path = None
     try:
         checkpoint = capture_checkpoint(
-            step=step, next_step=step, reason=reason, **_parts(parts),
-            wall_time=prior_wall_time + time.perf_counter() - started, metrics=metrics,
-        )  # fmt: skip
+            step=step,
+            next_step=step,
+            reason=reason,
+            **parts,
+            wall_time=prior_wall_time + time.perf_counter() - started,
+            metrics=metrics,
+        )
         if saver is not None and checkpoint is not None and publish:
             path = saver.save(checkpoint, sync=True)
     except Exception as exc:
