@@ -107,6 +107,23 @@ def test_bad_size_argument_is_refused(tmp_path, capsys):
     assert "12Q" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "named"),
+    [
+        ("--small-objects", "0", "small_objects"),
+        ("--dataset-shards", "0", "dataset_shards"),
+        ("--read-back-timeout", "-1", "read_back_timeout"),
+    ],
+)
+def test_out_of_range_numbers_are_one_line_errors_before_anything_is_written(
+    tmp_path, capsys, flag, value, named
+):
+    assert main([str(tmp_path), *TINY_ARGS, flag, value]) == 1  # last one wins
+    err = capsys.readouterr().err
+    assert err.startswith("koochak-probe: ") and named in err and err.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_dataset_mode_without_koochak_data_says_what_to_install(tmp_path, monkeypatch, capsys):
     import importlib
 

@@ -106,6 +106,7 @@ def probe(
         dataset_shards,
         shard_bytes,
         readers,
+        read_back_timeout,
     )
     dataset = _dataset_module() if dataset_shards else None  # fail before writing anything
     say = stage or (lambda _message: None)
@@ -187,7 +188,16 @@ def _check_arguments(
     dataset_shards,
     shard_bytes,
     readers,
+    read_back_timeout,
 ) -> None:
+    if (
+        isinstance(read_back_timeout, bool)
+        or not isinstance(read_back_timeout, (int, float))
+        or not read_back_timeout >= 0
+    ):
+        raise ValueError(
+            f"probe: read_back_timeout must be a number of seconds >= 0, got {read_back_timeout!r}"
+        )
     for name, value, low in (
         ("read_bytes", read_bytes, 1),
         ("small_objects", small_objects, 1),
