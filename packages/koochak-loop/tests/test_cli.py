@@ -160,9 +160,20 @@ def test_training_failure_exit_1_and_debug_shows_traceback(project, capsys):
 def test_python_dash_m_entry_point(project):
     root, _, config = project
     proc = subprocess.run(
-        [sys.executable, "-m", "koochak.loop.cli", "--config", str(config), "train.max_steps=2",
-         "--resume", "none"],
-        cwd=root, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "koochak.loop.cli",
+            "--config",
+            str(config),
+            "train.max_steps=2",
+            "--resume",
+            "none",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert (root / "run" / "step000000002.pt").exists()

@@ -15,8 +15,15 @@ ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 def test_digits_main_runs_a_few_steps(tmp_path):
-    ckpt = digits.main([f"train.out_dir={tmp_path}", "train.max_steps=3", "train.eval_every=3", "optim.scheduler.warmup_steps=1",
-                        "logging.stdout=false"])  # fmt: skip
+    ckpt = digits.main(
+        [
+            f"train.out_dir={tmp_path}",
+            "train.max_steps=3",
+            "train.eval_every=3",
+            "optim.scheduler.warmup_steps=1",
+            "logging.stdout=false",
+        ]
+    )
     assert ckpt["step"] == 3 and 0.0 <= ckpt["metrics"]["eval_acc"] <= 1.0
     assert (tmp_path / "log.csv").exists() and (tmp_path / "log.jsonl").exists()
     assert torch.load(tmp_path / "step000000003.pt", weights_only=True)["next_step"] == 3
@@ -24,16 +31,30 @@ def test_digits_main_runs_a_few_steps(tmp_path):
 
 def test_digits_entry_points_work_through_koochak_train(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
-    code = cli_main(["--config", "examples/digits/config.yaml", f"train.out_dir={tmp_path}",
-                     "train.max_steps=2", "logging.stdout=false", "optim.scheduler.warmup_steps=1",
-                     "--resume", "none"])  # fmt: skip
+    code = cli_main(
+        [
+            "--config",
+            "examples/digits/config.yaml",
+            f"train.out_dir={tmp_path}",
+            "train.max_steps=2",
+            "logging.stdout=false",
+            "optim.scheduler.warmup_steps=1",
+            "--resume",
+            "none",
+        ]
+    )
     assert code == 0
     assert (tmp_path / "step000000002.pt").exists()
 
 
 def test_digits_main_rerun_continues_from_its_checkpoint(tmp_path):
-    args = [f"train.out_dir={tmp_path}", "train.log_every=1", "train.eval_every=0",
-            "logging.stdout=false", "optim.scheduler.name=none"]  # fmt: skip
+    args = [
+        f"train.out_dir={tmp_path}",
+        "train.log_every=1",
+        "train.eval_every=0",
+        "logging.stdout=false",
+        "optim.scheduler.name=none",
+    ]
     digits.main([*args, "train.max_steps=2"])
     ckpt = digits.main([*args, "train.max_steps=4"])
     assert ckpt["step"] == 4
@@ -60,6 +81,13 @@ def test_digits_split_is_stratified_and_disjoint():
 
 @pytest.mark.slow
 def test_digits_reaches_95_percent(tmp_path):
-    ckpt = digits.main([f"train.out_dir={tmp_path}", "train.max_steps=250", "train.eval_every=250",
-                        "optim.scheduler.T_max=250", "logging.stdout=false"])  # fmt: skip
+    ckpt = digits.main(
+        [
+            f"train.out_dir={tmp_path}",
+            "train.max_steps=250",
+            "train.eval_every=250",
+            "optim.scheduler.T_max=250",
+            "logging.stdout=false",
+        ]
+    )
     assert ckpt["metrics"]["eval_acc"] >= 0.95

@@ -54,15 +54,19 @@ def test_grad_accum_of_k_micro_batches_equals_one_k_times_batch(tmp_path):
     ]
     a, b = make_model(), make_model()
     training_loop(
-        model=a, dataset=micro, step_fn=mse_step,
+        model=a,
+        dataset=micro,
+        step_fn=mse_step,
         optimizer=torch.optim.SGD(a.parameters(), lr=0.5),
         train_cfg=cfg(tmp_path / "a", max_steps=3, grad_accum=4),
-    )  # fmt: skip
+    )
     training_loop(
-        model=b, dataset=big, step_fn=mse_step,
+        model=b,
+        dataset=big,
+        step_fn=mse_step,
         optimizer=torch.optim.SGD(b.parameters(), lr=0.5),
         train_cfg=cfg(tmp_path / "b", max_steps=3),
-    )  # fmt: skip
+    )
     for pa, pb in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
     # and they actually moved
@@ -80,11 +84,13 @@ def test_finite_dataset_stops_when_exhausted_without_hidden_epochs(tmp_path):
     model = make_model()
     logged = []
     ckpt = training_loop(
-        model=model, dataset=data(), step_fn=mse_step,
+        model=model,
+        dataset=data(),
+        step_fn=mse_step,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         train_cfg=cfg(tmp_path, max_steps=None, log_every=5),
         hooks={"on_log": [lambda info: logged.append((info["step"], info["metrics"]["loss"]))]},
-    )  # fmt: skip
+    )
     assert pulled == list(range(7))
     assert ckpt["step"] == 7 and ckpt["next_step"] == 7
     # the last update is logged even though only the exhausted data said it was the last
@@ -120,14 +126,18 @@ def test_hook_events_order_and_info(tmp_path):
     }
     model = make_model()
     training_loop(
-        model=model, dataset=regression_batches(12), step_fn=mse_step,
+        model=model,
+        dataset=regression_batches(12),
+        step_fn=mse_step,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        train_cfg=cfg(tmp_path, max_steps=12, log_every=5, eval_every=6, ckpt_every=6,
-                      eval_at_step_zero=True),
+        train_cfg=cfg(
+            tmp_path, max_steps=12, log_every=5, eval_every=6, ckpt_every=6, eval_at_step_zero=True
+        ),
         eval_dataset=regression_batches(2, seed=1),
         eval_fn=lambda m, ds, ctx: {"loss": sum(F.mse_loss(m(x), y) for x, y in ds) / len(ds)},
-        hooks=hooks, config_json={"train": {"max_steps": 12}},
-    )  # fmt: skip
+        hooks=hooks,
+        config_json={"train": {"max_steps": 12}},
+    )
     names = [(n, i["step"]) for n, i in events]
     assert names == [
         ("on_train_start", 0),
@@ -142,8 +152,17 @@ def test_hook_events_order_and_info(tmp_path):
         ("on_train_end", 12),
     ]
     start = events[0][1]
-    assert {"step", "max_steps", "train_cfg", "config_json", "model", "num_params", "rank",
-            "world_size", "out_dir"} <= set(start)  # fmt: skip
+    assert {
+        "step",
+        "max_steps",
+        "train_cfg",
+        "config_json",
+        "model",
+        "num_params",
+        "rank",
+        "world_size",
+        "out_dir",
+    } <= set(start)
     assert start["num_params"] == sum(p.numel() for p in model.parameters())
     assert start["rank"] == 0 and start["world_size"] == 1 and start["max_steps"] == 12
     log = dict(events)["on_log"]["metrics"]
@@ -161,7 +180,9 @@ def test_last_update_publishes_only_the_terminal_checkpoint(tmp_path):
     saved = []
     model = make_model()
     training_loop(
-        model=model, dataset=regression_batches(8), step_fn=mse_step,
+        model=model,
+        dataset=regression_batches(8),
+        step_fn=mse_step,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         train_cfg=cfg(tmp_path, max_steps=8, ckpt_every=4, keep_last_k=None),
         hooks={"on_checkpoint": [lambda info: saved.append(info["path"].rsplit("/", 1)[-1])]},
@@ -174,7 +195,9 @@ def test_data_running_out_keeps_the_periodic_checkpoint(tmp_path):
     """Without max_steps the loop cannot know an update is the last one: periodic saves stay."""
     model = make_model()
     training_loop(
-        model=model, dataset=regression_batches(4), step_fn=mse_step,
+        model=model,
+        dataset=regression_batches(4),
+        step_fn=mse_step,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         train_cfg=cfg(tmp_path, max_steps=None, ckpt_every=2, keep_last_k=None),
     )
@@ -187,11 +210,26 @@ def test_checkpoint_dict_contents_and_published_file(tmp_path):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
     ckpt = training_loop(
-        model=model, dataset=regression_batches(5), step_fn=mse_step, optimizer=opt,
-        scheduler=sched, train_cfg=cfg(tmp_path), config_json={"train": {"x": 1}},
-    )  # fmt: skip
-    assert {"step", "next_step", "model", "optimizer", "scheduler", "scaler", "config", "rng",
-            "wall_time", "metrics"} <= set(ckpt)  # fmt: skip
+        model=model,
+        dataset=regression_batches(5),
+        step_fn=mse_step,
+        optimizer=opt,
+        scheduler=sched,
+        train_cfg=cfg(tmp_path),
+        config_json={"train": {"x": 1}},
+    )
+    assert {
+        "step",
+        "next_step",
+        "model",
+        "optimizer",
+        "scheduler",
+        "scaler",
+        "config",
+        "rng",
+        "wall_time",
+        "metrics",
+    } <= set(ckpt)
     assert ckpt["config"] == {"train": {"x": 1}}
     assert ckpt["scheduler"]["last_epoch"] == 5
     saved = torch.load(tmp_path / "run" / "step000000005.pt", weights_only=True)
@@ -210,20 +248,34 @@ def test_resume_from_returned_checkpoint_continues_the_same_run(tmp_path):
 
     data = regression_batches(10)
     ref, ref_opt = build()
-    training_loop(model=ref, dataset=data, step_fn=mse_step, optimizer=ref_opt,
-                  train_cfg=cfg(tmp_path / "ref", max_steps=10))  # fmt: skip
+    training_loop(
+        model=ref,
+        dataset=data,
+        step_fn=mse_step,
+        optimizer=ref_opt,
+        train_cfg=cfg(tmp_path / "ref", max_steps=10),
+    )
 
     first, first_opt = build()
-    ckpt = training_loop(model=first, dataset=data, step_fn=mse_step, optimizer=first_opt,
-                         train_cfg=cfg(tmp_path / "a", max_steps=4))  # fmt: skip
+    ckpt = training_loop(
+        model=first,
+        dataset=data,
+        step_fn=mse_step,
+        optimizer=first_opt,
+        train_cfg=cfg(tmp_path / "a", max_steps=4),
+    )
     ckpt = copy.deepcopy(ckpt)
     torch.manual_seed(999)  # a fresh process would have a different RNG state
     second, second_opt = build()
     torch.manual_seed(12345)
     training_loop(
-        model=second, dataset=data[ckpt["next_step"] :], step_fn=mse_step, optimizer=second_opt,
-        train_cfg=cfg(tmp_path / "b", max_steps=10), checkpoint_dict=ckpt,
-    )  # fmt: skip
+        model=second,
+        dataset=data[ckpt["next_step"] :],
+        step_fn=mse_step,
+        optimizer=second_opt,
+        train_cfg=cfg(tmp_path / "b", max_steps=10),
+        checkpoint_dict=ckpt,
+    )
     for pa, pb in zip(ref.parameters(), second.parameters()):
         torch.testing.assert_close(pa, pb, rtol=0, atol=0)
 
@@ -246,10 +298,13 @@ def test_nan_gradient_rejected_before_the_optimizer_step(tmp_path):
     hooks["on_exception"] = [lambda info: exceptions.append(info)]
     with pytest.raises(NonFiniteGradientError, match=r"step 3: .*parameter '0\.weight'"):
         training_loop(
-            model=model, dataset=regression_batches(10), step_fn=nan_at(3),
+            model=model,
+            dataset=regression_batches(10),
+            step_fn=nan_at(3),
             optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            train_cfg=cfg(tmp_path, grad_clip=1.0), hooks=hooks,
-        )  # fmt: skip
+            train_cfg=cfg(tmp_path, grad_clip=1.0),
+            hooks=hooks,
+        )
     for before, after in zip(snapshots[2], params_of(model)):
         torch.testing.assert_close(before, after, rtol=0, atol=0)
     assert exceptions and exceptions[0]["step"] == 3
@@ -259,20 +314,24 @@ def test_nan_without_clipping_is_caught_on_logging_steps(tmp_path):
     model = make_model()
     with pytest.raises(NonFiniteGradientError, match="step 4"):
         training_loop(
-            model=model, dataset=regression_batches(10), step_fn=nan_at(4),
+            model=model,
+            dataset=regression_batches(10),
+            step_fn=nan_at(4),
             optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
             train_cfg=cfg(tmp_path, log_every=5),
-        )  # fmt: skip
+        )
 
 
 def test_nonfinite_grad_check_every_raises_instead_of_zeroing(tmp_path):
     model = make_model()
     with pytest.raises(NonFiniteGradientError, match="step 1: .*nonfinite_grad_check_every"):
         training_loop(
-            model=model, dataset=regression_batches(10), step_fn=nan_at(1),
+            model=model,
+            dataset=regression_batches(10),
+            step_fn=nan_at(1),
             optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
             train_cfg=cfg(tmp_path, log_every=100, nonfinite_grad_check_every=1),
-        )  # fmt: skip
+        )
 
 
 def test_clipping_matches_torch_clip_grad_norm(tmp_path):
@@ -280,11 +339,13 @@ def test_clipping_matches_torch_clip_grad_norm(tmp_path):
     a = make_model()
     logs = []
     training_loop(
-        model=a, dataset=data, step_fn=lambda m, b, c: {"loss": 100 * mse_step(m, b, c)["loss"]},
+        model=a,
+        dataset=data,
+        step_fn=lambda m, b, c: {"loss": 100 * mse_step(m, b, c)["loss"]},
         optimizer=torch.optim.SGD(a.parameters(), lr=0.01),
         train_cfg=cfg(tmp_path, max_steps=3, log_every=1, grad_clip=0.5),
         hooks={"on_log": [lambda info: logs.append(info["metrics"])]},
-    )  # fmt: skip
+    )
     b = make_model()
     opt = torch.optim.SGD(b.parameters(), lr=0.01)
     norms = []
@@ -310,10 +371,13 @@ def test_failing_logging_hook_warns_once_and_training_continues(tmp_path):
     model = make_model()
     with pytest.warns(RuntimeWarning, match="disk full") as record:
         ckpt = training_loop(
-            model=model, dataset=regression_batches(10), step_fn=mse_step,
+            model=model,
+            dataset=regression_batches(10),
+            step_fn=mse_step,
             optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            train_cfg=cfg(tmp_path, log_every=2), hooks={"on_log": [broken]},
-        )  # fmt: skip
+            train_cfg=cfg(tmp_path, log_every=2),
+            hooks={"on_log": [broken]},
+        )
     assert ckpt["step"] == 10
     assert calls == [1, 3, 5, 7, 9]
     assert sum("disk full" in str(w.message) for w in record) == 1
@@ -327,10 +391,13 @@ def test_failing_train_start_hook_aborts(tmp_path):
 
     with pytest.raises(RuntimeError, match="cannot reach tracker"):
         training_loop(
-            model=model, dataset=regression_batches(3), step_fn=mse_step,
+            model=model,
+            dataset=regression_batches(3),
+            step_fn=mse_step,
             optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            train_cfg=cfg(tmp_path), hooks={"on_train_start": [broken]},
-        )  # fmt: skip
+            train_cfg=cfg(tmp_path),
+            hooks={"on_train_start": [broken]},
+        )
     assert not (tmp_path / "run").exists()
 
 
@@ -344,10 +411,13 @@ def test_fail_closed_hook_aborts_training(tmp_path):
     model = make_model()
     with pytest.raises(ValueError, match="ack rejected"):
         training_loop(
-            model=model, dataset=regression_batches(5), step_fn=mse_step,
+            model=model,
+            dataset=regression_batches(5),
+            step_fn=mse_step,
             optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            train_cfg=cfg(tmp_path), hooks={"on_step_end": [fail_closed(strict)]},
-        )  # fmt: skip
+            train_cfg=cfg(tmp_path),
+            hooks={"on_step_end": [fail_closed(strict)]},
+        )
 
 
 def test_scheduler_steps_per_update_or_per_eval(tmp_path):
@@ -356,10 +426,15 @@ def test_scheduler_steps_per_update_or_per_eval(tmp_path):
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
         training_loop(
-            model=model, dataset=regression_batches(6), step_fn=mse_step, optimizer=opt,
-            scheduler=sched, train_cfg=cfg(tmp_path / mode, scheduler_step=mode, eval_every=2),
-            eval_dataset=[0], eval_fn=lambda m, d, c: {"loss": 1.0},
-        )  # fmt: skip
+            model=model,
+            dataset=regression_batches(6),
+            step_fn=mse_step,
+            optimizer=opt,
+            scheduler=sched,
+            train_cfg=cfg(tmp_path / mode, scheduler_step=mode, eval_every=2),
+            eval_dataset=[0],
+            eval_fn=lambda m, d, c: {"loss": 1.0},
+        )
         assert sched.last_epoch == expected
         assert opt.param_groups[0]["lr"] == pytest.approx(0.5**expected)
 
@@ -374,11 +449,14 @@ def test_eval_runs_in_eval_mode_without_grad_and_restores_train_mode(tmp_path):
     model = make_model()
     modes = []
     training_loop(
-        model=model, dataset=regression_batches(4),
+        model=model,
+        dataset=regression_batches(4),
         step_fn=lambda m, b, c: modes.append(m.training) or mse_step(m, b, c),
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        train_cfg=cfg(tmp_path, eval_every=2), eval_dataset=[], eval_fn=eval_fn,
-    )  # fmt: skip
+        train_cfg=cfg(tmp_path, eval_every=2),
+        eval_dataset=[],
+        eval_fn=eval_fn,
+    )
     assert seen == [(False, False, 1), (False, False, 3)]
     assert modes == [True] * 4
 
@@ -397,10 +475,13 @@ def test_ctx_carries_device_rank_autocast_scaler_config_and_step(tmp_path):
 
     model = make_model()
     training_loop(
-        model=model, dataset=regression_batches(4), step_fn=step_fn,
+        model=model,
+        dataset=regression_batches(4),
+        step_fn=step_fn,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        train_cfg=cfg(tmp_path, grad_accum=2), config_json={"a": 1},
-    )  # fmt: skip
+        train_cfg=cfg(tmp_path, grad_accum=2),
+        config_json={"a": 1},
+    )
     assert seen == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
@@ -415,9 +496,12 @@ def test_bf16_autocast_on_cpu_trains(tmp_path):
 
     model = make_model()
     ckpt = training_loop(
-        model=model, dataset=regression_batches(3), step_fn=step_fn,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1), train_cfg=cfg(tmp_path, amp="bf16"),
-    )  # fmt: skip
+        model=model,
+        dataset=regression_batches(3),
+        step_fn=step_fn,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        train_cfg=cfg(tmp_path, amp="bf16"),
+    )
     assert dtypes == [torch.bfloat16] * 3
     assert ckpt["scaler"] is None and math.isfinite(ckpt["metrics"]["loss"])
 
@@ -427,10 +511,12 @@ def test_data_ending_inside_an_accumulation_drops_the_partial_update(tmp_path):
     before = params_of(model)
     with pytest.warns(RuntimeWarning, match="1 micro-batch"):
         ckpt = training_loop(
-            model=model, dataset=regression_batches(1), step_fn=mse_step,
+            model=model,
+            dataset=regression_batches(1),
+            step_fn=mse_step,
             optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
             train_cfg=cfg(tmp_path, grad_accum=2),
-        )  # fmt: skip
+        )
     assert ckpt["step"] == 0
     for a, b in zip(before, params_of(model)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -440,26 +526,34 @@ def test_step_fn_without_loss_is_a_clear_error(tmp_path):
     model = make_model()
     with pytest.raises(TypeError, match="step_fn must return a dict with a 'loss' tensor.*'mae'"):
         training_loop(
-            model=model, dataset=regression_batches(2),
+            model=model,
+            dataset=regression_batches(2),
             step_fn=lambda m, b, c: {"mae": mse_step(m, b, c)["mae"]},
-            optimizer=torch.optim.SGD(model.parameters(), lr=0.1), train_cfg=cfg(tmp_path),
-        )  # fmt: skip
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            train_cfg=cfg(tmp_path),
+        )
 
 
 def test_unknown_train_key_fails_before_training(tmp_path):
     model = make_model()
     with pytest.raises(ValueError, match=r"train\.max_stpes.*did you mean 'train\.max_steps'"):
         training_loop(
-            model=model, dataset=regression_batches(2), step_fn=mse_step,
+            model=model,
+            dataset=regression_batches(2),
+            step_fn=mse_step,
             optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
             train_cfg={"max_stpes": 3, "out_dir": str(tmp_path)},
-        )  # fmt: skip
+        )
 
 
 def test_host_syncs_only_on_logging_steps_without_clipping(tmp_path, monkeypatch):
     counts = {"item": 0, "tolist": 0, "float": 0, "bool": 0}
-    for name, attr in (("item", "item"), ("tolist", "tolist"), ("float", "__float__"),
-                       ("bool", "__bool__")):  # fmt: skip
+    for name, attr in (
+        ("item", "item"),
+        ("tolist", "tolist"),
+        ("float", "__float__"),
+        ("bool", "__bool__"),
+    ):
         original = getattr(torch.Tensor, attr)
 
         def counted(self, *a, _o=original, _n=name, **k):
@@ -470,11 +564,13 @@ def test_host_syncs_only_on_logging_steps_without_clipping(tmp_path, monkeypatch
     syncs_at = []
     model = make_model()
     training_loop(
-        model=model, dataset=regression_batches(10), step_fn=mse_step,
+        model=model,
+        dataset=regression_batches(10),
+        step_fn=mse_step,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         train_cfg=cfg(tmp_path, log_every=5, max_steps=10),
         hooks={"on_step_end": [lambda info: syncs_at.append(sum(counts.values()))]},
-    )  # fmt: skip
+    )
     # One batched read per logging step (steps 4 and 9), nothing on the other eight.
     assert syncs_at == [0, 0, 0, 0, 1, 1, 1, 1, 1, 2]
 
@@ -485,10 +581,12 @@ def test_clipping_costs_one_sync_per_step(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.Tensor, "item", lambda self: counts.append(1) or original(self))
     model = make_model()
     training_loop(
-        model=model, dataset=regression_batches(6), step_fn=mse_step,
+        model=model,
+        dataset=regression_batches(6),
+        step_fn=mse_step,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         train_cfg=cfg(tmp_path, log_every=3, max_steps=6, grad_clip=1.0),
-    )  # fmt: skip
+    )
     assert len(counts) == 4  # steps 0, 1, 3, 4; logging steps 2 and 5 read it with the metrics
 
 
@@ -501,19 +599,25 @@ def test_prepare_batch_fn_runs_on_each_batch(tmp_path):
         return batch[0], batch[1] * 0
 
     ckpt = training_loop(
-        model=model, dataset=regression_batches(3), step_fn=mse_step,
+        model=model,
+        dataset=regression_batches(3),
+        step_fn=mse_step,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        train_cfg=cfg(tmp_path, cuda_prefetch=True), prepare_batch_fn=prepare,
-    )  # fmt: skip
+        train_cfg=cfg(tmp_path, cuda_prefetch=True),
+        prepare_batch_fn=prepare,
+    )
     assert len(seen) == 3 and ckpt["step"] == 3
 
 
 def test_parameter_banner_on_rank0(tmp_path, capsys):
     model = make_model()
     training_loop(
-        model=model, dataset=regression_batches(1), step_fn=mse_step,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1), train_cfg=cfg(tmp_path),
-    )  # fmt: skip
+        model=model,
+        dataset=regression_batches(1),
+        step_fn=mse_step,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        train_cfg=cfg(tmp_path),
+    )
     assert "koochak: Sequential with 49 parameters" in capsys.readouterr().out
 
 
@@ -522,9 +626,12 @@ def test_warnings_are_not_raised_on_an_ordinary_run(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         training_loop(
-            model=model, dataset=regression_batches(3), step_fn=mse_step,
-            optimizer=torch.optim.SGD(model.parameters(), lr=0.1), train_cfg=cfg(tmp_path),
-        )  # fmt: skip
+            model=model,
+            dataset=regression_batches(3),
+            step_fn=mse_step,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            train_cfg=cfg(tmp_path),
+        )
 
 
 def test_compile_wraps_the_training_model_but_checkpoints_the_bare_one(tmp_path, monkeypatch):
@@ -540,10 +647,11 @@ def test_compile_wraps_the_training_model_but_checkpoints_the_bare_one(tmp_path,
     seen = []
     model = make_model()
     ckpt = training_loop(
-        model=model, dataset=regression_batches(2),
+        model=model,
+        dataset=regression_batches(2),
         step_fn=lambda m, b, c: seen.append(type(m).__name__) or mse_step(m, b, c),
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         train_cfg=cfg(tmp_path, compile=True),
-    )  # fmt: skip
+    )
     assert seen == ["Compiled", "Compiled"]
     assert set(ckpt["model"]) == set(model.state_dict())  # no _orig_mod. prefix

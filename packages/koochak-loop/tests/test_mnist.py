@@ -20,7 +20,9 @@ def mnist(monkeypatch):
 
 
 def _write_idx(path: Path, array: np.ndarray, type_byte: int = 0x08) -> None:
-    header = bytes([0, 0, type_byte, array.ndim]) + b"".join(struct.pack(">I", n) for n in array.shape)
+    header = bytes([0, 0, type_byte, array.ndim]) + b"".join(
+        struct.pack(">I", n) for n in array.shape
+    )
     payload = header + array.astype(array.dtype.newbyteorder(">")).tobytes()
     if path.suffix == ".gz":
         path.write_bytes(gzip.compress(payload))
@@ -81,17 +83,28 @@ def test_mnist_example_trains_logs_evaluates_and_checkpoints(mnist, tmp_path, ca
     data_dir, out_dir = tmp_path / "data", tmp_path / "run"
     _tiny_mnist(data_dir)
     overrides = [
-        f"data.data_dir={data_dir}", f"train.out_dir={out_dir}", "data.batch_size=16",
-        "train.max_steps=6", "train.log_every=2", "train.eval_every=3", "train.ckpt_every=3",
-        "train.device=cpu", "train.progress_bar=false", "optim.scheduler.warmup_steps=2",
-    ]  # fmt: skip
+        f"data.data_dir={data_dir}",
+        f"train.out_dir={out_dir}",
+        "data.batch_size=16",
+        "train.max_steps=6",
+        "train.log_every=2",
+        "train.eval_every=3",
+        "train.ckpt_every=3",
+        "train.device=cpu",
+        "train.progress_bar=false",
+        "optim.scheduler.warmup_steps=2",
+    ]
     checkpoint = mnist.main(["--config", str(REPO / "examples/mnist/config.yaml"), *overrides])
 
     assert checkpoint["step"] == 6 and checkpoint["next_step"] == 6
     assert (out_dir / "step000000006.pt").is_file()
     rows = read_csv_log(out_dir / "log.csv")
     assert [(r["event"], r["step"]) for r in rows] == [
-        ("log", 1), ("eval", 2), ("log", 3), ("log", 5), ("eval", 5)
+        ("log", 1),
+        ("eval", 2),
+        ("log", 3),
+        ("log", 5),
+        ("eval", 5),
     ]
     assert {"loss", "acc", "lr", "grad_norm"} <= rows[0]["metrics"].keys()
     assert {"eval_loss", "eval_acc"} == rows[1]["metrics"].keys()
@@ -99,17 +112,24 @@ def test_mnist_example_trains_logs_evaluates_and_checkpoints(mnist, tmp_path, ca
     assert "log\tstep=5\tloss=" in capsys.readouterr().out
 
 
-
 @pytest.mark.slow
 def test_mnist_example_rerun_resumes_from_the_published_checkpoint(mnist, tmp_path):
     data_dir, out_dir = tmp_path / "data", tmp_path / "run"
     _tiny_mnist(data_dir)
     args = [
-        "--config", str(REPO / "examples/mnist/config.yaml"), f"data.data_dir={data_dir}",
-        f"train.out_dir={out_dir}", "data.batch_size=16", "train.log_every=2",
-        "train.eval_every=0", "train.ckpt_every=0", "train.device=cpu",
-        "train.progress_bar=false", "logging.stdout=false", "optim.scheduler.warmup_steps=2",
-    ]  # fmt: skip
+        "--config",
+        str(REPO / "examples/mnist/config.yaml"),
+        f"data.data_dir={data_dir}",
+        f"train.out_dir={out_dir}",
+        "data.batch_size=16",
+        "train.log_every=2",
+        "train.eval_every=0",
+        "train.ckpt_every=0",
+        "train.device=cpu",
+        "train.progress_bar=false",
+        "logging.stdout=false",
+        "optim.scheduler.warmup_steps=2",
+    ]
     mnist.main([*args, "train.max_steps=6"])
     more = mnist.main([*args, "train.max_steps=8"])
 
@@ -135,12 +155,23 @@ def test_resumed_run_sees_the_batches_of_an_uninterrupted_one(mnist, tmp_path, m
     monkeypatch.setattr(mnist, "step_fn", recording)
 
     def train(out: str, max_steps: int) -> dict:
-        return mnist.main([
-            "--config", str(REPO / "examples/mnist/config.yaml"), f"data.data_dir={tmp_path / 'data'}",
-            f"train.out_dir={tmp_path / out}", "data.batch_size=16", f"train.max_steps={max_steps}",
-            "train.log_every=100", "train.eval_every=0", "train.ckpt_every=0", "train.device=cpu",
-            "train.progress_bar=false", "logging.stdout=false", "optim.scheduler.name=none",
-        ])  # fmt: skip
+        return mnist.main(
+            [
+                "--config",
+                str(REPO / "examples/mnist/config.yaml"),
+                f"data.data_dir={tmp_path / 'data'}",
+                f"train.out_dir={tmp_path / out}",
+                "data.batch_size=16",
+                f"train.max_steps={max_steps}",
+                "train.log_every=100",
+                "train.eval_every=0",
+                "train.ckpt_every=0",
+                "train.device=cpu",
+                "train.progress_bar=false",
+                "logging.stdout=false",
+                "optim.scheduler.name=none",
+            ]
+        )
 
     whole = train("whole", 9)
     run[0] = "split"
@@ -172,12 +203,24 @@ def test_ddp_launcher_trains_two_gloo_ranks_under_torchrun(tmp_path):
     _tiny_mnist(data_dir)
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     cmd = [
-        torchrun, "--nproc_per_node=2", f"--master_port={_free_port()}",
-        "-m", "examples.mnist.ddp_main", "--config", "examples/mnist/config.yaml",
-        f"data.data_dir={data_dir}", f"train.out_dir={out_dir}", "data.batch_size=16",
-        "train.max_steps=4", "train.log_every=2", "train.eval_every=4", "train.ckpt_every=0",
-        "train.device=cpu", "train.progress_bar=false", "optim.scheduler.warmup_steps=1",
-    ]  # fmt: skip
+        torchrun,
+        "--nproc_per_node=2",
+        f"--master_port={_free_port()}",
+        "-m",
+        "examples.mnist.ddp_main",
+        "--config",
+        "examples/mnist/config.yaml",
+        f"data.data_dir={data_dir}",
+        f"train.out_dir={out_dir}",
+        "data.batch_size=16",
+        "train.max_steps=4",
+        "train.log_every=2",
+        "train.eval_every=4",
+        "train.ckpt_every=0",
+        "train.device=cpu",
+        "train.progress_bar=false",
+        "optim.scheduler.warmup_steps=1",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -186,6 +229,8 @@ def test_ddp_launcher_trains_two_gloo_ranks_under_torchrun(tmp_path):
     assert checkpoint["config"]["train"]["ddp"] is True  # forced by the launcher
     # Rank 0 alone writes the logs: each event appears once, not once per rank.
     assert [(r["event"], r["step"]) for r in read_csv_log(out_dir / "log.csv")] == [
-        ("log", 1), ("log", 3), ("eval", 3)
+        ("log", 1),
+        ("log", 3),
+        ("eval", 3),
     ]
     assert result.stdout.count("log\tstep=3\t") == 1

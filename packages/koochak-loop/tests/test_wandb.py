@@ -17,8 +17,12 @@ pytest.importorskip("wandb")
 def offline_wandb(tmp_path, monkeypatch):
     """Keep every W&B file (runs, caches, settings, staging) inside tmp_path, offline."""
     home = tmp_path / "wandb-home"
-    for var, sub in [("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data"),
-                     ("WANDB_CONFIG_DIR", "config"), ("WANDB_ARTIFACT_DIR", "artifacts")]:
+    for var, sub in [
+        ("WANDB_CACHE_DIR", "cache"),
+        ("WANDB_DATA_DIR", "data"),
+        ("WANDB_CONFIG_DIR", "config"),
+        ("WANDB_ARTIFACT_DIR", "artifacts"),
+    ]:
         monkeypatch.setenv(var, str(home / sub))
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -70,11 +74,20 @@ def _read_run(out_dir: Path, run_id: str) -> dict:
         elif kind == "config":
             config.update({u.key: json.loads(u.value_json) for u in record.config.update})
         elif kind == "history":
-            history.append({i.nested_key[0] if i.nested_key else i.key: json.loads(i.value_json)
-                            for i in record.history.item})
+            history.append(
+                {
+                    i.nested_key[0] if i.nested_key else i.key: json.loads(i.value_json)
+                    for i in record.history.item
+                }
+            )
         elif kind == "artifact":
-            artifacts.append((record.artifact.name, sorted(record.artifact.aliases),
-                              [c.path for c in record.artifact.manifest.contents]))
+            artifacts.append(
+                (
+                    record.artifact.name,
+                    sorted(record.artifact.aliases),
+                    [c.path for c in record.artifact.manifest.contents],
+                )
+            )
     return {"config": config, "history": history, "artifacts": artifacts}
 
 
@@ -88,15 +101,24 @@ def _checkpoint(out_dir: Path, step: int, eval_loss: float) -> dict:
 @pytest.mark.slow
 def test_offline_run_records_config_metrics_and_artifact_aliases(offline_wandb):
     out_dir = offline_wandb / "run"
-    wandb_cfg = {"enabled": True, "mode": "offline", "project": "koochak-test",
-                 "name": "digits-a", "resume": "allow", "artifact_name_prefix": "ckpt"}
+    wandb_cfg = {
+        "enabled": True,
+        "mode": "offline",
+        "project": "koochak-test",
+        "name": "digits-a",
+        "resume": "allow",
+        "artifact_name_prefix": "ckpt",
+    }
     config = {"train": {"max_steps": 30, "out_dir": str(out_dir)}, "wandb": wandb_cfg}
     run_id = wandb_run_id(wandb_cfg)
     assert run_id == wandb_run_id(dict(wandb_cfg))  # stable across attempts
 
     hooks = make_wandb_hooks(config)
-    emit(hooks, "on_train_start", {"step": 0, "config_json": config, "out_dir": str(out_dir),
-                                   "resumed": False})
+    emit(
+        hooks,
+        "on_train_start",
+        {"step": 0, "config_json": config, "out_dir": str(out_dir), "resumed": False},
+    )
     emit(hooks, "on_log", {"step": 4, "metrics": {"loss": 2.0, "lr": 0.1}})
     emit(hooks, "on_eval_end", {"step": 9, "metrics": {"eval_loss": 1.5}})
     out_dir.mkdir(exist_ok=True)
@@ -118,8 +140,11 @@ def test_offline_run_records_config_metrics_and_artifact_aliases(offline_wandb):
     # A restart that resumes from checkpoint state continues the same run id.
     retry_dir = offline_wandb / "retry"
     hooks = make_wandb_hooks(config)
-    emit(hooks, "on_train_start", {"step": 30, "config_json": config, "out_dir": str(retry_dir),
-                                   "resumed": True})
+    emit(
+        hooks,
+        "on_train_start",
+        {"step": 30, "config_json": config, "out_dir": str(retry_dir), "resumed": True},
+    )
     emit(hooks, "on_log", {"step": 34, "metrics": {"loss": 0.5}})
     emit(hooks, "on_train_end", {"step": 35, "checkpoint": {}, "metrics": {}})
     assert _read_run(retry_dir, run_id)["history"][0]["loss"] == 0.5
@@ -133,13 +158,13 @@ def test_offline_run_records_config_metrics_and_artifact_aliases(offline_wandb):
         ({"resume": "never", "id": "x1"}, "needs 'allow'"),
     ],
 )
-def test_resumed_attempt_without_restart_settings_refuses_to_start(offline_wandb, wandb_cfg,
-                                                                   message):
+def test_resumed_attempt_without_restart_settings_refuses_to_start(
+    offline_wandb, wandb_cfg, message
+):
     cfg = {"enabled": True, "mode": "offline", **wandb_cfg}
     hooks = make_wandb_hooks(cfg)
     with pytest.raises(ValueError, match=message):
-        emit(hooks, "on_train_start", {"step": 100, "out_dir": str(offline_wandb),
-                                       "resumed": True})
+        emit(hooks, "on_train_start", {"step": 100, "out_dir": str(offline_wandb), "resumed": True})
     assert not (offline_wandb / "wandb").exists()  # refused before any run was created
 
 
@@ -175,12 +200,21 @@ def test_training_loop_versions_its_checkpoints_as_one_artifact(offline_wandb):
         return {"loss": torch.nn.functional.mse_loss(model(x), y)}
 
     training_loop(
-        model=model, dataset=data, step_fn=step_fn,
+        model=model,
+        dataset=data,
+        step_fn=step_fn,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        train_cfg={"max_steps": 6, "log_every": 2, "ckpt_every": 3, "out_dir": str(out_dir),
-                   "device": "cpu", "keep_last_k": None},
-        config_json=config, hooks=make_wandb_hooks(config),
-    )  # fmt: skip
+        train_cfg={
+            "max_steps": 6,
+            "log_every": 2,
+            "ckpt_every": 3,
+            "out_dir": str(out_dir),
+            "device": "cpu",
+            "keep_last_k": None,
+        },
+        config_json=config,
+        hooks=make_wandb_hooks(config),
+    )
 
     run = _read_run(out_dir, "loop-run-1")
     assert run["config"]["wandb"]["id"] == "loop-run-1"
@@ -210,12 +244,18 @@ def test_training_loop_resumed_without_restart_settings_stops_before_the_first_s
 
     def run(checkpoint, hooks, max_steps):
         return training_loop(
-            model=model, dataset=data, step_fn=step_fn,
+            model=model,
+            dataset=data,
+            step_fn=step_fn,
             optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            train_cfg={"max_steps": max_steps, "out_dir": str(offline_wandb / "r"),
-                       "device": "cpu"},
-            checkpoint_dict=checkpoint, hooks=hooks,
-        )  # fmt: skip
+            train_cfg={
+                "max_steps": max_steps,
+                "out_dir": str(offline_wandb / "r"),
+                "device": "cpu",
+            },
+            checkpoint_dict=checkpoint,
+            hooks=hooks,
+        )
 
     first = run(None, None, 2)
     hooks = make_wandb_hooks({"enabled": True, "mode": "offline", "project": "p"})
