@@ -245,3 +245,21 @@ def test_fuzz_table_bytes_give_only_value_errors(data: bytes) -> None:
 def test_deeply_nested_json_is_a_clean_error() -> None:
     with pytest.raises(ValueError):
         parse_manifest(b"[" * 100_000)
+
+
+def test_duplicate_fields_and_nan_are_refused_not_last_one_wins() -> None:
+    manifest, lines = _docs()
+    text = json.dumps(manifest)
+    with pytest.raises(ValueError, match="manifest.json: not valid JSON .*'version' appears twice"):
+        parse_manifest(text.replace('"version": 1', '"version": 1, "version": 1'))
+    with pytest.raises(ValueError, match="NaN is not valid JSON"):
+        parse_manifest(text.replace('"files": 3', '"files": NaN'))
+    # A line naming its path twice could hide one of them from a reader who looks at the first.
+    table = "".join(json.dumps(x) + "\n" for x in lines)
+    table = table.replace('{"path": "a/one.txt"', '{"path": "../escape", "path": "a/one.txt"', 1)
+    data = gzip.compress(table.encode())
+    manifest["files_table"] = {
+        "key": "files.jsonl.gz", "size": len(data), "sha256": hashlib.sha256(data).hexdigest()
+    }
+    with pytest.raises(ValueError, match="files.jsonl.gz line 1: .*'path' appears twice"):
+        parse_files_table(data, parse_manifest(json.dumps(manifest)))

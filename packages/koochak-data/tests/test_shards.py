@@ -399,8 +399,8 @@ def _with(path: str, value, delete: bool = False) -> bytes:
         (_with("shards.0.size", None, delete=True), r"shards\[0\]: missing field 'size'"),
         (b'{"kind": "koochak.shards", "kind": "koochak.shards"}', "appears twice"),
         (b"[1, 2]", "expected a JSON object"),
-        (b"\xff\xfe", "not a valid JSON index"),
-        (b'{"version": NaN}', "not a valid JSON index"),
+        (b"\xff\xfe", "not valid JSON"),
+        (b'{"version": NaN}', "not valid JSON"),
     ],
 )
 def test_hostile_index_is_rejected_naming_the_field(data, message) -> None:

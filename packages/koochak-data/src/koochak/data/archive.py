@@ -33,6 +33,7 @@ from typing import Any
 
 from koochak.data import _tar
 from koochak.data._digest import SHA256_HEX, sha256_object
+from koochak.data._strictjson import loads_strict
 from koochak.data._tar import padded
 from koochak.data.collection import (
     FILES_KEY,
@@ -627,10 +628,7 @@ def _record_doc(pack: PackPlan, size: int, sha256: str, digests: dict[str, str])
 
 def _parse_record(data: bytes, pack: PackPlan, where: str) -> tuple[str, dict[str, str]]:
     """Check a pack record against the plan; returns (pack sha256, member digests)."""
-    try:
-        doc = json.loads(data)
-    except ValueError as exc:
-        raise ValueError(f"{where}: not valid JSON ({exc})") from None
+    doc = loads_strict(data, where)
     if not isinstance(doc, dict) or doc.get("version") != VERSION or doc.get("kind") != RECORD_KIND:
         raise ValueError(f"{where}: not a version-{VERSION} {RECORD_KIND}")
     if set(doc) != {"version", "kind", "pack", "size", "sha256", "members"}:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from koochak.data._digest import SHA256_HEX
+from koochak.data._strictjson import loads_strict
 from koochak.data._tar import BLOCK, END_OF_ARCHIVE, padded
 
 __all__ = [
@@ -220,15 +221,6 @@ def _keys(obj: object, where: str, required: set[str], optional: set[str] = froz
     return obj
 
 
-def _loads(data: bytes | str, where: str) -> Any:
-    try:
-        return json.loads(data)
-    except RecursionError:
-        raise ValueError(f"{where}: JSON nested too deeply") from None
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are both ValueErrors
-        raise ValueError(f"{where}: not valid JSON ({exc})") from None
-
-
 # ----------------------------------------------------------------------------- manifest
 
 _MANIFEST_FIELDS = {
@@ -239,7 +231,7 @@ _MANIFEST_FIELDS = {
 def parse_manifest(data: bytes | str) -> Manifest:
     """Parse and check ``manifest.json``; ValueError naming the field on anything unexpected."""
     where = MANIFEST_KEY
-    raw = _keys(_loads(data, where), where, _MANIFEST_FIELDS)
+    raw = _keys(loads_strict(data, where), where, _MANIFEST_FIELDS)
     version = raw["version"]
     if version != VERSION or isinstance(version, bool):
         raise ValueError(f"{where}: field 'version': unsupported version {version!r}; expected {VERSION}")
@@ -386,7 +378,7 @@ def parse_files_table(data: bytes, manifest: Manifest) -> tuple[FileEntry, ...]:
         lines.pop()
     for number, line in enumerate(lines, start=1):
         w = f"{where} line {number}"
-        raw = _keys(_loads(line, w), w, _ENTRY_REQUIRED, _ENTRY_OPTIONAL)
+        raw = _keys(loads_strict(line, w), w, _ENTRY_REQUIRED, _ENTRY_OPTIONAL)
         path = check_relative_path(raw["path"], f"{w}: field 'path'")
         if path in paths:
             raise ValueError(f"{w}: field 'path': duplicate path {path!r}")

@@ -21,6 +21,7 @@ from typing import Any, BinaryIO
 
 from koochak.data import _tar
 from koochak.data._digest import SHA256_HEX, sha256_object
+from koochak.data._strictjson import loads_strict
 from koochak.data.planning import assign_shards, worker_coordinates
 from koochak.storage.profile import parse_size
 from koochak.storage.store import Store, open_store, validate_key
@@ -127,19 +128,6 @@ def _index_bytes(format: str, metadata: Mapping[str, Any], entries: Iterable[Sha
     return (json.dumps(document, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
 
 
-def _reject_duplicate_fields(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for name, value in pairs:
-        if name in result:
-            raise ValueError(f"field {name!r} appears twice")
-        result[name] = value
-    return result
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
 def _check_fields(obj: Mapping[str, Any], expected: tuple[str, ...], where: str) -> None:
     unknown = sorted(set(obj) - set(expected))
     if unknown:
@@ -162,15 +150,7 @@ def parse_index(data: bytes, *, source: str = INDEX_NAME, prefix: str = "") -> S
     field: unknown or missing fields, another kind or version, unsafe or duplicate shard keys,
     negative sizes or counts, malformed digests.
     """
-    try:
-        text = bytes(data).decode("utf-8")
-        document = json.loads(
-            text, object_pairs_hook=_reject_duplicate_fields, parse_constant=_reject_constant
-        )
-    except RecursionError:
-        raise ValueError(f"{source}: JSON nested too deeply") from None
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise ValueError(f"{source}: not a valid JSON index: {exc}") from None
+    document = loads_strict(data, source)
     if not isinstance(document, dict):
         raise ValueError(f"{source}: expected a JSON object, got {type(document).__name__}")
     _check_fields(document, _INDEX_FIELDS, source)
