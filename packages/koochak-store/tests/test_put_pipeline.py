@@ -153,3 +153,30 @@ def test_sync_file_range_is_found_and_accepts_a_written_range_on_linux(tmp_path)
         assert store_module._Syscalls().start_writeback(fd, 0, 8192) is True
     finally:
         os.close(fd)
+
+
+def test_large_chunks_are_hashed_on_the_helper_thread_while_the_caller_writes(
+    tmp_path, small_chunks, monkeypatch
+):
+    # The overlap itself: SHA256 of a chunk runs on the helper thread, never on the writing one.
+    import threading
+
+    real = hashlib.sha256
+    threads: list[str] = []
+
+    class Recording:
+        def __init__(self) -> None:
+            self._sha = real()
+
+        def update(self, data) -> None:
+            threads.append(threading.current_thread().name)
+            self._sha.update(data)
+
+        def hexdigest(self) -> str:
+            return self._sha.hexdigest()
+
+    monkeypatch.setattr(store_module.hashlib, "sha256", Recording)
+    info = LocalStore(tmp_path).put("obj", io.BytesIO(DATA))
+    assert info.sha256 == real(DATA).hexdigest()
+    assert len(threads) > 4
+    assert all(name.startswith("koochak-sha256") for name in threads)
