@@ -50,11 +50,44 @@ class _ReadOnly:
         return self._inner.read(n)
 
 
+class _RawReadOverride(io.RawIOBase):
+    """Overrides read() alone, so its readinto is the io.RawIOBase stub that raises."""
+
+    def __init__(self, data: bytes) -> None:
+        self._inner = io.BytesIO(data)
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        return self._inner.read(n)
+
+
+class _BufferedReadOverride(io.BufferedIOBase):
+    """Overrides read() alone; io.BufferedIOBase.readinto then works through read()."""
+
+    def __init__(self, data: bytes) -> None:
+        self._inner = io.BytesIO(data)
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int | None = -1) -> bytes:
+        return self._inner.read(n)
+
+
 @pytest.mark.parametrize("publish", ["link", "exclusive"])
 @pytest.mark.parametrize(
     "make",
-    [io.BytesIO, _ReadOnly, _ShortReads, lambda d: io.BufferedReader(_ShortReads(d))],
-    ids=["BytesIO", "read-only", "raw-short-reads", "buffered"],
+    [
+        io.BytesIO,
+        _ReadOnly,
+        _ShortReads,
+        lambda d: io.BufferedReader(_ShortReads(d)),
+        _RawReadOverride,
+        _BufferedReadOverride,
+    ],
+    ids=["BytesIO", "read-only", "raw-short-reads", "buffered", "raw-read-only", "buffered-read"],
 )
 def test_streams_hash_and_store_every_byte_across_many_reused_buffers(
     tmp_path, small_chunks, publish, make

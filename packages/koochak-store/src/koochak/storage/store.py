@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import functools
 import hashlib
+import io
 import logging
 import os
 import pathlib
@@ -322,30 +323,37 @@ def _stream_chunks(
 ) -> Iterator[tuple[memoryview, bool]]:
     """Chunks of a binary stream: read into two reused buffers where the stream allows it.
 
-    A fresh 8 MiB bytes object per read costs an allocation and page faults on every chunk;
     ``readinto`` fills the same two buffers in turn (one being written and hashed while the
-    other is filled). The first read uses ``read`` so a small stream never pays for the buffers.
+    other fills) instead of allocating a new bytes object per chunk. The first read uses
+    ``read``, so a small stream never pays for the buffers; a stream whose ``readinto`` is only
+    the unimplemented stub (an ``io.RawIOBase`` subclass overriding ``read`` alone) stays on
+    ``read``.
     """
     block = _checked_block(read(_READ_CHUNK))
     if not block:
         return
     yield memoryview(block).cast("B"), isinstance(block, bytes)
     readinto = getattr(stream, "readinto", None)
-    if len(block) < _READ_CHUNK or not callable(readinto):
+    buffers = None
+    if len(block) == _READ_CHUNK and callable(readinto):
+        buffers = [memoryview(bytearray(_READ_CHUNK)), memoryview(bytearray(_READ_CHUNK))]
+        try:
+            got = readinto(buffers[0])
+        except (NotImplementedError, io.UnsupportedOperation):
+            buffers = None  # the stub raises before reading anything: nothing is lost
+    if buffers is None:
         while block := _checked_block(read(_READ_CHUNK)):
             yield memoryview(block).cast("B"), isinstance(block, bytes)
         return
-    buffers = [memoryview(bytearray(_READ_CHUNK)), memoryview(bytearray(_READ_CHUNK))]
     turn = 0
     while True:
-        buffer = buffers[turn]
-        got = readinto(buffer)
         if got is None:
             raise TypeError("put() stream returned None; pass a blocking binary stream")
         if not got:
             return
-        yield buffer[:got], True
+        yield buffers[turn][:got], True
         turn ^= 1
+        got = readinto(buffers[turn])
 
 
 def _checked_block(block: object) -> bytes:
