@@ -146,12 +146,22 @@ def test_large_objects_are_read_as_bounded_parallel_ranges(stores):
     assert 1 < recording.max_in_flight <= 4
 
 
-def test_small_objects_are_read_whole(stores):
+def test_small_objects_are_read_in_one_request_bounded_by_their_size(stores):
     source, target = stores
     items = _fill(source, {"a": b"x" * 999, "b": b"y" * 1000})
     recording = _RecordingSource(source)
     copy_objects(recording, target, items, part_bytes=1000)
-    assert sorted(recording.calls) == [("a", None, None), ("b", None, None)]
+    assert sorted(recording.calls) == [("a", 0, 1000), ("b", 0, 1001)]
+
+
+def test_a_stale_small_size_never_reads_a_large_source_whole(stores):
+    source, target = stores
+    source.put("big.bin", os.urandom(200_000))
+    recording = _RecordingSource(source)
+    with pytest.raises(ValueError, match=r"'big\.bin' has more than 10 bytes, expected 10"):
+        copy_objects(recording, target, [CopyItem("big.bin", 10)])
+    assert recording.calls == [("big.bin", 0, 11)]
+    assert target.list() == []
 
 
 def test_rerun_after_failure_resumes_and_ends_verified(stores):

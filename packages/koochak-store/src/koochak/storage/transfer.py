@@ -267,7 +267,15 @@ class _Copier:
             return False
         parts: Generator[bytes, None, None] | None = None
         if item.size <= self.part_bytes:
-            data: bytes | Iterator[bytes] = self.source.get(item.key)
+            # One byte past the expected end: a longer source fails without being read whole
+            # (a stale size must not pull a huge object into memory).
+            data: bytes | Iterator[bytes] = self.source.get(item.key, 0, item.size + 1)
+            if len(data) != item.size:
+                found = f"more than {item.size}" if len(data) > item.size else str(len(data))
+                raise ValueError(
+                    f"copy_objects: source {self.source.location!r} key {item.key!r} has "
+                    f"{found} bytes, expected {item.size} (is the item's size right?)"
+                )
             if self.stop.is_set():
                 raise _Interrupted(f"copy of {item.key!r} interrupted")
             done = len(data)
