@@ -244,3 +244,20 @@ def test_resume_auto_with_the_callers_resolved_checkpoint(tmp_path):
 def test_gpu_health_keys_are_ignored_on_cpu(tmp_path):
     _run(tmp_path, max_steps=2, train={"gpu_health_every": 1})
     assert not (tmp_path / "gpu_health.jsonl").exists()
+
+
+def test_terminal_state_is_published_before_on_train_end_and_returned(tmp_path):
+    seen: list = []
+
+    def on_train_end(info):
+        manifest = tmp_path / f"step{info['step']:09d}.pt.ready.json"
+        seen.append((info["step"], manifest.exists()))
+
+    returned = _run(tmp_path, max_steps=3, hooks={"on_train_end": [on_train_end]},
+                    train={"checkpoint_async": True})  # fmt: skip
+    assert seen == [(3, True)]
+    published = load(str(tmp_path / "step000000003.pt"))
+    assert (returned["step"], returned["next_step"], returned["reason"]) == (3, 3, "terminal")
+    assert published["step"] == 3 and published["reason"] == "terminal"
+    for key, tensor in returned["model"].items():
+        assert torch.equal(tensor, published["model"][key]), key
