@@ -519,3 +519,19 @@ def test_ctrl_c_aborts_an_in_flight_copy_promptly_leaving_nothing(tmp_path):
         copy_objects(source, target, [CopyItem("big.bin", len(data))], part_bytes=1000).copied == 1
     )
     assert target.get("big.bin") == data
+
+
+def test_a_verified_copy_reads_each_source_byte_once_and_nothing_back(tmp_path):
+    # The SHA256 check happens in flight: no second read of the source, no read-back of the
+    # target (FaultyStore counts every positional read the target makes).
+    source = LocalStore(tmp_path / "src")
+    data = os.urandom(30_000)
+    item = CopyItem("k", len(data), source.put("k", data).sha256)
+    recording = _RecordingSource(source)
+    target = FaultyStore(tmp_path / "dst")
+    copy_objects(recording, target, [item], part_bytes=4000)
+    read = sum(min(end, len(data)) - start for _, start, end in recording.calls)
+    assert read == len(data)
+    assert target.calls["read"] == 0
+    target.set_faults([])
+    assert target.get("k") == data
