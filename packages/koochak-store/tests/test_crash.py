@@ -15,13 +15,12 @@ from koochak.storage.store import LocalStore
 from koochak.storage.testing import visible_files
 
 
-@pytest.mark.slow
-def test_a_process_killed_mid_put_leaves_no_visible_object(tmp_path):
-    root = tmp_path / "store"
+def _kill_mid_write(tmp_path, imports: str, call: str) -> None:
+    """Run ``call`` (which writes ``chunks()``, an endless stream) in a child; SIGKILL it mid-write."""
     marker = tmp_path / "writing"
     script = textwrap.dedent(f"""
         import pathlib, time
-        from koochak.storage.store import LocalStore
+        {imports}
 
         def chunks():
             yield b"x" * (1 << 20)
@@ -30,7 +29,7 @@ def test_a_process_killed_mid_put_leaves_no_visible_object(tmp_path):
                 yield b"y" * (1 << 20)
                 time.sleep(0.01)
 
-        LocalStore({str(root)!r}).put("ckpt/step000000100.pt", chunks())
+        {call}
     """)
     proc = subprocess.Popen([sys.executable, "-c", script])
     try:
@@ -44,6 +43,16 @@ def test_a_process_killed_mid_put_leaves_no_visible_object(tmp_path):
     finally:
         proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
+
+
+@pytest.mark.slow
+def test_a_process_killed_mid_put_leaves_no_visible_object(tmp_path):
+    root = tmp_path / "store"
+    _kill_mid_write(
+        tmp_path,
+        "from koochak.storage.store import LocalStore",
+        f"LocalStore({str(root)!r}).put('ckpt/step000000100.pt', chunks())",
+    )
     store = LocalStore(root)
     assert store.list() == []
     assert visible_files(root) == []
@@ -68,35 +77,14 @@ def test_a_publish_killed_mid_put_on_an_exclusive_store_is_never_committed(tmp_p
     # safe is the ready manifest: the partial object is never a committed artifact, and the
     # next publish of the same name replaces it.
     root = tmp_path / "store"
-    marker = tmp_path / "writing"
     pattern = r"step(\d+)\.pt"
     store = LocalStore(root, publish="exclusive")
     publish(store, "step000000100.pt", b"committed", pattern=pattern, keep_last_k=2)
-    script = textwrap.dedent(f"""
-        import pathlib, time
-        from koochak.storage.artifact import publish
-        from koochak.storage.store import LocalStore
-
-        def chunks():
-            yield b"x" * (1 << 20)
-            pathlib.Path({str(marker)!r}).write_text("started")
-            while True:
-                yield b"y" * (1 << 20)
-                time.sleep(0.01)
-
-        publish(LocalStore({str(root)!r}, publish="exclusive"), "step000000200.pt", chunks())
-    """)
-    proc = subprocess.Popen([sys.executable, "-c", script])
-    try:
-        deadline = time.monotonic() + 60
-        while not marker.exists():
-            assert proc.poll() is None, "writer exited before it was killed"
-            assert time.monotonic() < deadline, "writer never started"
-            time.sleep(0.02)
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.wait(timeout=30)
-    assert proc.returncode == -signal.SIGKILL
+    _kill_mid_write(
+        tmp_path,
+        "from koochak.storage.artifact import publish; from koochak.storage.store import LocalStore",
+        f"publish(LocalStore({str(root)!r}, publish='exclusive'), 'step000000200.pt', chunks())",
+    )
     assert (root / "step000000200.pt").exists()  # the partial object, under its final name
     assert published_candidates(store, pattern) == [(100, "step000000100.pt")]
     publication, data = highest_valid(store, pattern)
