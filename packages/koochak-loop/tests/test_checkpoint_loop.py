@@ -261,3 +261,12 @@ def test_terminal_state_is_published_before_on_train_end_and_returned(tmp_path):
     assert published["step"] == 3 and published["reason"] == "terminal"
     for key, tensor in returned["model"].items():
         assert torch.equal(tensor, published["model"][key]), key
+
+
+def test_a_request_during_setup_is_recorded_and_honoured_after_the_first_update(tmp_path):
+    # Without the handler in place SIGUSR1's default action would kill the test process.
+    hooks = {"on_train_start": [lambda info: os.kill(os.getpid(), signal.SIGUSR1)]}
+    with pytest.raises(Evacuated) as info:
+        _run(tmp_path, hooks=hooks, train={"evacuation_enabled": True, "ckpt_every": 0})
+    assert info.value.step == 1
+    assert resolve_auto_resume(tmp_path)[1]["reason"] == "evacuation"

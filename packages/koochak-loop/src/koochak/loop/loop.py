@@ -132,6 +132,11 @@ def training_loop(
     saver: CheckpointSaver | None = None
     evac: EvacuationController | None = None
     try:
+        # Record a request from here on: the signal's default action would kill the process
+        # during the slow parts of setup (hooks, compile, restore); it is honoured after update 0.
+        evac = make_evacuation(evacuation, train_dict)
+        if evac is not None:
+            evac.install()
         emit(
             hooks,
             "on_train_start",
@@ -170,9 +175,6 @@ def training_loop(
                 async_publish=cfg.checkpoint_async,
                 on_checkpoint=lambda info: emit(hooks, "on_checkpoint", info, warned=warned),
             )
-        evac = make_evacuation(evacuation, train_dict)
-        if evac is not None:
-            evac.install()
         health = make_gpu_health(train_dict, device, cfg.out_dir, gpu_health)
 
         # Everything the per-step code needs, looked up once.
