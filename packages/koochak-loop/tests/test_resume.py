@@ -286,5 +286,8 @@ def test_every_spec_helper_takes_a_directory_a_uri_and_a_store(location):
     assert path == newest and (ckpt["step"], ckpt["next_step"]) == (2, 3)
     assert best(where, "loss") == str(root / "step000000001.pt")
     assert load(newest)["step"] == 2 and load(where, "step000000001.pt")["step"] == 1
+    if not isinstance(where, str):
+        with pytest.raises(TypeError, match="needs the object's name"):
+            load(where)
     model = torch.nn.Linear(3, 2)
     model.load_state_dict(match_state_dict_to_model(model, ckpt["model"]))

@@ -27,7 +27,7 @@ from koochak.storage.store import Store, open_store
 log = logging.getLogger("koochak.loop.checkpoint")
 
 
-def load(path: str | os.PathLike[str], name: str | None = None) -> dict[str, Any]:
+def load(path: str | os.PathLike[str] | Store, name: str | None = None) -> dict[str, Any]:
     """Load a checkpoint onto the CPU (weights-only; no code runs).
 
     ``path`` is a checkpoint file (local path or ``scheme://.../step000000100.pt``), or, with
@@ -37,6 +37,8 @@ def load(path: str | os.PathLike[str], name: str | None = None) -> dict[str, Any
     if name is not None:
         store = open_store(path)
         return deserialize_checkpoint(store.get(name), f"{store.location}/{name}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"load({path!r}): a Store needs the object's name, e.g. load(store, name)")
     text = os.fspath(path)
     if "://" in text and not text.startswith("file://"):
         parent, _, key = text.rstrip("/").rpartition("/")
