@@ -270,3 +270,22 @@ def test_a_request_during_setup_is_recorded_and_honoured_after_the_first_update(
         _run(tmp_path, hooks=hooks, train={"evacuation_enabled": True, "ckpt_every": 0})
     assert info.value.step == 1
     assert resolve_auto_resume(tmp_path)[1]["reason"] == "evacuation"
+
+
+def test_evacuation_drains_the_pending_async_publication_first(tmp_path):
+    controller = EvacuationController()
+    events: list = []
+
+    def step_fn(model, batch, ctx):
+        if ctx.step == 2:
+            controller.request()
+        return _step(model, batch, ctx)
+
+    with pytest.raises(Evacuated):
+        _run(tmp_path, step_fn=step_fn, hooks=_recorder(events), evacuation=controller,
+             train={"ckpt_every": 1, "checkpoint_async": True})  # fmt: skip
+    # Periodic 2 was still in flight when the request was honoured: it commits (and is
+    # announced) before the evacuation checkpoint 3, which is published synchronously.
+    assert events == [("on_checkpoint", 0, True), ("on_checkpoint", 1, True),
+                      ("on_checkpoint", 2, True), ("on_checkpoint", 3, True),
+                      ("on_train_end", 3, "evacuation")]  # fmt: skip
