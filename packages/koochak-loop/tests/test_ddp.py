@@ -53,7 +53,21 @@ def _train(out_dir: str, max_steps: int, ddp: bool) -> dict:
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     torch.manual_seed(100 + int(os.environ.get("RANK", "0")))  # each rank its own stream
-    found = resolve_auto_resume(out_dir)
+    location = out_dir
+    if os.environ.get("FULL_DISK_AT"):  # checkpoints go to a store whose disk fills up then
+        from koochak.storage.store import LocalStore, register_store
+
+        doomed = f"step{int(os.environ['FULL_DISK_AT']):09d}.pt"
+
+        class FullDisk(LocalStore):
+            def put(self, key, data, **expected):
+                if key == doomed:
+                    raise OSError(28, "No space left on device", key)
+                return super().put(key, data, **expected)
+
+        register_store("fulldisk", lambda rest: FullDisk(out_dir))
+        location = "fulldisk://"
+    found = resolve_auto_resume(location)
     ckpt, path = (found[1], found[0]) if found else (None, None)
     start = ckpt["next_step"] if ckpt else 0
     dataset = _half_batches(start, max_steps) if ddp else [_full_batch(t) for t in range(start, max_steps)]
@@ -67,6 +81,7 @@ def _train(out_dir: str, max_steps: int, ddp: bool) -> dict:
             "log_every": 1000,
             "device": "cpu",
             "out_dir": out_dir,
+            "checkpoint_dir": location,
             "ddp": ddp,
             "shard_dataset": True,
             "shard_dataset_mode": "map",
@@ -148,6 +163,15 @@ def test_evacuation_requested_on_rank_1_exits_both_ranks_with_75_and_resumes_exa
     resumed = load(str(tmp_path / "run" / "step000000006.pt"))
     straight = load(str(tmp_path / "straight" / "step000000006.pt"))
     assert torch.equal(_weights(resumed), _weights(straight))
+
+
+@pytest.mark.slow
+def test_a_failed_terminal_save_on_rank_0_stops_both_ranks_with_its_error(tmp_path):
+    codes, outputs = _two_ranks(tmp_path, 4, FULL_DISK_AT="4")
+    assert codes == [1, 1], outputs
+    assert "No space left on device" in outputs[0]
+    # Rank 1 learns why from rank 0 instead of waiting in a collective that never completes.
+    assert "rank 0 could not save the terminal checkpoint at step 4: OSError" in outputs[1]
 
 
 @pytest.mark.slow

@@ -540,10 +540,12 @@ def _terminal(
     """Capture a terminal-kind checkpoint (``next_step == step``) and publish it synchronously.
 
     Every rank captures (RNG gather); rank 0 drains any async publication first, then publishes;
-    all ranks wait for it, so no rank exits (and no launcher tears rank 0 down) mid-publication.
+    all ranks wait for its outcome, so no rank exits (and no launcher tears rank 0 down)
+    mid-publication, and a failed save stops every rank instead of leaving the others waiting.
     ``best_effort`` (a failing GPU): a failed save is logged and the caller still exits.
     """
     path = None
+    failure: Exception | None = None
     try:
         checkpoint = capture_checkpoint(
             step=step,
@@ -557,8 +559,19 @@ def _terminal(
             path = saver.save(checkpoint, sync=True)
     except Exception as exc:
         if not best_effort:
-            raise
-        warnings.warn(f"{reason} checkpoint at step {step} could not be saved: {exc}", stacklevel=2)
+            failure = exc  # raised below, once the other ranks know
+        else:
+            warnings.warn(
+                f"{reason} checkpoint at step {step} could not be saved: {exc}", stacklevel=2
+            )
         checkpoint = None
-    dist.barrier()
+    rank0_failure = ddp.broadcast_object(
+        None if failure is None else f"{type(failure).__name__}: {failure}", src=0
+    )
+    if failure is not None:
+        raise failure
+    if rank0_failure is not None:
+        raise RuntimeError(
+            f"rank 0 could not save the {reason} checkpoint at step {step}: {rank0_failure}"
+        )
     return checkpoint, path
