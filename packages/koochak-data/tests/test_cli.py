@@ -103,6 +103,9 @@ def test_errors_are_one_line_without_traceback(tmp_path, capsys) -> None:
 
 def test_delete_source_cli(src, tmp_path, capsys) -> None:
     dest = tmp_path / "coll"
+    code, text, _ = _run(capsys, "archive", str(src), str(dest), "--delete-source", "--dry-run")
+    assert code == 0 and "a dry run deletes nothing" in text and "FAILED" not in text
+    assert len([p for p in src.rglob("*") if p.is_file()]) == 21 and not dest.exists()
     code, text, _ = _run(capsys, "archive", str(src), str(dest), "--delete-source")
     assert code == 0
     assert "sources deleted  21" in text and "deep verify      ok" in text

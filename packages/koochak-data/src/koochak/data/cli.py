@@ -148,7 +148,10 @@ def _archive(args: argparse.Namespace) -> tuple[dict[str, Any], str, int]:
                      f"{report.unmatched_group_rows} row(s) of --groups name no archived file"))
         rows += [("  unmatched", path) for path in report.unmatched_group_paths[:5]]
     code = 0
-    if args.delete_source:
+    if args.delete_source and report.dry_run:
+        rows.append(("sources", "kept: a dry run deletes nothing (a real run deletes them "
+                                "after a deep verify)"))
+    elif args.delete_source:
         rows.append(("deep verify", "ok" if report.verified else "FAILED: nothing deleted"))
         rows.append(("sources deleted", report.deleted))
         rows.append(("changed, kept", len(report.kept_changed)))
