@@ -40,17 +40,26 @@ _MEMBER_RE = re.compile(r"^((?:.*/|)[^./][^./]*)\.([^/]+)$", re.DOTALL)
 
 
 # Any of: NUL or backslash, a leading "/", or an empty, "." or ".." segment.
-_UNSAFE_PATH = re.compile(r"[\x00\\]|^/|(?:^|/)\.{0,2}(?:/|$)")
+_UNSAFE_PATH = re.compile(r"[\x00\\]|^/|(?:^|/)\.{0,2}(?:/|\Z)")
+# The same but for POSIX file names, where a backslash is an ordinary character.
+_UNSAFE_POSIX_PATH = re.compile(r"\x00|^/|(?:^|/)\.{0,2}(?:/|\Z)")
 
 
-def check_path(path: str, what: str) -> None:
-    """Raise ValueError unless ``path`` is a plain relative path (no ``..``, ``.``, or ``//``)."""
-    if path and not _UNSAFE_PATH.search(path):
-        return  # the common case, in one regex call per tar member
+def check_path(path: str, what: str, *, backslash: bool = False) -> None:
+    """Raise ValueError unless ``path`` is a plain relative path (no ``..``, ``.``, or ``//``).
+
+    The one path check of koochak.data: tar member names and sample keys (which must not
+    contain a backslash either), and collection paths (``backslash=True``: a POSIX file name may).
+    """
+    unsafe = _UNSAFE_POSIX_PATH if backslash else _UNSAFE_PATH
+    if path and not unsafe.search(path):
+        return  # the common case, in one regex call
     if not path:
         raise ValueError(f"{what} must be a non-empty relative path, got {path!r}")
-    if "\x00" in path or "\\" in path:
-        raise ValueError(f"{what} must not contain NUL or backslash, got {path!r}")
+    if "\x00" in path:
+        raise ValueError(f"{what} must not contain NUL, got {path!r}")
+    if "\\" in path and not backslash:
+        raise ValueError(f"{what} must not contain a backslash, got {path!r}")
     if path.startswith("/"):
         raise ValueError(f"{what} must be relative, got absolute {path!r}")
     raise ValueError(f"{what} must not contain empty, '.' or '..' segments, got {path!r}")

@@ -30,7 +30,7 @@ from typing import Any
 
 from koochak.data._digest import SHA256_HEX
 from koochak.data._strictjson import loads_strict
-from koochak.data._tar import BLOCK, END_OF_ARCHIVE, padded
+from koochak.data._tar import BLOCK, END_OF_ARCHIVE, check_path, padded
 
 __all__ = [
     "FILES_KEY",
@@ -162,15 +162,7 @@ def check_relative_path(path: object, where: str) -> str:
     """
     if not isinstance(path, str) or not path:
         raise ValueError(f"{where}: expected a non-empty relative path, got {path!r}")
-    if "\x00" in path:
-        raise ValueError(f"{where}: path {path!r} contains a NUL byte")
-    if path.startswith("/"):
-        raise ValueError(f"{where}: path {path!r} is absolute; expected a relative path")
-    for segment in path.split("/"):
-        if segment in ("", ".", ".."):
-            raise ValueError(
-                f"{where}: path {path!r} has an empty, '.' or '..' segment; expected a plain relative path"
-            )
+    check_path(path, f"{where}: path", backslash=True)
     try:
         path.encode("utf-8")
     except UnicodeEncodeError:
