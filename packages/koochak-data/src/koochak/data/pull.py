@@ -195,10 +195,10 @@ class _DestTree:
                     while view:
                         view = view[os.write(fd, view) :]
                 if size != entry.size or sha.hexdigest() != entry.sha256:
-                    raise ValueError(
+                    raise _DamagedFile(
                         f"{entry.path} (in {entry.key}): got {size} bytes with SHA256 "
                         f"{sha.hexdigest()}, the manifest says {entry.size} bytes with "
-                        f"{entry.sha256}; not written (verify --deep lists every damaged file)"
+                        f"{entry.sha256}; not written"
                     )
                 os.fchmod(fd, entry.mode & 0o777)
                 os.utime(fd, ns=(time.time_ns(), entry.mtime_ns))
@@ -223,6 +223,10 @@ class _DestTree:
                         pass
         finally:
             self.release(rel_dir)
+
+
+class _DamagedFile(ValueError):
+    """A file whose bytes do not match the manifest: it is skipped, the rest are restored."""
 
 
 def _hash_file(dir_fd: int, name: str) -> str:
@@ -250,7 +254,8 @@ def pull_collection(
 
     Raises ValueError for a malformed manifest, an ``include`` glob that matches no file, a
     symlink or a differing file in the way (unless ``overwrite``), and for bytes whose SHA256
-    does not match (that file is not written).
+    does not match: such files are not written, but every other file is restored before the
+    error is raised.
     """
     from koochak.data._progress import progress_bar
     from koochak.storage.profile import profile_of
@@ -317,14 +322,24 @@ def pull_collection(
                 view = memoryview(data)
                 for e in entries:
                     assert e.offset is not None
-                    tree.write(e, [view[e.offset - start : e.offset - start + e.size]], fsync)
-                    done(e)
+                    restore(e, [view[e.offset - start : e.offset - start + e.size]])
 
             def fetch_object(e: FileEntry) -> None:
                 with store.open(e.key) as handle:
-                    tree.write(e, iter(lambda: handle.read(CHUNK), b""), fsync)
+                    restore(e, iter(lambda: handle.read(CHUNK), b""))
+
+            def restore(e: FileEntry, chunks: Iterable[bytes | memoryview]) -> None:
+                try:
+                    tree.write(e, chunks, fsync)
+                except _DamagedFile as exc:
+                    # One damaged file must not keep the rest of the collection from coming
+                    # back: note it, finish everything else, then fail.
+                    with lock:
+                        damaged.append(str(exc))
+                    return
                 done(e)
 
+            damaged: list[str] = []
             with ThreadPoolExecutor(max_workers=streams) as pool:
                 futures = [pool.submit(fetch_range, job) for job in ranges]
                 futures += [pool.submit(fetch_object, e) for e in objects]
@@ -337,5 +352,13 @@ def pull_collection(
                     raise
     finally:
         tree.close()
+    if damaged:
+        damaged.sort()
+        raise ValueError(
+            f"{len(damaged)} file(s) failed their SHA256 check and were not written; every other "
+            f"selected file was restored ({report.written} written, {report.present} already "
+            f"there). First: {damaged[0]}. `koochak-data verify --deep {store.location}` lists "
+            "the damage"
+        )
     report.paths.sort()
     return report
