@@ -262,3 +262,28 @@ def test_progress_bar_shows_on_a_terminal_by_default(src, tmp_path, monkeypatch)
         monkeypatch.setattr(sys, "stderr", terminal)
         assert main(argv) == 0
         assert f"{argv[0]}:" in terminal.getvalue() and "100%" in terminal.getvalue(), argv
+
+
+def test_no_command_ever_lists_storage(src, tmp_path, capsys) -> None:
+    # Object-storage mounts make listing slow or forbid it: every command must work from the
+    # manifest (and shards from index.json) alone.
+    from koochak.data.shards import ShardWriter, load_index, read_shards
+    from koochak.storage.store import LocalStore, register_store
+
+    class NoListing(LocalStore):
+        def list(self, prefix: str = ""):  # type: ignore[override]
+            raise AssertionError(f"listed {prefix!r}")
+
+    register_store("nolist", lambda rest: NoListing(tmp_path / "tier" / rest))
+    dest = "nolist://sets/c"
+    for argv in (["archive", str(src), dest, "--object-bytes", "20K"],
+                 ["archive", str(src), dest, "--object-bytes", "20K"],  # rerun: committed
+                 ["ls", dest, "--long"], ["verify", dest, "--deep"],
+                 ["pull", dest, str(tmp_path / "out")], ["pull", dest, str(tmp_path / "out")]):
+        code, _, err = _run(capsys, *argv)
+        assert code == 0, (argv, err)
+    store = NoListing(tmp_path / "tier" / "shards")
+    with ShardWriter(store, "ds", target_bytes=2048) as writer:
+        for i in range(10):
+            writer.write({"__key__": f"k{i}", "bin": bytes(600)})
+    assert len(list(read_shards(store, load_index(store, "ds")))) == 10
