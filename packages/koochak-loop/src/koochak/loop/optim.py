@@ -198,7 +198,9 @@ def build_optimizer(
         # torch's own defaults differ: AdamW decays by 0.01 unless told otherwise, Adam by 0.
         decay = _number(cfg, "weight_decay", section, 0.01 if name == "adamw" else 0.0, minimum=0)
         cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
-        return cls(params, lr=lr, betas=(float(betas[0]), float(betas[1])), eps=eps, weight_decay=decay)
+        return cls(
+            params, lr=lr, betas=(float(betas[0]), float(betas[1])), eps=eps, weight_decay=decay
+        )
 
     momentum = _number(cfg, "momentum", section, 0.0, minimum=0)
     nesterov = cfg.get("nesterov")

@@ -103,7 +103,9 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         raise TypeError(f"rng state must be a mapping, got {type(state).__name__}")
     unknown = set(state) - _RNG_KEYS
     if unknown:
-        raise ValueError(f"rng state: unknown key(s) {sorted(unknown)}; expected {sorted(_RNG_KEYS)}")
+        raise ValueError(
+            f"rng state: unknown key(s) {sorted(unknown)}; expected {sorted(_RNG_KEYS)}"
+        )
     if state.get("version") != RNG_STATE_VERSION:
         raise ValueError(
             f"rng state: unsupported version {state.get('version')!r}; expected {RNG_STATE_VERSION}"

@@ -97,6 +97,8 @@ def shard_dataset(
         return shard_map_dataset(dataset, rank, world_size, **kwargs)
     if mode == "iterable":
         if kwargs:
-            raise TypeError(f"shard_dataset(mode='iterable') takes no options, got {sorted(kwargs)}")
+            raise TypeError(
+                f"shard_dataset(mode='iterable') takes no options, got {sorted(kwargs)}"
+            )
         return shard_iterable_dataset(dataset, rank, world_size)
     raise ValueError(f"shard_dataset mode must be one of {', '.join(MODES)}, got {mode!r}")
