@@ -187,6 +187,16 @@ def test_files_from_takes_exactly_the_listed_paths(tree, tmp_path) -> None:
             archive_tree(tree, tmp_path / "dest2", files_from=listed, dry_run=True)
 
 
+def test_groups_table_and_file_list_from_a_spreadsheet(tree, tmp_path) -> None:
+    # A byte-order mark and CRLF line ends, as spreadsheets and Windows editors save them.
+    table = tmp_path / "g.csv"
+    table.write_bytes("path,group,order\r\nd0/f1.bin,g,2\r\nd0/f0.bin,g,1\r\n".encode("utf-8-sig"))
+    assert read_groups(table) == {"d0/f1.bin": ("g", 2), "d0/f0.bin": ("g", 1)}
+    listed = tmp_path / "list.txt"
+    listed.write_bytes("d0/f0.bin\r\nbig/huge.bin\r\n".encode("utf-8-sig"))
+    assert archive_tree(tree, tmp_path / "dest", files_from=listed, dry_run=True).files == 2
+
+
 def test_groups_table_errors_name_the_line(tmp_path) -> None:
     table = tmp_path / "g.csv"
     table.write_text("a.bin,g\na.bin,h\n")

@@ -332,7 +332,8 @@ def read_groups(path: str | os.PathLike[str]) -> dict[str, tuple[str, int]]:
     """
     table: dict[str, tuple[str, int]] = {}
     name = os.fspath(path)
-    with open(name, newline="", encoding="utf-8") as handle:
+    # utf-8-sig: a table saved by a spreadsheet starts with a byte-order mark.
+    with open(name, newline="", encoding="utf-8-sig") as handle:
         for number, row in enumerate(csv.reader(handle), start=1):
             if not row or (len(row) == 1 and not row[0].strip()):
                 continue
@@ -879,7 +880,7 @@ def archive_tree(
         raise ValueError(f"streams={streams!r}: expected a whole number >= 1")
     listed = None
     if files_from is not None:
-        with open(files_from, encoding="utf-8") as handle:
+        with open(files_from, encoding="utf-8-sig") as handle:
             listed = handle.read().split("\n")
     files, skipped = scan_source(
         root, include=include, exclude=exclude, skip_symlinks=skip_symlinks,
