@@ -41,7 +41,9 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
 def test_archive_verify_ls_pull_round_trip(src, tmp_path, capsys) -> None:
     dest, out = str(tmp_path / "coll"), str(tmp_path / "out")
     code, text, _ = _run(capsys, "archive", str(src), dest, "--object-bytes", "20K")
-    assert code == 0 and "committed" in text and "21 (" in text
+    assert code == 0 and "committed" in text and "21 (" in text and "0 reused" in text
+    code, text, _ = _run(capsys, "archive", str(src), dest, "--object-bytes", "20K")
+    assert code == 0 and "already committed" in text and "reused" not in text
     code, text, _ = _run(capsys, "verify", dest, "--deep", "--json")
     report = json.loads(text)
     assert code == 0 and report["ok"] and report["deep"] and report["files"] == 21

@@ -129,8 +129,10 @@ def _archive(args: argparse.Namespace) -> tuple[dict[str, Any], str, int]:
     state = "dry run (nothing written)" if report.dry_run else (
         "already committed" if report.already_committed else "committed"
     )
-    reused_packs = "" if report.dry_run else f", {report.packs_reused} reused"
-    reused_objects = "" if report.dry_run else f", {report.objects_reused} reused"
+    # Reuse is only news for a run that wrote (or resumed writing) the collection.
+    quiet = report.dry_run or report.already_committed
+    reused_packs = "" if quiet else f", {report.packs_reused} reused"
+    reused_objects = "" if quiet else f", {report.objects_reused} reused"
     skipped = [f"{n} {why.replace('_', ' ')}" for why, n in report.skipped.items() if n]
     req = report.requests
     rows: list[tuple[str, Any]] = [
