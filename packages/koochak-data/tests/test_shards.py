@@ -75,6 +75,20 @@ def test_index_is_written_last_and_its_hash_is_the_version(store) -> None:
         assert store.stat(f"{PREFIX}/{entry.key}").size == entry.size
 
 
+def test_index_digests_are_the_shard_bytes_even_from_a_store_that_reports_none(tmp_path) -> None:
+    import dataclasses
+
+    class Quiet(LocalStore):
+        def put(self, key, data, **kwargs):  # type: ignore[override]
+            return dataclasses.replace(super().put(key, data, **kwargs), sha256=None)
+
+    for store in (LocalStore(tmp_path / "a"), Quiet(tmp_path / "b")):
+        index = _build(store, _samples(30))
+        for shard in index.shards:
+            data = Path(store.local_path(index.key_of(shard))).read_bytes()
+            assert shard.sha256 == hashlib.sha256(data).hexdigest() and shard.size == len(data)
+
+
 def test_same_records_give_the_same_dataset_version(tmp_path) -> None:
     a = _build(LocalStore(tmp_path / "a", fsync=False), _samples(25))
     b = _build(LocalStore(tmp_path / "b", fsync=False), _samples(25))
