@@ -141,6 +141,14 @@ class _DestTree:
 
     # -- files -------------------------------------------------------------------------------
 
+    def in_new_directory(self, entry: FileEntry) -> bool:
+        """Make (or open) ``entry``'s directory; True when this run created it, so nothing can
+        be in the way and no stat is needed."""
+        rel_dir = entry.path.rpartition("/")[0]
+        self.acquire(rel_dir)
+        self.release(rel_dir)
+        return rel_dir in self.created or (not rel_dir and self.root_created)
+
     def present(self, entry: FileEntry, overwrite: bool) -> bool:
         """True when ``entry`` is already in place; raises for anything in the way."""
         rel_dir, _, name = entry.path.rpartition("/")
@@ -283,9 +291,14 @@ def pull_collection(
     report.requests = 2
     tree = _DestTree(root)
     try:
+        # Directories first, in one pass; only files in directories that already existed are
+        # checked (a stat, maybe a hash) on the pool. A fresh DEST costs no per-file task.
+        new = {e.path for e in selected if tree.in_new_directory(e)}
+        existing = [e for e in selected if e.path not in new]
         with ThreadPoolExecutor(max_workers=streams) as pool:
-            there = list(pool.map(lambda e: tree.present(e, overwrite), selected))
-        todo = [e for e, ok in zip(selected, there) if not ok]
+            there = dict(zip((e.path for e in existing),
+                             pool.map(lambda e: tree.present(e, overwrite), existing)))
+        todo = [e for e in selected if not there.get(e.path, False)]
         report.present = len(selected) - len(todo)
         by_pack: dict[str, list[FileEntry]] = {}
         objects: list[FileEntry] = []
