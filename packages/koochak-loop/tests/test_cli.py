@@ -140,6 +140,21 @@ def test_warmup_longer_than_the_run_names_the_fix(project, capsys):
     assert line.endswith("set optim.scheduler.warmup_steps=0 or a longer schedule")
 
 
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--config", "c.yaml", "--resume", "nope"], "argument --resume: invalid choice: 'nope'"),
+        (["train.max_steps=3"], "the following arguments are required: --config"),
+    ],
+)
+def test_bad_arguments_are_one_line_exit_2(args, expected, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    line = one_line_error(capsys)
+    assert expected in line and line.endswith("(see koochak-train --help)")
+
+
 def test_missing_config_file_exit_2(tmp_path, capsys):
     assert main(["--config", str(tmp_path / "none.yaml")]) == 2
     assert "none.yaml: config file not found" in one_line_error(capsys)

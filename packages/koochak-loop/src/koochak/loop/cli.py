@@ -20,7 +20,7 @@ import inspect
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from koochak.loop.checkpoint import resolve_auto_resume
 from koochak.loop.config import (
@@ -40,8 +40,14 @@ class EntryError(ValueError):
     """An ``entry.*`` path that cannot be imported or is not callable."""
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One line like every other koochak-train error, instead of argparse's usage block.
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="koochak-train",
         description="Run koochak's training_loop from a YAML config and user entry points.",
     )
