@@ -234,3 +234,8 @@ def test_ddp_launcher_trains_two_gloo_ranks_under_torchrun(tmp_path):
         ("eval", 3),
     ]
     assert result.stdout.count("log\tstep=3\t") == 1
+    # Per-rank step timing: every log row carries the slowest and the fastest rank's step time.
+    for row in read_csv_log(out_dir / "log.csv"):
+        if row["event"] == "log":
+            m = row["metrics"]
+            assert m["step_time_s_max"] >= m["step_time_s"] >= m["step_time_s_min"] > 0
