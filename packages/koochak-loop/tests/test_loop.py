@@ -42,6 +42,14 @@ def cfg(tmp_path, **kw):
     return base
 
 
+def sgd_loop(model: nn.Module, dataset, step_fn, **kwargs) -> dict:
+    """training_loop with plain SGD (lr 0.1), the optimizer most tests here need."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return training_loop(
+        model=model, dataset=dataset, step_fn=step_fn, optimizer=optimizer, **kwargs
+    )
+
+
 def params_of(model: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
@@ -83,11 +91,10 @@ def test_finite_dataset_stops_when_exhausted_without_hidden_epochs(tmp_path):
 
     model = make_model()
     logged = []
-    ckpt = training_loop(
-        model=model,
-        dataset=data(),
-        step_fn=mse_step,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+    ckpt = sgd_loop(
+        model,
+        data(),
+        mse_step,
         train_cfg=cfg(tmp_path, max_steps=None, log_every=5),
         hooks={"on_log": [lambda info: logged.append((info["step"], info["metrics"]["loss"]))]},
     )
@@ -102,11 +109,10 @@ def test_infinite_iterable_stops_at_max_steps(tmp_path):
     batches = regression_batches(3)
     model = make_model()
     seen = []
-    ckpt = training_loop(
-        model=model,
-        dataset=(batches[i % 3] for i in itertools.count()),
-        step_fn=mse_step,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+    ckpt = sgd_loop(
+        model,
+        (batches[i % 3] for i in itertools.count()),
+        mse_step,
         train_cfg=cfg(tmp_path, max_steps=13),
         hooks={"on_step_end": [lambda info: seen.append(info["step"])]},
     )
@@ -125,11 +131,10 @@ def test_hook_events_order_and_info(tmp_path):
         for e in ("on_train_start", "on_log", "on_eval_end", "on_checkpoint", "on_train_end")
     }
     model = make_model()
-    training_loop(
-        model=model,
-        dataset=regression_batches(12),
-        step_fn=mse_step,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+    sgd_loop(
+        model,
+        regression_batches(12),
+        mse_step,
         train_cfg=cfg(
             tmp_path, max_steps=12, log_every=5, eval_every=6, ckpt_every=6, eval_at_step_zero=True
         ),
@@ -179,11 +184,10 @@ def test_last_update_publishes_only_the_terminal_checkpoint(tmp_path):
     """ckpt_every dividing max_steps: one save of the final state (step{N}.pt), not two."""
     saved = []
     model = make_model()
-    training_loop(
-        model=model,
-        dataset=regression_batches(8),
-        step_fn=mse_step,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+    sgd_loop(
+        model,
+        regression_batches(8),
+        mse_step,
         train_cfg=cfg(tmp_path, max_steps=8, ckpt_every=4, keep_last_k=None),
         hooks={"on_checkpoint": [lambda info: saved.append(info["path"].rsplit("/", 1)[-1])]},
     )
@@ -194,11 +198,10 @@ def test_last_update_publishes_only_the_terminal_checkpoint(tmp_path):
 def test_data_running_out_keeps_the_periodic_checkpoint(tmp_path):
     """Without max_steps the loop cannot know an update is the last one: periodic saves stay."""
     model = make_model()
-    training_loop(
-        model=model,
-        dataset=regression_batches(4),
-        step_fn=mse_step,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+    sgd_loop(
+        model,
+        regression_batches(4),
+        mse_step,
         train_cfg=cfg(tmp_path, max_steps=None, ckpt_every=2, keep_last_k=None),
     )
     names = sorted(p.name for p in (tmp_path / "run").glob("step*.pt"))
@@ -297,11 +300,10 @@ def test_nan_gradient_rejected_before_the_optimizer_step(tmp_path):
     exceptions = []
     hooks["on_exception"] = [lambda info: exceptions.append(info)]
     with pytest.raises(NonFiniteGradientError, match=r"step 3: .*parameter '0\.weight'"):
-        training_loop(
-            model=model,
-            dataset=regression_batches(10),
-            step_fn=nan_at(3),
-            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        sgd_loop(
+            model,
+            regression_batches(10),
+            nan_at(3),
             train_cfg=cfg(tmp_path, grad_clip=1.0),
             hooks=hooks,
         )
@@ -313,11 +315,10 @@ def test_nan_gradient_rejected_before_the_optimizer_step(tmp_path):
 def test_nan_without_clipping_is_caught_on_logging_steps(tmp_path):
     model = make_model()
     with pytest.raises(NonFiniteGradientError, match="step 4"):
-        training_loop(
-            model=model,
-            dataset=regression_batches(10),
-            step_fn=nan_at(4),
-            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        sgd_loop(
+            model,
+            regression_batches(10),
+            nan_at(4),
             train_cfg=cfg(tmp_path, log_every=5),
         )
 
@@ -325,11 +326,10 @@ def test_nan_without_clipping_is_caught_on_logging_steps(tmp_path):
 def test_nonfinite_grad_check_every_raises_instead_of_zeroing(tmp_path):
     model = make_model()
     with pytest.raises(NonFiniteGradientError, match="step 1: .*nonfinite_grad_check_every"):
-        training_loop(
-            model=model,
-            dataset=regression_batches(10),
-            step_fn=nan_at(1),
-            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        sgd_loop(
+            model,
+            regression_batches(10),
+            nan_at(1),
             train_cfg=cfg(tmp_path, log_every=100, nonfinite_grad_check_every=1),
         )
 
@@ -370,11 +370,10 @@ def test_failing_logging_hook_warns_once_and_training_continues(tmp_path):
 
     model = make_model()
     with pytest.warns(RuntimeWarning, match="disk full") as record:
-        ckpt = training_loop(
-            model=model,
-            dataset=regression_batches(10),
-            step_fn=mse_step,
-            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        ckpt = sgd_loop(
+            model,
+            regression_batches(10),
+            mse_step,
             train_cfg=cfg(tmp_path, log_every=2),
             hooks={"on_log": [broken]},
         )
@@ -390,11 +389,10 @@ def test_failing_train_start_hook_aborts(tmp_path):
         raise RuntimeError("cannot reach tracker")
 
     with pytest.raises(RuntimeError, match="cannot reach tracker"):
-        training_loop(
-            model=model,
-            dataset=regression_batches(3),
-            step_fn=mse_step,
-            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        sgd_loop(
+            model,
+            regression_batches(3),
+            mse_step,
             train_cfg=cfg(tmp_path),
             hooks={"on_train_start": [broken]},
         )
@@ -410,11 +408,10 @@ def test_fail_closed_hook_aborts_training(tmp_path):
 
     model = make_model()
     with pytest.raises(ValueError, match="ack rejected"):
-        training_loop(
-            model=model,
-            dataset=regression_batches(5),
-            step_fn=mse_step,
-            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        sgd_loop(
+            model,
+            regression_batches(5),
+            mse_step,
             train_cfg=cfg(tmp_path),
             hooks={"on_step_end": [fail_closed(strict)]},
         )
@@ -448,11 +445,10 @@ def test_eval_runs_in_eval_mode_without_grad_and_restores_train_mode(tmp_path):
 
     model = make_model()
     modes = []
-    training_loop(
-        model=model,
-        dataset=regression_batches(4),
-        step_fn=lambda m, b, c: modes.append(m.training) or mse_step(m, b, c),
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+    sgd_loop(
+        model,
+        regression_batches(4),
+        lambda m, b, c: modes.append(m.training) or mse_step(m, b, c),
         train_cfg=cfg(tmp_path, eval_every=2),
         eval_dataset=[],
         eval_fn=eval_fn,
@@ -474,11 +470,10 @@ def test_ctx_carries_device_rank_autocast_scaler_config_and_step(tmp_path):
         return mse_step(model, batch, ctx)
 
     model = make_model()
-    training_loop(
-        model=model,
-        dataset=regression_batches(4),
-        step_fn=step_fn,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+    sgd_loop(
+        model,
+        regression_batches(4),
+        step_fn,
         train_cfg=cfg(tmp_path, grad_accum=2),
         config_json={"a": 1},
     )
@@ -495,11 +490,10 @@ def test_bf16_autocast_on_cpu_trains(tmp_path):
         return {"loss": F.mse_loss(pred.float(), y)}
 
     model = make_model()
-    ckpt = training_loop(
-        model=model,
-        dataset=regression_batches(3),
-        step_fn=step_fn,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+    ckpt = sgd_loop(
+        model,
+        regression_batches(3),
+        step_fn,
         train_cfg=cfg(tmp_path, amp="bf16"),
     )
     assert dtypes == [torch.bfloat16] * 3
@@ -510,11 +504,10 @@ def test_data_ending_inside_an_accumulation_drops_the_partial_update(tmp_path):
     model = make_model()
     before = params_of(model)
     with pytest.warns(RuntimeWarning, match="1 micro-batch"):
-        ckpt = training_loop(
-            model=model,
-            dataset=regression_batches(1),
-            step_fn=mse_step,
-            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        ckpt = sgd_loop(
+            model,
+            regression_batches(1),
+            mse_step,
             train_cfg=cfg(tmp_path, grad_accum=2),
         )
     assert ckpt["step"] == 0
@@ -525,11 +518,10 @@ def test_data_ending_inside_an_accumulation_drops_the_partial_update(tmp_path):
 def test_step_fn_without_loss_is_a_clear_error(tmp_path):
     model = make_model()
     with pytest.raises(TypeError, match="step_fn must return a dict with a 'loss' tensor.*'mae'"):
-        training_loop(
-            model=model,
-            dataset=regression_batches(2),
-            step_fn=lambda m, b, c: {"mae": mse_step(m, b, c)["mae"]},
-            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        sgd_loop(
+            model,
+            regression_batches(2),
+            lambda m, b, c: {"mae": mse_step(m, b, c)["mae"]},
             train_cfg=cfg(tmp_path),
         )
 
@@ -537,11 +529,10 @@ def test_step_fn_without_loss_is_a_clear_error(tmp_path):
 def test_unknown_train_key_fails_before_training(tmp_path):
     model = make_model()
     with pytest.raises(ValueError, match=r"train\.max_stpes.*did you mean 'train\.max_steps'"):
-        training_loop(
-            model=model,
-            dataset=regression_batches(2),
-            step_fn=mse_step,
-            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        sgd_loop(
+            model,
+            regression_batches(2),
+            mse_step,
             train_cfg={"max_stpes": 3, "out_dir": str(tmp_path)},
         )
 
@@ -563,11 +554,10 @@ def test_host_syncs_only_on_logging_steps_without_clipping(tmp_path, monkeypatch
         monkeypatch.setattr(torch.Tensor, attr, counted)
     syncs_at = []
     model = make_model()
-    training_loop(
-        model=model,
-        dataset=regression_batches(10),
-        step_fn=mse_step,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+    sgd_loop(
+        model,
+        regression_batches(10),
+        mse_step,
         train_cfg=cfg(tmp_path, log_every=5, max_steps=10),
         hooks={"on_step_end": [lambda info: syncs_at.append(sum(counts.values()))]},
     )
@@ -580,11 +570,10 @@ def test_clipping_costs_one_sync_per_step(tmp_path, monkeypatch):
     original = torch.Tensor.item
     monkeypatch.setattr(torch.Tensor, "item", lambda self: counts.append(1) or original(self))
     model = make_model()
-    training_loop(
-        model=model,
-        dataset=regression_batches(6),
-        step_fn=mse_step,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+    sgd_loop(
+        model,
+        regression_batches(6),
+        mse_step,
         train_cfg=cfg(tmp_path, log_every=3, max_steps=6, grad_clip=1.0),
     )
     assert len(counts) == 4  # steps 0, 1, 3, 4; logging steps 2 and 5 read it with the metrics
@@ -598,11 +587,10 @@ def test_prepare_batch_fn_runs_on_each_batch(tmp_path):
         seen.append(batch[0].device)
         return batch[0], batch[1] * 0
 
-    ckpt = training_loop(
-        model=model,
-        dataset=regression_batches(3),
-        step_fn=mse_step,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+    ckpt = sgd_loop(
+        model,
+        regression_batches(3),
+        mse_step,
         train_cfg=cfg(tmp_path, cuda_prefetch=True),
         prepare_batch_fn=prepare,
     )
@@ -611,11 +599,10 @@ def test_prepare_batch_fn_runs_on_each_batch(tmp_path):
 
 def test_parameter_banner_on_rank0(tmp_path, capsys):
     model = make_model()
-    training_loop(
-        model=model,
-        dataset=regression_batches(1),
-        step_fn=mse_step,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+    sgd_loop(
+        model,
+        regression_batches(1),
+        mse_step,
         train_cfg=cfg(tmp_path),
     )
     assert "koochak: Sequential with 49 parameters" in capsys.readouterr().out
@@ -625,11 +612,10 @@ def test_warnings_are_not_raised_on_an_ordinary_run(tmp_path):
     model = make_model()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        training_loop(
-            model=model,
-            dataset=regression_batches(3),
-            step_fn=mse_step,
-            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        sgd_loop(
+            model,
+            regression_batches(3),
+            mse_step,
             train_cfg=cfg(tmp_path),
         )
 
@@ -646,11 +632,10 @@ def test_compile_wraps_the_training_model_but_checkpoints_the_bare_one(tmp_path,
     monkeypatch.setattr(torch, "compile", lambda m, **kw: Compiled(m))
     seen = []
     model = make_model()
-    ckpt = training_loop(
-        model=model,
-        dataset=regression_batches(2),
-        step_fn=lambda m, b, c: seen.append(type(m).__name__) or mse_step(m, b, c),
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+    ckpt = sgd_loop(
+        model,
+        regression_batches(2),
+        lambda m, b, c: seen.append(type(m).__name__) or mse_step(m, b, c),
         train_cfg=cfg(tmp_path, compile=True),
     )
     assert seen == ["Compiled", "Compiled"]
