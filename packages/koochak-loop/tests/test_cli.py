@@ -112,7 +112,7 @@ def one_line_error(capsys) -> str:
         ("entry.model=nowhere_pkg:make_model", "entry.model: cannot import module 'nowhere_pkg'"),
         ("entry.step={name}:nope", "entry.step: module '{name}' has no attribute 'nope'"),
         ("entry.dataset=nocolon", "entry.dataset: expected 'module:callable', got 'nocolon'"),
-        ("entry.model=null", "entry.model: expected 'module:callable', got None"),
+        ("entry.model=null", "entry.model is not set: add it to the config's entry section"),
         ("entry.step={name}:step_fm", "(did you mean '{name}:step_fn'?)"),
         ("train.max_stpes=3", "did you mean 'train.max_steps'"),
         ("trian.max_steps=3", "unknown config key 'trian' (did you mean 'train'?)"),

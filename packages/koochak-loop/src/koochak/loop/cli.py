@@ -70,7 +70,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def import_entry(path: str | None, key: str) -> Callable[..., Any]:
     """Import ``module:callable`` named by config key ``key`` (``entry.model`` etc.)."""
-    if not path or ":" not in path:
+    if not path:
+        raise EntryError(
+            f"{key} is not set: add it to the config's entry section as 'module:callable' "
+            f"(or override {key}=my_pkg.module:function)"
+        )
+    if ":" not in path:
         raise EntryError(f"{key}: expected 'module:callable', got {path!r}")
     module_name, _, attr = path.partition(":")
     if os.getcwd() not in sys.path:  # user code next to the config, as `python -m` finds it
