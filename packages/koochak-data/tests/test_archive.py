@@ -382,6 +382,13 @@ def test_source_changing_mid_pack_fails_and_leaves_no_pack(tmp_path) -> None:
     assert verify_collection(dest, deep=True).ok
 
 
+def test_dest_that_is_a_file_is_refused(tree, tmp_path) -> None:
+    (tmp_path / "afile").write_text("keep")
+    with pytest.raises(ValueError, match="is a file; expected a directory"):
+        archive_tree(tree, tmp_path / "afile")
+    assert (tmp_path / "afile").read_text() == "keep"
+
+
 def test_dest_inside_src_is_refused(tree) -> None:
     with pytest.raises(ValueError, match="inside SRC"):
         archive_tree(tree, tree / "coll")

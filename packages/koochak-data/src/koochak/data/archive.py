@@ -864,6 +864,8 @@ def archive_tree(
     root = os.path.abspath(os.fspath(src))
     target = open_store(dest)
     dest_root = getattr(target, "root", None)
+    if dest_root is not None and os.path.exists(dest_root) and not os.path.isdir(dest_root):
+        raise ValueError(f"archive DEST {target.location} is a file; expected a directory")
     if dest_root is not None:
         inside = os.path.realpath(dest_root)
         if os.path.commonpath([inside, os.path.realpath(root)]) == os.path.realpath(root):
