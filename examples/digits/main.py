@@ -23,7 +23,7 @@ import torch
 from koochak.loop import load_config, to_container, training_loop
 from koochak.loop.batch import shuffled_batches
 from koochak.loop.checkpoint import resolve_auto_resume
-from koochak.loop.cli import build_hooks
+from koochak.loop.cli import build_hooks, run_with_one_line_errors
 from koochak.loop.optim import build_optimizer, build_scheduler
 from koochak.loop.seed import set_all_seeds
 from torch import nn
@@ -111,6 +111,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=CONFIG)
     parser.add_argument("overrides", nargs="*", metavar="key=value")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks")
     parser.add_argument(
         "--resume",
         choices=("auto", "none"),
@@ -149,4 +150,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(run_with_one_line_errors("examples.digits", main))

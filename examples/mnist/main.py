@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from koochak.loop import dist, load_config, to_container, training_loop
 from koochak.loop.batch import shuffled_batches
-from koochak.loop.cli import build_hooks
+from koochak.loop.cli import build_hooks, run_with_one_line_errors
 from koochak.loop.optim import build_optimizer, build_scheduler
 from koochak.loop.seed import make_worker_init_fn, set_all_seeds
 from koochak.loop.sharding import shard_map_dataset
@@ -252,16 +252,9 @@ def main(argv: Sequence[str] | None = None, *, force_ddp: bool = False) -> dict[
 
 def cli(argv: Sequence[str] | None = None, *, force_ddp: bool = False) -> int:
     """``main`` with one-line errors on stderr (tracebacks only with ``--debug``)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        main(argv, force_ddp=force_ddp)
-    except Exception as exc:
-        if "--debug" in argv:
-            raise
-        message = " ".join(str(exc).split()) or type(exc).__name__
-        print(f"examples.mnist: {type(exc).__name__}: {message}", file=sys.stderr)
-        return 1
-    return 0
+    return run_with_one_line_errors(
+        "examples.mnist", lambda args: main(args, force_ddp=force_ddp), argv
+    )
 
 
 if __name__ == "__main__":

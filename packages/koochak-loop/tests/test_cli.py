@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 import torch
-from koochak.loop.cli import main
+from koochak.loop.cli import main, run_with_one_line_errors
 
 USER_CODE = """
 import torch
@@ -153,6 +153,19 @@ def test_bad_arguments_are_one_line_exit_2(args, expected, capsys):
     assert exit_info.value.code == 2
     line = one_line_error(capsys)
     assert expected in line and line.endswith("(see koochak-train --help)")
+
+
+def test_scripts_get_one_line_errors_and_tracebacks_on_debug(capsys):
+    def boom(args):
+        raise ValueError("bad\n  thing")
+
+    assert run_with_one_line_errors("prog", boom, []) == 1
+    assert one_line_error(capsys) == (
+        "prog: ValueError: bad thing (rerun with --debug for the traceback)"
+    )
+    with pytest.raises(ValueError, match="bad"):
+        run_with_one_line_errors("prog", boom, ["--debug"])
+    assert run_with_one_line_errors("prog", lambda args: None, []) == 0
 
 
 def test_missing_config_file_exit_2(tmp_path, capsys):

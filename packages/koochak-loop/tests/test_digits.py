@@ -7,6 +7,7 @@ import pathlib
 import pytest
 import torch
 from koochak.loop.cli import main as cli_main
+from koochak.loop.cli import run_with_one_line_errors
 from koochak.loop.logging import read_csv_log
 
 from examples.digits import main as digits
@@ -60,6 +61,12 @@ def test_digits_main_rerun_continues_from_its_checkpoint(tmp_path):
     assert ckpt["step"] == 4
     # Only updates 2 and 3 ran again; a fresh start would have logged 0 and 1 twice.
     assert [row["step"] for row in read_csv_log(tmp_path / "log.csv")] == [0, 1, 2, 3]
+
+
+def test_digits_typo_is_one_line_naming_the_key(capsys):
+    assert run_with_one_line_errors("examples.digits", digits.main, ["train.max_step=3"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "did you mean 'train.max_steps'?" in err[0]
 
 
 def test_digits_dataset_resumes_at_the_same_batch():

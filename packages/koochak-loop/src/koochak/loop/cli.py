@@ -180,9 +180,25 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _fail(prefix: str, exc: BaseException, suffix: str = "") -> None:
+def _fail(prefix: str, exc: BaseException, suffix: str = "", prog: str = "koochak-train") -> None:
     message = " ".join(str(exc).split()) or type(exc).__name__
-    print(f"koochak-train: {prefix}{message}{suffix}", file=sys.stderr)
+    print(f"{prog}: {prefix}{message}{suffix}", file=sys.stderr)
+
+
+def run_with_one_line_errors(
+    prog: str, main: Callable[[list[str]], Any], argv: Sequence[str] | None = None
+) -> int:
+    """Call ``main(argv)`` the way a script's ``__main__`` should: 0 when it returns; an exception
+    is one line on stderr and exit code 1, with the traceback only when argv has ``--debug``."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        main(args)
+    except Exception as exc:
+        if "--debug" in args:
+            raise
+        _fail(f"{type(exc).__name__}: ", exc, " (rerun with --debug for the traceback)", prog=prog)
+        return EXIT_TRAINING_FAILED
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
