@@ -5,7 +5,8 @@ files in ``data.data_dir`` (or its ``MNIST/raw`` subfolder, where torchvision pu
 they are missing, torchvision downloads them there first. The run logs TSV to stdout, CSV and
 JSONL to ``train.out_dir`` (and W&B when ``wandb.enabled``), evaluates every
 ``train.eval_every`` updates and publishes numbered checkpoints. Rerunning the same command
-resumes from the highest valid checkpoint (``--resume none`` starts fresh).
+resumes from the highest valid checkpoint, on the exact data stream an uninterrupted run would
+have seen (``--resume none`` starts fresh).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from koochak.loop import dist, load_config, to_container, training_loop
 from koochak.loop.batch import shuffled_batches
+from koochak.loop.checkpoint import resolve_auto_resume
 from koochak.loop.cli import build_hooks, run_with_one_line_errors
 from koochak.loop.optim import build_optimizer, build_scheduler
 from koochak.loop.seed import make_worker_init_fn, set_all_seeds
@@ -168,8 +170,6 @@ def eval_fn(model: nn.Module, batches: Any, ctx: Any) -> dict[str, float]:
 def _resume(cfg: DictConfig, mode: str) -> tuple[str | None, dict[str, Any] | None]:
     if mode != "auto":
         return None, None
-    from koochak.loop.checkpoint import resolve_auto_resume
-
     found = resolve_auto_resume(str(cfg.train.checkpoint_dir or cfg.train.out_dir))
     return (None, None) if found is None else (str(found[0]), found[1])
 
