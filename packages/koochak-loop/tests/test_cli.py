@@ -42,6 +42,14 @@ def eval_fn(model, data, ctx):
 
 def broken_step(model, batch, ctx):
     raise RuntimeError("user code exploded")
+
+
+def dataset_signalled_while_built(cfg, start_step=0):
+    import os
+    import signal
+
+    os.kill(os.getpid(), signal.SIGUSR1)  # the scheduler asks us to leave during setup
+    return dataset(cfg, start_step)
 """
 
 
@@ -205,3 +213,14 @@ def test_python_dash_m_entry_point(project):
     )
     assert proc.returncode == 0, proc.stderr
     assert (root / "run" / "step000000002.pt").exists()
+
+
+def test_sigusr1_while_the_dataset_is_built_evacuates_after_one_update(project, capsys):
+    root, name, config = project
+    args = ["--config", str(config), "train.evacuation_enabled=true",
+            f"entry.dataset={name}:dataset_signalled_while_built"]
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    assert exited.value.code == 75
+    run = root / "run"
+    assert (run / "step000000001.pt.ready.json").exists()  # terminal: one update done

@@ -30,6 +30,7 @@ from koochak.loop.config import (
     load_config_with_report,
     to_container,
 )
+from koochak.loop.evacuation import make_evacuation
 from omegaconf import DictConfig
 
 EXIT_USAGE = 2
@@ -146,6 +147,12 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
     cfg, report = load_config_with_report(args.config, args.overrides)
     if int(os.environ.get("RANK", "0")) == 0:
         print(format_summary(report), flush=True)
+    # Install the evacuation handler before building the model and data (which can take minutes):
+    # a SIGUSR1 in that window is then recorded and honoured after the first update, instead of
+    # killing the process with the signal's default action.
+    evacuation = make_evacuation(None, cfg.train)
+    if evacuation is not None:
+        evacuation.install()
     entry = get_section(cfg, "entry")
     make_model = import_entry(entry.model, "entry.model")
     make_dataset = import_entry(entry.dataset, "entry.dataset")
@@ -177,6 +184,7 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
         "hooks": build_hooks(cfg),
         "resume": args.resume,
         "auto_resume_path": resume_path,
+        "evacuation": evacuation,
     }
 
 
