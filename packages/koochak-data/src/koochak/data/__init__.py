@@ -2,6 +2,7 @@
 
 from koochak.data.archive import ArchiveReport, archive_tree
 from koochak.data.collection import Collection, FileEntry, load_collection
+from koochak.data.packed import Group, GroupStream, PackCache, PackedGroups, PackUnit, combine_plans
 from koochak.data.planning import assign_shards, plan_shards, worker_coordinates
 from koochak.data.pull import PullReport, pull_collection
 from koochak.data.shards import (
@@ -39,4 +40,11 @@ __all__ = [
     "load_collection",
     "pull_collection",
     "verify_collection",
+    # packed group streaming
+    "Group",
+    "GroupStream",
+    "PackCache",
+    "PackUnit",
+    "PackedGroups",
+    "combine_plans",
 ]
