@@ -1,0 +1,198 @@
+"""The event envelope: round trip, strict reading, bounds, idempotent artifact ids."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from koochak.events import Event, artifact_event_id, make_event, parse_event
+from koochak.events.envelope import (
+    MAX_ITEMS,
+    MAX_PAYLOAD_BYTES,
+    MAX_STRING_CHARS,
+    TRUNCATION_MARKER,
+)
+
+SHA = "a" * 64
+
+
+def artifact_payload(**overrides):
+    payload = {
+        "artifact_id": "checkpoint/step000000100.pt",
+        "path": "/runs/exp/step000000100.pt",
+        "size": 123,
+        "sha256": SHA,
+        "manifest_path": "/runs/exp/step000000100.pt.ready.json",
+        "step": 100,
+    }
+    payload.update(overrides)
+    return payload
+
+
+def test_every_kind_round_trips_through_json():
+    payloads = {
+        "workload.phase": {"phase": "starting", "step": 0, "max_steps": 10, "resumed": False},
+        "workload.progress": {"completed_steps": 3, "total_steps": None, "metrics": {"loss": 1.5}},
+        "workload.milestone": {"milestone": "eval", "step": 4, "metrics": {"eval_acc": 0.9}},
+        "workload.artifact": artifact_payload(),
+        "workload.notice": {"message": "hello", "level": "warning"},
+    }
+    for kind, payload in payloads.items():
+        event = make_event(kind, payload, job_id="job-1", source="test")
+        assert parse_event(event.to_json()) == event
+        assert parse_event(event.to_json().encode()) == event
+        assert json.loads(event.to_json())["version"] == 1
+
+
+def test_to_json_is_canonical():
+    event = make_event("workload.phase", {"step": 1, "phase": "training"}, time="2026-01-01T00:00:00Z")
+    text = event.to_json()
+    assert text == json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"))
+
+
+def test_non_artifact_events_get_distinct_ids():
+    a = make_event("workload.notice", {"message": "x"})
+    b = make_event("workload.notice", {"message": "x"})
+    assert a.id != b.id
+
+
+def test_artifact_id_derives_from_job_artifact_and_digest():
+    a = make_event("workload.artifact", artifact_payload(), job_id="job-1")
+    retry = make_event("workload.artifact", artifact_payload(), job_id="job-1")
+    assert a.id == retry.id == artifact_event_id("job-1", "checkpoint/step000000100.pt", SHA)
+    assert make_event("workload.artifact", artifact_payload(), job_id="job-2").id != a.id
+    other_bytes = make_event("workload.artifact", artifact_payload(sha256="b" * 64), job_id="job-1")
+    assert other_bytes.id != a.id
+    with pytest.raises(ValueError, match="event_id"):
+        make_event("workload.artifact", artifact_payload(), job_id="job-1", event_id="mine")
+
+
+def test_parse_rejects_a_tampered_artifact_id():
+    doc = json.loads(make_event("workload.artifact", artifact_payload(), job_id="j").to_json())
+    doc["id"] = "art-0000"
+    with pytest.raises(ValueError, match="'id'"):
+        parse_event(json.dumps(doc))
+
+
+def _doc(**changes):
+    doc = json.loads(make_event("workload.phase", {"phase": "starting"}, job_id="j").to_json())
+    doc.update(changes)
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("doc", "field"),
+    [
+        (_doc(version=2), "'version'"),
+        (_doc(version="1"), "'version'"),
+        (_doc(kind="workload.gossip"), "'kind'"),
+        (_doc(extra=1), "'extra'"),
+        (_doc(time="yesterday"), "'time'"),
+        (_doc(id=""), "'id'"),
+        (_doc(job_id=5), "'job_id'"),
+        (_doc(payload=[]), "'payload'"),
+        (_doc(payload={"phase": "starting", "config": {}}), "'config'"),
+        (_doc(payload={"phase": "napping"}), "'phase'"),
+        (_doc(payload={"step": 1}), "'phase'"),
+        (_doc(payload={"phase": "starting", "step": -1}), "'step'"),
+        (_doc(payload={"phase": "starting", "step": True}), "'step'"),
+    ],
+)
+def test_parse_rejects_and_names_the_field(doc, field):
+    with pytest.raises(ValueError, match=field):
+        parse_event(json.dumps(doc))
+
+
+def test_parse_rejects_a_missing_field():
+    doc = _doc()
+    del doc["source"]
+    with pytest.raises(ValueError, match="missing field 'source'"):
+        parse_event(json.dumps(doc))
+
+
+def test_parse_rejects_duplicate_keys_nan_and_non_objects():
+    text = json.dumps(_doc(), separators=(",", ":"))
+    with pytest.raises(ValueError, match="duplicate field 'kind'"):
+        parse_event(text[:-1] + ',"kind":"workload.phase"}')
+    notice = json.loads(make_event("workload.notice", {"message": "m"}).to_json())
+    notice["payload"] = {"message": "m", "level": "NAN_HERE"}
+    with pytest.raises(ValueError, match="NaN"):
+        parse_event(json.dumps(notice).replace('"NAN_HERE"', "NaN"))
+    with pytest.raises(ValueError, match="expected a JSON object"):
+        parse_event("[1]")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        parse_event("{")
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"sha256": "XYZ"}, "'sha256'"),
+        ({"path": "relative/step.pt"}, "'path'"),
+        ({"manifest_path": "m.ready.json"}, "'manifest_path'"),
+        ({"artifact_id": "step000000100.pt"}, "'artifact_id'"),
+        ({"size": "12"}, "'size'"),
+        ({"size": None}, "'size'"),
+        ({"extra": 1}, "'extra'"),
+    ],
+)
+def test_artifact_payload_is_strict(change, field):
+    with pytest.raises(ValueError, match=field):
+        make_event("workload.artifact", artifact_payload(**change), job_id="j")
+
+
+def test_long_strings_are_truncated_with_a_marker():
+    event = make_event("workload.notice", {"message": "x" * 50_000})
+    message = event.payload["message"]
+    assert len(message) == MAX_STRING_CHARS
+    assert message.endswith(TRUNCATION_MARKER)
+    assert parse_event(event.to_json()) == event
+
+
+def test_a_truncated_path_cannot_become_an_artifact():
+    long_path = "/" + "d" * (2 * MAX_STRING_CHARS)
+    with pytest.raises(ValueError, match="whole absolute path"):
+        make_event("workload.artifact", artifact_payload(path=long_path), job_id="j")
+
+
+@pytest.mark.parametrize(
+    ("metrics", "message"),
+    [
+        ({"loss": float("nan")}, "non-finite"),
+        ({"model": object()}, "not a JSON value"),
+        ({"deep": {"deeper": {"deepest": 1}}}, "deeper than"),
+        ({f"m{i}": 1.0 for i in range(MAX_ITEMS + 1)}, "more than"),
+        ({1: 2.0}, "not a string"),
+    ],
+)
+def test_unbounded_payloads_are_refused_naming_the_path(metrics, message):
+    with pytest.raises(ValueError, match=message) as err:
+        make_event("workload.progress", {"completed_steps": 1, "total_steps": 2, "metrics": metrics})
+    assert "payload.metrics" in str(err.value)
+
+
+def test_payload_byte_limit():
+    metrics = {f"m{i}": "v" * 200 for i in range(MAX_ITEMS)}
+    with pytest.raises(ValueError, match=f"more than {MAX_PAYLOAD_BYTES}"):
+        make_event("workload.progress", {"completed_steps": 1, "total_steps": 2, "metrics": metrics})
+
+
+def test_parse_does_not_truncate_it_refuses():
+    doc = json.loads(make_event("workload.notice", {"message": "ok"}).to_json())
+    doc["payload"]["message"] = "y" * (MAX_STRING_CHARS + 1)
+    with pytest.raises(ValueError, match="longer than"):
+        parse_event(json.dumps(doc))
+    with pytest.raises(ValueError, match="bytes"):
+        parse_event(" " * 20_000 + json.dumps(doc))
+
+
+def test_unknown_kind_at_construction():
+    with pytest.raises(ValueError, match="kind"):
+        make_event("workload.chat", {})
+
+
+def test_event_is_frozen():
+    event = make_event("workload.notice", {"message": "m"})
+    with pytest.raises(AttributeError):
+        event.kind = "workload.phase"  # type: ignore[misc]
+    assert isinstance(event, Event)
