@@ -23,6 +23,7 @@ class CountingStore:
         self.gets: Counter[str] = Counter()
         self.opens: Counter[str] = Counter()
         self.bytes_read = 0
+        self.reads = 0  # read() calls on opened handles
         self.corrupt = dict(corrupt or {})  # key -> number of corrupt answers still to give
         self._lock = threading.Lock()
 
@@ -67,6 +68,7 @@ class _CountingReader:
     def read(self, n: int = -1) -> bytes:
         data = self.handle.read(n)
         with self.store._lock:
+            self.store.reads += 1
             self.store.bytes_read += len(data)
         return data
 
@@ -308,8 +310,9 @@ def test_read_files_merges_neighbours_and_checks_sha(coll, tmp_path) -> None:
     packed = PackedGroups.load(dest)
     files = list(groups["rec001"])
     store = CountingStore(dest)
-    got = packed.read_files(store, [packed.files[p] for p in files], gap_bytes=1 << 20)
-    assert got == groups["rec001"] and sum(store.opens.values()) == 1
+    got = packed.read_files(store, [packed.files[p] for p in files])
+    # A group's files are neighbours: by default one open and one range read cover them.
+    assert got == groups["rec001"] and sum(store.opens.values()) == 1 and store.reads == 1
     with pytest.raises(KeyError, match="missing.txt"):
         packed.read_files(dest, ["missing.txt"])
     # Damage one byte of a member inside its pack: the file's own SHA256 check catches it.
@@ -321,3 +324,30 @@ def test_read_files_merges_neighbours_and_checks_sha(coll, tmp_path) -> None:
     pack.write_bytes(bytes(data))
     with pytest.raises(ValueError, match=files[0]):
         packed.read_files(dest, [files[0]])
+
+
+def test_pack_cache_is_a_bounded_lru() -> None:
+    cache = PackCache(10)
+    cache.put(("s", "a", "1"), b"aaaa")
+    cache.put(("s", "b", "2"), b"bbbb")
+    assert cache.get(("s", "a", "1")) == b"aaaa"  # a is now the most recent
+    cache.put(("s", "c", "3"), b"cccc")  # evicts b, the least recently used
+    assert cache.get(("s", "b", "2")) is None and cache.get(("s", "c", "3")) == b"cccc"
+    cache.put(("s", "huge", "4"), b"x" * 11)  # larger than the cache: never held
+    assert cache.get(("s", "huge", "4")) is None and cache.bytes == 8
+    assert (cache.hits, cache.misses) == (2, 2)
+    with pytest.raises(ValueError, match="max_bytes"):
+        PackCache(-1)
+
+
+def test_close_stops_the_background_thread(coll) -> None:
+    dest, _ = coll
+    packed = PackedGroups.load(dest)
+    stream = GroupStream(dest, packed, packed.plan(1)[0], prefetch=1)
+    next(stream)
+    thread = stream._thread
+    assert thread is not None and thread.is_alive()
+    stream.close()
+    assert not thread.is_alive()
+    with pytest.raises(StopIteration):
+        next(stream)

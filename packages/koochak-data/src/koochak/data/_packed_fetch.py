@@ -25,6 +25,10 @@ __all__ = ["PackCache", "fetch_object", "fetch_pack", "read_files"]
 _RETRY_WAIT = 0.05
 _RETRY_WAIT_MAX = 2.0
 DEFAULT_MAX_RANGE_BYTES = 64 << 20
+# Neighbouring pack members are apart by their tar header (one 512-byte block, a few for long
+# names): a gap this small is read along rather than costing another request. Larger gaps are
+# not read, so scattered files cost their own bytes and never their whole groups.
+NEIGHBOUR_GAP_BYTES = 4 << 10
 
 
 class PackCache:
@@ -153,12 +157,9 @@ def read_files(
     if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
         raise ValueError(f"streams={streams!r}: expected a whole number >= 1")
     if gap_bytes is None:
-        from koochak.storage.profile import profile_of
-
-        profile = profile_of(store)
-        # Reading a gap costs less than another request while it takes less than one request.
-        gap_bytes = int(min(max(profile.request_seconds * profile.stream_bytes_per_second,
-                                4 << 10), 16 << 20))  # fmt: skip
+        gap_bytes = NEIGHBOUR_GAP_BYTES
+    if isinstance(gap_bytes, bool) or not isinstance(gap_bytes, int) or gap_bytes < 0:
+        raise ValueError(f"gap_bytes={gap_bytes!r}: expected a whole number >= 0")
     by_pack: dict[str, list[FileEntry]] = {}
     objects: list[FileEntry] = []
     seen: set[str] = set()
