@@ -12,8 +12,9 @@ collection, then reads PICK files chosen at random, each way from the same store
 Printed: requests (opens + gets) each way and their ratio, and the wall-time ratio (lower is
 better) as the median of --repeat interleaved runs. The local disk answers an open in
 microseconds; an object-storage mount takes a second or more and admits only a few per second.
---request-ms adds that cost to every open and get (a sleep, so threads overlap it as they would
-on a mount), by default in a second pass at 5 ms next to the bare disk.
+--request-ms adds that cost to every open and get (a sleep), by default in a second pass at 5 ms
+next to the bare disk, with at most --mount-slots such requests in flight at once (default 4:
+a mount that admits only a few opens at a time; 0 for no limit).
 
     python tools/bench/packed_bench.py                                  # 20,000 files, 2,000 read
     python tools/bench/packed_bench.py --files 200000 --pick 20000      # a larger collection
@@ -43,8 +44,9 @@ from koochak.storage.store import LocalStore
 class _SlowStore:
     """A LocalStore whose opens and gets cost ``request_s`` more and are counted."""
 
-    def __init__(self, inner: LocalStore, request_s: float) -> None:
+    def __init__(self, inner: LocalStore, request_s: float, slots: int) -> None:
         self.inner, self.request_s = inner, request_s
+        self._slots = threading.BoundedSemaphore(slots) if slots and request_s else None
         self.location = inner.location
         self.requests = 0
         self._lock = threading.Lock()
@@ -52,8 +54,9 @@ class _SlowStore:
     def _request(self) -> None:
         with self._lock:
             self.requests += 1
-        if self.request_s:
-            time.sleep(self.request_s)
+        if self._slots is not None:
+            with self._slots:
+                time.sleep(self.request_s)
 
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         self._request()
@@ -103,12 +106,12 @@ def _get_each(store: Any, entries: list[FileEntry], streams: int) -> dict[str, b
 
 
 def _measure(store: LocalStore, packed: PackedGroups, entries: list[FileEntry], *, streams: int,
-             request_s: float, repeat: int) -> dict[str, float]:  # fmt: skip
+             request_s: float, slots: int, repeat: int) -> dict[str, float]:  # fmt: skip
     times: dict[str, list[float]] = {"read_files": [], "get": []}
     requests: dict[str, int] = {}
     for _ in range(repeat):
         for name in ("read_files", "get"):
-            slow = _SlowStore(store, request_s)
+            slow = _SlowStore(store, request_s, slots)
             began = time.perf_counter()
             if name == "read_files":
                 got = packed.read_files(slow, entries, streams=streams)
@@ -138,6 +141,8 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--request-ms", type=float, nargs="*", default=[0.0, 5.0],
                         help="extra cost per open/get, one pass per value (default: 0 5)")
+    parser.add_argument("--mount-slots", type=int, default=4,
+                        help="requests in flight at once when --request-ms > 0 (0: no limit)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
@@ -157,7 +162,7 @@ def main() -> None:
         packs = len({e.pack for e in entries})
         rows = [
             _measure(store, packed, entries, streams=args.streams, request_s=ms / 1000,
-                     repeat=args.repeat)  # fmt: skip
+                     slots=args.mount_slots, repeat=args.repeat)  # fmt: skip
             for ms in args.request_ms
         ]
     if args.json:
@@ -165,7 +170,8 @@ def main() -> None:
                          indent=1))  # fmt: skip
         return
     print(f"{len(entries)} scattered files of {args.files} ({len(packed.collection.manifest.packs)} "
-          f"packs, {packs} touched), streams={args.streams}, median of {args.repeat}")  # fmt: skip
+          f"packs, {packs} touched), streams={args.streams}, mount slots={args.mount_slots}, "
+          f"median of {args.repeat}")  # fmt: skip
     print(f"{'per-request cost':>16} | {'requests (read_files / get)':>28} | {'time ratio':>10}")
     for r in rows:
         print(f"{r['request_ms']:>13.1f} ms | {r['read_files_requests']:>9} / {r['get_requests']:<6}"
