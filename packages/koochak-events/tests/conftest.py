@@ -105,3 +105,9 @@ def ckpt_info():
 def train_start():
     """Factory: train_start(rank=0, step=0, max_steps=100) -> an on_train_start info dict."""
     return start_info
+
+
+@pytest.fixture(autouse=True)
+def _no_torchrun_rank(monkeypatch):
+    """Hooks fall back to $RANK before on_train_start; tests start from rank 0 unless they say."""
+    monkeypatch.delenv("RANK", raising=False)

@@ -259,3 +259,12 @@ def test_malformed_publication_fails_closed(publisher, ckpt_info, tmp_path):
     hooks = make_event_hooks(publisher)
     with pytest.raises(ValueError, match="sha256"):
         fire(hooks, "on_checkpoint", info)
+
+
+def test_before_train_start_the_torchrun_rank_decides(publisher, monkeypatch, ckpt_info, tmp_path):
+    monkeypatch.setenv("RANK", "3")
+    fire(make_event_hooks(publisher), "on_checkpoint", ckpt_info(str(tmp_path), 1))
+    assert publisher.events == []
+    monkeypatch.setenv("RANK", "0")
+    fire(make_event_hooks(publisher), "on_checkpoint", ckpt_info(str(tmp_path), 1))
+    assert publisher.kinds() == ["workload.artifact"]

@@ -160,3 +160,11 @@ def test_a_bad_ack_timeout_env_is_named(fake_scruffy, raw):
 def test_a_bad_ack_timeout_argument_is_named(fake_scruffy, value):
     with pytest.raises(ValueError, match="artifact_ack_timeout_s"):
         make_scruffy_hooks(env=ENV, artifact_ack_timeout_s=value)
+
+
+def test_importing_koochak_events_does_not_import_scruffy():
+    import subprocess
+
+    code = "import sys, koochak.events; print('scruffy' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    assert out.stdout.strip() == "False"
