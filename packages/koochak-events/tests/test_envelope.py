@@ -196,3 +196,25 @@ def test_event_is_frozen():
     with pytest.raises(AttributeError):
         event.kind = "workload.phase"  # type: ignore[misc]
     assert isinstance(event, Event)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"version": 2}, "'version'"),
+        ({"kind": "workload.gossip"}, "'kind'"),
+        ({"payload": {"message": "m", "blob": "x"}}, "'blob'"),
+        ({"payload": {"message": "m", "raw": b"x"}}, "bytes is not a JSON value"),
+        ({"payload": {"message": object()}}, "not a JSON value"),
+        ({"payload": {"message": "m", "level": float("nan")}}, "non-finite"),
+        ({"time": "now"}, "'time'"),
+    ],
+)
+def test_an_event_built_by_hand_is_checked_too(changes, message):
+    fields = {
+        "kind": "workload.notice", "id": "evt-1", "time": "2026-01-01T00:00:00Z",
+        "source": "me", "job_id": None, "payload": {"message": "m"},
+    }
+    with pytest.raises(ValueError, match=message):
+        Event(**{**fields, **changes})
+    assert parse_event(Event(**fields).to_json()) == Event(**fields)

@@ -105,6 +105,10 @@ class Event:
     payload: Mapping[str, Any] = field(default_factory=dict)
     version: int = VERSION
 
+    def __post_init__(self) -> None:
+        # Checked on every construction, so no Event (built by hand or parsed) encodes badly.
+        _check_document(self.to_dict(), where="event")
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "version": self.version,
@@ -164,7 +168,7 @@ def make_event(
         event_id = derived
     elif event_id is None:
         event_id = "evt-" + uuid.uuid4().hex
-    event = Event(
+    return Event(
         kind=kind,
         id=event_id,
         time=time if time is not None else utc_now(),
@@ -172,8 +176,6 @@ def make_event(
         job_id=job_id,
         payload=bounded,
     )
-    _check_envelope(event.to_dict(), where="event")
-    return event
 
 
 def parse_event(text: str | bytes) -> Event:
@@ -188,17 +190,7 @@ def parse_event(text: str | bytes) -> Event:
         raise ValueError(f"event: not valid JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise ValueError(f"event: expected a JSON object, got {type(doc).__name__}")
-    _check_envelope(doc, where="event")
-    _check_bounded(doc["payload"], "payload", 1)
-    _check_payload(doc["kind"], doc["payload"], where="event field 'payload'")
-    if doc["kind"] == "workload.artifact":
-        p = doc["payload"]
-        derived = artifact_event_id(doc["job_id"], p["artifact_id"], p["sha256"])
-        if doc["id"] != derived:
-            raise ValueError(
-                f"event field 'id': {doc['id']!r} is not the artifact event id {derived!r} "
-                "derived from job_id, artifact_id and sha256"
-            )
+    _check_envelope(doc, where="event")  # field names first: Event(...) needs exactly these
     return Event(
         kind=doc["kind"],
         id=doc["id"],
@@ -215,6 +207,20 @@ def utc_now() -> str:
 
 
 # ----------------------------------------------------------------------------- checks
+
+
+def _check_document(doc: Mapping[str, Any], where: str) -> None:
+    _check_envelope(doc, where)
+    _check_bounded(doc["payload"], "payload", 1)
+    _check_payload(doc["kind"], doc["payload"], where=f"{where} field 'payload'")
+    if doc["kind"] == "workload.artifact":
+        p = doc["payload"]
+        derived = artifact_event_id(doc["job_id"], p["artifact_id"], p["sha256"])
+        if doc["id"] != derived:
+            raise ValueError(
+                f"{where} field 'id': {doc['id']!r} is not the artifact event id {derived!r} "
+                "derived from job_id, artifact_id and sha256"
+            )
 
 
 def _check_envelope(doc: Mapping[str, Any], where: str) -> None:
@@ -353,6 +359,11 @@ def _check_bounded(value: Any, path: str, depth: int) -> None:
         else:
             for i, v in enumerate(value):
                 _check_bounded(v, f"{path}[{i}]", depth + 1)
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{path}: non-finite float {value!r} is not valid JSON")
+    elif value is not None and not isinstance(value, (bool, int)):
+        raise ValueError(f"{path}: {type(value).__name__} is not a JSON value")
 
 
 def _check_size(payload: Mapping[str, Any], path: str) -> None:
