@@ -157,9 +157,12 @@ def test_unhealthy_gpu_checkpoints_and_exits_79(tmp_path):
     bad = GpuReading(device="cuda:0", kernel_ok=False, kernel_error="CUDA error: ECC")
     readings = iter([good, bad])
     watchdog = GpuHealthWatchdog(2, "cpu", out_dir=tmp_path, reader=lambda d: next(readings))
+    seen = []
+    hooks = {"on_exception": [lambda i: seen.append((i["step"], type(i["exception"])))]}
     with pytest.raises(GpuUnhealthy) as info:
-        _run(tmp_path, gpu_health=watchdog, train={"ckpt_every": 0})
+        _run(tmp_path, gpu_health=watchdog, hooks=hooks, train={"ckpt_every": 0})
     assert info.value.code == GPU_HEALTH_EXIT_CODE
+    assert [kind for _, kind in seen] == [GpuUnhealthy]  # event hooks report the failure
     _, ckpt = resolve_auto_resume(tmp_path)
     assert (ckpt["step"], ckpt["next_step"], ckpt["reason"]) == (4, 4, "gpu_health")
     assert (tmp_path / "gpu_health.jsonl").read_text().count("\n") == 2

@@ -224,3 +224,41 @@ def test_sigusr1_while_the_dataset_is_built_evacuates_after_one_update(project, 
     assert exited.value.code == 75
     run = root / "run"
     assert (run / "step000000001.pt.ready.json").exists()  # terminal: one update done
+
+
+class _FakeScruffyClient:
+    """The Scruffy event-client contract koochak.events assumes (see docs/events.md)."""
+
+    def __init__(self) -> None:
+        self.events: list[dict] = []
+
+    def publish_event(self, root, job_id, event, *, wait, timeout):
+        self.events.append(event)
+        return "accepted" if wait else None
+
+
+def test_scruffy_worker_variables_attach_event_hooks(project, monkeypatch, capsys):
+    import types
+
+    root, _, config = project
+    client = _FakeScruffyClient()
+    module = types.ModuleType("scruffy")
+    module.publish_event = client.publish_event
+    monkeypatch.setitem(sys.modules, "scruffy", module)
+    monkeypatch.setenv("SCRUFFY_ROOT", str(root / "queue"))
+    monkeypatch.setenv("SCRUFFY_JOB_ID", "job-7")
+    assert main(["--config", str(config), "--resume", "none"]) == 0
+    kinds = [e["kind"] for e in client.events]
+    assert kinds[0] == "workload.phase" and "workload.artifact" in kinds
+    artifact = next(e for e in client.events if e["kind"] == "workload.artifact")
+    assert artifact["payload"]["artifact_id"] == "checkpoint/step000000006.pt"
+
+
+def test_scruffy_worker_without_a_client_fails_before_training(project, monkeypatch, capsys):
+    root, _, config = project
+    monkeypatch.setitem(sys.modules, "scruffy", None)  # import scruffy -> ImportError
+    monkeypatch.setenv("SCRUFFY_ROOT", str(root / "queue"))
+    monkeypatch.setenv("SCRUFFY_JOB_ID", "job-7")
+    assert main(["--config", str(config), "--resume", "none"]) == 2
+    assert "scruffy" in capsys.readouterr().err
+    assert not (root / "run" / "step000000006.pt").exists()

@@ -112,7 +112,8 @@ def _call_builder(fn: Callable[..., Any], cfg: DictConfig, start_step: int | Non
 
 
 def build_hooks(cfg: DictConfig) -> dict[str, list[Callable[[dict[str, Any]], None]]]:
-    """stdout / CSV / JSONL / W&B / progress hooks as the ``logging`` and ``wandb`` sections say."""
+    """stdout / CSV / JSONL / W&B / progress hooks as the ``logging`` and ``wandb`` sections say,
+    plus Scruffy event hooks when running as a Scruffy worker (SCRUFFY_ROOT and SCRUFFY_JOB_ID)."""
     from koochak.loop import logging as sinks
     from koochak.loop.hooks import merge
 
@@ -128,7 +129,22 @@ def build_hooks(cfg: DictConfig) -> dict[str, list[Callable[[dict[str, Any]], No
         parts.append(sinks.make_wandb_hooks(cfg))
     if cfg.train.progress_bar:
         parts.append(sinks.make_progress_hooks())
+    if os.environ.get("SCRUFFY_ROOT") and os.environ.get("SCRUFFY_JOB_ID"):
+        parts.append(_scruffy_hooks())
     return merge(*parts)
+
+
+def _scruffy_hooks() -> dict[str, list[Callable[[dict[str, Any]], None]]]:
+    # Inside a Scruffy worker the run reports its lifecycle and checkpoints there. The client is
+    # imported and validated now, before any training, so a missing one fails the launch.
+    try:
+        from koochak.events import make_scruffy_hooks
+    except ImportError:
+        raise ConfigError(
+            "SCRUFFY_ROOT and SCRUFFY_JOB_ID are set, so koochak-train publishes workload events "
+            "to Scruffy, which needs koochak-events: pip install 'koochak-loop[events]'"
+        ) from None
+    return make_scruffy_hooks()
 
 
 def _find_resume(cfg: DictConfig, mode: str) -> tuple[str | None, dict[str, Any] | None]:

@@ -347,7 +347,9 @@ def training_loop(
             warned=warned,
         )
         return checkpoint
-    except (Exception, KeyboardInterrupt) as exc:
+    # A GPU-health stop is a failure the hooks must hear of (an evacuation already ended cleanly
+    # through on_train_end).
+    except (Exception, KeyboardInterrupt, GpuUnhealthy) as exc:
         emit(hooks, "on_exception", {"step": step, "exception": exc}, warned=warned)
         if saver is not None:
             saver.close()  # an in-flight publication finishes; the original error stays primary
