@@ -351,3 +351,18 @@ def test_close_stops_the_background_thread(coll) -> None:
     assert not thread.is_alive()
     with pytest.raises(StopIteration):
         next(stream)
+
+
+def test_a_dropped_stream_stops_its_thread(coll) -> None:
+    import gc
+
+    dest, _ = coll
+    packed = PackedGroups.load(dest)
+    stream = GroupStream(dest, packed, packed.plan(1)[0], prefetch=1)
+    next(stream)
+    thread = stream._thread
+    del stream
+    gc.collect()
+    assert thread is not None
+    thread.join(timeout=10)
+    assert not thread.is_alive()

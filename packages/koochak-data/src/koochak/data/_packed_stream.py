@@ -103,11 +103,75 @@ class GroupStream:
                 if name not in packed.groups:
                     raise ValueError(f"GroupStream: group {name!r} is not in {packed.location}")
         self.groups_per_pass = sum(len(u.groups) for u in self.units)
+        # The thread holds the feed, never the stream, so a stream dropped without close()
+        # is collected and its __del__ stops the thread.
+        self._feed = _Feed(self)
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=self.prefetch)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ready: list[Group] = []
         self._error: BaseException | None = None
+
+    def windows(self, pass_index: int) -> list[list[PackUnit]]:
+        """Pass ``pass_index``'s units in their seeded order, cut into windows."""
+        return self._feed.windows(pass_index)
+
+    # -- iteration ---------------------------------------------------------------------------
+
+    def __iter__(self) -> GroupStream:
+        return self
+
+    def __next__(self) -> Group:
+        if self._error is not None:
+            raise self._error
+        if self._stop.is_set():
+            raise StopIteration
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._feed.produce, args=(self._queue, self._stop),
+                                            name="koochak-group-stream", daemon=True)  # fmt: skip
+            self._thread.start()
+        while not self._ready:
+            loaded: dict[str, Group] = {}
+            while True:
+                item = self._queue.get()
+                if isinstance(item, _Failed):
+                    self._error = item.error
+                    self.close()
+                    raise item.error
+                if isinstance(item, _Window):
+                    break
+                loaded.update(item)
+            self._ready = [loaded[n] for n in item.names[item.skip :]]
+            self._ready.reverse()  # pop() from the end
+        return self._ready.pop()
+
+    def close(self) -> None:
+        """Stop the background thread; the stream yields nothing more."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5 * _POLL_SECONDS + 1)
+
+    def __enter__(self) -> GroupStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        stop = getattr(self, "_stop", None)  # absent when __init__ raised
+        if stop is not None:
+            stop.set()
+
+
+class _Feed:
+    """The stream's schedule and loading, run by its background thread."""
+
+    def __init__(self, stream: GroupStream) -> None:
+        self.store, self.packed, self.units = stream.store, stream.packed, stream.units
+        self.seed, self.window, self.start = stream.seed, stream.window, stream.start
+        self.retries, self.cache = stream.retries, stream.cache
+        self.groups_per_pass = stream.groups_per_pass
 
     # -- the schedule (pure; the same on every process) --------------------------------------
 
@@ -155,69 +219,22 @@ class GroupStream:
             loaded[name] = Group(name, files)
         return loaded
 
-    def _send(self, item: Any) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=_POLL_SECONDS)
-                return True
-            except queue.Full:
-                continue
-        return False
+    def produce(self, out: queue.Queue[Any], stop: threading.Event) -> None:
+        def send(item: Any) -> bool:
+            while not stop.is_set():
+                try:
+                    out.put(item, timeout=_POLL_SECONDS)
+                    return True
+                except queue.Full:
+                    continue
+            return False
 
-    def _produce(self) -> None:
         try:
             for p, w, units, skip in self._schedule():
                 for unit in units:
-                    if not self._send(self._load(unit)):
+                    if stop.is_set() or not send(self._load(unit)):
                         return
-                if not self._send(_Window(self.window_order(p, w, units), skip)):
+                if not send(_Window(self.window_order(p, w, units), skip)):
                     return
         except BaseException as exc:  # handed to the consumer, raised from __next__
-            self._send(_Failed(exc))
-
-    # -- iteration ---------------------------------------------------------------------------
-
-    def __iter__(self) -> GroupStream:
-        return self
-
-    def __next__(self) -> Group:
-        if self._error is not None:
-            raise self._error
-        if self._stop.is_set():
-            raise StopIteration
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._produce, name="koochak-group-stream",
-                                            daemon=True)  # fmt: skip
-            self._thread.start()
-        while not self._ready:
-            loaded: dict[str, Group] = {}
-            while True:
-                item = self._queue.get()
-                if isinstance(item, _Failed):
-                    self._error = item.error
-                    self.close()
-                    raise item.error
-                if isinstance(item, _Window):
-                    break
-                loaded.update(item)
-            self._ready = [loaded[n] for n in item.names[item.skip :]]
-            self._ready.reverse()  # pop() from the end
-        return self._ready.pop()
-
-    def close(self) -> None:
-        """Stop the background thread; the stream yields nothing more."""
-        self._stop.set()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=5 * _POLL_SECONDS + 1)
-
-    def __enter__(self) -> GroupStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        stop = getattr(self, "_stop", None)  # absent when __init__ raised
-        if stop is not None:
-            stop.set()
+            send(_Failed(exc))
