@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from koochak.data._concurrent import wait_all
 from koochak.data.collection import FileEntry, PackInfo
 from koochak.data.pull import merge_ranges
 
@@ -203,13 +204,7 @@ def read_files(
     with ThreadPoolExecutor(max_workers=streams) as pool:
         futures = [pool.submit(read_pack, job) for job in sorted(by_pack.items())]
         futures += [pool.submit(read_object, e) for e in objects]
-        try:
-            for future in futures:
-                future.result()
-        except BaseException:
-            for future in futures:
-                future.cancel()
-            raise
+        wait_all(futures)
     return out
 
 

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from koochak.data._concurrent import wait_all
 from koochak.data._digest import CHUNK, sha256_stream
 from koochak.data.collection import FileEntry, load_collection
 
@@ -356,13 +357,7 @@ def pull_collection(
             with ThreadPoolExecutor(max_workers=streams) as pool:
                 futures = [pool.submit(fetch_range, job) for job in ranges]
                 futures += [pool.submit(fetch_object, e) for e in objects]
-                try:
-                    for future in futures:
-                        future.result()
-                except BaseException:
-                    for future in futures:
-                        future.cancel()
-                    raise
+                wait_all(futures)
     finally:
         tree.close()
     if damaged:
