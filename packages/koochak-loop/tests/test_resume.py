@@ -291,3 +291,12 @@ def test_every_spec_helper_takes_a_directory_a_uri_and_a_store(location):
             load(where)
     model = torch.nn.Linear(3, 2)
     model.load_state_dict(match_state_dict_to_model(model, ckpt["model"]))
+
+
+def test_looking_in_a_missing_directory_finds_nothing_and_creates_nothing(tmp_path):
+    from koochak.loop.checkpoint import highest_valid_published, resolve_auto_resume
+
+    missing = tmp_path / "not" / "yet"
+    assert resolve_auto_resume(missing) is None
+    assert highest_valid_published(str(missing)) is None
+    assert not (tmp_path / "not").exists()

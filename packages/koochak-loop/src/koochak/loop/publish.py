@@ -8,7 +8,6 @@ manifest first. A checkpoint without its manifest does not exist as far as resum
 from __future__ import annotations
 
 import os
-import pathlib
 from collections.abc import Generator, Iterable, Mapping
 from typing import Any
 
@@ -25,17 +24,12 @@ from koochak.storage.store import Store, open_store
 def checkpoint_store(location: str | os.PathLike[str] | Store) -> Store:
     """The Store behind a checkpoint location: a directory, a ``scheme://`` URI, or a Store.
 
-    A plain directory is created if missing, so a first run needs no preparation; URIs resolve
-    through ``open_store`` (register_store, entry points, the stores file).
+    A missing directory is fine: looking for checkpoints there finds none and creates nothing,
+    and the first publication creates it. URIs resolve through ``open_store`` (register_store,
+    entry points, the stores file).
     """
-    if isinstance(location, (str, os.PathLike)):
-        text = os.fspath(location)
-        if not text:
-            raise ValueError("checkpoint location is empty; expected a directory or scheme:// URI")
-        if "://" not in text:
-            pathlib.Path(text).mkdir(parents=True, exist_ok=True)
-        elif text.startswith("file://"):
-            pathlib.Path(text[len("file://") :]).mkdir(parents=True, exist_ok=True)
+    if isinstance(location, (str, os.PathLike)) and not os.fspath(location):
+        raise ValueError("checkpoint location is empty; expected a directory or scheme:// URI")
     return open_store(location)
 
 
