@@ -16,7 +16,7 @@ Checks (one function each, in this order):
 
 - ``amp``: ``training_loop`` on CUDA with ``train.amp`` bf16 and fp16, grad accumulation and
   clipping; under fp16 an injected inf loss must make the GradScaler skip that update (weights
-  unchanged) and halve its scale instead of raising.
+  unchanged) and lower its scale instead of raising.
 - ``prefetch``: ``train.cuda_prefetch`` with pinned CPU batches and a ``prepare_batch_fn``: the
   batches arrive on the GPU with the same values, and training matches the run without prefetch.
 - ``compile``: ``train.compile`` (Inductor/Triton) trains a tiny model and matches eager.
