@@ -33,7 +33,6 @@ from typing import Any
 
 from koochak.data import _tar
 from koochak.data._digest import SHA256_HEX, sha256_object
-from koochak.data._strictjson import loads_strict
 from koochak.data._tar import padded
 from koochak.data.collection import (
     FILES_KEY,
@@ -56,6 +55,7 @@ from koochak.data.collection import (
     matches_any,
     selected_by,
 )
+from koochak.storage.strict_json import loads_strict
 
 __all__ = [
     "ArchivePlan",

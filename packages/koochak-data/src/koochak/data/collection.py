@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from koochak.data._digest import SHA256_HEX
-from koochak.data._strictjson import loads_strict
 from koochak.data._tar import BLOCK, END_OF_ARCHIVE, check_path, padded
+from koochak.storage.strict_json import loads_strict
 
 __all__ = [
     "FILES_KEY",

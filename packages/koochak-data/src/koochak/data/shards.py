@@ -21,10 +21,10 @@ from typing import Any, BinaryIO
 
 from koochak.data import _tar
 from koochak.data._digest import SHA256_HEX, sha256_object
-from koochak.data._strictjson import loads_strict
 from koochak.data.planning import assign_shards, worker_coordinates
 from koochak.storage.profile import parse_size
 from koochak.storage.store import Store, open_store, validate_key
+from koochak.storage.strict_json import loads_strict
 
 __all__ = [
     "INDEX_KIND",

@@ -15,9 +15,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-import yaml
 from koochak.storage.profile import StoreProfile, parse_size
 from koochak.storage.store import PUBLISH_MODES, LocalStore, validate_key
+from koochak.storage.strict_yaml import loads_yaml
 
 __all__ = [
     "STORES_FILE_VERSION",
@@ -104,7 +104,7 @@ def _validated(file: pathlib.Path) -> dict[str, Any]:
         cached = _CACHE.get(name)
         if cached is not None and cached[0] == stamp:
             return cached[1]
-    raw = _parse(file, file.read_text(encoding="utf-8"))
+    raw = _parse(file, file.read_bytes())
     with _CACHE_LOCK:
         _CACHE[name] = (stamp, raw)
     return raw
@@ -156,30 +156,8 @@ def _schemes(raw: dict[str, Any]) -> dict[str, str]:
     return {name.lower(): name for name in raw.get("stores") or {}}
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate mapping keys instead of keeping the last one."""
-
-
-def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
-    seen: set[Any] = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node)
-        if key in seen:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r}", key_node.start_mark
-            )
-        seen.add(key)
-    return loader.construct_mapping(node)
-
-
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
-def _parse(file: pathlib.Path, text: str) -> dict[str, Any]:
-    try:
-        raw = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as exc:
-        raise ValueError(f"stores file {file}: not valid YAML: {exc}") from None
+def _parse(file: pathlib.Path, text: bytes) -> dict[str, Any]:
+    raw = loads_yaml(text, f"stores file {file}")
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
