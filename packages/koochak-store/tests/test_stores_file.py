@@ -123,7 +123,7 @@ def test_secret_looking_keys_are_refused(stores, body):
     ("body", "message"),
     [
         ("version: 2\nstores: {}\n", "version=2"),
-        ("stores: {}\n", "version=None"),
+        ("stores: {}\n", "field 'version' is missing"),
         ("version: 1\nstores: {a: {publish: link}}\n", "stores.a.root is required"),
         ("version: 1\nstores: {a: {root: relative/dir}}\n", "must be an absolute path"),
         ("version: 1\nstores: {a: {root: /x, publish: rename}}\n", "stores.a.publish='rename'"),

@@ -29,7 +29,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, BinaryIO, TypeVar
 
-from koochak.storage.store import TEMP_PREFIX, LocalStore, Store, validate_key
+from koochak.storage.fsutil import atomic_write_bytes, fsync_dir
+from koochak.storage.keys import TEMP_PREFIX, validate_key
+from koochak.storage.store import LocalStore, Store, open_store
+from koochak.storage.strict_json import loads_strict, require_version
 
 __all__ = [
     "READY_SUFFIX",
@@ -41,6 +44,8 @@ __all__ = [
     "read_verified",
     "published_candidates",
     "highest_valid",
+    "numbered_pattern",
+    "prune_keep_last_k",
     "write_ready_manifest",
     "read_ready_manifest",
     "verify_ready",
@@ -91,10 +96,10 @@ def _check_manifest(doc: Any, where: str) -> dict[str, Any]:
     """Validate a parsed manifest; InvalidArtifact names ``where`` and the field."""
     if not isinstance(doc, dict):
         raise InvalidArtifact(f"{where}: a ready manifest must be a JSON object")
-    if doc.get("version") != MANIFEST_VERSION:
-        raise InvalidArtifact(
-            f"{where}: version={doc.get('version')!r}; this Koochak reads version {MANIFEST_VERSION}"
-        )
+    try:
+        require_version(doc, where, MANIFEST_VERSION)  # exact int: true and 1.0 are refused
+    except ValueError as exc:
+        raise InvalidArtifact(str(exc)) from None
     unknown = sorted(set(doc) - _REQUIRED - _OPTIONAL)
     if unknown:
         raise InvalidArtifact(f"{where}: unknown field {unknown[0]!r}")
@@ -157,9 +162,9 @@ def _directory_digest(files: list[dict[str, Any]]) -> str:
 
 def _parse_manifest(raw: bytes, where: str) -> dict[str, Any]:
     try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidArtifact(f"{where}: not valid JSON ({exc})") from None
+        doc = loads_strict(raw, where)  # duplicate fields, NaN and deep nesting are refused
+    except ValueError as exc:
+        raise InvalidArtifact(str(exc)) from None
     return _check_manifest(doc, where)
 
 
@@ -181,7 +186,7 @@ def publish(
     kind: str = "checkpoint",
     keep_last_k: int | None = None,
     pattern: str | None = None,
-    latest: str | None = None,
+    latest: str | bool | None = True,
     provenance: dict[str, Any] | None = None,
 ) -> Publication:
     """Publish ``data`` as ``name`` and commit it with ``name + READY_SUFFIX``.
@@ -189,9 +194,12 @@ def publish(
     The object is put create-only and is durable before its manifest is written, so a reader
     that finds the manifest finds the whole object. If ``name`` already exists it is first
     un-committed (manifest, then object). ``keep_last_k`` prunes older publications whose keys
-    fully match ``pattern`` (group 1 = the number), manifest before object. ``latest`` names a
-    symlink to the new object, kept only on ``LocalStore(publish="link")`` stores: write-once
-    stores cannot replace it atomically.
+    fully match ``pattern`` (group 1 = the number), manifest before object; without
+    ``pattern`` it is derived from a numbered ``name`` (``numbered_pattern``:
+    ``step000000100.pt`` -> ``step(\\d+)\\.pt``). ``latest`` names a symlink to the new
+    object; the default (True) is ``latest<suffix>`` beside a numbered name (``latest.pt``),
+    False or None keeps none. It is kept only on ``LocalStore(publish="link")`` stores:
+    write-once stores cannot replace it atomically, so they never get one.
     """
     _check_name(name)
     if not isinstance(kind, str) or not _KIND.fullmatch(kind):
@@ -201,14 +209,11 @@ def publish(
         if isinstance(keep_last_k, bool) or not isinstance(keep_last_k, int) or keep_last_k < 1:
             raise ValueError(f"publish: keep_last_k={keep_last_k!r}; expected an int >= 1 or None")
         if pattern is None:
-            raise ValueError(
-                "publish: keep_last_k needs pattern=, a regex whose group 1 is the number"
-            )
+            pattern = numbered_pattern(name)
         regex = _compile(pattern)
-    if latest is not None:
-        _check_name(latest)
-        if latest == name:
-            raise ValueError(f"publish: latest={latest!r} is the artifact's own name")
+        if regex.fullmatch(name) is None:
+            raise ValueError(f"publish: name {name!r} does not fully match pattern {pattern!r}")
+    latest = _latest_name(name, latest)
     if provenance is not None and not isinstance(provenance, dict):
         raise ValueError(
             f"publish: provenance must be a dict or None, got {type(provenance).__name__}"
@@ -252,6 +257,61 @@ def publish(
     if regex is not None:
         _prune(store, regex, pattern, keep_last_k)  # type: ignore[arg-type]
     return publication
+
+
+# The last run of digits in a key's final segment is its number: step000000100.pt -> 100.
+_NUMBERED = re.compile(r"(?P<head>(?:.*/)?[^/]*?)(?P<number>[0-9]+)(?P<tail>[^/0-9]*)")
+
+
+def numbered_pattern(name: str) -> str:
+    """The pattern matching every sibling of a numbered ``name``, group 1 being the number.
+
+    The number is the last run of digits in the final path segment; the text around it is
+    kept literally: ``"runs/a/step000000100.pt"`` -> ``r"runs/a/step(\\d+)\\.pt"``. ValueError
+    when the final segment has no digits (pass ``pattern=`` for such names).
+    """
+    match = _NUMBERED.fullmatch(name)
+    if match is None:
+        raise ValueError(
+            f"publish: name {name!r} has no number in its last segment to prune by; pass "
+            "pattern=, a regex whose group 1 is the number (e.g. r'model-(\\d+)\\.bin')"
+        )
+    return re.escape(match["head"]) + r"(\d+)" + re.escape(match["tail"])
+
+
+def _latest_name(name: str, latest: str | bool | None) -> str | None:
+    """The ``latest`` symlink's key for ``publish``: derived (True), none, or given."""
+    if latest is None or latest is False:
+        return None
+    if latest is True:
+        match = _NUMBERED.fullmatch(name)
+        if match is None:
+            return None  # an unnumbered name is already stable; nothing to point at it
+        latest = f"{match['head'].rpartition('/')[0]}/latest{match['tail']}".lstrip("/")
+        if latest == name:
+            return None
+        return latest
+    if not isinstance(latest, str):
+        raise ValueError(f"publish: latest={latest!r}; expected a name, True or False")
+    _check_name(latest)
+    if latest == name:
+        raise ValueError(f"publish: latest={latest!r} is the artifact's own name")
+    return latest
+
+
+def prune_keep_last_k(directory: str | os.PathLike[str] | Store, pattern: str, k: int) -> list[str]:
+    """Keep the ``k`` highest-numbered publications under ``directory``; return removed keys.
+
+    ``directory`` is a directory, a ``scheme://`` location or a Store; ``pattern`` is a regex
+    whose group 1 is the number and which must match a whole key (``r"step(\\d+)\\.pt"``).
+    Only committed pairs (an object with its ready manifest) are counted and removed, each
+    manifest before its object, so an object still being published is never touched.
+    """
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"prune_keep_last_k: k={k!r}; expected an int >= 0")
+    store = open_store(directory)
+    regex = _compile(pattern)
+    return _prune(store, regex, pattern, k)
 
 
 def unpublish(store: Store, name: str) -> None:
@@ -391,9 +451,12 @@ def _candidates(store: Store, regex: re.Pattern[str], pattern: str) -> list[tupl
     return found
 
 
-def _prune(store: Store, regex: re.Pattern[str], pattern: str, keep: int) -> None:
+def _prune(store: Store, regex: re.Pattern[str], pattern: str, keep: int) -> list[str]:
+    removed = []
     for _, key in _candidates(store, regex, pattern)[keep:]:
         unpublish(store, key)
+        removed.append(key)
+    return removed
 
 
 def _exists(store: Store, key: str) -> bool:
@@ -430,18 +493,10 @@ def _point_latest(store: LocalStore, latest: str, name: str) -> None:
         os.unlink(temp)
         raise
     if store.fsync:
-        _fsync_dir(link_path.parent)
+        fsync_dir(link_path.parent)
 
 
 # -- local file and directory manifests -------------------------------------------------------
-
-
-def _fsync_dir(path: str | os.PathLike[str]) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _manifest_path(path: str | os.PathLike[str]) -> tuple[pathlib.Path, pathlib.Path]:
@@ -552,24 +607,8 @@ def write_ready_manifest(
     }
     _check_manifest(doc, str(manifest))
     payload = _manifest_bytes(doc)
-    temp = manifest.with_name(f"{TEMP_PREFIX}{uuid.uuid4().hex}-{manifest.name[:120]}")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444)
-    try:
-        try:
-            view = memoryview(payload)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.link(temp, manifest)  # never replaces: a concurrent publisher makes this fail
-    finally:
-        try:
-            os.unlink(temp)
-        except OSError:
-            pass
-    _fsync_dir(manifest.parent)
-    return manifest
+    # Create-only: a concurrent publisher of the same manifest makes the hard link fail.
+    return atomic_write_bytes(manifest, payload, overwrite=False, mode=0o444)
 
 
 def read_ready_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, BinaryIO, Protocol, TypeVar, runtime_checkable
 from urllib.parse import unquote
 
+from koochak.storage.keys import PUBLISH_MODES, TEMP_PREFIX, _validate_prefix, validate_key
+
 if TYPE_CHECKING:
     from koochak.storage.profile import StoreProfile
 
@@ -41,8 +43,6 @@ __all__ = [
     "register_store",
 ]
 
-PUBLISH_MODES = ("link", "exclusive")
-
 _T = TypeVar("_T")
 _log = logging.getLogger(__name__)
 
@@ -51,9 +51,6 @@ _log = logging.getLogger(__name__)
 SETTLING_ERRNOS = frozenset(
     {errno.ETIME, errno.EIO, errno.ECONNABORTED, errno.ECONNRESET, errno.ENOTCONN}
 )
-
-# Hidden names used while publishing; a key can never name one, and list() never shows one.
-TEMP_PREFIX = ".koochak-tmp-"
 
 # Large enough that per-call overhead vanishes against the disk, small enough to pipeline hashing.
 _CHUNK = 8 << 20
@@ -121,55 +118,6 @@ class Store(Protocol):
     def local_path(self, key: str) -> str | None: ...
 
 
-_BAD_KEY_CHARS = re.compile(r"[?#\x00\\]")
-
-
-def validate_key(key: str) -> str:
-    """Return ``key`` unchanged if it is a valid store key, else raise ``ValueError``.
-
-    A key is a relative POSIX path: no leading ``/``, no empty, ``.`` or ``..`` segments, no
-    ``?``, ``#``, backslash or NUL (they mean something else in URIs and on other systems), and
-    no segment starting with the publication temp prefix.
-    """
-    if not isinstance(key, str):
-        raise TypeError(f"store key must be a str, got {type(key).__name__}: {key!r}")
-    if not key:
-        raise ValueError("store key is empty; expected a relative path such as 'dir/name.bin'")
-    if key.startswith("/"):
-        raise ValueError(f"store key {key!r} is absolute; expected a relative path")
-    bad = _BAD_KEY_CHARS.search(key)
-    if bad:
-        raise ValueError(
-            f"store key {key!r} contains {bad.group()!r}; '?', '#', backslash and NUL are not allowed"
-        )
-    for segment in key.split("/"):
-        if segment in ("", ".", ".."):
-            raise ValueError(
-                f"store key {key!r} has an empty, '.' or '..' segment; expected 'a/b/c' form"
-            )
-        if segment.startswith(TEMP_PREFIX):
-            raise ValueError(f"store key {key!r} uses the reserved prefix {TEMP_PREFIX!r}")
-    return key
-
-
-def _validate_prefix(prefix: str) -> str:
-    """A list prefix may be empty or end inside a segment; it still may not escape the root."""
-    if not isinstance(prefix, str):
-        raise TypeError(f"list prefix must be a str, got {type(prefix).__name__}")
-    if not prefix:
-        return prefix
-    head, _, tail = prefix.rpartition("/")
-    if head:
-        validate_key(head)
-    if tail in (".", ".."):
-        raise ValueError(
-            f"list prefix {prefix!r} ends in {tail!r}; expected a relative path prefix"
-        )
-    if prefix.startswith("/") or _BAD_KEY_CHARS.search(tail):
-        raise ValueError(f"list prefix {prefix!r} is not a relative key prefix")
-    return prefix
-
-
 class _Syscalls:
     """The filesystem calls LocalStore makes, in one place so tests can inject faults."""
 
@@ -204,7 +152,7 @@ class _Syscalls:
         return os.fstat(fd)
 
     def stat(self, path: str) -> os.stat_result:
-        return os.stat(path)
+        return os.lstat(path)  # like _open_object: a symlink is not an object
 
     def link(self, src: str, dst: str) -> None:
         os.link(src, dst)
@@ -480,12 +428,26 @@ class LocalStore:
                 delay = min(delay * 2, 2.0)
 
     def _open_object(self, key: str) -> tuple[int, os.stat_result]:
+        """A descriptor on the regular file at ``key``, checked before anything is read.
+
+        O_NONBLOCK: opening a FIFO (or device) planted under the root must not block; O_NOFOLLOW:
+        a symlink is not an object (a ``latest`` pointer is for people, not for reads). Either
+        is FileNotFoundError, as for a directory, so callers see "missing", never a hang.
+        """
         path = self.local_path(key)
-        fd = self._sys.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            fd = self._sys.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise FileNotFoundError(errno.ENOENT, "not an object (a symlink)", path) from None
+            raise
         try:
             st = self._sys.fstat(fd)
             if not _stat.S_ISREG(st.st_mode):
-                raise FileNotFoundError(errno.ENOENT, "not an object (a directory or device)", path)
+                raise FileNotFoundError(
+                    errno.ENOENT, "not an object (a directory, FIFO or device)", path
+                )
+            os.set_blocking(fd, True)  # a regular file: reads may wait for the disk again
         except BaseException:
             self._sys.close(fd)
             raise
@@ -532,7 +494,9 @@ class LocalStore:
         path = self.local_path(key)
         st = self._settled(f"stat {key}", lambda: self._sys.stat(path))
         if not _stat.S_ISREG(st.st_mode):
-            raise FileNotFoundError(errno.ENOENT, "not an object (a directory or device)", path)
+            raise FileNotFoundError(
+                errno.ENOENT, "not an object (a directory, symlink, FIFO or device)", path
+            )
         return ObjectInfo(key=key, size=st.st_size, mtime_ns=st.st_mtime_ns)
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
@@ -875,6 +839,19 @@ def open_store(location: str | os.PathLike[str] | Store) -> Store:
                 f"{type(store).__name__}, which does not implement the Store protocol"
             )
         return store
-    from koochak.storage.stores_file import open_from_stores_file
+    from koochak.storage.stores_file import settings_for_scheme
 
-    return open_from_stores_file(scheme, rest, location)
+    settings = settings_for_scheme(scheme, location)
+    try:
+        root = settings.root_for(rest)
+    except ValueError as exc:
+        raise ValueError(f"open_store({location!r}): {exc}") from None
+    return LocalStore(
+        root,
+        publish=settings.publish,
+        fsync=settings.fsync,
+        verify_readback=settings.verify_readback,
+        settle_seconds=settings.settle_seconds,
+        read_settle_seconds=settings.read_settle_seconds,
+        profile=settings.profile,
+    )

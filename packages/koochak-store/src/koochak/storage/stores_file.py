@@ -15,8 +15,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from koochak.storage.keys import PUBLISH_MODES, validate_key
 from koochak.storage.profile import StoreProfile, parse_size
-from koochak.storage.store import PUBLISH_MODES, LocalStore, validate_key
+from koochak.storage.strict_json import require_version
 from koochak.storage.strict_yaml import loads_yaml
 
 __all__ = [
@@ -24,7 +25,7 @@ __all__ = [
     "StoreSettings",
     "stores_file_path",
     "load_stores_file",
-    "open_from_stores_file",
+    "settings_for_scheme",
 ]
 
 STORES_FILE_VERSION = 1
@@ -62,21 +63,15 @@ class StoreSettings:
     read_settle_seconds: float = 0.0
     profile: StoreProfile | None = None
 
-    def open(self, path: str = "") -> LocalStore:
-        """A LocalStore for ``path`` under this entry's root (the root itself for "")."""
+    def root_for(self, path: str = "") -> pathlib.Path:
+        """The directory a LocalStore for ``path`` under this entry is rooted at ("" = root).
+
+        ``open_store`` builds that LocalStore with this entry's settings; this module only
+        reads the file, so it never imports the store it describes.
+        """
         path = path.strip("/")
         root = pathlib.Path(self.root)
-        if path:
-            root = root / validate_key(path)
-        return LocalStore(
-            root,
-            publish=self.publish,
-            fsync=self.fsync,
-            verify_readback=self.verify_readback,
-            settle_seconds=self.settle_seconds,
-            read_settle_seconds=self.read_settle_seconds,
-            profile=self.profile,
-        )
+        return root / validate_key(path) if path else root
 
 
 def stores_file_path() -> pathlib.Path:
@@ -122,11 +117,11 @@ def load_stores_file(path: str | os.PathLike[str] | None = None) -> dict[str, St
     return {scheme: _resolve_entry(file, raw, scheme) for scheme in _schemes(raw)}
 
 
-def open_from_stores_file(scheme: str, path: str, location: str) -> LocalStore:
-    """Resolve ``scheme://path`` through the stores file (called by ``open_store``).
+def settings_for_scheme(scheme: str, location: str) -> StoreSettings:
+    """The resolved entry for ``scheme`` (called by ``open_store`` for ``scheme://...``).
 
     Only the requested entry is resolved, so an unset variable in another entry does not
-    break this one.
+    break this one. ValueError naming ``location`` when there is no file or no such entry.
     """
     file = stores_file_path()
     try:
@@ -144,11 +139,7 @@ def open_from_stores_file(scheme: str, path: str, location: str) -> LocalStore:
             f"open_store({location!r}): scheme {scheme!r} is not in the stores file {file} "
             f"(it defines: {known})"
         )
-    settings = _resolve_entry(file, raw, scheme)
-    try:
-        return settings.open(path)
-    except ValueError as exc:
-        raise ValueError(f"open_store({location!r}): {exc}") from None
+    return _resolve_entry(file, raw, scheme)
 
 
 def _schemes(raw: dict[str, Any]) -> dict[str, str]:
@@ -164,11 +155,7 @@ def _parse(file: pathlib.Path, text: bytes) -> dict[str, Any]:
         raise ValueError(f"stores file {file}: expected a mapping with 'version' and 'stores'")
     _refuse_secrets(file, raw, "")
     _only_keys(file, raw, _TOP_KEYS, "")
-    if raw.get("version") != STORES_FILE_VERSION:
-        raise ValueError(
-            f"stores file {file}: version={raw.get('version')!r}; this Koochak reads version "
-            f"{STORES_FILE_VERSION}"
-        )
+    require_version(raw, f"stores file {file}", STORES_FILE_VERSION)  # exact int: not true, 1.0
     stores = raw.get("stores") or {}
     if not isinstance(stores, dict):
         raise ValueError(f"stores file {file}: 'stores' must map scheme names to settings")
