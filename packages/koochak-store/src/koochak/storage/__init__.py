@@ -1,4 +1,5 @@
-"""koochak.storage: write-once stores, stores file, store profiles and ready manifests.
+"""koochak.storage: write-once stores, stores file, store profiles, ready manifests and small
+durable filesystem helpers (mkdir_p, atomic file writes).
 
 Torch-free; everything durable that Koochak writes is published through a Store.
 """
@@ -8,10 +9,12 @@ from koochak.storage.artifact import (
     InvalidArtifact,
     Publication,
     highest_valid,
+    prune_keep_last_k,
     publish,
     read_verified,
     unpublish,
 )
+from koochak.storage.fsutil import atomic_write_bytes, atomic_write_text, mkdir_p
 from koochak.storage.profile import (
     LOCAL_PROFILE,
     REMOTE_PROFILE,
@@ -42,12 +45,16 @@ __all__ = [
     "Publication",
     "Store",
     "StoreProfile",
+    "atomic_write_bytes",
+    "atomic_write_text",
     "copy_objects",
     "highest_valid",
     "min_object_bytes",
+    "mkdir_p",
     "open_store",
     "parse_size",
     "profile_of",
+    "prune_keep_last_k",
     "publish",
     "read_verified",
     "register_store",
