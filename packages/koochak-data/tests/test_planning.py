@@ -160,3 +160,15 @@ def test_dataloader_two_workers_on_two_ranks_reads_every_record_once(tmp_path) -
         assert sorted(seen) == expected  # every record exactly once across 2 ranks x 2 workers
         orders.append(seen)
     assert orders[0] != orders[1]  # a new epoch deals the shards differently
+
+
+def test_the_spec_import_path_for_planning_works():
+    # spec: "shards.py – ... plan_shards/assign_shards"; docs/logging.md imports from there too.
+    from koochak.data import planning
+    from koochak.data.shards import assign_shards, plan_shards, worker_coordinates
+
+    assert (plan_shards, assign_shards, worker_coordinates) == (
+        planning.plan_shards,
+        planning.assign_shards,
+        planning.worker_coordinates,
+    )

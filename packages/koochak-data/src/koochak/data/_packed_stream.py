@@ -8,17 +8,24 @@ import queue
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from koochak.data._pack_unit import PackUnit
 from koochak.data._packed_fetch import PackCache, fetch_object, fetch_pack
-
-if TYPE_CHECKING:
-    from koochak.data.packed import PackedGroups, PackUnit
+from koochak.data.collection import FileEntry
 
 __all__ = ["Group", "GroupStream", "seeded_key"]
 
 # How often a blocked producer looks whether the stream was closed.
 _POLL_SECONDS = 0.1
+
+
+class _GroupsOf(Protocol):
+    """What a stream needs of ``koochak.data.packed.PackedGroups``: each group's files in storage
+    order, and where they live (for messages)."""
+
+    groups: dict[str, tuple[FileEntry, ...]]
+    location: str
 
 
 @dataclass(frozen=True)
@@ -71,7 +78,7 @@ class GroupStream:
     def __init__(
         self,
         store: Any,
-        packed: PackedGroups,
+        packed: _GroupsOf,
         units: Sequence[PackUnit],
         *,
         seed: int = 0,

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any, Union
 
+from koochak.data._pack_unit import PackUnit
 from koochak.data._packed_fetch import PackCache, as_entries
 from koochak.data._packed_fetch import read_files as _read_files
 from koochak.data._packed_stream import Group, GroupStream, seeded_key
@@ -28,25 +28,6 @@ from koochak.data.collection import Collection, FileEntry, PackInfo, load_collec
 __all__ = ["Group", "GroupStream", "PackCache", "PackUnit", "PackedGroups", "combine_plans"]
 
 Select = Union[Callable[[str], bool], Iterable[str], None]
-
-
-@dataclass(frozen=True)
-class PackUnit:
-    """What a plan deals out whole: packs that are read together (one pack, unless a group
-    larger than a pack spills over several) and the names of the groups they hold, in storage
-    order. A group made only of objects is a unit without packs."""
-
-    packs: tuple[PackInfo, ...]
-    groups: tuple[str, ...]
-
-    @property
-    def key(self) -> str:
-        """A name for the unit: its first pack's key, or ``group:<name>`` for an object group."""
-        return self.packs[0].key if self.packs else f"group:{self.groups[0]}"
-
-    @property
-    def bytes(self) -> int:
-        return sum(p.size for p in self.packs)
 
 
 class PackedGroups:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from koochak.data.shards import ShardEntry, ShardIndex
+    from koochak.data._shard_records import ShardEntry, ShardIndex
 
 __all__ = ["assign_shards", "plan_shards", "worker_coordinates"]
 

@@ -8,20 +8,19 @@ bytes is the dataset version. See docs/formats.md, "Dataset shards and index.jso
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, BinaryIO
 
 from koochak.data import _tar
 from koochak.data._digest import SHA256_HEX, sha256_object
-from koochak.data.planning import assign_shards, worker_coordinates
+from koochak.data._shard_records import ShardEntry, ShardIndex, _join
+from koochak.data.planning import assign_shards, plan_shards, worker_coordinates
 from koochak.storage.profile import parse_size
 from koochak.storage.store import Store, open_store, validate_key
 from koochak.storage.strict_json import loads_strict
@@ -34,12 +33,15 @@ __all__ = [
     "ShardIndex",
     "ShardWriter",
     "TAR",
+    "assign_shards",
     "describe_shard",
     "iter_worker_samples",
     "load_index",
     "parse_index",
+    "plan_shards",
     "read_shard",
     "read_shards",
+    "worker_coordinates",
     "write_index",
 ]
 
@@ -61,44 +63,6 @@ _READ_CHUNK = 16 << 20
 Sample = dict[str, Any]  # {"__key__": str, "<ext>": bytes, ...}
 
 
-@dataclass(frozen=True)
-class ShardEntry:
-    """One shard as listed in a dataset's ``index.json``."""
-
-    key: str  # relative to the prefix holding index.json (describe_shard: the store key)
-    size: int  # bytes
-    sha256: str  # lower-case hex SHA256 of the whole shard
-    records: int  # samples in the shard
-
-
-@dataclass(frozen=True)
-class ShardIndex:
-    """A loaded, validated ``index.json``. ``version`` is the SHA256 of the index bytes."""
-
-    prefix: str  # store prefix holding index.json and the shards ("" for the store root)
-    format: str
-    metadata: dict[str, Any] = field(compare=False)  # treat as read-only
-    shards: tuple[ShardEntry, ...]
-    version: str
-
-    @property
-    def records(self) -> int:
-        return sum(shard.records for shard in self.shards)
-
-    @property
-    def size(self) -> int:
-        return sum(shard.size for shard in self.shards)
-
-    @functools.cached_property
-    def entries_by_key(self) -> dict[str, ShardEntry]:
-        return {shard.key: shard for shard in self.shards}
-
-    def key_of(self, shard: ShardEntry | str) -> str:
-        """The store key of ``shard`` (an entry of this index, or its relative key)."""
-        name = shard.key if isinstance(shard, ShardEntry) else shard
-        return _join(self.prefix, name)
-
-
 # ---------------------------------------------------------------------------------------------
 # Keys and the index document
 
@@ -108,10 +72,6 @@ def _clean_prefix(prefix: str) -> str:
         raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
     prefix = prefix.rstrip("/")  # "datasets/foo/" means "datasets/foo"; a leading "/" is refused
     return validate_key(prefix) if prefix else ""
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}/{name}" if prefix else name
 
 
 def _index_bytes(format: str, metadata: Mapping[str, Any], entries: Iterable[ShardEntry]) -> bytes:
