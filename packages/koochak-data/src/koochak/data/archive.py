@@ -55,7 +55,7 @@ from koochak.data.collection import (
     matches_any,
     selected_by,
 )
-from koochak.storage.strict_json import loads_strict
+from koochak.storage.strict_json import is_exact_int, loads_strict, require_version
 
 __all__ = [
     "ArchivePlan",
@@ -81,6 +81,10 @@ class SourceFile:
     size: int
     mtime_ns: int
     mode: int  # permission bits
+    # What else the scan saw, to tell (like tar) that the file changed while it was read: a
+    # rewrite that keeps size and mtime still moves ctime; a replacement has another inode.
+    ctime_ns: int = field(default=-1, compare=False)
+    inode: tuple[int, int] = field(default=(-1, -1), compare=False)  # (st_dev, st_ino)
 
 
 @dataclass(frozen=True)
@@ -238,7 +242,10 @@ def _consider(
     if filters.newer_than_ns is not None and st.st_mtime_ns > filters.newer_than_ns:
         skipped["too_new"] += 1
         return None
-    return SourceFile(rel, st.st_size, st.st_mtime_ns, stat.S_IMODE(st.st_mode))
+    return SourceFile(
+        rel, st.st_size, st.st_mtime_ns, stat.S_IMODE(st.st_mode), st.st_ctime_ns,
+        (st.st_dev, st.st_ino),
+    )
 
 
 def _utf8(root: str, rel: str) -> str:
@@ -485,19 +492,57 @@ def _read_source(root: str, f: SourceFile) -> Iterator[bytes]:
                 raise ValueError(f"{os.path.join(root, f.path)} shrank while it was read")
             remaining -= len(chunk)
             yield chunk
+        _check_unchanged(root, f, fd)
     finally:
         os.close(fd)
 
 
+def _unchanged(f: SourceFile, st: os.stat_result) -> bool:
+    """True when ``st`` still describes the file the scan saw (size, mtime, ctime, inode)."""
+    return (
+        stat.S_ISREG(st.st_mode)
+        and st.st_size == f.size
+        and st.st_mtime_ns == f.mtime_ns
+        and (f.ctime_ns == -1 or st.st_ctime_ns == f.ctime_ns)
+        and (f.inode == (-1, -1) or (st.st_dev, st.st_ino) == f.inode)
+    )
+
+
 def _open_source(root: str, f: SourceFile) -> int:
-    """Open a source file without following a symlink, refusing one that changed since the scan."""
+    """Open a source file without following a symlink, refusing one that changed since the scan.
+
+    O_NONBLOCK so that a FIFO put in the file's place cannot hang the archive; the fstat then
+    refuses it like any other change.
+    """
     full = os.path.join(root, f.path)
-    fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_size != f.size or st.st_mtime_ns != f.mtime_ns:
+    if not _unchanged(f, st):
         os.close(fd)
-        raise ValueError(f"{full} changed since it was scanned (size/mtime differ); rerun archive")
+        raise ValueError(
+            f"{full} changed since it was scanned (size/mtime/ctime/inode differ); rerun archive"
+        )
+    os.set_blocking(fd, True)
     return fd
+
+
+def _check_unchanged(root: str, f: SourceFile, fd: int | None = None) -> None:
+    """After reading a source file: refuse it if it changed meanwhile (tar's "file changed as we
+    read it"), so a collection never commits bytes that were part old, part new."""
+    full = os.path.join(root, f.path)
+    try:
+        now = os.stat(full, follow_symlinks=False)
+    except FileNotFoundError:
+        now = None
+    if (
+        now is None
+        or not _unchanged(f, now)
+        or (fd is not None and not _unchanged(f, os.fstat(fd)))
+    ):
+        raise ValueError(
+            f"{full}: file changed as we read it (size/mtime/ctime/inode differ); nothing of it "
+            "was committed, rerun archive"
+        )
 
 
 def _pack_stream(
@@ -535,6 +580,7 @@ def _pack_stream(
                 sha.update(buffer[used : used + got])
                 used += got
                 remaining -= got
+            _check_unchanged(root, f, fd)  # the pack put fails: no pack holds a torn member
         finally:
             os.close(fd)
         pad = padded(f.size) - f.size
@@ -630,7 +676,8 @@ def _record_doc(pack: PackPlan, size: int, sha256: str, digests: dict[str, str])
 def _parse_record(data: bytes, pack: PackPlan, where: str) -> tuple[str, dict[str, str]]:
     """Check a pack record against the plan; returns (pack sha256, member digests)."""
     doc = loads_strict(data, where)
-    if not isinstance(doc, dict) or doc.get("version") != VERSION or doc.get("kind") != RECORD_KIND:
+    require_version(doc, where, VERSION)  # exact int: true and 1.0 are refused
+    if doc.get("kind") != RECORD_KIND:
         raise ValueError(f"{where}: not a version-{VERSION} {RECORD_KIND}")
     if set(doc) != {"version", "kind", "pack", "size", "sha256", "members"}:
         raise ValueError(f"{where}: unexpected fields {sorted(doc)}")
@@ -642,6 +689,10 @@ def _parse_record(data: bytes, pack: PackPlan, where: str) -> tuple[str, dict[st
     members = doc["members"]
     if not isinstance(members, list) or not all(isinstance(x, dict) for x in members):
         raise ValueError(f"{where}: field 'members' is not a list of objects")
+    # 1.0 == 1 and True == 1 in Python: numbers must be exact ints before comparing to the plan.
+    numbers = [doc["size"], *(x.get(k) for x in members for k in ("size", "mtime_ns", "mode", "offset"))]
+    if not all(is_exact_int(n) for n in numbers):
+        raise ValueError(f"{where}: sizes, offsets, modes and mtime_ns must be integers")
     found = [{k: v for k, v in x.items() if k != "sha256"} for x in members]
     if doc["pack"] != pack.key or doc["size"] != pack.size or found != planned:
         raise _leftover(pack.key, _first_difference(planned, found))
@@ -778,11 +829,17 @@ def _copy_objects(
             digests[o.file.path] = _hash_source(root, o.file)
             if sha256_object(target, o.key)[0] != digests[o.file.path]:
                 raise _leftover(o.key, "its SHA256 differs from the source file")
-        st = os.stat(os.path.join(root, o.file.path), follow_symlinks=False)
-        if st.st_size != o.file.size or st.st_mtime_ns != o.file.mtime_ns:
-            raise ValueError(
-                f"{os.path.join(root, o.file.path)} changed while it was copied; rerun archive"
-            )
+        try:
+            _check_unchanged(root, o.file)
+        except ValueError:
+            if o.key in recorder.digests:
+                # Ours, written this run from a file that changed under the copy: remove it so
+                # the rerun copies the new version instead of refusing a leftover.
+                try:
+                    target.delete(o.key)
+                except FileNotFoundError:
+                    pass
+            raise
     return digests, existing
 
 

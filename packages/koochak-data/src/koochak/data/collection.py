@@ -30,7 +30,7 @@ from typing import Any
 
 from koochak.data._digest import SHA256_HEX
 from koochak.data._tar import BLOCK, END_OF_ARCHIVE, check_path, padded
-from koochak.storage.strict_json import loads_strict
+from koochak.storage.strict_json import loads_strict, require_version
 
 __all__ = [
     "FILES_KEY",
@@ -227,9 +227,7 @@ def parse_manifest(data: bytes | str) -> Manifest:
     """Parse and check ``manifest.json``; ValueError naming the field on anything unexpected."""
     where = MANIFEST_KEY
     raw = _keys(loads_strict(data, where), where, _MANIFEST_FIELDS)
-    version = raw["version"]
-    if version != VERSION or isinstance(version, bool):
-        raise ValueError(f"{where}: field 'version': unsupported version {version!r}; expected {VERSION}")
+    require_version(raw, where, VERSION)  # exact int: true and 1.0 are refused
     if raw["kind"] != KIND:
         raise ValueError(f"{where}: field 'kind': expected {KIND!r}, got {raw['kind']!r}")
     packs_raw = raw["packs"]

@@ -23,7 +23,7 @@ from koochak.data._shard_records import ShardEntry, ShardIndex, _join
 from koochak.data.planning import assign_shards, plan_shards, worker_coordinates
 from koochak.storage.profile import parse_size
 from koochak.storage.store import Store, open_store, validate_key
-from koochak.storage.strict_json import loads_strict
+from koochak.storage.strict_json import loads_strict, require_version
 
 __all__ = [
     "INDEX_KIND",
@@ -116,11 +116,7 @@ def parse_index(data: bytes, *, source: str = INDEX_NAME, prefix: str = "") -> S
     _check_fields(document, _INDEX_FIELDS, source)
     if document["kind"] != INDEX_KIND:
         raise ValueError(f"{source}: field 'kind' must be {INDEX_KIND!r}, got {document['kind']!r}")
-    version = document["version"]
-    if isinstance(version, bool) or version != INDEX_VERSION:
-        raise ValueError(
-            f"{source}: field 'version' is {version!r}; this koochak-data reads version {INDEX_VERSION}"
-        )
+    require_version(document, source, INDEX_VERSION)  # exact int: true and 1.0 are refused
     if document["format"] not in FORMATS:
         raise ValueError(f"{source}: field 'format' must be one of {FORMATS}, got {document['format']!r}")
     if not isinstance(document["metadata"], dict):
