@@ -9,17 +9,25 @@ Safety against a hostile manifest: paths are checked by the reader (no ``..``, n
 paths), and every directory below DEST is opened with ``O_NOFOLLOW`` relative to its parent's
 descriptor, so a symlink planted anywhere under DEST is refused rather than followed. Each file
 is written under a hidden temp name in its final directory and renamed into place, so a killed
-pull never leaves a partial file under a final name.
+pull never leaves a partial file under a final name. Temp names are random and created with
+``O_EXCL``, so they can never be the name of a restored file, and pull removes only what it
+created itself (a killed pull's hidden ``.koochak-pull-*.tmp`` files are left alone).
+
+One pull at a time per DEST: pull holds an ``flock`` on ``DEST/.koochak-pull.lock`` (a file it
+creates, with a fixed first line, and removes when done); a second pull into the same DEST fails
+at once saying so.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import os
 import stat
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -29,11 +37,15 @@ from koochak.data._concurrent import wait_all
 from koochak.data._digest import CHUNK, sha256_stream
 from koochak.data.collection import FileEntry, load_collection
 
-__all__ = ["PullReport", "merge_ranges", "pull_collection"]
+__all__ = ["LOCK_NAME", "PullReport", "merge_ranges", "pull_collection"]
 
 DEFAULT_MAX_RANGE_BYTES = 64 << 20
 # Directory descriptors kept open between files; beyond this the idle ones are closed.
 _MAX_OPEN_DIRS = 256
+# The lock file pull keeps in DEST while it writes there, and the line that marks it as ours.
+LOCK_NAME = ".koochak-pull.lock"
+_LOCK_MAGIC = b"koochak-data pull lock, removed when that pull ends\n"
+_TEMP_PREFIX = ".koochak-pull-"
 
 
 @dataclass
@@ -83,6 +95,11 @@ class _DestTree:
             raise ValueError(f"pull DEST {root} exists and is not a directory")
         os.makedirs(root, exist_ok=True)
         self._root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            self._lock_fd = _lock_dest(self._root_fd, root)
+        except BaseException:
+            os.close(self._root_fd)
+            raise
         self._fds: dict[str, int] = {}
         self._users: dict[str, int] = {}
         # Directories this run created: nothing can be present in them yet, so no stat needed.
@@ -138,6 +155,7 @@ class _DestTree:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+            _unlock_dest(self._root_fd, self._lock_fd)
             os.close(self._root_fd)
 
     # -- files -------------------------------------------------------------------------------
@@ -184,15 +202,13 @@ class _DestTree:
         """Write ``entry`` via a temp name; its SHA256 is checked before the rename."""
         rel_dir, _, name = entry.path.rpartition("/")
         dir_fd = self.acquire(rel_dir)
-        # Deterministic, so a rerun removes what a killed run left behind.
-        temp = ".koochak-pull-" + hashlib.sha256(name.encode("utf-8")).hexdigest()[:20] + ".tmp"
+        full = os.path.join(self.root, entry.path)
+        # Random and O_EXCL: never a file of the collection, never anything already there, so
+        # the only file this ever unlinks is the one it just created.
+        temp = f"{_TEMP_PREFIX}{uuid.uuid4().hex}.tmp"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            try:
-                fd = os.open(temp, flags, 0o600, dir_fd=dir_fd)
-            except FileExistsError:  # left behind by a killed run
-                os.unlink(temp, dir_fd=dir_fd)
-                fd = os.open(temp, flags, 0o600, dir_fd=dir_fd)
+            fd = os.open(temp, flags, 0o600, dir_fd=dir_fd)
             renamed = False
             try:
                 sha = hashlib.sha256()
@@ -210,7 +226,7 @@ class _DestTree:
                         f"{entry.sha256}; not written"
                     )
                 os.fchmod(fd, entry.mode & 0o777)
-                os.utime(fd, ns=(time.time_ns(), entry.mtime_ns))
+                _restore_mtime(fd, entry, full)
                 if fsync:
                     os.fsync(fd)
                 os.close(fd)
@@ -238,12 +254,126 @@ class _DamagedFile(ValueError):
     """A file whose bytes do not match the manifest: it is skipped, the rest are restored."""
 
 
-def _hash_file(dir_fd: int, name: str) -> str:
-    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+class _Unrestorable(_DamagedFile):
+    """A file whose metadata this filesystem cannot hold exactly (an out-of-range mtime_ns): it
+    is skipped like a damaged one, so a rerun never finds a clamped copy "with different
+    content"."""
+
+
+def _restore_mtime(fd: int, entry: FileEntry, full: str) -> None:
+    """Set ``entry.mtime_ns`` exactly, or raise _Unrestorable naming the file."""
     try:
+        os.utime(fd, ns=(time.time_ns(), entry.mtime_ns))
+    except (OverflowError, ValueError, OSError) as exc:
+        raise _Unrestorable(
+            f"{full}: mtime_ns={entry.mtime_ns} cannot be set on this filesystem ({exc}); "
+            "not written"
+        ) from None
+    stored = os.fstat(fd).st_mtime_ns
+    if stored != entry.mtime_ns:  # the filesystem clamped it to its range
+        raise _Unrestorable(
+            f"{full}: mtime_ns={entry.mtime_ns} is outside what this filesystem can store (it "
+            f"kept {stored}); not written"
+        )
+
+
+def _hash_file(dir_fd: int, name: str) -> str:
+    # O_NONBLOCK: a FIFO swapped in after the stat must not hang the pull.
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    fd = os.open(name, flags, dir_fd=dir_fd)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{name} under DEST is not a regular file")
+        os.set_blocking(fd, True)
         return sha256_stream(lambda n: os.read(fd, n))[0]
     finally:
         os.close(fd)
+
+
+def _lock_dest(root_fd: int, root: str) -> int:
+    """Hold ``DEST/.koochak-pull.lock`` (exclusive flock) so one pull at a time writes in DEST.
+
+    The lock file is published whole (temp file with the marker line, then a create-only hard
+    link), so an existing file without that line is someone else's and is never used or
+    removed. A lock left by a killed pull is simply taken over.
+    """
+    where = os.path.join(root, LOCK_NAME)
+    for _ in range(10):  # a finishing pull may remove the file between our open and flock
+        _publish_lock_file(root_fd)
+        try:
+            fd = os.open(
+                LOCK_NAME, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=root_fd
+            )
+        except FileNotFoundError:
+            continue
+        except OSError as exc:  # a symlink (ELOOP), a directory (EISDIR), ...
+            raise ValueError(
+                f"{where} exists and is not a koochak-data pull lock ({exc.strerror}); move it "
+                "away (pull never removes a file it did not create)"
+            ) from None
+        try:
+            st = os.fstat(fd)
+            if (
+                not stat.S_ISREG(st.st_mode)
+                or st.st_size > 4096
+                or os.pread(fd, len(_LOCK_MAGIC), 0) != _LOCK_MAGIC
+            ):
+                raise ValueError(
+                    f"{where} exists and is not a koochak-data pull lock; move it away (pull "
+                    "never removes a file it did not create)"
+                )
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise ValueError(
+                    f"another pull is writing into {root} (it holds {where}); wait for it to "
+                    "finish or pull into another directory"
+                ) from None
+            try:
+                now = os.stat(LOCK_NAME, dir_fd=root_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                now = None
+            if now is not None and (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # we locked a lock file that its pull had just removed: start again
+    raise ValueError(f"could not take {where}: other pulls keep replacing it")
+
+
+def _publish_lock_file(root_fd: int) -> None:
+    """Create the lock file complete with its marker line, unless one exists."""
+    temp = f"{_TEMP_PREFIX}{uuid.uuid4().hex}.tmp"
+    fd = os.open(
+        temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+        dir_fd=root_fd,
+    )
+    try:
+        try:
+            os.write(fd, _LOCK_MAGIC + f"pid {os.getpid()}\n".encode())
+        finally:
+            os.close(fd)
+        try:
+            os.link(temp, LOCK_NAME, src_dir_fd=root_fd, dst_dir_fd=root_fd, follow_symlinks=False)
+        except FileExistsError:
+            pass  # a lock file is there: _lock_dest checks whose it is
+    finally:
+        os.unlink(temp, dir_fd=root_fd)
+
+
+def _unlock_dest(root_fd: int, lock_fd: int) -> None:
+    """Remove our lock file while still holding its flock, then release it."""
+    try:
+        st = os.fstat(lock_fd)
+        try:
+            now = os.stat(LOCK_NAME, dir_fd=root_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            now = None
+        if now is not None and (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+            os.unlink(LOCK_NAME, dir_fd=root_fd)
+    finally:
+        os.close(lock_fd)
 
 
 def pull_collection(
@@ -286,6 +416,11 @@ def pull_collection(
         # A glob that selects nothing is almost always a typo; saying so beats "0 files".
         if not collection.select([pattern]):
             raise ValueError(f"--include {pattern!r} matches no file in {store.location}")
+    if any(e.path == LOCK_NAME for e in selected):
+        raise ValueError(
+            f"{store.location} holds a file named {LOCK_NAME} at its top, the name pull keeps its "
+            "lock under in DEST; pull the other files with --include"
+        )
     root = os.path.abspath(os.fspath(dest))
     report = PullReport(source=store.location, dest=root, files=len(selected))
     report.bytes = sum(e.size for e in selected)
@@ -349,11 +484,11 @@ def pull_collection(
                     # One damaged file must not keep the rest of the collection from coming
                     # back: note it, finish everything else, then fail.
                     with lock:
-                        damaged.append(str(exc))
+                        damaged.append(exc)
                     return
                 done(e)
 
-            damaged: list[str] = []
+            damaged: list[_DamagedFile] = []
             with ThreadPoolExecutor(max_workers=streams) as pool:
                 futures = [pool.submit(fetch_range, job) for job in ranges]
                 futures += [pool.submit(fetch_object, e) for e in objects]
@@ -361,12 +496,17 @@ def pull_collection(
     finally:
         tree.close()
     if damaged:
-        damaged.sort()
+        damaged.sort(key=str)
+        unrestorable = sum(isinstance(exc, _Unrestorable) for exc in damaged)
+        if unrestorable == len(damaged):
+            what, hint = "could not be restored exactly", ""
+        else:
+            what = "failed their SHA256 check" if not unrestorable else "could not be restored"
+            hint = f". `koochak-data verify --deep {store.location}` lists the damage"
         raise ValueError(
-            f"{len(damaged)} file(s) failed their SHA256 check and were not written; every other "
+            f"{len(damaged)} file(s) {what} and were not written; every other "
             f"selected file was restored ({report.written} written, {report.present} already "
-            f"there). First: {damaged[0]}. `koochak-data verify --deep {store.location}` lists "
-            "the damage"
+            f"there). First: {damaged[0]}{hint}"
         )
     report.paths.sort()
     return report
