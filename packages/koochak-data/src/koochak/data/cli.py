@@ -12,6 +12,7 @@ import datetime
 import json
 import os
 import sys
+import unicodedata
 from collections.abc import Sequence
 from typing import Any
 
@@ -109,9 +110,37 @@ def _human(n: int) -> str:
     return str(n)  # pragma: no cover
 
 
+_SHORT_ESCAPES = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+# Control (Cc), format (Cf: bidi overrides, zero-width), line and paragraph separators.
+_UNPRINTABLE = frozenset({"Cc", "Cf", "Zl", "Zp"})
+
+
+def _printable(text: str) -> str:
+    r"""``text`` safe for one line of a listing: backslash and control characters escaped.
+
+    ``\\``, ``\n``, ``\r``, ``\t``; other control, format (bidi overrides, zero-width) and
+    line/paragraph separator characters as ``\xHH``, ``\uHHHH`` or ``\UHHHHHHHH``. Everything
+    else (any printable Unicode) is kept, so a name cannot forge or hide a listing line and
+    ``--json`` stays the exact form.
+    """
+    if text.isprintable() and "\\" not in text:
+        return text  # the common case: one C-level scan
+    out = []
+    for char in text:
+        if char in _SHORT_ESCAPES:
+            out.append(_SHORT_ESCAPES[char])
+        elif unicodedata.category(char) in _UNPRINTABLE:
+            code = ord(char)
+            out.append(f"\\x{code:02x}" if code < 0x100 else
+                       f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}")  # fmt: skip
+        else:
+            out.append(char)
+    return "".join(out)
+
+
 def _table(rows: Sequence[tuple[str, Any]]) -> str:
     width = max(len(name) for name, _ in rows)
-    return "\n".join(f"{name.ljust(width)}  {value}" for name, value in rows)
+    return "\n".join(f"{name.ljust(width)}  {_printable(str(value))}" for name, value in rows)
 
 
 def _archive(args: argparse.Namespace) -> tuple[dict[str, Any], str, int]:
@@ -210,15 +239,24 @@ def _ls(args: argparse.Namespace) -> tuple[Any, str, int]:
         for e in entries
     ]
     if not args.long:
-        return docs, "\n".join(e.path for e in entries), 0
+        return docs, "\n".join(_printable(e.path) for e in entries), 0
     lines = []
     for e in entries:
-        when = datetime.datetime.fromtimestamp(e.mtime_ns / 1e9, datetime.timezone.utc)
-        where = f"{e.pack}@{e.offset}" if e.pack else e.key
+        where = _printable(f"{e.pack}@{e.offset}" if e.pack else e.key)
         lines.append(
-            f"{e.mode:04o} {e.size:>12} {when:%Y-%m-%d %H:%M:%S} {e.sha256[:12]} {where}  {e.path}"
+            f"{e.mode:04o} {e.size:>12} {_when(e.mtime_ns)} {e.sha256[:12]} {where}  "
+            f"{_printable(e.path)}"
         )
     return docs, "\n".join(lines), 0
+
+
+def _when(mtime_ns: int) -> str:
+    """UTC date and time of ``mtime_ns``; the raw number when no calendar date fits it."""
+    try:
+        when = datetime.datetime.fromtimestamp(mtime_ns / 1e9, datetime.timezone.utc)
+    except (OverflowError, OSError, ValueError):
+        return f"mtime_ns={mtime_ns}"
+    return f"{when:%Y-%m-%d %H:%M:%S}"
 
 
 _COMMANDS = {"archive": _archive, "pull": _pull, "verify": _verify, "ls": _ls}
@@ -234,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError, TypeError) as exc:
         if args.debug:
             raise
-        print(f"koochak-data {args.command}: error: {exc}", file=sys.stderr)
+        print(f"koochak-data {args.command}: error: {_printable(str(exc))}", file=sys.stderr)
         return 1
     try:
         if args.json:
