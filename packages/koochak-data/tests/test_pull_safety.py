@@ -28,7 +28,9 @@ def _old_temp_name(name: str) -> str:
 
 
 def _rewrite_table(coll: Path, edit) -> None:
-    lines = [json.loads(x) for x in gzip.decompress((coll / "files.jsonl.gz").read_bytes()).splitlines()]
+    lines = [
+        json.loads(x) for x in gzip.decompress((coll / "files.jsonl.gz").read_bytes()).splitlines()
+    ]
     edit(lines)
     table = gzip.compress("".join(json.dumps(x) + "\n" for x in lines).encode())
     manifest = json.loads((coll / "manifest.json").read_text())
@@ -96,7 +98,9 @@ def test_an_mtime_the_filesystem_cannot_hold_is_refused_naming_the_file_and_reru
     tmp_path, mtime_ns
 ):
     coll = _archive(tmp_path, {"a.txt": b"alpha", "b.txt": b"beta"})
-    _rewrite_table(coll, lambda lines: [x.update(mtime_ns=mtime_ns) for x in lines if x["path"] == "a.txt"])
+    _rewrite_table(
+        coll, lambda lines: [x.update(mtime_ns=mtime_ns) for x in lines if x["path"] == "a.txt"]
+    )
     out = tmp_path / "out"
 
     def outcome():
@@ -122,7 +126,9 @@ def test_an_mtime_the_filesystem_cannot_hold_is_refused_naming_the_file_and_reru
 
 @pytest.mark.parametrize("where", ["pack", "object"])
 def test_a_fifo_in_place_of_a_pack_or_object_fails_at_once(tmp_path, where):
-    coll = _archive(tmp_path, {"small.txt": b"s" * 100, "big.bin": b"b" * 50_000}, object_bytes=10_000)
+    coll = _archive(
+        tmp_path, {"small.txt": b"s" * 100, "big.bin": b"b" * 50_000}, object_bytes=10_000
+    )
     key = "packs/pack-000000.tar" if where == "pack" else "objects/big.bin"
     (coll / key).unlink()
     os.mkfifo(coll / key)
@@ -153,7 +159,9 @@ def test_a_second_pull_into_the_same_dest_fails_plainly_while_the_first_finishes
         assert started.wait(120)
         second = subprocess.run(
             [sys.executable, "-m", "koochak.data", "pull", str(coll), str(out)],
-            capture_output=True, text=True, timeout=300,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
     finally:
         release.set()
@@ -166,7 +174,9 @@ def test_a_second_pull_into_the_same_dest_fails_plainly_while_the_first_finishes
     assert sorted(os.listdir(out)) == [f"f{i}.bin" for i in range(6)]
     again = subprocess.run(
         [sys.executable, "-m", "koochak.data", "pull", str(coll), str(out), "--json"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert again.returncode == 0 and json.loads(again.stdout)["present"] == 6
 

@@ -57,7 +57,11 @@ def test_a_symlinked_key_is_not_an_object(tmp_path):
     (tmp_path / "real").write_bytes(b"data")
     os.symlink("real", tmp_path / "alias")
     store = LocalStore(tmp_path)
-    for call in (lambda: store.get("alias"), lambda: store.open("alias"), lambda: store.stat("alias")):
+    for call in (
+        lambda: store.get("alias"),
+        lambda: store.open("alias"),
+        lambda: store.stat("alias"),
+    ):
         with pytest.raises(FileNotFoundError, match="symlink"):
             call()
     assert store.get("real") == b"data"
