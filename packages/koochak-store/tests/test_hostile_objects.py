@@ -104,3 +104,11 @@ def test_stores_file_version_must_be_the_integer_one(tmp_path, version):
     file.write_text(f"version: {version}\nstores: {{a: {{root: {tmp_path}}}}}\n")
     with pytest.raises(ValueError, match=f"{file}.*version"):
         load_stores_file(file)
+
+
+def test_a_fifo_planted_as_a_ready_manifest_is_refused_at_once(tmp_path):
+    target = tmp_path / "out.bin"
+    target.write_bytes(b"o")
+    os.mkfifo(tmp_path / "out.bin.ready.json")
+    error = _finishes(lambda: read_ready_manifest(target))
+    assert isinstance(error, InvalidArtifact) and "not a regular file" in str(error)

@@ -619,7 +619,8 @@ def read_ready_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     """
     _, manifest = _manifest_path(path)
     try:
-        fd = os.open(manifest, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # O_NONBLOCK: a FIFO planted as the manifest is refused below instead of hanging here.
+        fd = os.open(manifest, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise InvalidArtifact(
@@ -630,6 +631,7 @@ def read_ready_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
         st = os.fstat(fd)
         if not _stat.S_ISREG(st.st_mode):
             raise InvalidArtifact(f"{manifest}: not a regular file")
+        os.set_blocking(fd, True)
         if st.st_size > 256 << 20:
             raise InvalidArtifact(
                 f"{manifest}: {st.st_size} bytes is too large for a ready manifest"
