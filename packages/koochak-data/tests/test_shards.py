@@ -394,7 +394,7 @@ def _with(path: str, value, delete: bool = False) -> bytes:
     "data, message",
     [
         (_with("kind", "koochak.other"), "field 'kind'"),
-        (_with("version", 2), "field 'version' is 2"),
+        (_with("version", 2), "version=2; this Koochak reads version 1"),
         (_with("version", True), "field 'version'"),
         (_with("format", "zip"), "field 'format'"),
         (_with("extra", 1), "unknown field 'extra'"),
