@@ -130,3 +130,14 @@ def test_atomic_write_create_only_never_replaces(tmp_path):
     assert os.listdir(tmp_path) == ["once.txt"]
     with pytest.raises(TypeError, match="atomic_write_text"):
         atomic_write_bytes(target, "a str")  # type: ignore[arg-type]
+
+
+def test_a_real_latest_file_is_kept_and_only_an_explicit_latest_is_an_error(tmp_path, caplog):
+    store = LocalStore(tmp_path)
+    (tmp_path / "latest.pt").write_bytes(b"an older tool's copy")
+    publish(store, _name(1), b"one", keep_last_k=2)  # the default pointer steps aside
+    assert (tmp_path / "latest.pt").read_bytes() == b"an older tool's copy"
+    assert "real file" in caplog.text
+    with pytest.raises(FileExistsError):
+        publish(store, _name(2), b"two", latest="latest.pt")
+    assert (tmp_path / "latest.pt").read_bytes() == b"an older tool's copy"

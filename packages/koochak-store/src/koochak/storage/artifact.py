@@ -213,6 +213,7 @@ def publish(
         regex = _compile(pattern)
         if regex.fullmatch(name) is None:
             raise ValueError(f"publish: name {name!r} does not fully match pattern {pattern!r}")
+    derived_latest = latest is True
     latest = _latest_name(name, latest)
     if provenance is not None and not isinstance(provenance, dict):
         raise ValueError(
@@ -253,7 +254,15 @@ def publish(
         path=store.local_path(name),
     )
     if latest is not None and isinstance(store, LocalStore) and store.publish == "link":
-        _point_latest(store, latest, name)
+        try:
+            _point_latest(store, latest, name)
+        except FileExistsError:
+            if not derived_latest:
+                raise
+            # Only the default pointer: a real file of that name (an older tool's copy) is the
+            # user's; the publication stands, and the file is neither replaced nor an error.
+            _log.warning("%s/%s is a real file, not a symlink; not pointing it at %s",
+                         store.location, latest, name)  # fmt: skip
     if regex is not None:
         _prune(store, regex, pattern, keep_last_k)  # type: ignore[arg-type]
     return publication
