@@ -193,13 +193,37 @@ def test_a_foreign_file_where_the_lock_goes_is_refused_and_kept(tmp_path, capsys
     assert not (out / "a.txt").exists()
 
 
-def test_a_lock_left_by_a_killed_pull_is_taken_over(tmp_path):
-    coll = _archive(tmp_path, {"a.txt": b"alpha"})
+def test_a_lock_left_by_a_killed_pull_is_taken_over_and_only_its_temp_files_go(tmp_path):
+    coll = _archive(tmp_path, {"a.txt": b"alpha", "d/b.txt": b"beta"})
     out = tmp_path / "out"
-    out.mkdir()
+    (out / "d").mkdir(parents=True)
+    from koochak.data import _dest_lock
     from koochak.data import pull as pull_module
 
     assert pull_module.LOCK_NAME == LOCK_NAME
-    (out / LOCK_NAME).write_bytes(pull_module._LOCK_MAGIC + b"pid 1\n")  # nobody holds it
-    assert pull_collection(coll, out).written == 1
-    assert sorted(os.listdir(out)) == ["a.txt"]
+    killed = "ab" * 16
+    (out / LOCK_NAME).write_bytes(_dest_lock._MAGIC + f"run {killed} pid 1\n".encode())
+    theirs = out / "d" / f".koochak-pull-{killed}-{'c' * 32}.tmp"
+    theirs.write_bytes(b"half a file from the killed pull")
+    unknown = (
+        out / "d" / f".koochak-pull-{'ef' * 16}-{'c' * 32}.tmp"
+    )  # no lock line: not provably a pull's
+    unknown.write_bytes(b"keep")
+    report = pull_collection(coll, out)
+    assert report.written == 2 and report.leftovers_removed == 1
+    assert not theirs.exists() and unknown.read_bytes() == b"keep"
+    assert sorted(os.listdir(out)) == ["a.txt", "d"]
+    assert sorted(os.listdir(out / "d")) == sorted(["b.txt", unknown.name])
+
+
+def test_a_collection_file_named_like_a_killed_pulls_temp_file_is_kept(tmp_path):
+    killed = "ab" * 16
+    name = f".koochak-pull-{killed}-{'c' * 32}.tmp"
+    coll = _archive(tmp_path, {name: b"archived on purpose"})
+    out = tmp_path / "out"
+    pull_collection(coll, out)
+    from koochak.data import _dest_lock
+
+    (out / LOCK_NAME).write_bytes(_dest_lock._MAGIC + f"run {killed} pid 1\n".encode())
+    assert pull_collection(coll, out).leftovers_removed == 0
+    assert (out / name).read_bytes() == b"archived on purpose"

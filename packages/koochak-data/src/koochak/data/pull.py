@@ -10,8 +10,8 @@ paths), and every directory below DEST is opened with ``O_NOFOLLOW`` relative to
 descriptor, so a symlink planted anywhere under DEST is refused rather than followed. Each file
 is written under a hidden temp name in its final directory and renamed into place, so a killed
 pull never leaves a partial file under a final name. Temp names are random and created with
-``O_EXCL``, so they can never be the name of a restored file, and pull removes only what it
-created itself (a killed pull's hidden ``.koochak-pull-*.tmp`` files are left alone).
+``O_EXCL``, so they can never be the name of a restored file, and pull removes only temp files
+that a pull provably created (``_dest_lock``): its own, and a killed pull's.
 
 One pull at a time per DEST: pull holds an ``flock`` on ``DEST/.koochak-pull.lock`` (a file it
 creates, with a fixed first line, and removes when done); a second pull into the same DEST fails
@@ -21,19 +21,18 @@ at once saying so.
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import os
 import stat
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from koochak.data._concurrent import wait_all
+from koochak.data._dest_lock import LOCK_NAME, DestLock
 from koochak.data._digest import CHUNK, sha256_stream
 from koochak.data.collection import FileEntry, load_collection
 
@@ -42,10 +41,6 @@ __all__ = ["LOCK_NAME", "PullReport", "merge_ranges", "pull_collection"]
 DEFAULT_MAX_RANGE_BYTES = 64 << 20
 # Directory descriptors kept open between files; beyond this the idle ones are closed.
 _MAX_OPEN_DIRS = 256
-# The lock file pull keeps in DEST while it writes there, and the line that marks it as ours.
-LOCK_NAME = ".koochak-pull.lock"
-_LOCK_MAGIC = b"koochak-data pull lock, removed when that pull ends\n"
-_TEMP_PREFIX = ".koochak-pull-"
 
 
 @dataclass
@@ -59,6 +54,7 @@ class PullReport:
     present: int = 0  # already there with the same size, mtime and SHA256
     requests: int = 0  # gets and opens against the source, the manifest and file table included
     paths: list[str] = field(default_factory=list)  # written files (for --json)
+    leftovers_removed: int = 0  # hidden temp files of a killed pull, removed by this one
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -88,7 +84,7 @@ def merge_ranges(
 class _DestTree:
     """Directory descriptors under DEST, opened without ever following a symlink."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, keep: Container[str] = ()) -> None:
         self.root = root
         self.root_created = not os.path.lexists(root)
         if not self.root_created and not os.path.isdir(root):
@@ -96,8 +92,15 @@ class _DestTree:
         os.makedirs(root, exist_ok=True)
         self._root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            self._lock_fd = _lock_dest(self._root_fd, root)
+            self.dest_lock = DestLock(self._root_fd, root)
         except BaseException:
+            os.close(self._root_fd)
+            raise
+        try:
+            # Before anything else: a killed pull's temp files, provably its own (by token).
+            self.leftovers_removed = self.dest_lock.remove_leftovers(keep)
+        except BaseException:
+            self.dest_lock.release()
             os.close(self._root_fd)
             raise
         self._fds: dict[str, int] = {}
@@ -155,7 +158,7 @@ class _DestTree:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
-            _unlock_dest(self._root_fd, self._lock_fd)
+            self.dest_lock.release()
             os.close(self._root_fd)
 
     # -- files -------------------------------------------------------------------------------
@@ -205,7 +208,7 @@ class _DestTree:
         full = os.path.join(self.root, entry.path)
         # Random and O_EXCL: never a file of the collection, never anything already there, so
         # the only file this ever unlinks is the one it just created.
-        temp = f"{_TEMP_PREFIX}{uuid.uuid4().hex}.tmp"
+        temp = self.dest_lock.temp_name()
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
             fd = os.open(temp, flags, 0o600, dir_fd=dir_fd)
@@ -290,92 +293,6 @@ def _hash_file(dir_fd: int, name: str) -> str:
         os.close(fd)
 
 
-def _lock_dest(root_fd: int, root: str) -> int:
-    """Hold ``DEST/.koochak-pull.lock`` (exclusive flock) so one pull at a time writes in DEST.
-
-    The lock file is published whole (temp file with the marker line, then a create-only hard
-    link), so an existing file without that line is someone else's and is never used or
-    removed. A lock left by a killed pull is simply taken over.
-    """
-    where = os.path.join(root, LOCK_NAME)
-    for _ in range(10):  # a finishing pull may remove the file between our open and flock
-        _publish_lock_file(root_fd)
-        try:
-            fd = os.open(
-                LOCK_NAME, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=root_fd
-            )
-        except FileNotFoundError:
-            continue
-        except OSError as exc:  # a symlink (ELOOP), a directory (EISDIR), ...
-            raise ValueError(
-                f"{where} exists and is not a koochak-data pull lock ({exc.strerror}); move it "
-                "away (pull never removes a file it did not create)"
-            ) from None
-        try:
-            st = os.fstat(fd)
-            if (
-                not stat.S_ISREG(st.st_mode)
-                or st.st_size > 4096
-                or os.pread(fd, len(_LOCK_MAGIC), 0) != _LOCK_MAGIC
-            ):
-                raise ValueError(
-                    f"{where} exists and is not a koochak-data pull lock; move it away (pull "
-                    "never removes a file it did not create)"
-                )
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise ValueError(
-                    f"another pull is writing into {root} (it holds {where}); wait for it to "
-                    "finish or pull into another directory"
-                ) from None
-            try:
-                now = os.stat(LOCK_NAME, dir_fd=root_fd, follow_symlinks=False)
-            except FileNotFoundError:
-                now = None
-            if now is not None and (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
-                return fd
-        except BaseException:
-            os.close(fd)
-            raise
-        os.close(fd)  # we locked a lock file that its pull had just removed: start again
-    raise ValueError(f"could not take {where}: other pulls keep replacing it")
-
-
-def _publish_lock_file(root_fd: int) -> None:
-    """Create the lock file complete with its marker line, unless one exists."""
-    temp = f"{_TEMP_PREFIX}{uuid.uuid4().hex}.tmp"
-    fd = os.open(
-        temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
-        dir_fd=root_fd,
-    )
-    try:
-        try:
-            os.write(fd, _LOCK_MAGIC + f"pid {os.getpid()}\n".encode())
-        finally:
-            os.close(fd)
-        try:
-            os.link(temp, LOCK_NAME, src_dir_fd=root_fd, dst_dir_fd=root_fd, follow_symlinks=False)
-        except FileExistsError:
-            pass  # a lock file is there: _lock_dest checks whose it is
-    finally:
-        os.unlink(temp, dir_fd=root_fd)
-
-
-def _unlock_dest(root_fd: int, lock_fd: int) -> None:
-    """Remove our lock file while still holding its flock, then release it."""
-    try:
-        st = os.fstat(lock_fd)
-        try:
-            now = os.stat(LOCK_NAME, dir_fd=root_fd, follow_symlinks=False)
-        except FileNotFoundError:
-            now = None
-        if now is not None and (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
-            os.unlink(LOCK_NAME, dir_fd=root_fd)
-    finally:
-        os.close(lock_fd)
-
-
 def pull_collection(
     source: Any,
     dest: str | os.PathLike[str],
@@ -425,7 +342,8 @@ def pull_collection(
     report = PullReport(source=store.location, dest=root, files=len(selected))
     report.bytes = sum(e.size for e in selected)
     report.requests = 2
-    tree = _DestTree(root)
+    tree = _DestTree(root, keep={e.path for e in collection.entries})
+    report.leftovers_removed = len(tree.leftovers_removed)
     try:
         # Directories first, in one pass; only files in directories that already existed are
         # checked (a stat, maybe a hash) on the pool. A fresh DEST costs no per-file task.
