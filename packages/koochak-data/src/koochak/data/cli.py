@@ -207,6 +207,8 @@ def _pull(args: argparse.Namespace) -> tuple[dict[str, Any], str, int]:
         ("already present", report.present),
         ("requests", report.requests),
     ]
+    if report.leftovers_removed:
+        rows.append(("cleaned up", f"{report.leftovers_removed} temp file(s) of a killed pull"))
     return report.to_dict(), _table(rows), 0
 
 
