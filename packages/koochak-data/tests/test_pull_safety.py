@@ -227,3 +227,26 @@ def test_a_collection_file_named_like_a_killed_pulls_temp_file_is_kept(tmp_path)
     (out / LOCK_NAME).write_bytes(_dest_lock._MAGIC + f"run {killed} pid 1\n".encode())
     assert pull_collection(coll, out).leftovers_removed == 0
     assert (out / name).read_bytes() == b"archived on purpose"
+
+
+def test_a_dest_without_flock_still_pulls_and_cleans_up_nothing(tmp_path, monkeypatch, caplog):
+    import errno
+    import fcntl
+
+    coll = _archive(tmp_path, {"a.txt": b"alpha"})
+    out = tmp_path / "out"
+    out.mkdir()
+    from koochak.data import _dest_lock
+
+    killed = "ab" * 16
+    (out / LOCK_NAME).write_bytes(_dest_lock._MAGIC + f"run {killed} pid 1\n".encode())
+    maybe_live = out / f".koochak-pull-{killed}-{'c' * 32}.tmp"
+    maybe_live.write_bytes(b"without a lock nobody can tell this pull is dead")
+
+    def no_flock(fd, operation):
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    report = pull_collection(coll, out)
+    assert report.written == 1 and report.leftovers_removed == 0
+    assert maybe_live.exists() and "not serialized" in caplog.text

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import re
 import stat
@@ -27,6 +28,9 @@ _MAGIC = b"koochak-data pull lock, removed when that pull ends\n"
 _TEMP_PREFIX = ".koochak-pull-"
 _MAX_LOCK_BYTES = 1 << 20
 _RUN_LINE = re.compile(rb"run ([0-9a-f]{32}) pid [0-9]+")
+# flock refusals of filesystems that do not support it (some FUSE and network mounts).
+_NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL})
+_log = logging.getLogger(__name__)
 
 
 class DestLock:
@@ -36,7 +40,9 @@ class DestLock:
         self.token = uuid.uuid4().hex
         self._root_fd = root_fd
         self._where = os.path.join(root, LOCK_NAME)
-        self._fd, self.killed_runs = _take(root_fd, root, self._where, self.token)
+        self._fd, self.killed_runs, self.locked = _take(root_fd, root, self._where, self.token)
+        if not self.locked:
+            return  # no proof of who is alive: record nothing, so nothing is ever cleaned up
         try:
             os.write(self._fd, f"run {self.token} pid {os.getpid()}\n".encode())
         except BaseException:
@@ -97,8 +103,9 @@ def _not_ours(where: str, why: str = "") -> ValueError:
     )
 
 
-def _take(root_fd: int, root: str, where: str, token: str) -> tuple[int, tuple[str, ...]]:
-    """Open and flock the lock file; return it and the tokens of killed runs it lists."""
+def _take(root_fd: int, root: str, where: str, token: str) -> tuple[int, tuple[str, ...], bool]:
+    """Open and flock the lock file; return it, the tokens of killed runs it lists, and whether
+    it is really locked (False on a filesystem without flock: a warning, no cleanup)."""
     for _ in range(10):  # a finishing pull may remove the file between our open and flock
         _publish(root_fd, token)
         flags = os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -117,6 +124,12 @@ def _take(root_fd: int, root: str, where: str, token: str) -> tuple[int, tuple[s
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
+                if exc.errno in _NO_FLOCK:
+                    # Temp names stay unique, so concurrent pulls still never destroy data;
+                    # they are only not kept apart.
+                    _log.warning("%s: cannot lock (%s); pulls into %s are not serialized",
+                                 where, exc.strerror, root)  # fmt: skip
+                    return fd, (), False
                 if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                     raise
                 raise ValueError(
@@ -127,7 +140,7 @@ def _take(root_fd: int, root: str, where: str, token: str) -> tuple[int, tuple[s
             if now is not None and (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
                 text = os.pread(fd, _MAX_LOCK_BYTES, 0)
                 killed = [m.group(1).decode() for m in _RUN_LINE.finditer(text)]
-                return fd, tuple(dict.fromkeys(killed))
+                return fd, tuple(dict.fromkeys(killed)), True
         except BaseException:
             os.close(fd)
             raise
