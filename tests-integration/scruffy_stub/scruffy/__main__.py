@@ -1,0 +1,5 @@
+import sys
+
+from scruffy.controller import main
+
+sys.exit(main())
