@@ -58,10 +58,11 @@ def test_a_whole_run_publishes_phases_progress_eval_artifact_and_finish(
     assert publisher.of("workload.phase")[1].payload == {"phase": "training", "step": 1}
     assert publisher.of("workload.phase")[-1].payload == {"phase": "finished", "step": 100}
     progress = publisher.of("workload.progress")
-    # 100 steps of 1 s with a 30 s interval: after updates 30, 60 and 90.
-    assert [p.payload["completed_steps"] for p in progress] == [30, 60, 90]
+    # 100 steps of 1 s with a 30 s interval: the first update, then updates 31, 61 and 91.
+    assert [p.payload["completed_steps"] for p in progress] == [1, 31, 61, 91]
     assert all(p.payload["total_steps"] == 100 for p in progress)
-    assert progress[0].payload["metrics"] == {"loss": 0.5, "lr": 0.1}
+    assert "metrics" not in progress[0].payload  # nothing logged before the first update
+    assert progress[1].payload["metrics"] == {"loss": 0.5, "lr": 0.1}
     (milestone,) = publisher.of("workload.milestone")
     assert milestone.payload == {"milestone": "eval", "step": 9, "metrics": {"eval_acc": 0.75}}
     (artifact,) = publisher.of("workload.artifact")
@@ -250,19 +251,21 @@ def test_other_ranks_publish_nothing(publisher, clock, train_start, ckpt_info, t
 def test_progress_waits_for_a_completed_step_boundary(publisher, clock, train_start):
     hooks = make_event_hooks(publisher, clock=clock, progress_every_s=30.0)
     fire(hooks, "on_train_start", train_start(max_steps=None))
-    run_steps(hooks, clock, 0, 1, seconds_per_step=29.0)
-    assert publisher.of("workload.progress") == []
+    run_steps(hooks, clock, 0, 2, seconds_per_step=29.0)
+    (first,) = publisher.of("workload.progress")  # the first update always reports
+    assert first.payload == {"completed_steps": 1, "total_steps": None}
     clock.advance(500)  # a long pause: still one event, at the next completed update
-    run_steps(hooks, clock, 1, 3, seconds_per_step=0.0)
-    (progress,) = publisher.of("workload.progress")
-    assert progress.payload == {"completed_steps": 2, "total_steps": None}
+    run_steps(hooks, clock, 2, 4, seconds_per_step=0.0)
+    progress = publisher.of("workload.progress")[1:]
+    assert [p.payload for p in progress] == [{"completed_steps": 3, "total_steps": None}]
 
 
 def test_progress_counts_from_a_resumed_step(publisher, clock, train_start):
     hooks = make_event_hooks(publisher, clock=clock, progress_every_s=10.0)
     fire(hooks, "on_train_start", train_start(step=500, max_steps=1000))
     run_steps(hooks, clock, 500, 520, seconds_per_step=1.0)
-    assert [p.payload["completed_steps"] for p in publisher.of("workload.progress")] == [510, 520]
+    completed = [p.payload["completed_steps"] for p in publisher.of("workload.progress")]
+    assert completed == [501, 511]
     assert publisher.of("workload.phase")[0].payload["step"] == 500
 
 

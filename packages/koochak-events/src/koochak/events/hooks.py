@@ -55,8 +55,8 @@ def make_event_hooks(
       an automatic resume also the selected checkpoint's artifact event again (same event id,
       so a coordinator deduplicates it, and a consumer gated on it is released even if the
       first publication was lost) and a ``resume_selected`` milestone naming it;
-    - first ``on_step_end``: phase ``training``; then a ``workload.progress`` event at the first
-      completed update at least ``progress_every_s`` (by ``clock``) after the previous one;
+    - first ``on_step_end``: phase ``training`` and a ``workload.progress`` event; then one at the
+      first completed update at least ``progress_every_s`` (by ``clock``) after the previous one;
     - ``on_eval_end``: milestone ``eval`` with its metrics;
     - ``on_checkpoint``: a strict ``workload.artifact`` event (``data.publication``) for a
       numbered checkpoint with a local absolute path, published with ``wait=True`` except for
@@ -177,11 +177,14 @@ class _Emitter:
         if not self.active or self.ended:
             return
         completed = int(info["step"]) + 1
-        if not self.training:
+        first = not self.training
+        if first:
             self.training = True
             self._send("workload.phase", {"phase": "training", "step": completed})
         now = self.clock()
-        if now - self.last_progress >= self.progress_every_s:
+        # The first completed update always reports (an observer sees progress at once), then
+        # one event per interval.
+        if first or now - self.last_progress >= self.progress_every_s:
             self.last_progress = now
             payload: dict[str, Any] = {"completed_steps": completed, "total_steps": self.total}
             if self.metrics:
