@@ -6,9 +6,14 @@ fits, reap what ended (retrying in place under the newer contract's recovery), t
 tick's journal records and commit ``state.json``. Jobs run as child processes in their own
 session with the SCRUFFY_* environment; stdout/stderr go to ``jobs/<id>/{stdout,stderr}.log``.
 
-Test knob (not Scruffy's): ``ROOT/stub-control.json`` ``{"hold_reports": true}`` makes the
-controller leave reports in the inbox (a controller that never acknowledges);
-``{"evacuate": [job_id, ...]}`` sends the task's evacuation signal (newer contract).
+Test knobs (not Scruffy's), read each tick from ``ROOT/stub-control.json``:
+
+* ``{"hold_reports": true}`` leaves reports in the inbox (a controller that never
+  acknowledges); with ``"until_retry": true`` the hold ends once the controller schedules an
+  in-place retry (newer contract), so the retried attempt is acknowledged.
+* ``{"reject_reports_of": [job_id, ...]}`` rejects those jobs' reports with a
+  ``workload.report_rejected`` notice, as the controller does for a report it refuses.
+* ``{"evacuate": [job_id, ...]}`` sends the task's evacuation signal (newer contract).
 """
 
 from __future__ import annotations
@@ -107,6 +112,8 @@ class Controller:
         self.pending: list[dict[str, Any]] = []  # this tick's journal records
         self.receipts: list[tuple[Path, dict[str, Any], Path]] = []
         self.stopping = False
+        self.retried = False
+        self.refused: set[str] = set()
         self._commit()
 
     # ------------------------------------------------------------------ main loop
@@ -126,7 +133,8 @@ class Controller:
         self._admit()
         self._cancels()
         control = self._control()
-        if not control.get("hold_reports"):
+        self.refused = set(control.get("reject_reports_of") or ())
+        if not control.get("hold_reports") or (control.get("until_retry") and self.retried):
             self._reports()
         self._evacuations(control.get("evacuate") or [])
         self._resolve()
@@ -346,6 +354,8 @@ class Controller:
             if (self.root / "requests" / job_dir).exists():
                 return  # its request is still pending: deferred
             return self._refuse(path, report_id, f"unknown job {job_dir}", ident)
+        if job_dir in self.refused:
+            return self._refuse(path, report_id, "rejected by stub-control.json", "-")
         record = self._record(
             envelope["kind"],
             envelope["data"],
@@ -651,6 +661,7 @@ class Controller:
             return False
         if job["attempt"] + job["run"] - 1 >= recovery["max_attempts"]:
             return False
+        self.retried = True
         job.update(state="queued", reason=reason, exit_code=code)
         self._job_event(
             "job.retrying", job, reason=reason, exit_code=code, next_attempt=job["run"] + 1

@@ -20,7 +20,10 @@ from typing import Any
 STUB_DIR = Path(__file__).resolve().parent
 CONTRACT_CANDIDATES = [
     Path(p) / "contracts" / "scruffy-client-v1.md"
-    for p in (os.environ.get("KOOCHAK_SHARED_DIR", ""), *(str(d / "shared") for d in STUB_DIR.parents))
+    for p in (
+        os.environ.get("KOOCHAK_SHARED_DIR", ""),
+        *(str(d / "shared") for d in STUB_DIR.parents),
+    )
     if p
 ]
 
@@ -69,7 +72,10 @@ class StubController:
         while time.monotonic() < deadline:
             try:
                 state = json.loads((self.root / "state.json").read_text())
-                if state["allocation"] == state["allocation"] | {"id": "alloc-test", "state": "running"}:
+                if state["allocation"] == state["allocation"] | {
+                    "id": "alloc-test",
+                    "state": "running",
+                }:
                     return self
             except (FileNotFoundError, ValueError, KeyError):
                 pass
@@ -78,10 +84,11 @@ class StubController:
             time.sleep(0.05)
         raise RuntimeError("stub controller did not become ready")
 
-    def hold_reports(self, hold: bool) -> None:
+    def control(self, **knobs: Any) -> None:
+        """Replace ``stub-control.json`` (hold_reports, until_retry, reject_reports_of, evacuate)."""
         control = self.root / "stub-control.json"
         tmp = control.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"hold_reports": hold}))
+        tmp.write_text(json.dumps(knobs))
         os.replace(tmp, control)
 
     def stop(self) -> None:
@@ -105,3 +112,11 @@ def journal(root: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def read_spec(root: Path, job_id: str) -> dict[str, Any]:
+    return json.loads((Path(root) / "requests" / job_id / "spec.json").read_text())
+
+
+def read_report(path: Path) -> dict[str, Any]:
+    return json.loads(Path(path).read_text())
