@@ -9,7 +9,6 @@ import hashlib
 import inspect
 import math
 import re
-from pathlib import Path
 
 import pytest
 import stub_harness
