@@ -327,7 +327,8 @@ class Controller:
         if not base.is_dir():
             return
         inboxes = [d for d in sorted(base.iterdir()) if d.is_dir() and not d.name.startswith(".")]
-        queues = [sorted(p for p in d.glob("*.json")) for d in inboxes]
+        # Oldest first within a job's inbox (the order the job published in).
+        queues = [sorted(d.glob("*.json"), key=_arrival) for d in inboxes]
         done = 0
         while done < REPORTS_PER_TICK and any(queues):
             for queue in queues:  # round-robin across job inboxes
@@ -679,6 +680,13 @@ class Controller:
             storage.write_atomic(
                 result, {"v": 1, "state": state, "reason": reason, "exit_code": code, "signal": sig}
             )
+
+
+def _arrival(path: Path) -> tuple[int, str]:
+    try:
+        return path.stat().st_mtime_ns, path.name
+    except FileNotFoundError:
+        return 0, path.name
 
 
 def _same_condition(evidence: dict[str, Any], cond: dict[str, Any]) -> bool:
