@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import stub_harness
@@ -88,7 +89,7 @@ def test_a_job_runs_in_its_own_session_with_the_scruffy_environment(
     assert seen["SCRUFFY_ROOT"] == str(root.resolve()) and seen["SCRUFFY_ATTEMPT"] == "1"
     assert seen["SCRUFFY_EVENT_DIR"] == str(root.resolve() / "reports" / sub["job_id"])
     assert seen["SCRUFFY_STUB_CONTRACT"] == contract and seen["SCRUFFY_NODE"] == "node0"
-    launch = json.loads(open(seen["SCRUFFY_PROVENANCE_PATH"]).read())
+    launch = json.loads(Path(seen["SCRUFFY_PROVENANCE_PATH"]).read_text())
     assert launch["job"]["id"] == sub["job_id"]
     # Exit 76 is plain application_exit on 0.1.1; the newer contract names the reason.
     bad = scruffy.submit_job(
