@@ -343,3 +343,66 @@ def test_newer_publish_waits_for_the_ack_and_times_out_when_held(newer, tmp_path
         refused = newer.publish_event(root, **args, event_id="b", wait=True, timeout=10)
         assert refused["state"] == "rejected" and refused["acknowledged"] is False
         newer.cancel_job(root, sub["job_id"])
+
+
+def test_needs_skip_run_and_a_colliding_submission_is_rejected_whole(scruffy, controller, tmp_path):
+    root = controller.root
+    sub = scruffy.submit_workflow(
+        root,
+        request_id="wf4",
+        workflow_id="wf4",
+        tasks=[
+            task(tmp_path, "prep", "raise SystemExit(75)"),
+            task(tmp_path, "strict", "pass", needs=[{"task_id": "prep", "condition": "succeeded"}]),
+            task(tmp_path, "any", "pass", needs=[{"task_id": "prep", "condition": "terminal"}]),
+        ],
+    )
+    prep, strict, anyway = (t["job_id"] for t in sub["tasks"])
+    assert scruffy.wait_for_job(root, prep, timeout=30)["exit_code"] == 75
+    skipped = scruffy.wait_for_job(root, strict, timeout=30)
+    assert (skipped["state"], skipped["reason"]) == ("skipped", "dependency_unsatisfied")
+    assert scruffy.wait_for_job(root, anyway, timeout=30)["state"] == "succeeded"
+    # A second workflow whose task identity collides with the succeeded "any": all or nothing.
+    cursor = scruffy.observe(root)["next_cursor"]
+    clash = scruffy.submit_workflow(
+        root,
+        request_id="wf4-again",
+        workflow_id="wf4",
+        tasks=[task(tmp_path, "any", "pass"), task(tmp_path, "fresh", "pass")],
+    )
+    # observe() shows an event only once the snapshot holding it is committed.
+    rejected = follow(scruffy, root, cursor, lambda r: r["kind"] == "submission.rejected")
+    assert rejected["data"]["submission_id"] == clash["submission_id"]
+    with pytest.raises(KeyError):
+        scruffy.status(root, clash["tasks"][1]["job_id"])
+
+
+def test_newer_evacuation_signal_and_in_place_retry(newer, tmp_path):
+    script = (
+        "import os, signal, sys, time\n"
+        "if os.environ['SCRUFFY_ATTEMPT'] == '2': sys.exit(0)\n"
+        "signal.signal(signal.SIGUSR1, lambda *a: sys.exit(75))\n"
+        "open('started', 'w').close()\n"
+        "time.sleep(30)\n"
+    )
+    recovery = {
+        "max_attempts": 2,
+        "retry_on": ["evacuated"],
+        "evacuation": {"signal": "USR1", "grace_seconds": 5},
+    }
+    with stub_harness.StubController(tmp_path / "root", "newer") as ctl:
+        sub = newer.submit_workflow(
+            ctl.root,
+            request_id="ev",
+            workflow_id="ev",
+            tasks=[task(tmp_path, "train", script, recovery=recovery)],
+        )
+        job_id = sub["tasks"][0]["job_id"]
+        wait_until(lambda: (tmp_path / "started").exists())
+        ctl.control(evacuate=[job_id])
+        done = newer.wait_for_job(ctl.root, job_id, timeout=30)
+        assert done["state"] == "succeeded"
+        kinds = kinds_for(ctl.root, job_id)
+        assert "job.evacuating" in kinds and "job.retrying" in kinds
+        (retry,) = [r for r in stub_harness.journal(ctl.root) if r["kind"] == "job.retrying"]
+        assert (retry["data"]["reason"], retry["data"]["exit_code"]) == ("evacuated", 75)
