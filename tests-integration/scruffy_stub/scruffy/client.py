@@ -378,10 +378,10 @@ def _publish_event_newer(
 def _await_report(
     root: Path, job_id: str, event_id: str, cursor: str, result: dict, timeout: float | None
 ) -> tuple[str, str | None]:
+    """Wait for the controller's verdict on this report: its journal event after ``cursor``,
+    or (for a report it handled before the cursor was taken) its receipt."""
     report_id = f"{job_id}/{storage.sha256_text(event_id)}.json"
     deadline = None if timeout is None else time.monotonic() + timeout
-    if result["deduplicated"] and _accepted_before(root, job_id, event_id):
-        return "accepted", None
     while True:
         page = observe(root, after=cursor, wait_seconds=0.2)
         for record in page["events"]:
@@ -391,16 +391,20 @@ def _await_report(
                 return "accepted", None
             return "rejected", record.get("data", {}).get("reason")
         cursor = page["next_cursor"]
+        kept = _receipt(root, job_id, event_id)
+        if kept is not None:
+            return kept.get("state", "rejected"), kept.get("reason")
         if deadline is not None and time.monotonic() >= deadline:
             raise TimeoutError(f"no acknowledgement of event {event_id!r} within {timeout} s")
 
 
-def _accepted_before(root: Path, job_id: str, event_id: str) -> bool:
-    receipt = storage.receipt_path(root.expanduser().resolve(), job_id, event_id)
+def _receipt(root: Path, job_id: str, event_id: str) -> dict | None:
     try:
-        return storage.read_json(receipt).get("state") == "accepted"
+        return storage.read_json(
+            storage.receipt_path(root.expanduser().resolve(), job_id, event_id)
+        )
     except FileNotFoundError:
-        return False
+        return None
 
 
 if _contract.NEWER:

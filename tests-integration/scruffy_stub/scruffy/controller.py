@@ -397,7 +397,9 @@ class Controller:
         }
         self._record("notice", data, report_id=report_id)
         receipt = path.parent.parent / ".accepted" / path.parent.name / path.name
-        self.receipts.append((receipt, {"digest": ident, "state": "rejected"}, path))
+        self.receipts.append(
+            (receipt, {"digest": ident, "state": "rejected", "reason": reason}, path)
+        )
 
     def _newest_attempt(self, job: dict[str, Any]) -> bool:
         key = self._task_key(job)

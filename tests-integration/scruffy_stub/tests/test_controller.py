@@ -340,7 +340,7 @@ def test_newer_publish_waits_for_the_ack_and_times_out_when_held(newer, tmp_path
         with pytest.raises(TimeoutError):
             newer.publish_event(root, **args, event_id="b", wait=True, timeout=0.5)
         ctl.control(reject_reports_of=[sub["job_id"]])
-        refused = newer.publish_event(root, **args, event_id="b", wait=True, timeout=10)
+        refused = newer.publish_event(root, **args, event_id="c", wait=True, timeout=10)
         assert refused["state"] == "rejected" and refused["acknowledged"] is False
         newer.cancel_job(root, sub["job_id"])
 
