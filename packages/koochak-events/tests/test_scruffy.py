@@ -399,3 +399,36 @@ def test_importing_koochak_events_does_not_import_scruffy():
     code = "import sys, koochak.events; print('scruffy' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    ("error", "expected", "code"),
+    [
+        (ValueError("publication.sha256 must be 64 lowercase hex"), ArtifactRejected, 77),
+        (OSError("reports directory is read-only"), ArtifactAckTimeout, 76),
+    ],
+)
+def test_a_failing_publish_is_a_rejection_or_an_unknown_fate(
+    client, ckpt_info, tmp_path, error, expected, code
+):
+    def failing(
+        root,
+        *,
+        job_id,
+        kind,
+        data,
+        event_id=None,
+        occurred_at=None,
+        source=None,
+        wait=False,
+        timeout=None,
+    ):
+        client.calls.append(("publish", {"kind": kind}))
+        raise error
+
+    hooks = make_scruffy_hooks(env=ENV, artifact_ack_timeout_s=0.1)
+    client.publish_event = failing
+    with pytest.raises(expected) as err:
+        fire(hooks, "on_checkpoint", ckpt_info(str(tmp_path), 3))
+    assert err.value.exit_code == code and str(error) in err.value.detail
+    assert len(client.published()) == 1

@@ -145,10 +145,10 @@ class ScruffyPublisher:
         verdict: tuple[str, str | None] = (_TIMED_OUT, None)
         try:
             if self.waits:
-                verdict = self._publish_waiting(kwargs)
+                verdict = self._publish_waiting(event, kwargs)
             else:
                 cursor = self.client.observe(self.root)["next_cursor"]
-                result = self.client.publish_event(self.root, **kwargs)
+                result = self._publish_once(event, kwargs)
                 if (
                     isinstance(result, Mapping)
                     and result.get("deduplicated") is True
@@ -156,16 +156,15 @@ class ScruffyPublisher:
                 ):
                     return  # accepted before (a retry of this very report): no new journal event
                 verdict = self._follow(cursor, event.id, deadline)
+        except ArtifactRejected:
+            raise
         except Exception as exc:
-            if self._is_conflict(exc) or isinstance(exc, ValueError):
-                # A conflicting event id, or a publication the client refuses: never gates.
-                raise self._rejected(event, kwargs, f"{type(exc).__name__}: {exc}") from exc
             detail = f"{type(exc).__name__}: {exc}"  # unknown fate: reconcile, then time out
         state, reason = verdict
         if state == _ACCEPTED:
             return
         if state == _REJECTED:
-            raise self._rejected(event, kwargs, reason)
+            raise self._rejected(event, reason)
         # Once, against durable evidence; a second publish could race the first.
         if self._on_record(event.id, publication):
             return
@@ -179,11 +178,19 @@ class ScruffyPublisher:
             detail=detail,
         )
 
-    def _publish_waiting(self, kwargs: dict[str, Any]) -> tuple[str, str | None]:
+    def _publish_once(self, event: Event, kwargs: dict[str, Any], **wait: Any) -> Any:
         try:
-            result = self.client.publish_event(
-                self.root, **kwargs, wait=True, timeout=self.ack_timeout_s
-            )
+            return self.client.publish_event(self.root, **kwargs, **wait)
+        except Exception as exc:
+            # A conflicting event id (ReportConflict), or a report the client refuses
+            # (ProtocolError, a ValueError): either never gates anything. Fail closed.
+            if self._is_conflict(exc) or isinstance(exc, ValueError):
+                raise self._rejected(event, f"{type(exc).__name__}: {exc}") from exc
+            raise
+
+    def _publish_waiting(self, event: Event, kwargs: dict[str, Any]) -> tuple[str, str | None]:
+        try:
+            result = self._publish_once(event, kwargs, wait=True, timeout=self.ack_timeout_s)
         except TimeoutError:
             return _TIMED_OUT, None
         if not isinstance(result, Mapping):
@@ -255,9 +262,7 @@ class ScruffyPublisher:
             return True
         return any(c.__name__ in ("ConflictError", "ReportConflict") for c in type(exc).__mro__)
 
-    def _rejected(
-        self, event: Event, kwargs: dict[str, Any], reason: str | None
-    ) -> ArtifactRejected:
+    def _rejected(self, event: Event, reason: str | None) -> ArtifactRejected:
         return ArtifactRejected(
             f"Scruffy rejected checkpoint artifact {self._artifact_id(event)} (event {event.id}, "
             f"job {self.job_id}): {reason}",
