@@ -1,8 +1,9 @@
 """koochak-train as a job of the Scruffy stub's controller, for both contracts (0.1.1 and newer):
 events reach the controller, a consumer gated on checkpoint/step000000009.pt starts only after
 that publication, a never-acknowledging controller makes the job exit 76 with the checkpoint
-resumable (the retry resumes and republishes it under the same event id), and a rejected
-publication exits 77 and releases nothing."""
+resumable (the retry resumes and republishes it under the same event id), a rejected
+publication exits 77 and releases nothing, and (newer contract) an evacuation leaves with 75
+without waiting for acknowledgements, its retry resuming from the evacuation checkpoint."""
 
 from __future__ import annotations
 
@@ -276,3 +277,71 @@ def test_a_rejected_publication_exits_77_and_releases_nothing(setup):
     assert blocked["state"] == "blocked" and blocked["condition_satisfactions"] == []
     assert not (project / "run" / "step000000012.pt").exists()  # training stopped there
     scruffy.cancel_job(root, infer)
+
+
+SLOW_DATA = """
+
+def slow_dataset(cfg, start_step=0):
+    import time
+    for batch in dataset(cfg, start_step):
+        time.sleep(0.003)
+        yield batch
+"""
+
+
+def test_newer_evacuation_publishes_without_waiting_and_the_retry_resumes(tmp_path, monkeypatch):
+    """Under a controller that acknowledges nothing, an evacuation still leaves at once (75, not
+    76): its checkpoint artifact and milestone do not wait. The in-place retry resumes from it."""
+    scruffy = stub_harness.load_client("newer", monkeypatch)
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "e2e_user.py").write_text(USER_CODE + SLOW_DATA)
+    (project / "cfg.yaml").write_text(
+        textwrap.dedent(f"""
+        train: {{max_steps: 1500, log_every: 10, device: cpu, out_dir: {project / "run"},
+                 progress_bar: false, evacuation_enabled: true}}
+        optim: {{optimizer: {{name: sgd, lr: 0.01}}}}
+        logging: {{stdout: false}}
+        entry: {{model: "e2e_user:make_model", dataset: "e2e_user:slow_dataset",
+                 step: "e2e_user:step_fn"}}
+    """)
+    )
+    recovery = {
+        "max_attempts": 2,
+        "retry_on": ["evacuated"],
+        "evacuation": {"signal": "USR1", "grace_seconds": 30},
+    }
+    with stub_harness.StubController(tmp_path / "root", "newer") as controller:
+        root = controller.root
+        sub = scruffy.submit_workflow(
+            root,
+            request_id="e2e-75",
+            workflow_id="wf",
+            tasks=[train_task(project, 60, recovery=recovery)],
+        )
+        train = sub["tasks"][0]["job_id"]
+        deadline = time.monotonic() + 120
+        while not (project / "run" / "log.csv").exists():  # training has started
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        controller.control(hold_reports=True, until_retry=True, evacuate=[train])
+        done = scruffy.wait_for_job(root, train, timeout=240)
+    events = journal_of(root, train)
+    assert done["state"] == "succeeded", (done["reason"], (root / done["stderr"]).read_text())
+    (retrying,) = [e for e in events if e["kind"] == "job.retrying"]
+    assert (retrying["data"]["reason"], retrying["data"]["exit_code"]) == ("evacuated", 75)
+    milestones = [e["data"] for e in events if e["kind"] == "workload.milestone"]
+    (evacuation,) = [m for m in milestones if m["milestone"] == "evacuation"]
+    (selected,) = [m for m in milestones if m["milestone"] == "resume_selected"]
+    pub = evacuation["publication"]
+    assert Path(pub["path"]).exists() and pub["path"] == selected["path"]
+    assert selected["artifact_event_id"] == evacuation["artifact_event_id"]
+    assert selected["step"] == evacuation["step"] == int(pub["artifact_id"][-12:-3])
+    same = [
+        e
+        for e in artifact_events(root, train)
+        if e["source_event_id"] == evacuation["artifact_event_id"]
+    ]
+    assert len(same) == 1 and same[0]["data"]["publication"] == pub  # the republish deduplicated
+    phases = [e["data"]["phase"] for e in events if e["kind"] == "workload.phase"]
+    assert "evacuated" in phases and phases[-1] == "finished"

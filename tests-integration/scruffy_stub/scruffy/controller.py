@@ -13,7 +13,8 @@ Test knobs (not Scruffy's), read each tick from ``ROOT/stub-control.json``:
   in-place retry (newer contract), so the retried attempt is acknowledged.
 * ``{"reject_reports_of": [job_id, ...]}`` rejects those jobs' reports with a
   ``workload.report_rejected`` notice, as the controller does for a report it refuses.
-* ``{"evacuate": [job_id, ...]}`` sends the task's evacuation signal (newer contract).
+* ``{"evacuate": [job_id, ...]}`` sends the task's evacuation signal (newer contract), once per
+  job: an in-place retry is not signalled again.
 """
 
 from __future__ import annotations
@@ -639,7 +640,6 @@ class Controller:
                 continue
             del self.procs[job_id]
             self.kill_at.pop(job_id, None)
-            self.evacuated.discard(job_id)
             if job["state"] == "cancelling":
                 self._finish(job_id, "cancelled", "cancelled", None, -code if code < 0 else None)
             elif job.pop("timed_out", False):
