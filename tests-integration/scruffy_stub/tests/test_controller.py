@@ -406,3 +406,49 @@ def test_newer_evacuation_signal_and_in_place_retry(newer, tmp_path):
         assert "job.evacuating" in kinds and "job.retrying" in kinds
         (retry,) = [r for r in stub_harness.journal(ctl.root) if r["kind"] == "job.retrying"]
         assert (retry["data"]["reason"], retry["data"]["exit_code"]) == ("evacuated", 75)
+
+
+def test_serve_refuses_a_bad_inventory_like_scruffy(tmp_path, contract):
+    import subprocess
+
+    bad = tmp_path / "inv.json"
+    bad.write_text(json.dumps({"nodes": {"n": {"gpu_ids": [], "cpus": 2, "memory_gb": 4}}}))
+    argv = [PY, "-m", "scruffy", "--root", str(tmp_path / "root"), "serve", "--launcher", "local"]
+    env = stub_harness.stub_env(contract)
+    out = subprocess.run([*argv, "--inventory", str(bad)], env=env, capture_output=True, text=True)
+    assert out.returncode == 2 and "gpu_ids must contain at least one GPU ID" in out.stderr
+    out = subprocess.run(argv, env=env, capture_output=True, text=True)
+    assert out.returncode == 2 and "--inventory is required" in out.stderr
+
+
+def test_time_limits_and_a_stopped_controller(scruffy, tmp_path, contract):
+    ctl = stub_harness.StubController(tmp_path / "root", contract).start()
+    root = ctl.root
+    try:
+        sleeper = [PY, "-c", "import time; time.sleep(60)"]
+        limited = scruffy.submit_job(
+            root,
+            argv=sleeper,
+            name="n",
+            cwd=tmp_path,
+            environment={},
+            request=scruffy.ResourceRequest(1, 0, 1, 1, 1),
+            request_id="limited",
+        )
+        done = scruffy.wait_for_job(root, limited["job_id"], timeout=30)
+        assert (done["state"], done["reason"], done["signal"]) == ("failed", "timeout", 15)
+        running = scruffy.submit_job(
+            root,
+            argv=sleeper,
+            name="n",
+            cwd=tmp_path,
+            environment={},
+            request=scruffy.ResourceRequest(1, 0, 1, 1),
+            request_id="running",
+        )
+        wait_until(lambda: scruffy.status(root, running["job_id"])["state"] == "running")
+    finally:
+        ctl.stop()
+    lost = scruffy.status(root, running["job_id"])
+    assert (lost["state"], lost["reason"]) == ("lost", "controller_stopped")
+    assert scruffy.status(root)["allocation"]["state"] == "ended"
