@@ -1,5 +1,5 @@
 import sys
 
-from scruffy.controller import main
+from scruffy.cli import main
 
 sys.exit(main())

@@ -19,24 +19,21 @@ Test knobs (not Scruffy's), read each tick from ``ROOT/stub-control.json``:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from scruffy import _contract, storage
+from scruffy import _contract, projection, storage, worker
 from scruffy.protocol import ProtocolError, validate_event
 
 ACTIVE = ("submitted", "queued", "blocked", "starting", "running", "finishing", "cancelling")
 TERMINAL = ("succeeded", "failed", "cancelled", "lost", "rejected", "skipped")
 REPORTS_PER_TICK = 128
-LATEST_ARTIFACTS = 8
 _EXIT_REASONS = {75: "evacuated", 76: "checkpoint_ack_timeout"}
 
 
@@ -145,13 +142,13 @@ class Controller:
 
     def shutdown(self) -> None:
         for proc in self.procs.values():
-            _signal_group(proc, signal.SIGTERM)
+            worker.signal_group(proc, signal.SIGTERM)
         deadline = time.monotonic() + self.cancel_grace
         for job_id, proc in list(self.procs.items()):
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                _signal_group(proc, signal.SIGKILL)
+                worker.signal_group(proc, signal.SIGKILL)
                 proc.wait()
             self._finish(job_id, "lost", "controller_stopped", None, None)
         self.procs.clear()
@@ -287,7 +284,7 @@ class Controller:
             "blockers": [],
             "condition_satisfactions": [],
             "resolved_conditions": [],
-            "workload": _empty_workload(),
+            "workload": projection.empty_workload(),
             "stdout": f"jobs/{spec['job_id']}/stdout.log",
             "stderr": f"jobs/{spec['job_id']}/stderr.log",
         }
@@ -369,7 +366,7 @@ class Controller:
             report_id=report_id,
             report_digest=ident,
         )
-        _project(job["workload"], envelope, record)
+        projection.project(job["workload"], envelope, record)
         pub = envelope["data"].get("publication")
         if envelope["kind"] == "workload.artifact" and isinstance(pub, dict):
             evidence = {
@@ -528,70 +525,25 @@ class Controller:
             self._start(job)
 
     def _start(self, job: dict[str, Any]) -> None:
-        job_id = job["job_id"]
         job.update(state="starting", started_at=_now(), reason=None, exit_code=None, signal=None)
         job["run"] += 1
         self._job_event("job.starting", job)
-        jobs_dir = self.root / "jobs" / job_id
-        jobs_dir.mkdir(parents=True, exist_ok=True)
-        provenance = self.root / "provenance" / job_id / "launch.json"
-        gpus = ",".join(str(g) for g in job["gpu_ids"])
-        attempt = job["attempt"] + job["run"] - 1  # in-place retries count on
-        env = {**os.environ, **job["env"]}
-        env.update(
-            SCRUFFY_ROOT=str(self.root),
-            SCRUFFY_JOB_ID=job_id,
-            SCRUFFY_PROJECT=job["project_id"],
-            SCRUFFY_NODE=self.node_name,
-            SCRUFFY_EVENT_DIR=str(self.root / "reports" / job_id),
-            SCRUFFY_PROVENANCE_PATH=str(provenance),
-            SCRUFFY_ATTEMPT=str(attempt),
-            SCRUFFY_GPU_IDS=gpus,
-            SCRUFFY_RESERVED_GPU_IDS=gpus,
-            CUDA_VISIBLE_DEVICES=gpus,
-            CUDA_DEVICE_ORDER="PCI_BUS_ID",
-            SCRUFFY_STUB_CONTRACT=_contract.CONTRACT,
-        )
-        if job["workflow_id"] is not None:
-            env.update(SCRUFFY_WORKFLOW_ID=job["workflow_id"], SCRUFFY_TASK_ID=job["task_id"])
-        launch = {
-            "v": 1,
-            "job": {
-                k: job[k] for k in ("project_id", "request_id", "name", "workflow_id", "task_id")
-            }
-            | {"id": job_id, "attempt": attempt},
-            "allocation_id": self.state["allocation"]["id"],
-            "submitted_at": job["submitted_at"],
-            "started_at": job["started_at"],
-            "argv": job["argv"],
-            "cwd": job["cwd"],
-            "request": job["resources"],
-            "dependencies": [
-                {**n, "job_id": (self._newest(job, n["task_id"]) or {}).get("job_id")}
-                for n in job["needs"]
-            ],
-            "conditions": job["resolved_conditions"],
-            "result_path": str(provenance.parent / "result.json"),
+        upstreams = {
+            n["task_id"]: (self._newest(job, n["task_id"]) or {}).get("job_id")
+            for n in job["needs"]
         }
-        assignment = hashlib.sha256(json.dumps(launch, sort_keys=True).encode()).hexdigest()
-        launch["assignment_sha256"] = assignment
-        env["SCRUFFY_ASSIGNMENT_SHA256"] = assignment
-        storage.write_atomic(provenance, launch, mode=0o444)
-        with open(jobs_dir / "stdout.log", "ab") as out, open(jobs_dir / "stderr.log", "ab") as err:
-            try:
-                proc = subprocess.Popen(
-                    job["argv"],
-                    cwd=job["cwd"],
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=err,
-                    start_new_session=True,
-                )
-            except OSError as exc:
-                job["message"] = str(exc)
-                return self._finish(job_id, "failed", "launch_failed", None, None)
-        self.procs[job_id] = proc
+        try:
+            proc = worker.spawn(
+                self.root,
+                job,
+                node=self.node_name,
+                allocation_id=self.state["allocation"]["id"],
+                upstreams=upstreams,
+            )
+        except OSError as exc:
+            job["message"] = str(exc)
+            return self._finish(job["job_id"], "failed", "launch_failed", None, None)
+        self.procs[job["job_id"]] = proc
         limit = job["resources"].get("time_limit_seconds")
         job["deadline"] = time.monotonic() + limit if limit else None
         job["state"] = "running"
@@ -609,7 +561,7 @@ class Controller:
             if job["job_id"] in self.procs:
                 job["state"] = "cancelling"
                 self._job_event("job.cancelling", job)
-                _signal_group(self.procs[job["job_id"]], signal.SIGTERM)
+                worker.signal_group(self.procs[job["job_id"]], signal.SIGTERM)
                 self.kill_at[job["job_id"]] = time.monotonic() + self.cancel_grace
             else:
                 self._finish(job["job_id"], "cancelled", "cancelled_before_start", None, None)
@@ -621,7 +573,7 @@ class Controller:
             if job_id in self.evacuated or job_id not in self.procs or not evac:
                 continue
             self.evacuated.add(job_id)
-            _signal_group(self.procs[job_id], signal.SIGUSR1)
+            worker.signal_group(self.procs[job_id], signal.SIGUSR1)
             self._job_event("job.evacuating", job, grace_seconds=evac["grace_seconds"])
             self.kill_at[job_id] = time.monotonic() + evac["grace_seconds"] + self.cancel_grace
 
@@ -631,10 +583,10 @@ class Controller:
             now = time.monotonic()
             if job.get("deadline") and now > job["deadline"] and job_id not in self.kill_at:
                 job["timed_out"] = True
-                _signal_group(proc, signal.SIGTERM)
+                worker.signal_group(proc, signal.SIGTERM)
                 self.kill_at[job_id] = now + self.cancel_grace
             if job_id in self.kill_at and now > self.kill_at[job_id]:
-                _signal_group(proc, signal.SIGKILL)
+                worker.signal_group(proc, signal.SIGKILL)
             code = proc.poll()
             if code is None:
                 continue
@@ -693,90 +645,3 @@ def _arrival(path: Path) -> tuple[int, str]:
 
 def _same_condition(evidence: dict[str, Any], cond: dict[str, Any]) -> bool:
     return (evidence["task_id"], evidence["artifact_id"]) == (cond["task_id"], cond["artifact_id"])
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _empty_workload() -> dict[str, Any]:
-    keys = (
-        "phase", "status", "phase_at", "phase_event_id", "progress", "progress_at",
-        "progress_event_id", "last_milestone", "milestone_at", "milestone_event_id",
-        "last_notice", "notice_at", "notice_event_id", "last_update_at", "last_update_event_id",
-        "last_recorded_at",
-    )  # fmt: skip
-    return {**dict.fromkeys(keys), "latest_artifacts": []}
-
-
-def _project(view: dict[str, Any], envelope: dict[str, Any], record: dict[str, Any]) -> None:
-    """The job's ``workload`` projection: a newer report wins by (occurred_at, event_id)."""
-    kind, data = envelope["kind"], envelope["data"]
-    at, eid = envelope["occurred_at"], envelope["event_id"]
-    view["last_recorded_at"] = record["recorded_at"]
-    if kind == "workload.artifact":
-        view["latest_artifacts"] = (
-            view["latest_artifacts"] + [{**data, "occurred_at": at, "event_id": eid}]
-        )[-LATEST_ARTIFACTS:]
-    field = {
-        "workload.phase": "phase",
-        "workload.progress": "progress",
-        "workload.milestone": "milestone",
-        "workload.notice": "notice",
-    }.get(kind)
-    if field is not None and (at, eid) >= (
-        view.get(f"{field}_at") or "",
-        view.get(f"{field}_event_id") or "",
-    ):
-        view[f"{field}_at"], view[f"{field}_event_id"] = at, eid
-        if kind == "workload.phase":
-            view["phase"], view["status"] = data.get("phase"), data.get("status")
-        elif kind == "workload.progress":
-            view["progress"], view["status"] = data, "active"
-            if isinstance(data.get("phase"), str):
-                view["phase"] = data["phase"]
-        elif kind == "workload.milestone":
-            view["last_milestone"] = data
-        else:
-            view["last_notice"] = data
-    if (at, eid) >= (view.get("last_update_at") or "", view.get("last_update_event_id") or ""):
-        view["last_update_at"], view["last_update_event_id"] = at, eid
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="scruffy")
-    parser.add_argument("--root", required=True, type=Path)
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve")
-    serve.add_argument("--launcher", choices=("auto", "local"), default="auto")
-    serve.add_argument("--inventory", type=Path)
-    serve.add_argument("--allocation-id", default="local")
-    serve.add_argument("--poll-interval", type=float, default=0.2)
-    serve.add_argument("--cancel-grace", type=float, default=30.0)
-    serve.add_argument("--contract", choices=_contract.CONTRACTS, default=_contract.CONTRACT)
-    args = parser.parse_args(argv)
-    if args.contract != _contract.CONTRACT:  # re-exec so client and controller agree
-        env = {**os.environ, "SCRUFFY_STUB_CONTRACT": args.contract}
-        os.execve(sys.executable, [sys.executable, "-m", "scruffy", *(argv or sys.argv[1:])], env)
-    if args.launcher == "auto" and os.environ.get("SLURM_JOB_ID"):
-        parser.exit(2, "scruffy: this stub has only the local launcher\n")
-    if args.inventory is None:
-        parser.exit(2, "scruffy: --inventory is required outside Slurm\n")
-    try:
-        inventory = load_inventory(args.inventory)
-        controller = Controller(
-            args.root,
-            inventory,
-            allocation_id=args.allocation_id,
-            poll_interval=args.poll_interval,
-            cancel_grace=args.cancel_grace,
-        )
-    except (ValueError, RuntimeError, OSError) as exc:
-        parser.exit(2, f"scruffy: {exc}\n")
-    controller.serve()
-    return 0
