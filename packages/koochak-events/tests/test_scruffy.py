@@ -90,7 +90,9 @@ class Released(types.ModuleType):
     def observe(
         self, root, *, after=None, wait_seconds=0, include_output=False, limit=1000, project_id=None
     ):
-        self.calls.append(("observe", {"after": after, "wait_seconds": wait_seconds}))
+        self.calls.append(
+            ("observe", {"after": after, "wait_seconds": wait_seconds, "project_id": project_id})
+        )
         start = len(self.journal) if after is None else int(after)
         return {
             "snapshot": {},
@@ -202,6 +204,13 @@ def test_on_0_1_1_the_cursor_is_taken_before_publishing(released, ckpt_info, tmp
     assert names[:2] == ["observe", "publish"] and "observe" in names[2:]
     assert released.calls[0][1]["after"] is None
     assert "status" not in names  # acknowledged: the durable record is never scanned
+
+
+def test_observation_is_filtered_to_the_jobs_project(released, ckpt_info, tmp_path):
+    hooks = make_scruffy_hooks(env={**ENV, "SCRUFFY_PROJECT": "demo"})
+    fire(hooks, "on_checkpoint", ckpt_info(str(tmp_path), 3))
+    observed = [c for name, c in released.calls if name == "observe"]
+    assert observed and all(c["project_id"] == "demo" for c in observed)
 
 
 def test_a_rejection_fails_closed_with_exit_77(client, ckpt_info, tmp_path):

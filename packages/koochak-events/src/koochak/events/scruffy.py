@@ -71,7 +71,8 @@ def make_scruffy_hooks(
     job_id = _required(env, "SCRUFFY_JOB_ID")
     timeout = _ack_timeout(artifact_ack_timeout_s, env)
     client = import_client()
-    publisher = ScruffyPublisher(client, root, job_id, timeout, node=_node(env))
+    project = env.get("SCRUFFY_PROJECT", "").strip() or None
+    publisher = ScruffyPublisher(client, root, job_id, timeout, node=_node(env), project_id=project)
     return make_event_hooks(
         publisher, progress_every_s=progress_every_s, clock=clock, job_id=job_id
     )
@@ -88,6 +89,7 @@ class ScruffyPublisher:
         ack_timeout_s: float,
         *,
         node: str | None = None,
+        project_id: str | None = None,
         monotonic: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -96,6 +98,8 @@ class ScruffyPublisher:
         self.job_id = job_id
         self.ack_timeout_s = ack_timeout_s
         self.node = node
+        # Observe only this job's project (rejection notices are allocation-wide: still seen).
+        self._observe_filter = {"project_id": project_id} if project_id else {}
         self.waits = accepts_wait(client.publish_event)
         self._monotonic = monotonic
         self._sleep = sleep
@@ -147,7 +151,7 @@ class ScruffyPublisher:
             if self.waits:
                 verdict = self._publish_waiting(event, kwargs)
             else:
-                cursor = self.client.observe(self.root)["next_cursor"]
+                cursor = self.client.observe(self.root, **self._observe_filter)["next_cursor"]
                 result = self._publish_once(event, kwargs)
                 if (
                     isinstance(result, Mapping)
@@ -210,7 +214,10 @@ class ScruffyPublisher:
             if remaining <= 0:
                 return _TIMED_OUT, None
             page = self.client.observe(
-                self.root, after=cursor, wait_seconds=1 if remaining >= 1 else 0
+                self.root,
+                after=cursor,
+                wait_seconds=1 if remaining >= 1 else 0,
+                **self._observe_filter,
             )
             for record in page.get("events", ()):
                 if record.get("report_id") != report_id:
