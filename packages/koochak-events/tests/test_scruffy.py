@@ -388,7 +388,7 @@ def test_a_bad_ack_timeout_argument_is_named(released, value):
 
 
 def test_the_wire_envelope_is_measured_ascii_escaped_before_it_reaches_scruffy(
-    released, monkeypatch
+    released, monkeypatch, ckpt_info
 ):
     from koochak.events import make_event
     from koochak.events import scruffy as adapter
@@ -400,6 +400,12 @@ def test_the_wire_envelope_is_measured_ascii_escaped_before_it_reaches_scruffy(
     monkeypatch.setattr(adapter, "MAX_WIRE_BYTES", 7000)
     with pytest.raises(ValueError, match="more than 7000"):
         publisher.wire_arguments(event)
+    # A checkpoint artifact over the bound is a rejection (exit 77), never a warning.
+    monkeypatch.setattr(adapter, "MAX_WIRE_BYTES", 300)
+    hooks = make_scruffy_hooks(env=ENV)
+    with pytest.raises(ArtifactRejected, match="more than 300"):
+        fire(hooks, "on_checkpoint", ckpt_info("/runs/exp", 9))
+    assert released.published() == []
 
 
 def test_importing_koochak_events_does_not_import_scruffy():

@@ -105,10 +105,13 @@ class ScruffyPublisher:
         self._sleep = sleep
 
     def __call__(self, event: Event, *, wait: bool = False) -> None:
-        kwargs = self.wire_arguments(event)
         if not wait:
-            self.client.publish_event(self.root, **kwargs)
+            self.client.publish_event(self.root, **self.wire_arguments(event))
             return
+        try:
+            kwargs = self.wire_arguments(event)
+        except ValueError as exc:  # a checkpoint that cannot be published never gates: fail closed
+            raise self._rejected(event, str(exc)) from exc
         self._publish_acknowledged(event, kwargs)
 
     def wire_arguments(self, event: Event) -> dict[str, Any]:
