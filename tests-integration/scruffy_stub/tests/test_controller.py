@@ -362,6 +362,20 @@ def test_needs_skip_run_and_a_colliding_submission_is_rejected_whole(scruffy, co
     skipped = scruffy.wait_for_job(root, strict, timeout=30)
     assert (skipped["state"], skipped["reason"]) == ("skipped", "dependency_unsatisfied")
     assert scruffy.wait_for_job(root, anyway, timeout=30)["state"] == "succeeded"
+    # A single job duplicating a succeeded task is rejected (a retry needs a failed attempt).
+    dup = scruffy.submit_job(
+        root,
+        argv=[PY, "-c", "pass"],
+        name="any",
+        cwd=tmp_path,
+        environment={},
+        request=scruffy.ResourceRequest(1, 0, 1, 1),
+        request_id="wf4/any#2",
+        workflow_id="wf4",
+        task_id="any",
+    )
+    rejected_job = scruffy.wait_for_job(root, dup["job_id"], timeout=10)
+    assert (rejected_job["state"], rejected_job["reason"]) == ("rejected", "invalid_workflow")
     # A second workflow whose task identity collides with the succeeded "any": all or nothing.
     cursor = scruffy.observe(root)["next_cursor"]
     clash = scruffy.submit_workflow(
