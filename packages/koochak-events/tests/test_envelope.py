@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from koochak.events import Event, artifact_event_id, make_event, parse_event
+from koochak.events import Event, artifact_event_id, make_event, parse_event, publication_record
 from koochak.events.envelope import (
     MAX_ITEMS,
     MAX_PAYLOAD_BYTES,
@@ -17,16 +17,21 @@ SHA = "a" * 64
 
 
 def artifact_payload(**overrides):
-    payload = {
+    """A checkpoint artifact payload; ``overrides`` change keys of its publication record."""
+    publication = {
+        "v": 1,
         "artifact_id": "checkpoint/step000000100.pt",
         "path": "/runs/exp/step000000100.pt",
-        "size": 123,
+        "size_bytes": 123,
         "sha256": SHA,
         "manifest_path": "/runs/exp/step000000100.pt.ready.json",
-        "step": 100,
     }
-    payload.update(overrides)
-    return payload
+    publication.update(overrides)
+    publication = {k: v for k, v in publication.items() if v is not _DROP}
+    return {"artifact_type": "checkpoint", "step": 100, "publication": publication}
+
+
+_DROP = object()
 
 
 def test_every_kind_round_trips_through_json():
@@ -45,7 +50,9 @@ def test_every_kind_round_trips_through_json():
 
 
 def test_to_json_is_canonical():
-    event = make_event("workload.phase", {"step": 1, "phase": "training"}, time="2026-01-01T00:00:00Z")
+    event = make_event(
+        "workload.phase", {"step": 1, "phase": "training"}, time="2026-01-01T00:00:00Z"
+    )
     text = event.to_json()
     assert text == json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"))
 
@@ -56,20 +63,34 @@ def test_non_artifact_events_get_distinct_ids():
     assert a.id != b.id
 
 
-def test_artifact_id_derives_from_job_artifact_and_digest():
+def test_artifact_event_id_derives_from_artifact_and_digest_only():
     a = make_event("workload.artifact", artifact_payload(), job_id="job-1")
     retry = make_event("workload.artifact", artifact_payload(), job_id="job-1")
-    assert a.id == retry.id == artifact_event_id("job-1", "checkpoint/step000000100.pt", SHA)
-    assert make_event("workload.artifact", artifact_payload(), job_id="job-2").id != a.id
+    assert a.id == retry.id == artifact_event_id("checkpoint/step000000100.pt", SHA)
+    assert a.id.startswith("koochak-checkpoint-") and len(a.id) <= 256
+    # A resumed attempt (another Scruffy job) republishes the very same event id.
+    assert make_event("workload.artifact", artifact_payload(), job_id="job-2").id == a.id
     other_bytes = make_event("workload.artifact", artifact_payload(sha256="b" * 64), job_id="job-1")
     assert other_bytes.id != a.id
     with pytest.raises(ValueError, match="event_id"):
         make_event("workload.artifact", artifact_payload(), job_id="job-1", event_id="mine")
 
 
+def test_the_publication_record_has_exactly_scruffys_six_keys():
+    event = make_event("workload.artifact", artifact_payload(), job_id="j")
+    pub = event.payload["publication"]
+    assert list(pub) == ["v", "artifact_id", "path", "size_bytes", "sha256", "manifest_path"]
+    assert (
+        publication_record(
+            pub["artifact_id"], pub["path"], pub["size_bytes"], pub["sha256"], pub["manifest_path"]
+        )
+        == pub
+    )
+
+
 def test_parse_rejects_a_tampered_artifact_id():
     doc = json.loads(make_event("workload.artifact", artifact_payload(), job_id="j").to_json())
-    doc["id"] = "art-0000"
+    doc["id"] = "koochak-checkpoint-0000"
     with pytest.raises(ValueError, match="'id'"):
         parse_event(json.dumps(doc))
 
@@ -128,12 +149,20 @@ def test_parse_rejects_duplicate_keys_nan_and_non_objects():
     ("change", "field"),
     [
         ({"sha256": "XYZ"}, "'sha256'"),
+        ({"sha256": "A" * 64}, "'sha256'"),
         ({"path": "relative/step.pt"}, "'path'"),
+        ({"path": " /padded/step.pt"}, "'path'"),
         ({"manifest_path": "m.ready.json"}, "'manifest_path'"),
         ({"artifact_id": "step000000100.pt"}, "'artifact_id'"),
-        ({"size": "12"}, "'size'"),
-        ({"size": None}, "'size'"),
-        ({"extra": 1}, "'extra'"),
+        ({"artifact_id": "checkpoint/a\tb"}, "'artifact_id'"),
+        ({"size_bytes": "12"}, "'size_bytes'"),
+        ({"size_bytes": True}, "'size_bytes'"),
+        ({"size_bytes": 1.0}, "'size_bytes'"),
+        ({"size_bytes": -1}, "'size_bytes'"),
+        ({"v": "1"}, "'v'"),
+        ({"v": True}, "'v'"),
+        ({"extra": 1}, "exactly the keys"),
+        ({"manifest_path": _DROP}, "exactly the keys"),
     ],
 )
 def test_artifact_payload_is_strict(change, field):
@@ -167,14 +196,28 @@ def test_a_truncated_path_cannot_become_an_artifact():
 )
 def test_unbounded_payloads_are_refused_naming_the_path(metrics, message):
     with pytest.raises(ValueError, match=message) as err:
-        make_event("workload.progress", {"completed_steps": 1, "total_steps": 2, "metrics": metrics})
+        make_event(
+            "workload.progress", {"completed_steps": 1, "total_steps": 2, "metrics": metrics}
+        )
     assert "payload.metrics" in str(err.value)
+
+
+def test_the_byte_limit_counts_non_ascii_text_as_scruffy_escapes_it():
+    # 700 x "e-acute" is 1400 UTF-8 bytes but 4200 ASCII-escaped: twelve such strings overflow.
+    metrics = {f"m{i}": "\u00e9" * 700 for i in range(12)}
+    with pytest.raises(ValueError, match=f"more than {MAX_PAYLOAD_BYTES}"):
+        make_event(
+            "workload.progress", {"completed_steps": 1, "total_steps": 2, "metrics": metrics}
+        )
+    assert make_event("workload.notice", {"message": "\u00e9" * 1000}).payload["message"]
 
 
 def test_payload_byte_limit():
     metrics = {f"m{i}": "v" * 200 for i in range(MAX_ITEMS)}
     with pytest.raises(ValueError, match=f"more than {MAX_PAYLOAD_BYTES}"):
-        make_event("workload.progress", {"completed_steps": 1, "total_steps": 2, "metrics": metrics})
+        make_event(
+            "workload.progress", {"completed_steps": 1, "total_steps": 2, "metrics": metrics}
+        )
 
 
 def test_parse_does_not_truncate_it_refuses():
@@ -212,8 +255,12 @@ def test_event_is_frozen():
 )
 def test_an_event_built_by_hand_is_checked_too(changes, message):
     fields = {
-        "kind": "workload.notice", "id": "evt-1", "time": "2026-01-01T00:00:00Z",
-        "source": "me", "job_id": None, "payload": {"message": "m"},
+        "kind": "workload.notice",
+        "id": "evt-1",
+        "time": "2026-01-01T00:00:00Z",
+        "source": "me",
+        "job_id": None,
+        "payload": {"message": "m"},
     }
     with pytest.raises(ValueError, match=message):
         Event(**{**fields, **changes})

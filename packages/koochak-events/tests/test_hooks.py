@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import warnings
 
 import pytest
@@ -47,15 +49,20 @@ def test_a_whole_run_publishes_phases_progress_eval_artifact_and_finish(
     phases = [e.payload["phase"] for e in publisher.of("workload.phase")]
     assert phases == ["starting", "training", "finished"]  # nothing after the end
     assert publisher.of("workload.phase")[0].payload == {
-        "phase": "starting", "step": 0, "max_steps": 100, "world_size": 2, "resumed": False,
+        "phase": "starting",
+        "step": 0,
+        "max_steps": 100,
+        "world_size": 2,
+        "resumed": False,
     }
     assert publisher.of("workload.phase")[1].payload == {"phase": "training", "step": 1}
     assert publisher.of("workload.phase")[-1].payload == {"phase": "finished", "step": 100}
     progress = publisher.of("workload.progress")
-    # 100 steps of 1 s with a 30 s interval: after updates 30, 60 and 90.
-    assert [p.payload["completed_steps"] for p in progress] == [30, 60, 90]
+    # 100 steps of 1 s with a 30 s interval: the first update, then updates 31, 61 and 91.
+    assert [p.payload["completed_steps"] for p in progress] == [1, 31, 61, 91]
     assert all(p.payload["total_steps"] == 100 for p in progress)
-    assert progress[0].payload["metrics"] == {"loss": 0.5, "lr": 0.1}
+    assert "metrics" not in progress[0].payload  # nothing logged before the first update
+    assert progress[1].payload["metrics"] == {"loss": 0.5, "lr": 0.1}
     (milestone,) = publisher.of("workload.milestone")
     assert milestone.payload == {"milestone": "eval", "step": 9, "metrics": {"eval_acc": 0.75}}
     (artifact,) = publisher.of("workload.artifact")
@@ -76,14 +83,72 @@ def test_checkpoint_artifact_is_a_strict_publication_record(publisher, ckpt_info
     pub = info["publication"]
     assert event.kind == "workload.artifact"
     assert event.payload == {
-        "artifact_id": "checkpoint/step000000041.pt",
-        "path": f"{tmp_path}/step000000041.pt",
-        "size": len(b"tensor bytes"),
-        "sha256": pub.sha256,
-        "manifest_path": f"{tmp_path}/step000000041.pt.ready.json",
+        "artifact_type": "checkpoint",
         "step": 41,
+        "publication": {
+            "v": 1,
+            "artifact_id": "checkpoint/step000000041.pt",
+            "path": f"{tmp_path}/step000000041.pt",
+            "size_bytes": len(b"tensor bytes"),
+            "sha256": pub.sha256,
+            "manifest_path": f"{tmp_path}/step000000041.pt.ready.json",
+        },
     }
-    assert event.id == artifact_event_id("job-1", pub.artifact_id, pub.sha256)
+    assert event.id == artifact_event_id(pub.artifact_id, pub.sha256)
+    assert publisher.waits == [True]
+
+
+def _ready_manifest(directory, step, data=b"weights"):
+    """A checkpoint file and its ready manifest as koochak-store writes them (formats.md)."""
+    name = f"step{step:09d}.pt"
+    (directory / name).write_bytes(data)
+    manifest = {
+        "artifact_id": f"checkpoint/{name}",
+        "file_count": 1,
+        "key": name,
+        "provenance": None,
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "size": len(data),
+        "type": "file",
+        "version": 1,
+    }
+    (directory / f"{name}.ready.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    return str(directory / name)
+
+
+def test_resume_republishes_the_selected_checkpoint_with_the_same_event_and_names_it(
+    publisher, train_start, ckpt_info, tmp_path
+):
+    path = _ready_manifest(tmp_path, 9)
+    first = make_event_hooks(publisher, job_id="job-1")
+    fire(first, "on_checkpoint", ckpt_info(str(tmp_path), 9))  # what attempt 1 published
+    (original,) = publisher.events
+    hooks = make_event_hooks(publisher, job_id="job-2")
+    fire(hooks, "on_train_start", {**train_start(step=10), "resumed": True, "resume_path": path})
+    start, again, selected = publisher.events[1:]
+    assert start.payload["resumed"] is True
+    assert (again.kind, again.id, again.payload) == (original.kind, original.id, original.payload)
+    assert selected.kind == "workload.milestone"
+    assert selected.payload == {
+        "milestone": "resume_selected",
+        "step": 10,
+        "path": path,
+        "artifact_id": "checkpoint/step000000009.pt",
+        "publication": original.payload["publication"],
+        "artifact_event_id": original.id,
+    }
+    assert publisher.waits[1:] == [False, True, False]  # only the artifact waits
+
+
+def test_resume_without_a_readable_manifest_only_names_the_selection(
+    publisher, train_start, tmp_path
+):
+    path = _ready_manifest(tmp_path, 4)
+    (tmp_path / "step000000004.pt.ready.json").write_text("{not json")
+    hooks = make_event_hooks(publisher)
+    fire(hooks, "on_train_start", {**train_start(step=5), "resumed": True, "resume_path": path})
+    assert publisher.kinds() == ["workload.phase", "workload.milestone"]
+    assert "publication" not in publisher.events[-1].payload
 
 
 def test_republishing_the_same_checkpoint_reuses_the_event_id(publisher, ckpt_info, tmp_path):
@@ -106,7 +171,9 @@ def test_a_checkpoint_without_a_local_path_is_a_milestone_reference(publisher, c
     (event,) = publisher.events
     assert event.kind == "workload.milestone"
     assert event.payload == {
-        "milestone": "checkpoint", "step": 3, "path": None,
+        "milestone": "checkpoint",
+        "step": 3,
+        "path": None,
         "artifact_id": "checkpoint/step000000003.pt",
     }
     assert publisher.waits == [False]
@@ -115,8 +182,12 @@ def test_a_checkpoint_without_a_local_path_is_a_milestone_reference(publisher, c
 def test_the_checkpoint_hook_is_marked_fail_closed_for_the_loop(publisher):
     (hook,) = make_event_hooks(publisher)["on_checkpoint"]
     assert getattr(hook, "__koochak_fail_closed__", False) is True
-    others = [fn for event, fns in make_event_hooks(publisher).items() for fn in fns
-              if event != "on_checkpoint"]
+    others = [
+        fn
+        for event, fns in make_event_hooks(publisher).items()
+        for fn in fns
+        if event != "on_checkpoint"
+    ]
     assert not any(getattr(fn, "__koochak_fail_closed__", False) for fn in others)
 
 
@@ -134,12 +205,16 @@ def test_then_the_failure_is_reported_with_its_reason(publisher, train_start):
     fire(hooks, "on_exception", {"step": 4, "exception": ArtifactAckTimeout("no ack in 300 s")})
     failed = publisher.of("workload.phase")[-1].payload
     assert failed == {
-        "phase": "failed", "step": 4, "reason": "checkpoint_ack_timeout",
+        "phase": "failed",
+        "step": 4,
+        "reason": "checkpoint_ack_timeout",
         "error": "ArtifactAckTimeout: no ack in 300 s",
     }
 
 
-def test_publisher_errors_warn_once_and_never_raise(publisher, clock, train_start, ckpt_info, tmp_path):
+def test_publisher_errors_warn_once_and_never_raise(
+    publisher, clock, train_start, ckpt_info, tmp_path
+):
     hooks = make_event_hooks(publisher, clock=clock, progress_every_s=0)
     publisher.fail_with = OSError("spool full")
     with pytest.warns(RuntimeWarning, match="spool full") as record:
@@ -176,19 +251,21 @@ def test_other_ranks_publish_nothing(publisher, clock, train_start, ckpt_info, t
 def test_progress_waits_for_a_completed_step_boundary(publisher, clock, train_start):
     hooks = make_event_hooks(publisher, clock=clock, progress_every_s=30.0)
     fire(hooks, "on_train_start", train_start(max_steps=None))
-    run_steps(hooks, clock, 0, 1, seconds_per_step=29.0)
-    assert publisher.of("workload.progress") == []
+    run_steps(hooks, clock, 0, 2, seconds_per_step=29.0)
+    (first,) = publisher.of("workload.progress")  # the first update always reports
+    assert first.payload == {"completed_steps": 1, "total_steps": None}
     clock.advance(500)  # a long pause: still one event, at the next completed update
-    run_steps(hooks, clock, 1, 3, seconds_per_step=0.0)
-    (progress,) = publisher.of("workload.progress")
-    assert progress.payload == {"completed_steps": 2, "total_steps": None}
+    run_steps(hooks, clock, 2, 4, seconds_per_step=0.0)
+    progress = publisher.of("workload.progress")[1:]
+    assert [p.payload for p in progress] == [{"completed_steps": 3, "total_steps": None}]
 
 
 def test_progress_counts_from_a_resumed_step(publisher, clock, train_start):
     hooks = make_event_hooks(publisher, clock=clock, progress_every_s=10.0)
     fire(hooks, "on_train_start", train_start(step=500, max_steps=1000))
     run_steps(hooks, clock, 500, 520, seconds_per_step=1.0)
-    assert [p.payload["completed_steps"] for p in publisher.of("workload.progress")] == [510, 520]
+    completed = [p.payload["completed_steps"] for p in publisher.of("workload.progress")]
+    assert completed == [501, 511]
     assert publisher.of("workload.phase")[0].payload["step"] == 500
 
 
@@ -198,20 +275,30 @@ def test_evacuation_sends_milestone_and_phase_and_swallows_the_exit_exception(
     hooks = make_event_hooks(publisher)
     fire(hooks, "on_train_start", train_start())
     fire(hooks, "on_step_end", {"step": 0, "outputs": {}})
-    fire(hooks, "on_checkpoint", ckpt_info(str(tmp_path), 1))
-    fire(hooks, "on_train_end", {"step": 1, "checkpoint": {}, "metrics": {}, "reason": "evacuation"})
+    evacuation_ckpt = {**ckpt_info(str(tmp_path), 1), "checkpoint": {"reason": "evacuation"}}
+    fire(hooks, "on_checkpoint", evacuation_ckpt)
+    fire(
+        hooks, "on_train_end", {"step": 1, "checkpoint": {}, "metrics": {}, "reason": "evacuation"}
+    )
 
     class Evacuated(Exception):
         pass
 
     fire(hooks, "on_exception", {"step": 1, "exception": Evacuated("exit 75")})
-    tail = [(e.kind, e.payload.get("phase") or e.payload.get("milestone")) for e in publisher.events]
+    tail = [
+        (e.kind, e.payload.get("phase") or e.payload.get("milestone")) for e in publisher.events
+    ]
     assert tail[-3:] == [
         ("workload.artifact", None),
         ("workload.milestone", "evacuation"),
         ("workload.phase", "evacuated"),
     ]
-    assert publisher.waits[-2:] == [False, False]  # milestone and phase stay asynchronous
+    # Nothing waits during the grace period, not even the terminal checkpoint's artifact.
+    assert publisher.waits[-3:] == [False, False, False]
+    artifact, milestone = publisher.events[-3:-1]
+    assert milestone.payload["publication"] == artifact.payload["publication"]
+    assert milestone.payload["artifact_event_id"] == artifact.id
+    assert milestone.payload["path"] == artifact.payload["publication"]["path"]
 
 
 def test_a_failure_publishes_failed_with_a_truncated_message(publisher, train_start):
@@ -224,7 +311,9 @@ def test_a_failure_publishes_failed_with_a_truncated_message(publisher, train_st
     assert failed.payload["error"].endswith("...[truncated]")
 
 
-def test_payloads_never_carry_configs_models_or_tensors(publisher, clock, train_start, ckpt_info, tmp_path):
+def test_payloads_never_carry_configs_models_or_tensors(
+    publisher, clock, train_start, ckpt_info, tmp_path
+):
     hooks = make_event_hooks(publisher, clock=clock, progress_every_s=0)
     fire(hooks, "on_train_start", train_start())  # carries a 100 kB train_cfg and a model
     fire(hooks, "on_log", {"step": 0, "metrics": {"loss": float("nan"), "tensor": object()}})
@@ -236,7 +325,9 @@ def test_payloads_never_carry_configs_models_or_tensors(publisher, clock, train_
     assert publisher.of("workload.progress")[0].payload["metrics"] == {"loss": "nan"}
 
 
-def test_a_plain_callable_without_wait_is_called_with_the_event_only(train_start, ckpt_info, tmp_path):
+def test_a_plain_callable_without_wait_is_called_with_the_event_only(
+    train_start, ckpt_info, tmp_path
+):
     seen = []
     hooks = make_event_hooks(seen.append)
     fire(hooks, "on_train_start", train_start())

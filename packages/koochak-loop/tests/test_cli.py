@@ -227,14 +227,19 @@ def test_sigusr1_while_the_dataset_is_built_evacuates_after_one_update(project, 
 
 
 class _FakeScruffyClient:
-    """The Scruffy event-client contract koochak.events assumes (see docs/events.md)."""
+    """The newer Scruffy v1 client contract (keyword-only publish_event with wait=/timeout=);
+    tests-integration runs koochak-train under the faithful stub and its controller."""
 
     def __init__(self) -> None:
         self.events: list[dict] = []
 
-    def publish_event(self, root, job_id, event, *, wait, timeout):
-        self.events.append(event)
-        return "accepted" if wait else None
+    def publish_event(
+        self, root, *, job_id, kind, data, event_id=None, occurred_at=None, source=None,
+        wait=False, timeout=None,
+    ):
+        self.events.append({"kind": kind, "data": data, "event_id": event_id})
+        return {"event_id": event_id, "job_id": job_id, "deduplicated": False,
+                "state": "accepted" if wait else "spooled", "acknowledged": wait}
 
 
 def test_scruffy_worker_variables_attach_event_hooks(project, monkeypatch, capsys):
@@ -251,7 +256,7 @@ def test_scruffy_worker_variables_attach_event_hooks(project, monkeypatch, capsy
     kinds = [e["kind"] for e in client.events]
     assert kinds[0] == "workload.phase" and "workload.artifact" in kinds
     artifact = next(e for e in client.events if e["kind"] == "workload.artifact")
-    assert artifact["payload"]["artifact_id"] == "checkpoint/step000000006.pt"
+    assert artifact["data"]["publication"]["artifact_id"] == "checkpoint/step000000006.pt"
 
 
 def test_scruffy_worker_without_a_client_fails_before_training(project, monkeypatch, capsys):

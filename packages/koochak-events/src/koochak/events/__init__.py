@@ -1,25 +1,37 @@
 """koochak.events: bounded workload event envelopes and training-loop event hooks."""
 
-from koochak.events.envelope import Event, artifact_event_id, make_event, parse_event
-from koochak.events.hooks import (
+from koochak.events.envelope import (
+    Event,
+    artifact_event_id,
+    make_event,
+    parse_event,
+    publication_record,
+)
+from koochak.events.errors import (
+    EXIT_CHECKPOINT_ACK_TIMEOUT,
+    EXIT_PUBLICATION_REJECTED,
     ArtifactAckTimeout,
     ArtifactNotAccepted,
     ArtifactRejected,
-    Publisher,
-    make_event_hooks,
+    artifact_failure,
 )
-from koochak.events.scruffy import ScruffyEventClient, make_scruffy_hooks
+from koochak.events.hooks import Publisher, make_event_hooks
+from koochak.events.scruffy import ScruffyPublisher, make_scruffy_hooks
 
 __all__ = [
+    "EXIT_CHECKPOINT_ACK_TIMEOUT",
+    "EXIT_PUBLICATION_REJECTED",
     "ArtifactAckTimeout",
     "ArtifactNotAccepted",
     "ArtifactRejected",
     "Event",
     "Publisher",
-    "ScruffyEventClient",
+    "ScruffyPublisher",
     "artifact_event_id",
+    "artifact_failure",
     "make_event",
     "make_event_hooks",
     "make_scruffy_hooks",
     "parse_event",
+    "publication_record",
 ]

@@ -38,7 +38,7 @@ KINDS = (
 )
 PHASES = ("starting", "training", "finished", "failed", "evacuated")
 
-MAX_PAYLOAD_BYTES = 8192  # encoded payload, UTF-8
+MAX_PAYLOAD_BYTES = 8192  # encoded payload, ASCII-escaped (as Scruffy measures its envelope)
 MAX_EVENT_BYTES = 16384  # a whole envelope as parse_event accepts it
 MAX_DEPTH = 3  # payload itself is depth 1; metrics dicts inside it are depth 2
 MAX_ITEMS = 64  # keys of one dict / entries of one list
@@ -76,14 +76,13 @@ _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "metrics": (_METRICS, False),
         "artifact_id": (_STR, False),
         "path": ((str, type(None)), False),
+        "artifact_event_id": (_STR, False),
+        "publication": ((dict,), False),
     },
     "workload.artifact": {
-        "artifact_id": (_STR, True),
-        "path": (_STR, True),
-        "size": (_INT, True),
-        "sha256": (_STR, True),
-        "manifest_path": (_STR, True),
+        "artifact_type": (_STR, True),
         "step": (_INT, True),
+        "publication": ((dict,), True),
     },
     "workload.notice": {
         "message": (_STR, True),
@@ -91,6 +90,10 @@ _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     },
 }
 _NOTICE_LEVELS = ("info", "warning", "error")
+# Scruffy's strict publication record (its artifact gates read exactly these six keys).
+PUBLICATION_KEYS = ("v", "artifact_id", "path", "size_bytes", "sha256", "manifest_path")
+ARTIFACT_EVENT_PREFIX = "koochak-checkpoint-"
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 @dataclass(frozen=True)
@@ -123,19 +126,39 @@ class Event:
     def to_json(self) -> str:
         """Compact JSON, keys sorted, so equal events encode to equal bytes."""
         return json.dumps(
-            self.to_dict(), sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+            self.to_dict(),
+            sort_keys=True,
+            separators=(",", ":"),
+            ensure_ascii=False,
             allow_nan=False,
         )
 
 
-def artifact_event_id(job_id: str | None, artifact_id: str, sha256: str) -> str:
-    """The id of the artifact event for these bytes: a retry publishes the same id again.
+def artifact_event_id(artifact_id: str, sha256: str) -> str:
+    """The event id of the artifact publication for these bytes, the same on every publish.
 
-    Derived from the job, the artifact ID and the content digest, so a coordinator that already
-    accepted it deduplicates, while different content under the same artifact ID conflicts.
+    Derived from the artifact ID and the content digest only, so the same checkpoint republished
+    after a restart or by a resumed attempt carries the same id (Scruffy deduplicates it), while
+    other bytes under the same artifact ID get another id. Scruffy scopes event ids per job.
     """
-    text = f"{job_id or ''}\0{artifact_id}\0{sha256}"
-    return "art-" + hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
+    text = f"{artifact_id}\0{sha256}"
+    return ARTIFACT_EVENT_PREFIX + hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def publication_record(
+    artifact_id: str, path: str, size_bytes: int, sha256: str, manifest_path: str
+) -> dict[str, Any]:
+    """Scruffy's six-key strict publication record (``data.publication`` of an artifact event)."""
+    record = {
+        "v": 1,
+        "artifact_id": artifact_id,
+        "path": path,
+        "size_bytes": size_bytes,
+        "sha256": sha256,
+        "manifest_path": manifest_path,
+    }
+    _check_publication(record, "publication")
+    return record
 
 
 def make_event(
@@ -159,11 +182,12 @@ def make_event(
     bounded = _bound(payload, "payload", 1)
     _check_payload(kind, bounded, where=kind)
     if kind == "workload.artifact":
-        derived = artifact_event_id(job_id, bounded["artifact_id"], bounded["sha256"])
+        pub = bounded["publication"]
+        derived = artifact_event_id(pub["artifact_id"], pub["sha256"])
         if event_id is not None and event_id != derived:
             raise ValueError(
                 f"workload.artifact event_id {event_id!r} differs from the id derived from "
-                f"job, artifact_id and sha256 ({derived!r}); leave event_id unset"
+                f"the publication's artifact_id and sha256 ({derived!r}); leave event_id unset"
             )
         event_id = derived
     elif event_id is None:
@@ -214,12 +238,12 @@ def _check_document(doc: Mapping[str, Any], where: str) -> None:
     _check_bounded(doc["payload"], "payload", 1)
     _check_payload(doc["kind"], doc["payload"], where=f"{where} field 'payload'")
     if doc["kind"] == "workload.artifact":
-        p = doc["payload"]
-        derived = artifact_event_id(doc["job_id"], p["artifact_id"], p["sha256"])
+        p = doc["payload"]["publication"]
+        derived = artifact_event_id(p["artifact_id"], p["sha256"])
         if doc["id"] != derived:
             raise ValueError(
                 f"{where} field 'id': {doc['id']!r} is not the artifact event id {derived!r} "
-                "derived from job_id, artifact_id and sha256"
+                "derived from the publication's artifact_id and sha256"
             )
 
 
@@ -283,28 +307,51 @@ def _check_payload(kind: str, payload: Mapping[str, Any], where: str) -> None:
             f"{where}: workload.notice payload field 'level' must be one of "
             f"{', '.join(_NOTICE_LEVELS)}"
         )
-    if kind == "workload.artifact":
-        _check_artifact(payload, where)
+    if "publication" in payload:
+        _check_publication(payload["publication"], f"{where}: {kind} field 'publication'")
     for key in ("step", "completed_steps", "total_steps", "max_steps", "size", "world_size"):
         value = payload.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value < 0:
             raise ValueError(f"{where}: {kind} payload field {key!r} must be >= 0, got {value}")
 
 
-def _check_artifact(p: Mapping[str, Any], where: str) -> None:
-    if not _SHA256.fullmatch(p["sha256"]):
-        raise ValueError(f"{where}: workload.artifact field 'sha256' must be 64 lowercase hex digits")
-    for key in ("path", "manifest_path"):
-        if not os.path.isabs(p[key]) or p[key].endswith(TRUNCATION_MARKER):
-            raise ValueError(
-                f"{where}: workload.artifact field {key!r} must be a whole absolute path, "
-                f"got {p[key]!r}"
-            )
-    if "/" not in p["artifact_id"] or p["artifact_id"].startswith("/"):
+def _check_publication(p: Any, where: str) -> None:
+    """Scruffy's strict publication rules (client-v1 section 7), plus Koochak's own."""
+    if not isinstance(p, Mapping) or sorted(p) != sorted(PUBLICATION_KEYS):
+        got = sorted(p) if isinstance(p, Mapping) else type(p).__name__
         raise ValueError(
-            f"{where}: workload.artifact field 'artifact_id' must look like "
-            f"'<kind>/<name>', got {p['artifact_id']!r}"
+            f"{where}: expected exactly the keys {', '.join(PUBLICATION_KEYS)}, got {got}"
         )
+    if type(p["v"]) is not int or p["v"] != 1:
+        raise ValueError(f"{where} key 'v': expected the integer 1, got {p['v']!r}")
+    aid = p["artifact_id"]
+    if (
+        not isinstance(aid, str)
+        or not aid
+        or aid != aid.strip()
+        or len(aid) > 256
+        or _CONTROL.search(aid)
+        or "/" not in aid
+        or aid.startswith("/")
+    ):
+        raise ValueError(
+            f"{where} key 'artifact_id': expected '<kind>/<name>' (trimmed, <= 256 chars, no "
+            f"control characters), got {aid!r}"
+        )
+    for key in ("path", "manifest_path"):
+        value = p[key]
+        if (
+            not isinstance(value, str)
+            or value != value.strip()
+            or not os.path.isabs(value)
+            or len(value) > 4096
+            or value.endswith(TRUNCATION_MARKER)
+        ):
+            raise ValueError(f"{where} key {key!r}: expected a whole absolute path, got {value!r}")
+    if type(p["size_bytes"]) is not int or p["size_bytes"] < 0:
+        raise ValueError(f"{where} key 'size_bytes': expected an int >= 0, got {p['size_bytes']!r}")
+    if not isinstance(p["sha256"], str) or not _SHA256.fullmatch(p["sha256"]):
+        raise ValueError(f"{where} key 'sha256': expected 64 lowercase hex digits")
 
 
 def _bound(value: Any, path: str, depth: int) -> Any:
@@ -367,7 +414,8 @@ def _check_bounded(value: Any, path: str, depth: int) -> None:
 
 
 def _check_size(payload: Mapping[str, Any], path: str) -> None:
-    size = len(json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8"))
+    # ASCII-escaped, as Scruffy measures its envelope: non-ASCII text costs up to 6 bytes a char.
+    size = len(json.dumps(payload, separators=(",", ":"), ensure_ascii=True))
     if size > MAX_PAYLOAD_BYTES:
         raise ValueError(f"{path}: {size} bytes encoded, more than {MAX_PAYLOAD_BYTES}")
 

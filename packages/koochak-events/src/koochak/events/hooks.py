@@ -16,20 +16,19 @@ from __future__ import annotations
 import inspect
 import math
 import os
-import posixpath
-import re
 import time
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from koochak.events.envelope import MAX_ITEMS, Event, make_event
+from koochak.events import publication as _publication
+from koochak.events.envelope import MAX_ITEMS, Event, artifact_event_id, make_event
+from koochak.events.errors import ArtifactNotAccepted
 
 Hook = Callable[[dict[str, Any]], None]
 
 # koochak.loop.hooks.fail_closed sets this attribute; set directly, the loop need not be imported.
 _FAIL_CLOSED_ATTR = "__koochak_fail_closed__"
-_STRICT_CHECKPOINT = re.compile(r"checkpoint/step\d{9}\.pt")
 SOURCE = "koochak.loop"
 
 
@@ -42,24 +41,6 @@ class Publisher(Protocol):
     def __call__(self, event: Event, *, wait: bool = False) -> Any: ...
 
 
-class ArtifactNotAccepted(RuntimeError):
-    """The coordinator did not accept a strict artifact event; training must not go on."""
-
-    reason = "artifact_not_accepted"
-
-
-class ArtifactRejected(ArtifactNotAccepted):
-    """The coordinator refused the artifact event or it conflicts with an accepted one."""
-
-    reason = "artifact_rejected"
-
-
-class ArtifactAckTimeout(ArtifactNotAccepted):
-    """No acknowledgement arrived in time; the checkpoint stays published for resume."""
-
-    reason = "checkpoint_ack_timeout"
-
-
 def make_event_hooks(
     publish: Publisher | Callable[..., Any] | None,
     *,
@@ -70,13 +51,18 @@ def make_event_hooks(
 ) -> dict[str, list[Hook]]:
     """Loop hooks that publish phase, progress, milestone and artifact events from rank 0.
 
-    - ``on_train_start``: phase ``starting`` (on other ranks every hook turns itself off);
-    - first ``on_step_end``: phase ``training``; then a ``workload.progress`` event at the first
-      completed update at least ``progress_every_s`` (by ``clock``) after the previous one;
+    - ``on_train_start``: phase ``starting`` (on other ranks every hook turns itself off); on
+      an automatic resume also the selected checkpoint's artifact event again (same event id,
+      so a coordinator deduplicates it, and a consumer gated on it is released even if the
+      first publication was lost) and a ``resume_selected`` milestone naming it;
+    - first ``on_step_end``: phase ``training`` and a ``workload.progress`` event; then one at the
+      first completed update at least ``progress_every_s`` (by ``clock``) after the previous one;
     - ``on_eval_end``: milestone ``eval`` with its metrics;
-    - ``on_checkpoint``: a strict ``workload.artifact`` event for a numbered checkpoint with a
-      local absolute path (published with ``wait=True``), else a milestone ``checkpoint``;
-    - ``on_train_end``: phase ``finished``, or milestone + phase ``evacuated`` for an evacuation;
+    - ``on_checkpoint``: a strict ``workload.artifact`` event (``data.publication``) for a
+      numbered checkpoint with a local absolute path, published with ``wait=True`` except for
+      the evacuation checkpoint (the grace period is short); else a milestone ``checkpoint``;
+    - ``on_train_end``: phase ``finished``, or for an evacuation milestone ``evacuation`` (with
+      the terminal checkpoint's publication) and phase ``evacuated``; neither waits;
     - ``on_exception``: phase ``failed`` with the error's type and (truncated) message.
 
     ``publish=None`` returns ``{}``: no hooks, nothing published.
@@ -147,6 +133,7 @@ class _Emitter:
         self.total: int | None = None
         self.last_progress = 0.0
         self.metrics: Mapping[str, Any] | None = None
+        self.last_publication: dict[str, Any] | None = None
         self.warned = False
 
     # -- loop events
@@ -165,16 +152,39 @@ class _Emitter:
         if isinstance(info.get("resumed"), bool):
             payload["resumed"] = info["resumed"]
         self._send("workload.phase", payload)
+        resume_path = info.get("resume_path")
+        if info.get("resumed") is True and isinstance(resume_path, str):
+            self._republish_resumed(resume_path, _int_or_none(info.get("step")))
+
+    def _republish_resumed(self, path: str, next_step: int | None) -> None:
+        milestone: dict[str, Any] = {"milestone": "resume_selected", "step": next_step}
+        milestone["path"] = path
+        pub = _publication.from_ready_manifest(path)
+        if pub is not None:
+            # The very event the first attempt sent (same data, same id): deduplicated where it
+            # arrived, and it releases gated consumers where it did not (or came from an older
+            # attempt of the task, which Scruffy's gates ignore).
+            step = _step_of(pub["artifact_id"])
+            self._send_artifact(pub, step, wait=True)
+            milestone.update(
+                artifact_id=pub["artifact_id"],
+                publication=pub,
+                artifact_event_id=artifact_event_id(pub["artifact_id"], pub["sha256"]),
+            )
+        self._send("workload.milestone", milestone)
 
     def on_step_end(self, info: dict[str, Any]) -> None:
         if not self.active or self.ended:
             return
         completed = int(info["step"]) + 1
-        if not self.training:
+        first = not self.training
+        if first:
             self.training = True
             self._send("workload.phase", {"phase": "training", "step": completed})
         now = self.clock()
-        if now - self.last_progress >= self.progress_every_s:
+        # The first completed update always reports (an observer sees progress at once), then
+        # one event per interval.
+        if first or now - self.last_progress >= self.progress_every_s:
             self.last_progress = now
             payload: dict[str, Any] = {"completed_steps": completed, "total_steps": self.total}
             if self.metrics:
@@ -196,44 +206,41 @@ class _Emitter:
         if not self.active:
             return
         step = _int_or_none(info.get("step"))
-        pub = info.get("publication")
-        artifact_id = getattr(pub, "artifact_id", None)
-        path = info.get("path") or getattr(pub, "path", None)
-        strict = (
-            isinstance(artifact_id, str)
-            and _STRICT_CHECKPOINT.fullmatch(artifact_id) is not None
-            and isinstance(path, str)
-            and os.path.isabs(path)
-            and step is not None
-        )
-        if not strict:
+        pub = _publication.from_checkpoint_info(info) if step is not None else None
+        if pub is None:
             # A store without local paths, or an unnumbered file: a reference, not a gate.
-            payload = {"milestone": "checkpoint", "step": step, "path": path}
+            artifact_id = getattr(info.get("publication"), "artifact_id", None)
+            payload = {"milestone": "checkpoint", "step": step, "path": info.get("path")}
             if isinstance(artifact_id, str):
                 payload["artifact_id"] = artifact_id
             self._send("workload.milestone", payload)
             return
-        assert isinstance(path, str) and step is not None
-        manifest_key = getattr(pub, "manifest_key", None)
-        payload = {
-            "artifact_id": artifact_id,
-            "path": path,
-            "size": getattr(pub, "size", None),
-            "sha256": getattr(pub, "sha256", None),
-            # The ready manifest sits beside the object: same directory, its own basename.
-            "manifest_path": os.path.join(
-                os.path.dirname(path), posixpath.basename(str(manifest_key))
-            ),
-            "step": step,
-        }
-        self._send("workload.artifact", payload, wait=True)
+        assert step is not None
+        self.last_publication = pub
+        # The evacuation checkpoint does not wait: the grace period before the kill is short,
+        # and the retried attempt republishes it at resume anyway.
+        evacuating = _reason_of(info.get("checkpoint")) == "evacuation"
+        self._send_artifact(pub, step, wait=not evacuating)
+
+    def _send_artifact(self, pub: dict[str, Any], step: int, *, wait: bool) -> None:
+        payload = {"artifact_type": "checkpoint", "step": step, "publication": pub}
+        self._send("workload.artifact", payload, wait=wait)
 
     def on_train_end(self, info: dict[str, Any]) -> None:
         if not self.active or self.ended:
             return
         step = _int_or_none(info.get("step"))
         if info.get("reason") == "evacuation":
-            self._send("workload.milestone", {"milestone": "evacuation", "step": step})
+            milestone: dict[str, Any] = {"milestone": "evacuation", "step": step}
+            pub = self.last_publication
+            if pub is not None:
+                milestone.update(
+                    artifact_id=pub["artifact_id"],
+                    path=pub["path"],
+                    publication=pub,
+                    artifact_event_id=artifact_event_id(pub["artifact_id"], pub["sha256"]),
+                )
+            self._send("workload.milestone", milestone)
             self._send("workload.phase", {"phase": "evacuated", "step": step})
         else:
             self._send("workload.phase", {"phase": "finished", "step": step})
@@ -300,6 +307,15 @@ def _int_or_none(value: Any) -> int | None:
         return int(value)
     except (TypeError, ValueError):
         return None
+
+
+def _reason_of(checkpoint: Any) -> Any:
+    # One key of the checkpoint mapping, never its contents.
+    return checkpoint.get("reason") if isinstance(checkpoint, Mapping) else None
+
+
+def _step_of(artifact_id: str) -> int:
+    return int(artifact_id[len("checkpoint/step") : -len(".pt")])
 
 
 def _scalars(metrics: Any) -> dict[str, Any] | None:

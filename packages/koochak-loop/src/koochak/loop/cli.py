@@ -9,6 +9,8 @@ the data stream where the checkpoint says.
 
 Errors in the config or the entry points print one line on stderr and exit 2 before training;
 an error raised during training prints one line and exits 1. ``--debug`` shows tracebacks.
+Under Scruffy, a checkpoint Scruffy did not acknowledge exits 76 and a rejected one 77, each
+after one JSON line on stderr (`koochak.loop.scruffy_exit`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import importlib
 import inspect
 import os
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -31,6 +34,7 @@ from koochak.loop.config import (
     to_container,
 )
 from koochak.loop.evacuation import make_evacuation
+from koochak.loop.scruffy_exit import checkpoint_exit_code
 from omegaconf import DictConfig
 
 EXIT_USAGE = 2
@@ -239,6 +243,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         training_loop(**kwargs)
     except Exception as exc:
+        code = checkpoint_exit_code(exc)  # Scruffy did not accept a checkpoint: 76 or 77
+        if code is not None:
+            if args.debug:
+                traceback.print_exception(type(exc), exc, exc.__traceback__)
+            return code
         if args.debug:
             raise
         _fail(

@@ -1,0 +1,5 @@
+import sys
+
+from scruffy.cli import main
+
+sys.exit(main())
