@@ -24,7 +24,7 @@ from typing import Any
 from koochak.loop.hooks import Hooks, rank0_only
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["make_wandb_hooks", "wandb_run_id"]
+__all__ = ["check_restart_settings", "make_wandb_hooks", "wandb_run_id"]
 
 _WANDB_KEYS = (
     "enabled",
@@ -79,7 +79,10 @@ def wandb_run_id(wandb_cfg: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _check_restart(wandb_cfg: Mapping[str, Any], step: int) -> None:
+def check_restart_settings(wandb_cfg: Mapping[str, Any], step: int) -> None:
+    """ValueError unless ``wandb_cfg`` lets an attempt resuming at ``step`` continue its W&B run
+    (``resume: allow`` and a stable ``name`` or ``id``). The hooks check it at train start;
+    koochak-train checks it as soon as it has found the checkpoint, before building anything."""
     problems = []
     if wandb_cfg.get("resume") != "allow":
         problems.append(f"wandb.resume is {wandb_cfg.get('resume')!r} (needs 'allow')")
@@ -149,7 +152,7 @@ def make_wandb_hooks(
     def on_train_start(info: dict[str, Any]) -> None:
         is_resumed = resumed if resumed is not None else bool(info.get("resumed", False))
         if is_resumed:
-            _check_restart(wandb_cfg, int(info.get("step", 0)))
+            check_restart_settings(wandb_cfg, int(info.get("step", 0)))
         run_dir = wandb_cfg.get("dir") or info.get("out_dir") or "."
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         config = info.get("config_json")
