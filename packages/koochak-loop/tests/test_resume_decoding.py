@@ -79,6 +79,8 @@ MALFORMED = {
     "model-list": {"model": [1, 2]},
     "model-int-keys": {"model": {0: torch.zeros(1)}},
     "optimizer-str": {"optimizer": "adam"},
+    "optimizer-empty": {"optimizer": {}},
+    "optimizer-groups-not-a-list": {"optimizer": {"state": {}, "param_groups": {"lr": 1}}},
     "metrics-list": {"metrics": [1]},
     "metric-tensor": {"metrics": {"loss": torch.zeros(3)}},
     "rng-per-rank-int": {"rng_per_rank": 5},

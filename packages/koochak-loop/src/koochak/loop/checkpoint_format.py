@@ -348,6 +348,16 @@ def check_checkpoint_format(ckpt: Any, source: str) -> None:
             raise ValueError(
                 f"{source}: field '{key}' must be a mapping or null, got {_short(value)}"
             )
+    optimizer = ckpt.get("optimizer")
+    if optimizer is not None and not (
+        isinstance(optimizer.get("state"), Mapping)
+        and isinstance(optimizer.get("param_groups"), list)
+        and all(isinstance(group, Mapping) for group in optimizer["param_groups"])
+    ):
+        raise ValueError(
+            f"{source}: field 'optimizer' must be an optimizer state dict "
+            "(a 'state' mapping and a 'param_groups' list of mappings)"
+        )
     for name, value in (ckpt.get("metrics") or {}).items():
         if not isinstance(value, (bool, int, float, str)) and value is not None:
             raise ValueError(
