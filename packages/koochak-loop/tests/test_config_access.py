@@ -77,3 +77,46 @@ def test_strict_mode_fails_on_every_rank(monkeypatch):
     monkeypatch.setenv("RANK", "3")
     with pytest.raises(ConfigError, match="train.max_stpes"):
         load_config(None, ["train.max_stpes=5"])
+
+
+_RANK_SCRIPT = """
+import sys, warnings
+import torch.distributed as dist
+from koochak.loop.config import load_config
+
+rank, port = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    load_config(None, ["train.strict_config=false", "train.max_stpes=5"])
+print("WARNED" if any("max_stpes" in str(w.message) for w in caught) else "QUIET")
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_a_real_process_group_decides_the_rank():
+    """Two gloo ranks; RANK=0 in both environments, so only the group's rank can silence rank 1."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    env = {**os.environ, "RANK": "0"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RANK_SCRIPT, str(rank), port],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [proc.communicate(timeout=120) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outputs
+    assert [out.strip().splitlines()[-1] for out, _ in outputs] == ["WARNED", "QUIET"]
