@@ -128,6 +128,10 @@ def one_line_error(capsys) -> str:
         ("train.max_steps", "override 'train.max_steps': expected key=value"),
         ("train.amp=fp8", "train.amp: expected one of none|bf16|fp16, got 'fp8'"),
         ("optim.optimizer.name=lion", "lion"),
+        ("train.device=tpu9", "train.device: expected one of auto|cpu|cuda|cuda:N|mps, got 'tpu9'"),
+        ("train.ddp=true", "environment lacks RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT"),
+        ("train.checkpoint_dir=nope://x", "no store is registered for scheme 'nope'"),
+        ("data.batch_size=0", "data.batch_size: expected an integer >= 1, got 0"),
     ],
 )
 def test_bad_input_is_one_line_on_stderr_exit_2(project, capsys, override, expected):
@@ -181,6 +185,68 @@ def test_missing_config_file_exit_2(tmp_path, capsys):
     assert "none.yaml: config file not found" in one_line_error(capsys)
 
 
+def _alias_bomb() -> bytes:
+    """Eight levels of nine aliases, about 1 KB: 9**8 leaves once expanded."""
+    lines = ["data:", "  l0: &l0 [" + ", ".join(["x"] * 9) + "]"]
+    lines += [f"  l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]" for i in range(1, 8)]
+    return "\n".join(lines).encode() + b"\n"
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (b"\x89PNG\r\n\x1a\n\x00\x00", "weights.yaml: not a UTF-8 text file"),
+        (b"train:\n  seed: 1\n  seed: 2\n", "weights.yaml: not valid YAML: duplicate key 'seed'"),
+        (
+            _alias_bomb(),
+            "weights.yaml: the YAML expands to more than 10,000 nodes",
+        ),
+    ],
+    ids=["binary", "duplicate-key", "alias-bomb"],
+)
+def test_hostile_config_files_exit_2_naming_the_file(tmp_path, capsys, content, expected):
+    path = tmp_path / "weights.yaml"
+    path.write_bytes(content)
+    assert main(["--config", str(path), "--resume", "none"]) == 2
+    assert expected in one_line_error(capsys)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_requested_without_cuda_exit_2(project, capsys):
+    _, _, config = project
+    assert main(["--config", str(config), "train.device=cuda", "--resume", "none"]) == 2
+    assert "'cuda' requested but CUDA is not available" in one_line_error(capsys)
+
+
+def test_a_malformed_newest_checkpoint_is_skipped_and_training_continues(project, capsys):
+    import io
+
+    from koochak.loop.checkpoint import build_checkpoint, checkpoint_store, publish
+
+    root, _, config = project
+    assert main(["--config", str(config), "--resume", "none"]) == 0  # terminal step000000006
+    bad = build_checkpoint(step=9, next_step=10, model=torch.nn.Linear(3, 1))
+    bad["rng"] = {"numpy": ("__koochak_ndarray__", "<u4", "not-a-shape", b"\0" * 8)}
+    buffer = io.BytesIO()
+    torch.save(bad, buffer)  # valid manifest and SHA256; the payload's array record is bad
+    publish(checkpoint_store(root / "run"), "step000000009.pt", buffer.getvalue())
+    capsys.readouterr()
+    assert main(["--config", str(config), "train.max_steps=8", "--resume", "auto"]) == 0
+    resumed = torch.load(root / "run" / "step000000008.pt", weights_only=True)
+    assert resumed["step"] == 8 and resumed["reason"] == "terminal"
+
+
+def test_wandb_restart_settings_are_checked_before_training(project, capsys):
+    root, _, config = project
+    assert main(["--config", str(config), "--resume", "none"]) == 0
+    capsys.readouterr()
+    args = ["wandb.enabled=true", "wandb.mode=offline", "train.max_steps=8"]
+    assert main(["--config", str(config), *args, "--resume", "auto"]) == 2
+    line = one_line_error(capsys)
+    assert "wandb: this attempt resumes from checkpoint state (next step 6)" in line
+    assert not (root / "run" / "wandb").exists()
+
+
 def test_training_failure_exit_1_and_debug_shows_traceback(project, capsys):
     _, name, config = project
     args = ["--config", str(config), f"entry.step={name}:broken_step", "--resume", "none"]
@@ -217,8 +283,12 @@ def test_python_dash_m_entry_point(project):
 
 def test_sigusr1_while_the_dataset_is_built_evacuates_after_one_update(project, capsys):
     root, name, config = project
-    args = ["--config", str(config), "train.evacuation_enabled=true",
-            f"entry.dataset={name}:dataset_signalled_while_built"]
+    args = [
+        "--config",
+        str(config),
+        "train.evacuation_enabled=true",
+        f"entry.dataset={name}:dataset_signalled_while_built",
+    ]
     with pytest.raises(SystemExit) as exited:
         main(args)
     assert exited.value.code == 75

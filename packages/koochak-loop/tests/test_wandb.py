@@ -59,6 +59,19 @@ def _records(run_file: Path) -> list:
 
 def _read_run(out_dir: Path, run_id: str) -> dict:
     (run_file,) = out_dir.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb")
+    return _read_run_file(run_file)
+
+
+def _read_attempts(out_dir: Path, run_id: str) -> list[dict]:
+    """Every attempt's offline run file for ``run_id`` in ``out_dir``, oldest first."""
+    files = sorted(
+        out_dir.glob(f"wandb/offline-run-*-{run_id}*/run-{run_id}.wandb"),
+        key=lambda path: path.stat().st_mtime_ns,
+    )
+    return [_read_run_file(path) for path in files]
+
+
+def _read_run_file(run_file: Path) -> dict:
     # wandb's service process may still be flushing after finish(); wait for the exit record.
     deadline = time.monotonic() + 30
     records = _records(run_file)
@@ -148,6 +161,60 @@ def test_offline_run_records_config_metrics_and_artifact_aliases(offline_wandb):
     emit(hooks, "on_log", {"step": 34, "metrics": {"loss": 0.5}})
     emit(hooks, "on_train_end", {"step": 35, "checkpoint": {}, "metrics": {}})
     assert _read_run(retry_dir, run_id)["history"][0]["loss"] == 0.5
+
+
+@pytest.mark.slow
+def test_best_alias_continues_from_the_resumed_checkpoint_after_a_restart(offline_wandb):
+    out_dir = offline_wandb / "run"
+    out_dir.mkdir()
+    wandb_cfg = {"enabled": True, "mode": "offline", "name": "best-a", "resume": "allow"}
+    config = {"wandb": wandb_cfg}
+    run_id = wandb_run_id(wandb_cfg)
+
+    def attempt(start_step: int, versions: list[tuple[int, float]]) -> list:
+        hooks = make_wandb_hooks(config)
+        start = {"step": start_step, "config_json": config, "out_dir": str(out_dir)}
+        emit(hooks, "on_train_start", {**start, "resumed": start_step > 0})
+        for step, eval_loss in versions:
+            emit(hooks, "on_checkpoint", _checkpoint(out_dir, step, eval_loss))
+        emit(hooks, "on_train_end", {"step": versions[-1][0], "checkpoint": {}, "metrics": {}})
+        return [aliases for _, aliases, _ in _read_attempts(out_dir, run_id)[-1]["artifacts"]]
+
+    # First attempt: 1.2 at step 19 is the best; then the job dies after step 29 (1.8).
+    assert attempt(0, [(9, 1.5), (19, 1.2), (29, 1.8)]) == [
+        ["best", "best-eval_loss", "latest", "step-9"],
+        ["best", "best-eval_loss", "latest", "step-19"],
+        ["latest", "step-29"],
+    ]
+    # Resumed from step 29: 1.4 beats neither 1.5 nor 1.2, so it is not "best" (it was, before).
+    assert attempt(30, [(39, 1.4), (49, 1.1)]) == [
+        ["latest", "step-39"],
+        ["best", "best-eval_loss", "latest", "step-49"],
+    ]
+    # Resumed from step 19 (newer checkpoints lost): the best as of step 19 is 1.2, and the 1.1
+    # seen after it by a later attempt does not count for this state.
+    assert attempt(20, [(29, 1.3), (39, 1.15)]) == [
+        ["latest", "step-29"],
+        ["best", "best-eval_loss", "latest", "step-39"],
+    ]
+
+
+def test_best_record_skips_torn_lines_and_later_states(tmp_path):
+    from koochak.loop.logging.wandb_logger import append_best_record, read_best_record
+
+    path = tmp_path / "wandb" / "koochak-best-r1.jsonl"
+    assert read_best_record(path, 10) == {}
+    append_best_record(path, 9, 10, {"eval_loss": 1.5})
+    append_best_record(path, 19, 20, {"eval_loss": 1.2})
+    with open(path, "a") as f:
+        f.write('{"version": 1, "step": 29, "next_st')  # the process died mid-line
+    with pytest.warns(UserWarning, match="skipping line 3"):
+        assert read_best_record(path, 10) == {"eval_loss": 1.5}
+    with pytest.warns(UserWarning, match="skipping line 3"):
+        assert read_best_record(path, 100) == {"eval_loss": 1.2}
+    path.write_text('{"version": true, "step": 1, "next_step": 2, "best": {"loss": 1}}\n')
+    with pytest.warns(UserWarning, match="version"):
+        assert read_best_record(path, 5) == {}
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,6 @@ states) is encoded into that vocabulary here and decoded on the way back.
 from __future__ import annotations
 
 import io
-import pickle
 import queue
 import re
 import threading
@@ -253,33 +252,76 @@ def _payload(ckpt: Mapping[str, Any]) -> dict[str, Any]:
 def deserialize_checkpoint(data: bytes | bytearray | memoryview, source: str) -> dict[str, Any]:
     """Load checkpoint bytes onto the CPU with ``weights_only=True`` and check the format.
 
-    ``source`` names the file in errors. A payload that needs arbitrary unpickling (a code object,
-    a class) is refused with ValueError; so is a dict of an unknown version or with unknown keys.
+    ``source`` names the file in errors. Every way the payload can fail to decode is a
+    ValueError naming ``source``: bytes torch cannot load, a payload that needs arbitrary
+    unpickling (a code object, a class), a dict of an unknown version or with unknown keys, a
+    field of the wrong type, an array record that does not decode. (Resume relies on this: a
+    candidate that raises ValueError is skipped, never a crash.)
     """
     try:
         ckpt = torch.load(io.BytesIO(bytes(data)), map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, TypeError) as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    except (MemoryError, OSError):
+        raise
+    except Exception as exc:  # torch raises many types for hostile bytes; all mean "not loadable"
         raise ValueError(
-            f"{source}: not a loadable weights-only checkpoint ({first_line})"
+            f"{source}: not a loadable weights-only checkpoint ({_first_line(exc)})"
         ) from exc
     check_checkpoint_format(ckpt, source)
     for key in ("rng", "rng_per_rank"):
         if ckpt.get(key) is not None:
-            ckpt[key] = _decode(ckpt[key])
+            try:
+                ckpt[key] = _decode(ckpt[key])
+            except (MemoryError, RecursionError):
+                raise
+            except Exception as exc:
+                raise ValueError(
+                    f"{source}: field {key!r} does not decode ({_first_line(exc)})"
+                ) from exc
     return ckpt
 
 
+def _first_line(exc: BaseException) -> str:
+    # torch's messages carry terminal escapes (bold); a log line should not.
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def check_rng_fields(ckpt: Mapping[str, Any], source: str) -> None:
+    """Raise ValueError naming ``source`` unless ``rng``/``rng_per_rank`` hold states the loop's
+    resume can restore (`koochak.loop.seed.check_rng_state`). Resume candidates must pass it:
+    a state that fails to restore after the weights are loaded would stop the run instead of
+    skipping the candidate."""
+    from koochak.loop.seed import check_rng_state
+
+    if ckpt.get("rng") is not None:
+        check_rng_state(ckpt["rng"], f"{source}: field 'rng'")
+    per_rank = ckpt.get("rng_per_rank")
+    if per_rank is not None:
+        for rank, state in enumerate(per_rank):
+            if state is not None:
+                check_rng_state(state, f"{source}: field 'rng_per_rank'[{rank}]")
+
+
+# Optional fields that hold a mapping (a state dict, the config, ...) or null.
+_MAPPING_OR_NULL = ("optimizer", "scheduler", "scaler", "ema", "config", "rng", "metrics")
+
+
 def check_checkpoint_format(ckpt: Any, source: str) -> None:
-    """Raise ValueError naming ``source`` and the field unless ``ckpt`` is a version-1 checkpoint."""
+    """Raise ValueError naming ``source`` and the field unless ``ckpt`` is a version-1 checkpoint.
+
+    Checked: required and known fields, an exact-int version, the cursor's types, the reason,
+    and the type of every other field (``model`` a mapping with string keys, the state dicts
+    mappings or null, ``metrics`` a mapping of scalars, ``rng_per_rank`` a list, ...).
+    """
     if not isinstance(ckpt, Mapping):
         raise ValueError(f"{source}: a checkpoint must be a dict, got {type(ckpt).__name__}")
     missing = sorted(_REQUIRED_KEYS - ckpt.keys())
     if missing:
         raise ValueError(f"{source}: checkpoint is missing field(s) {missing}")
-    if ckpt["version"] != CHECKPOINT_VERSION:
+    version = ckpt["version"]
+    if type(version) is not int or version != CHECKPOINT_VERSION:  # not True, 1.0 or a tensor
         raise ValueError(
-            f"{source}: field 'version' is {ckpt['version']!r}; this Koochak reads version "
+            f"{source}: field 'version' is {_short(version)}; this Koochak reads version "
             f"{CHECKPOINT_VERSION}"
         )
     unknown = sorted(str(k) for k in ckpt.keys() - _KNOWN_KEYS)
@@ -287,11 +329,63 @@ def check_checkpoint_format(ckpt: Any, source: str) -> None:
         raise ValueError(f"{source}: unknown checkpoint field(s) {unknown}")
     for key in ("step", "next_step"):
         value = ckpt[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{source}: field '{key}' must be a non-negative int, got {value!r}")
+        if type(value) is not int or value < 0:
+            raise ValueError(
+                f"{source}: field '{key}' must be a non-negative int, got {_short(value)}"
+            )
     reason = ckpt.get("reason", "periodic")
-    if reason not in REASONS:
-        raise ValueError(f"{source}: field 'reason' must be one of {REASONS}, got {reason!r}")
+    if not isinstance(reason, str) or reason not in REASONS:
+        raise ValueError(f"{source}: field 'reason' must be one of {REASONS}, got {_short(reason)}")
+    model = ckpt["model"]
+    if not isinstance(model, Mapping) or not all(isinstance(k, str) for k in model):
+        raise ValueError(
+            f"{source}: field 'model' must be a state dict (a mapping with string keys), "
+            f"got {_short(model)}"
+        )
+    for key in _MAPPING_OR_NULL:
+        value = ckpt.get(key)
+        if value is not None and not isinstance(value, Mapping):
+            raise ValueError(
+                f"{source}: field '{key}' must be a mapping or null, got {_short(value)}"
+            )
+    optimizer = ckpt.get("optimizer")
+    if optimizer is not None and not (
+        isinstance(optimizer.get("state"), Mapping)
+        and isinstance(optimizer.get("param_groups"), list)
+        and all(isinstance(group, Mapping) for group in optimizer["param_groups"])
+    ):
+        raise ValueError(
+            f"{source}: field 'optimizer' must be an optimizer state dict "
+            "(a 'state' mapping and a 'param_groups' list of mappings)"
+        )
+    for name, value in (ckpt.get("metrics") or {}).items():
+        if not isinstance(value, (bool, int, float, str)) and value is not None:
+            raise ValueError(
+                f"{source}: field 'metrics'[{name!r}] must be a scalar, got {_short(value)}"
+            )
+    per_rank = ckpt.get("rng_per_rank")
+    if per_rank is not None and not isinstance(per_rank, list):
+        raise ValueError(
+            f"{source}: field 'rng_per_rank' must be a list or null, got {_short(per_rank)}"
+        )
+    world_size = ckpt.get("world_size", 1)
+    if type(world_size) is not int or world_size < 1:
+        raise ValueError(
+            f"{source}: field 'world_size' must be an int >= 1, got {_short(world_size)}"
+        )
+    wall_time = ckpt.get("wall_time")
+    if wall_time is not None and (type(wall_time) not in (int, float)):
+        raise ValueError(
+            f"{source}: field 'wall_time' must be a number or null, got {_short(wall_time)}"
+        )
+
+
+def _short(value: Any) -> str:
+    """A value for an error message: tensors and containers by type, short reprs as is."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    text = repr(value) if isinstance(value, (bool, int, float, str, type(None))) else ""
+    return text if text and len(text) <= 80 else f"a {type(value).__name__}"
 
 
 def check_resume_cursor(ckpt: Mapping[str, Any], name: str) -> None:
@@ -452,5 +546,17 @@ def _untag_ndarray(value: Any) -> Any:
         import numpy as np
 
         _, dtype, shape, raw = value
-        return np.frombuffer(raw, dtype=np.dtype(dtype)).reshape(shape).copy()
+        if not isinstance(dtype, str) or not isinstance(raw, bytes):
+            raise ValueError(f"array record: dtype must be a str and data bytes, got {dtype!r}")
+        if not isinstance(shape, (list, tuple)) or not all(
+            type(n) is int and n >= 0 for n in shape
+        ):
+            raise ValueError(f"array record: shape must be non-negative ints, got {shape!r}")
+        try:
+            kind = np.dtype(dtype)
+        except TypeError as exc:
+            raise ValueError(f"array record: dtype {dtype!r} is not a NumPy dtype") from exc
+        if kind.hasobject:  # would need unpickling; an RNG state never holds objects
+            raise ValueError(f"array record: dtype {dtype!r} holds Python objects")
+        return np.frombuffer(raw, dtype=kind).reshape(shape).copy()
     return value

@@ -25,7 +25,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from koochak.loop.checkpoint import resolve_auto_resume
+from koochak.loop.checkpoint import checkpoint_store, resolve_auto_resume
 from koochak.loop.config import (
     ConfigError,
     format_summary,
@@ -34,6 +34,7 @@ from koochak.loop.config import (
     to_container,
 )
 from koochak.loop.evacuation import make_evacuation
+from koochak.loop.logging.wandb_logger import check_restart_settings
 from koochak.loop.scruffy_exit import checkpoint_exit_code
 from omegaconf import DictConfig
 
@@ -159,6 +160,18 @@ def _find_resume(cfg: DictConfig, mode: str) -> tuple[str | None, dict[str, Any]
     return (None, None) if found is None else (str(found[0]), found[1])
 
 
+def _check_launch(cfg: DictConfig) -> None:
+    """What training_loop would refuse in its first lines, refused now as a usage error (exit 2):
+    a device this machine lacks, DDP without a launcher, a checkpoint_dir no store serves."""
+    from koochak.loop.device import get_device
+    from koochak.loop.dist import check_launch_environment
+
+    get_device(str(cfg.train.device))
+    if cfg.train.ddp:
+        check_launch_environment()
+    checkpoint_store(str(cfg.train.checkpoint_dir or cfg.train.out_dir))
+
+
 def _prepare(args: argparse.Namespace) -> dict[str, Any]:
     """Everything up to the call of training_loop; any error here is a usage error (exit 2)."""
     from koochak.loop.optim import build_optimizer, build_scheduler
@@ -167,6 +180,7 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
     cfg, report = load_config_with_report(args.config, args.overrides)
     if int(os.environ.get("RANK", "0")) == 0:
         print(format_summary(report), flush=True)
+    _check_launch(cfg)
     # Install the evacuation handler before building the model and data (which can take minutes):
     # a SIGUSR1 in that window is then recorded and honoured after the first update, instead of
     # killing the process with the signal's default action.
@@ -187,6 +201,8 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
     set_all_seeds(int(cfg.train.seed))
     resume_path, checkpoint = _find_resume(cfg, args.resume)
     start_step = int(checkpoint["next_step"]) if checkpoint is not None else 0
+    if checkpoint is not None and cfg.wandb.enabled and cfg.wandb.mode != "disabled":
+        check_restart_settings(to_container(cfg.wandb), start_step)
     model = make_model(cfg)
     optimizer = build_optimizer(model.parameters(), get_section(cfg, "optim").optimizer)
     scheduler = build_scheduler(optimizer, cfg.optim.scheduler, cfg.train)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
+import sys
 import types
 import typing
 import warnings
@@ -22,8 +24,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-import yaml
-from omegaconf import DictConfig, OmegaConf
+from koochak.storage.strict_yaml import load_yaml_file
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 
@@ -160,7 +162,10 @@ _CHOICES = {
     "wandb.mode": ("online", "offline", "disabled"),
     "optim.scheduler.name": ("none", "cosine", "step", "plateau", "cosine_warmup"),
 }
-_POSITIVE = ("train.log_every", "train.grad_accum")
+# Accepted values of train.device (device.get_device resolves them).
+DEVICE_PATTERN = r"auto|cpu|cuda|cuda:\d+|mps"
+DEVICE_CHOICES = "auto|cpu|cuda|cuda:N|mps"
+_POSITIVE = ("train.log_every", "train.grad_accum", "data.batch_size")
 _POSITIVE_OR_NULL = ("train.max_steps",)
 _NON_NEGATIVE_OR_NULL = (
     "train.eval_every",
@@ -169,6 +174,7 @@ _NON_NEGATIVE_OR_NULL = (
     "train.nonfinite_grad_check_every",
     "train.gpu_health_every",
     "train.gpu_health_max_new_ecc_uncorrected",
+    "data.num_workers",
 )
 
 
@@ -289,6 +295,9 @@ def _check_values(values: Mapping[str, Any], section: str) -> None:
             if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
                 what = f"an integer >= {lowest}" + (" or null" if nullable else "")
                 raise ConfigError(f"{path}: expected {what}, got {value!r}")
+    device = values.get("device") if section == "train" else None
+    if isinstance(device, str) and not re.fullmatch(DEVICE_PATTERN, device):
+        raise ConfigError(f"train.device: expected one of {DEVICE_CHOICES}, got {device!r}")
     for key in ("gpu_health_max_temperature_c", "gpu_health_max_kernel_seconds"):
         if section == "train" and key in values and values[key] <= 0:
             raise ConfigError(f"train.{key}: expected a positive number, got {values[key]!r}")
@@ -332,20 +341,41 @@ class ConfigReport:
 
 
 def _read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The YAML file as a dict, read through the shared strict reader (duplicate keys, non-text
+    files, oversized files and alias bombs refused); every failure a one-line ConfigError."""
+    where = os.fspath(path)
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+        data = load_yaml_file(path)
     except FileNotFoundError:
-        raise ConfigError(f"{os.fspath(path)}: config file not found") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{os.fspath(path)}: not valid YAML: {exc}") from None
+        raise ConfigError(f"{where}: config file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{where}: is a directory, not a config file") from None
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read the config file ({exc.strerror or exc})") from None
+    except ValueError as exc:  # strict_yaml's messages already start with the file name
+        raise ConfigError(str(exc)) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(
-            f"{os.fspath(path)}: top level must be a mapping of sections, got {type(data).__name__}"
+            f"{where}: top level must be a mapping of sections, got {type(data).__name__}"
         )
     return data
+
+
+def _create(data: Mapping[str, Any], source: str) -> DictConfig:
+    """OmegaConf node for user data; values OmegaConf cannot hold (a YAML date, an int key deep
+    inside) are a ConfigError naming the file and key."""
+    try:
+        return OmegaConf.create(dict(data))
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"{source}: {_omegaconf_message(exc)}") from None
+
+
+def _omegaconf_message(exc: OmegaConfBaseException) -> str:
+    key = getattr(exc, "full_key", None)
+    first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return f"at {key!r}: {first_line}" if key else first_line
 
 
 def _parse_overrides(overrides: Iterable[str]) -> DictConfig:
@@ -367,6 +397,18 @@ def _strictness(user: Mapping[str, Any]) -> tuple[bool, bool]:
         if not isinstance(value, bool):
             raise ConfigError(f"train.{key}: expected bool, got {value!r}")
     return strict, warn
+
+
+def _rank() -> int:
+    """This process's DDP rank: the initialised process group's, else torchrun's RANK, else 0.
+    (torch is not imported for this: a group can only exist once it has been.)"""
+    torch_dist = sys.modules.get("torch.distributed")
+    if torch_dist is not None and torch_dist.is_available() and torch_dist.is_initialized():
+        return int(torch_dist.get_rank())
+    try:
+        return int(os.environ.get("RANK") or 0)
+    except ValueError:
+        return 0
 
 
 def _resolve(cfg: DictConfig, source: str) -> dict[str, Any]:
@@ -404,10 +446,13 @@ def load_config_with_report(
 ) -> tuple[DictConfig, ConfigReport]:
     """`load_config` plus the startup summary's facts (sections the user wrote, unknown keys)."""
     source = os.fspath(path) if path is not None else "<config>"
-    user = OmegaConf.create(_read_yaml(path) if path is not None else {})
-    if base is not None:
-        user = OmegaConf.merge(user, OmegaConf.create(dict(base)))
-    user = OmegaConf.merge(user, _parse_overrides(overrides))
+    user = _create(_read_yaml(path) if path is not None else {}, source)
+    try:
+        if base is not None:
+            user = OmegaConf.merge(user, _create(base, "base"))
+        user = OmegaConf.merge(user, _parse_overrides(overrides))
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"{source}: cannot apply overrides: {_omegaconf_message(exc)}") from None
     for section in SECTIONS:
         value = user._get_node(section) if section in user else None
         if value is not None and not isinstance(value, DictConfig) and user[section] is not None:
@@ -416,7 +461,10 @@ def load_config_with_report(
             )
     # Defaults go in as plain (untyped) data so that interpolations resolve across the merged
     # whole and every type error comes from _check_section, naming the key and value.
-    cfg = OmegaConf.merge(OmegaConf.create(defaults()), user)
+    try:
+        cfg = OmegaConf.merge(OmegaConf.create(defaults()), user)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"{source}: {_omegaconf_message(exc)}") from None
     assert isinstance(cfg, DictConfig)
     values = _resolve(cfg, source)
     strict, warn = _strictness(values)
@@ -426,7 +474,7 @@ def load_config_with_report(
             _unknown_message(unknown, Config, source)
             + "; fix the key or set train.strict_config: false to allow unknown keys"
         )
-    if unknown and warn:
+    if unknown and warn and _rank() == 0:  # one warning per run, not one per DDP rank
         warnings.warn(
             _unknown_message(unknown, Config, source) + " (kept: train.strict_config is false)",
             UserWarning,
@@ -479,6 +527,50 @@ def to_container(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(cfg, DictConfig):
         return _resolve(cfg, "<config>")
     return {k: to_container(v) if isinstance(v, Mapping) else v for k, v in cfg.items()}
+
+
+_MISSING = object()
+
+
+def get(cfg: DictConfig | Mapping[str, Any] | None, path: str, default: Any = None) -> Any:
+    """The value at dotted ``path`` (``"train.max_steps"``, ``"optim.optimizer.betas.0"``), or
+    ``default`` when any part of the path is absent.
+
+    Works on a loaded config (interpolations resolve; a section comes back as a DictConfig) and
+    on plain nested dicts and lists, as a checkpoint's ``config`` holds them. A key that is
+    present with value null gives None, not ``default``; an interpolation that cannot resolve is
+    a ConfigError naming the path.
+    """
+    if not isinstance(path, str) or not path or any(not part for part in path.split(".")):
+        raise ConfigError(f"get(cfg, {path!r}): expected a dotted key path such as 'train.seed'")
+    node: Any = cfg
+    for part in path.split("."):
+        node = _child(node, part, path)
+        if node is _MISSING:
+            return default
+    return node
+
+
+def _child(node: Any, part: str, path: str) -> Any:
+    if isinstance(node, DictConfig):
+        if part not in node:
+            return _MISSING
+        try:
+            return node[part]
+        except OmegaConfBaseException as exc:
+            raise ConfigError(f"get(cfg, {path!r}): {_omegaconf_message(exc)}") from None
+    if isinstance(node, Mapping):
+        return node.get(part, _MISSING)
+    if isinstance(node, (Sequence, ListConfig)) and not isinstance(node, str) and part.isdigit():
+        index = int(part)
+        return node[index] if index < len(node) else _MISSING
+    return _MISSING
+
+
+def as_dict(cfg: DictConfig | Mapping[str, Any] | None) -> dict[str, Any]:
+    """``cfg`` as plain, resolved nested dicts and lists (``{}`` for None): what to hand to JSON,
+    YAML, a checkpoint or W&B. The same as `to_container`."""
+    return {} if cfg is None else to_container(cfg)
 
 
 def resolve_train_config(train_cfg: Mapping[str, Any] | TrainConfig | None) -> TrainConfig:

@@ -8,12 +8,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-
-_DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+|mps)$")
+from koochak.loop.config import DEVICE_CHOICES, DEVICE_PATTERN
 
 
 def get_device(cfg: str | Mapping[str, Any] | torch.device | None = "auto") -> torch.device:
-    """Resolve ``train.device`` (``auto|cpu|cuda|cuda:N``) or a train mapping holding it.
+    """Resolve ``train.device`` (``auto|cpu|cuda|cuda:N|mps``) or a train mapping holding it.
 
     ``auto`` picks ``cuda:$LOCAL_RANK`` when CUDA is available, else the CPU. Asking for CUDA on
     a machine without it is an error rather than a silent CPU run.
@@ -23,8 +22,8 @@ def get_device(cfg: str | Mapping[str, Any] | torch.device | None = "auto") -> t
     if isinstance(cfg, Mapping):
         cfg = cfg.get("device", "auto")
     name = "auto" if cfg is None else str(cfg)
-    if not _DEVICE_RE.match(name):
-        raise ValueError(f"train.device: expected auto|cpu|cuda|cuda:N, got {name!r}")
+    if not re.fullmatch(DEVICE_PATTERN, name):
+        raise ValueError(f"train.device: expected one of {DEVICE_CHOICES}, got {name!r}")
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))

@@ -39,6 +39,21 @@ def barrier() -> None:
         torch_dist.barrier()
 
 
+def check_launch_environment() -> None:
+    """RuntimeError unless a process group exists or torchrun's variables are set, so
+    ``train.ddp: true`` can be refused before anything is built (the CLI calls it early)."""
+    if is_initialized():
+        return
+    missing = [
+        k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
+    ]
+    if missing:
+        raise RuntimeError(
+            "train.ddp is true but no process group exists and the environment lacks "
+            f"{', '.join(missing)}; launch with torchrun or call init_process_group yourself"
+        )
+
+
 def init_process_group(backend: str | None = None, timeout_s: float | None = None) -> bool:
     """Initialise the default process group from the torchrun environment if none exists.
 
@@ -48,14 +63,7 @@ def init_process_group(backend: str | None = None, timeout_s: float | None = Non
     """
     if is_initialized():
         return False
-    missing = [
-        k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
-    ]
-    if missing:
-        raise RuntimeError(
-            "train.ddp is true but no process group exists and the environment lacks "
-            f"{', '.join(missing)}; launch with torchrun or call init_process_group yourself"
-        )
+    check_launch_environment()
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}

@@ -10,6 +10,7 @@ a run back to an older checkpoint would waste the work since.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import Any
 
@@ -17,6 +18,7 @@ from koochak.loop.checkpoint_format import (
     CHECKPOINT_PATTERN,
     LATEST_NAME,
     check_resume_cursor,
+    check_rng_fields,
     deserialize_checkpoint,
     step_of_name,
 )
@@ -81,8 +83,8 @@ def best(location: str | os.PathLike[str] | Store, key: str) -> str | None:
             log.warning("best(): skipping %s: %s", name, exc)
             continue
         value = (ckpt.get("metrics") or {}).get(key)
-        if value is None:
-            log.info("best(): %s has no metric %r", name, key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+            log.info("best(): %s has no numeric metric %r (%r)", name, key, value)
             continue
         if best_value is None or float(value) < best_value:
             best_value = float(value)
@@ -131,6 +133,7 @@ def _validated_checkpoint(store: Store):
         try:
             ckpt = deserialize_checkpoint(data, source)
             check_resume_cursor(ckpt, publication.key)
+            check_rng_fields(ckpt, source)
         except ValueError as exc:
             raise artifact.InvalidArtifact(str(exc)) from exc
         return ckpt
@@ -141,4 +144,3 @@ def _validated_checkpoint(store: Store):
 def _key_path(store: Store, key: str) -> str:
     local = store.local_path(key)
     return local if local is not None else f"{store.location.rstrip('/')}/{key}"
-

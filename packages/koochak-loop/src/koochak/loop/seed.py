@@ -16,7 +16,13 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["get_rng_state", "make_worker_init_fn", "set_all_seeds", "set_rng_state"]
+__all__ = [
+    "check_rng_state",
+    "get_rng_state",
+    "make_worker_init_fn",
+    "set_all_seeds",
+    "set_rng_state",
+]
 
 RNG_STATE_VERSION = 1
 _RNG_KEYS = {"version", "python", "numpy", "torch", "cuda"}
@@ -93,47 +99,101 @@ def get_rng_state() -> dict[str, Any]:
     return state
 
 
-def set_rng_state(state: Mapping[str, Any]) -> None:
-    """Restore a state produced by `get_rng_state` (also after a `torch.save`/`torch.load`).
+def check_rng_state(state: Any, where: str = "rng state") -> None:
+    """Raise ValueError naming ``where`` unless ``state`` is one `set_rng_state` can restore.
 
-    Unknown versions or keys are rejected. CUDA states restore for the devices present in both
-    the state and this process; a count mismatch warns because later CUDA draws will differ.
+    Each part is tried on a fresh generator (Python, NumPy, torch CPU), so nothing global
+    changes and a state that would fail to restore mid-resume is refused up front instead.
     """
     if not isinstance(state, Mapping):
-        raise TypeError(f"rng state must be a mapping, got {type(state).__name__}")
+        raise ValueError(f"{where}: expected a mapping, got {type(state).__name__}")
     unknown = set(state) - _RNG_KEYS
     if unknown:
         raise ValueError(
-            f"rng state: unknown key(s) {sorted(unknown)}; expected {sorted(_RNG_KEYS)}"
+            f"{where}: unknown key(s) {sorted(map(str, unknown))}; expected {sorted(_RNG_KEYS)}"
         )
-    if state.get("version") != RNG_STATE_VERSION:
-        raise ValueError(
-            f"rng state: unsupported version {state.get('version')!r}; expected {RNG_STATE_VERSION}"
-        )
+    version = state.get("version")
+    if type(version) is not int or version != RNG_STATE_VERSION:
+        raise ValueError(f"{where}: unsupported version {version!r}; expected {RNG_STATE_VERSION}")
     missing = {"python", "numpy", "torch"} - set(state)
     if missing:
-        raise ValueError(f"rng state: missing key(s) {sorted(missing)}")
-
-    version, internal, gauss_next = state["python"]
-    random.setstate((int(version), tuple(int(x) for x in internal), gauss_next))
-
+        raise ValueError(f"{where}: missing key(s) {sorted(missing)}")
+    try:
+        random.Random().setstate(_python_state(state["python"]))
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"{where} 'python': not a Python RNG state ({exc})") from None
     np_state = state["numpy"]
-    unknown = set(np_state) - _NUMPY_KEYS
-    if unknown or set(np_state) != _NUMPY_KEYS:
-        raise ValueError(
-            f"rng state 'numpy': keys {sorted(np_state)} do not match {sorted(_NUMPY_KEYS)}"
-        )
+    if not isinstance(np_state, Mapping) or set(np_state) != _NUMPY_KEYS:
+        keys = sorted(map(str, np_state)) if isinstance(np_state, Mapping) else np_state
+        raise ValueError(f"{where} 'numpy': keys {keys!r} do not match {sorted(_NUMPY_KEYS)}")
+    try:
+        np.random.RandomState().set_state(_numpy_state(np_state))
+    except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
+        raise ValueError(f"{where} 'numpy': not a NumPy RNG state ({exc})") from None
+    _check_byte_state(state["torch"], f"{where} 'torch'")
+    try:
+        torch.Generator().set_state(state["torch"])
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"{where} 'torch': not a torch CPU RNG state ({exc})") from None
+    cuda = state.get("cuda")
+    if cuda is not None:
+        if not isinstance(cuda, (list, tuple)):
+            raise ValueError(f"{where} 'cuda': expected a list or null, got {type(cuda).__name__}")
+        for index, device_state in enumerate(cuda):
+            _check_byte_state(device_state, f"{where} 'cuda'[{index}]")
+
+
+def _check_byte_state(value: Any, where: str) -> None:
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or value.dim() != 1:
+        raise ValueError(f"{where}: expected a 1-D uint8 tensor, got {_describe(value)}")
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
+
+
+def _python_state(value: Any) -> tuple[Any, ...]:
+    version, internal, gauss_next = value
+    if isinstance(gauss_next, bool) or not (gauss_next is None or isinstance(gauss_next, float)):
+        raise TypeError(f"gauss_next must be a float or None, got {gauss_next!r}")
+    return (_exact_int(version), tuple(_exact_int(x) for x in internal), gauss_next)
+
+
+def _numpy_state(np_state: Mapping[str, Any]) -> tuple[Any, ...]:
     key = np_state["key"]
     key = key.numpy() if isinstance(key, torch.Tensor) else np.asarray(key)
-    np.random.set_state(
-        (
-            np_state["bit_generator"],
-            key.astype(np.uint32),
-            int(np_state["pos"]),
-            int(np_state["has_gauss"]),
-            float(np_state["cached_gaussian"]),
-        )
+    if key.dtype.kind not in "iu":
+        raise TypeError(f"key must hold integers, got dtype {key.dtype}")
+    if not isinstance(np_state["bit_generator"], str):
+        raise TypeError(f"bit_generator must be a str, got {np_state['bit_generator']!r}")
+    return (
+        np_state["bit_generator"],
+        key.astype(np.uint32),
+        _exact_int(np_state["pos"]),
+        _exact_int(np_state["has_gauss"]),
+        float(np_state["cached_gaussian"]),
     )
+
+
+def _exact_int(value: Any) -> int:
+    if type(value) is not int:
+        raise TypeError(f"expected an int, got {value!r}")
+    return value
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore a state produced by `get_rng_state` (also after a `torch.save`/`torch.load`).
+
+    Unknown versions or keys, and parts that are not RNG states, are rejected (ValueError,
+    `check_rng_state`) before anything is restored. CUDA states restore for the devices present
+    in both the state and this process; a count mismatch warns because later CUDA draws will
+    differ.
+    """
+    check_rng_state(state)
+    random.setstate(_python_state(state["python"]))
+    np.random.set_state(_numpy_state(state["numpy"]))
 
     torch.set_rng_state(state["torch"])
 

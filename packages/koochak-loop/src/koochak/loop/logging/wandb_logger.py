@@ -3,6 +3,9 @@
 Checkpoints go into ONE artifact per W&B run, ``<artifact_name_prefix>-<run_id>``, one version
 per checkpoint, with aliases ``latest`` and ``step-<n>`` and, when a tracked metric improved
 since the last uploaded version, ``best-<metric>`` (and ``best`` for the first tracked metric).
+The best values survive a restart: after each version they are appended to
+``<wandb.dir>/wandb/koochak-best-<run_id>.jsonl`` (and the run summary's ``best/<metric>``), and
+a resumed attempt starts from the record of the checkpoint it resumes from, not from nothing.
 
 Restart rule: an attempt that resumes from durable checkpoint state must continue the same W&B
 run, so it needs ``wandb.resume: allow`` and a stable ``wandb.name`` or ``wandb.id``; otherwise
@@ -15,16 +18,19 @@ is derived from entity/project/name so every attempt lands in the same run.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from koochak.loop.hooks import Hooks, rank0_only
+from koochak.storage.strict_json import is_exact_int, loads_strict, require_version
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["make_wandb_hooks", "wandb_run_id"]
+__all__ = ["check_restart_settings", "make_wandb_hooks", "wandb_run_id"]
 
 _WANDB_KEYS = (
     "enabled",
@@ -79,7 +85,10 @@ def wandb_run_id(wandb_cfg: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _check_restart(wandb_cfg: Mapping[str, Any], step: int) -> None:
+def check_restart_settings(wandb_cfg: Mapping[str, Any], step: int) -> None:
+    """ValueError unless ``wandb_cfg`` lets an attempt resuming at ``step`` continue its W&B run
+    (``resume: allow`` and a stable ``name`` or ``id``). The hooks check it at train start;
+    koochak-train checks it as soon as it has found the checkpoint, before building anything."""
     problems = []
     if wandb_cfg.get("resume") != "allow":
         problems.append(f"wandb.resume is {wandb_cfg.get('resume')!r} (needs 'allow')")
@@ -117,6 +126,62 @@ def _validate(wandb_cfg: Mapping[str, Any]) -> None:
             raise ValueError(f"wandb.{key} must be letters, digits, '-', '_' or '.', got {value!r}")
 
 
+# ----------------------------------------------------------------------------- best record
+
+BEST_RECORD_VERSION = 1
+
+
+def best_record_path(run_dir: str | os.PathLike[str], run_id: str) -> Path:
+    """Where the hooks keep the best value of each tracked metric, version by version."""
+    return Path(run_dir) / "wandb" / f"koochak-best-{run_id}.jsonl"
+
+
+def append_best_record(path: Path, step: int, next_step: int, best: Mapping[str, float]) -> None:
+    """Append one line (synced): after the checkpoint resuming at ``next_step`` was versioned,
+    the best values were ``best``. A restart reads it back with `read_best_record`."""
+    line = {
+        "version": BEST_RECORD_VERSION,
+        "step": step,
+        "next_step": next_step,
+        "best": dict(best),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(line, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_best_record(path: Path, start_step: int) -> dict[str, float]:
+    """The best values as of the checkpoint a run resumes at ``start_step`` from: the last
+    record whose ``next_step`` is at most ``start_step`` (versions made after that state, by
+    an attempt that then failed, do not count). A torn or foreign line is skipped with a
+    warning; no file gives ``{}``."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return {}
+    best: dict[str, float] = {}
+    for number, line in enumerate(text.splitlines(), start=1):
+        try:
+            record = loads_strict(line, f"{path}:{number}")
+            require_version(record, f"{path}:{number}", BEST_RECORD_VERSION)
+            values = record["best"]
+            if not is_exact_int(record["next_step"]) or not isinstance(values, dict):
+                raise ValueError(f"{path}:{number}: fields next_step and best are malformed")
+            parsed = {str(k): float(v) for k, v in values.items() if _finite(v)}
+        except (ValueError, KeyError, TypeError) as exc:
+            warnings.warn(f"wandb best record: skipping line {number}: {exc}", stacklevel=2)
+            continue
+        if record["next_step"] <= start_step:
+            best = parsed
+    return best
+
+
+def _finite(value: Any) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)
+
+
 def make_wandb_hooks(
     cfg: Mapping[str, Any],
     *,
@@ -144,14 +209,15 @@ def make_wandb_hooks(
     prefix = wandb_cfg.get("artifact_name_prefix") or "model"
     artifact_type = wandb_cfg.get("artifact_type") or "model"
     log_checkpoints = wandb_cfg.get("log_checkpoints", True)
-    state: dict[str, Any] = {"run": None, "best": {}}
+    state: dict[str, Any] = {"run": None, "best": {}, "record": None}
 
     def on_train_start(info: dict[str, Any]) -> None:
         is_resumed = resumed if resumed is not None else bool(info.get("resumed", False))
         if is_resumed:
-            _check_restart(wandb_cfg, int(info.get("step", 0)))
+            check_restart_settings(wandb_cfg, int(info.get("step", 0)))
         run_dir = wandb_cfg.get("dir") or info.get("out_dir") or "."
         Path(run_dir).mkdir(parents=True, exist_ok=True)
+        run_id = wandb_run_id(wandb_cfg)
         config = info.get("config_json")
         if config is None:
             config = full if "wandb" in full else {"train": info.get("train_cfg")}
@@ -166,6 +232,9 @@ def make_wandb_hooks(
             tags=list(wandb_cfg.get("tags") or []) or None,
             config=_plain(config),
         )
+        state["record"] = best_record_path(run_dir, run_id or state["run"].id)
+        if is_resumed:  # the aliases continue from the best value the resumed state had seen
+            state["best"] = read_best_record(state["record"], int(info.get("step", 0)))
 
     def _log(info: dict[str, Any]) -> None:
         if state["run"] is not None:
@@ -211,6 +280,10 @@ def make_wandb_hooks(
         # pruning (keep_last_k) cannot delete it before a background upload reads it.
         artifact.add_file(path, name=os.path.basename(path))
         run.log_artifact(artifact, aliases=["latest", f"step-{step}", *_improved(metrics)])
+        for name, value in state["best"].items():
+            run.summary[f"best/{name}"] = value
+        next_step = int(checkpoint.get("next_step", step + 1))
+        append_best_record(state["record"], step, next_step, state["best"])
 
     def on_train_end(info: dict[str, Any]) -> None:
         if state["run"] is not None:
