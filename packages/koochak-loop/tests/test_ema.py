@@ -348,3 +348,27 @@ def test_load_ema_weights_loads_a_shadow_into_a_wrapped_or_bare_model(tmp_path):
     assert torch.equal(wrapped.module.weight, shadow["weight"])
     with pytest.raises(ValueError, match="no EMA shadows"):
         load_ema_weights(bare, {**ckpt, "ema": None})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned offload)")
+def test_cpu_offload_keeps_pinned_host_shadows_that_follow_the_device_ones():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64)).cuda()
+    spec = ShadowSpec("power", gamma=srel_to_gamma(0.1))
+    on_device = ModelEma(model, [spec])
+    offloaded = ModelEma(model, [spec], offload_to_cpu=True, pin_memory=True)
+    assert all(t.device.type == "cpu" and t.is_pinned() for t in offloaded.shadows[0])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for t in range(1, 6):
+        model(torch.randn(16, 64, device="cuda")).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        on_device.update(t)
+        offloaded.update(t)
+    want, got = on_device.shadow_state_dict(), offloaded.shadow_state_dict()
+    for key, tensor in want.items():
+        assert torch.allclose(tensor.cpu().double(), got[key].cpu().double(), rtol=1e-5, atol=1e-6)
+    live = {k: v.clone() for k, v in model.state_dict().items()}
+    with offloaded.swapped_in():
+        assert torch.allclose(model[0].weight.cpu(), got["0.weight"])
+    assert all(torch.equal(v, live[k]) for k, v in model.state_dict().items())
