@@ -372,3 +372,35 @@ def test_cpu_offload_keeps_pinned_host_shadows_that_follow_the_device_ones():
     with offloaded.swapped_in():
         assert torch.allclose(model[0].weight.cpu(), got["0.weight"])
     assert all(torch.equal(v, live[k]) for k, v in model.state_dict().items())
+
+
+def test_the_deferred_fold_of_staged_copies_gives_the_same_shadows():
+    # The offload path stages the weights and folds them in at the next update or read. On a
+    # CPU model offload is a no-op, so give a shadow the staging buffer by hand to exercise it.
+    from koochak.loop.ema import _copies
+
+    model = torch.nn.Linear(4, 3)
+    spec = ShadowSpec("constant", decay=0.7)
+    direct, staged = ModelEma(model, [spec]), ModelEma(model, [spec])
+    staged._staging = _copies(staged._live(), False)
+    weights = _weights_sequence(model, 5)
+    for t, w in enumerate(weights, start=1):
+        _drive_one(direct, model, w, t)
+        with torch.no_grad():
+            model.weight.copy_(w)
+        staged.update(t)
+        assert staged._pending is not None  # not folded in until read or the next update
+    assert torch.equal(staged.shadow_state_dict()["weight"], direct.shadow_state_dict()["weight"])
+    assert staged._pending is None
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    staged.update(6)
+    direct.update(6)
+    with staged.swapped_in():  # a swap folds the pending update in first
+        assert torch.equal(model.weight, direct.shadow_state_dict()["weight"])
+
+
+def test_dotlist_overrides_reach_the_nested_keys(tmp_path):
+    cfg = load_config(None, ["train.ema.profile=power", "train.ema.srel=0.1"])
+    (spec,) = shadow_specs(resolve_train_config(cfg.train).ema)
+    assert spec.profile == "power" and spec.srel == pytest.approx(0.1)
