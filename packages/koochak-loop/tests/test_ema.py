@@ -330,6 +330,7 @@ def test_resuming_a_checkpoint_without_shadows_starts_them_with_a_note(tmp_path)
     with pytest.warns(UserWarning, match="has no EMA shadows: they start from its weights"):
         _, resumed = _run(tmp_path / "resumed", 4, {"decay": 0.9}, start=2, ckpt=first)
     assert resumed["ema"]["step"] == 4 and resumed["ema"]["updates"] == 2
+    assert resumed["ema"]["start_step"] == 2
 
 
 def test_load_ema_weights_loads_a_shadow_into_a_wrapped_or_bare_model(tmp_path):

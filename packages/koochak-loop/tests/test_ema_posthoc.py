@@ -135,3 +135,12 @@ def test_checkpoints_without_power_shadows_are_refused_by_name():
         power_ema_states({"ema": None}, "ck.pt")
     with pytest.raises(ValueError, match="exactly one of srel or gamma"):
         reconstruct_power_ema_state_dict([], srel=0.1, gamma=2.0)
+    late = ModelEma(torch.nn.Linear(2, 1), [ShadowSpec("power", gamma=1.0)], start_step=5)
+    with pytest.raises(ValueError, match="ck.pt: its EMA shadows started at step 5, not 0"):
+        power_ema_states({"ema": late.state_dict()}, "ck.pt")
+
+
+def test_a_target_beyond_the_latest_stored_step_is_refused(run):
+    out, _, _ = run
+    with pytest.raises(ValueError, match=f"step must be in 1..{STEPS}"):
+        reconstruct_power_ema_state_dict(collect_power_ema_states(out), srel=0.07, step=STEPS + 1)

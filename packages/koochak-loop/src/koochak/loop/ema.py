@@ -214,6 +214,7 @@ class ModelEma:
         self.specs = list(specs)
         self.update_every = update_every
         self.step = int(start_step)  # model steps the shadows have taken in
+        self.start_step = int(start_step)  # where they began (post-hoc EMA needs 0)
         self.updates = 0  # EMA updates applied
         self._keys, self._slots, self._index = _float_slots(self.model)
         live = self._live()
@@ -267,7 +268,7 @@ class ModelEma:
             for shadow in self.shadows:
                 for target, tensor in zip(shadow, self._live()):
                     target.copy_(tensor)
-        self.step, self.updates = int(start_step), 0
+        self.step, self.start_step, self.updates = int(start_step), int(start_step), 0
 
     # -- reading
 
@@ -286,6 +287,7 @@ class ModelEma:
             "version": EMA_STATE_VERSION,
             "update_every": self.update_every,
             "step": self.step,
+            "start_step": self.start_step,
             "updates": self.updates,
             "shadows": [
                 {**dataclasses.asdict(spec), "srel": spec.srel,
@@ -322,6 +324,7 @@ class ModelEma:
                 for key, slot in zip(self._keys, self._index):
                     shadow[slot].copy_(entry["state_dict"][key])
         self.step, self.updates = int(state["step"]), int(state["updates"])
+        self.start_step = int(state["start_step"])
 
     @contextmanager
     def swapped_in(self, index: int = 0) -> Iterator[None]:
@@ -384,7 +387,7 @@ def check_ema_state(state: Any, source: str) -> None:
     if state.get("version") != EMA_STATE_VERSION:
         raise ValueError(f"{source}: field 'ema.version' is {state.get('version')!r}; this "
                          f"Koochak reads version {EMA_STATE_VERSION}")  # fmt: skip
-    for key in ("update_every", "step", "updates", "shadows"):
+    for key in ("update_every", "step", "start_step", "updates", "shadows"):
         if key not in state:
             raise ValueError(f"{source}: field 'ema' is missing {key!r}")
     if not isinstance(state["shadows"], list) or not all(

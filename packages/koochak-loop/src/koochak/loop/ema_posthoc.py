@@ -76,6 +76,11 @@ def power_ema_states(ckpt: Mapping[str, Any], source: str = "checkpoint") -> lis
     if slot is None:
         raise ValueError(f"{source}: has no EMA shadows (field 'ema' is null)")
     check_ema_state(slot, source)
+    if slot["start_step"] != 0:
+        raise ValueError(
+            f"{source}: its EMA shadows started at step {slot['start_step']}, not 0, so their "
+            "profiles are not power functions of the whole run; post-hoc EMA cannot use them"
+        )
     states = [
         {
             "gamma": float(shadow["gamma"]),
@@ -128,9 +133,12 @@ def reconstruct_power_ema_state_dict(
     target_gamma = _target_gamma(srel, gamma)
     if not states:
         raise ValueError("post-hoc EMA needs at least one stored power shadow")
-    target_step = max(int(s["step"]) for s in states) if step is None else int(step)
-    if target_step <= 0:
-        raise ValueError(f"step must be a positive number of model steps, got {target_step}")
+    latest = max(int(s["step"]) for s in states)
+    target_step = latest if step is None else int(step)
+    if not 0 < target_step <= latest:
+        raise ValueError(
+            f"step must be in 1..{latest} (the latest stored shadow), got {target_step}"
+        )
     keys = set(states[0]["state_dict"])
     for i, state in enumerate(states):
         if set(state["state_dict"]) != keys:
@@ -212,6 +220,8 @@ def _run(argv: Sequence[str]) -> None:
     if not stored:
         raise ValueError(f"{args.location}: no published checkpoint holds power EMA shadows")
     target_step = max(s[2] for s in stored) if args.step is None else args.step
+    if not 0 < target_step <= max(s[2] for s in stored):
+        raise ValueError(f"--step must be in 1..{max(s[2] for s in stored)}, got {target_step}")
     x = posthoc_coefficients([(s[2], s[3]) for s in stored], target_step, target_gamma)
     weight = {(s[0], s[1]): float(c) for s, c in zip(stored, x)}
 
