@@ -405,3 +405,30 @@ def test_dotlist_overrides_reach_the_nested_keys(tmp_path):
     cfg = load_config(None, ["train.ema.profile=power", "train.ema.srel=0.1"])
     (spec,) = shadow_specs(resolve_train_config(cfg.train).ema)
     assert spec.profile == "power" and spec.srel == pytest.approx(0.1)
+
+
+def test_async_checkpoints_freeze_the_shadows_of_their_own_step(tmp_path):
+    from koochak.loop.checkpoint import load
+
+    weights: list[torch.Tensor] = []
+    models: list[torch.nn.Module] = []
+    hooks = {"on_train_start": [lambda info: models.append(info["model"])],
+             "on_step_end": [lambda info: weights.append(models[0].weight.detach().double().clone())]}  # fmt: skip
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    start = model.weight.detach().double().clone()
+    training_loop(
+        model=model, dataset=_batches(6), step_fn=_step_fn, hooks=hooks,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        train_cfg={"max_steps": 6, "ckpt_every": 1, "keep_last_k": None, "log_every": 1000,
+                   "device": "cpu", "out_dir": str(tmp_path), "checkpoint_async": True,
+                   "ema": {"decay": 0.6}},
+    )  # fmt: skip
+    expected = start
+    for index, w in enumerate(weights[:-1]):  # periodic checkpoints 0..4 (5 is the terminal one)
+        expected = 0.6 * expected + 0.4 * w
+        saved = load(str(tmp_path / f"step{index:09d}.pt"))["ema"]
+        assert saved["step"] == index + 1
+        assert torch.allclose(
+            saved["shadows"][0]["state_dict"]["weight"].double(), expected, rtol=1e-6
+        )
