@@ -199,6 +199,11 @@ def test_nested_keys_enable_ema_and_decay_alone_implies_it(tmp_path):
     assert len(shadow_specs(resolve_train_config({"ema": {"enabled": True}}).ema)) == 1
 
 
+def test_srel_or_gamma_alone_implies_the_power_profile():
+    (spec,) = shadow_specs(resolve_train_config({"ema": {"srel": 0.1}}).ema)
+    assert spec.profile == "power" and spec.gamma == pytest.approx(srel_to_gamma(0.1))
+
+
 def test_dual_with_srels_gives_two_power_shadows():
     train = resolve_train_config({"ema": {"dual": {"enabled": True, "srel1": 0.05, "srel2": 0.1}}})
     specs = shadow_specs(train.ema)
@@ -238,6 +243,12 @@ def test_legacy_flat_keys_are_honoured_with_a_note_naming_the_nested_key(tmp_pat
         ({"dual": {"enabled": True, "srel1": 0.05}}, r"train.ema.dual.gamma2 or train.ema.dual.srel2"),
         ({"profile": "constant", "dual": {"enabled": True, "gamma1": 1.0, "gamma2": 2.0}},
          r"train.ema.dual.enabled: dual EMA tracks two power profiles"),
+        ({"profile": "power", "srel": 0.1, "decay": 0.9}, r"train.ema.decay: only the constant"),
+        ({"srel": 0.1, "warmup_steps": 5, "schedule": "linear"},
+         r"train.ema.warmup_steps: only the constant profile warms up"),
+        ({"profile": "constant", "gamma": 3.0}, r"train.ema.gamma: only the power profile uses"),
+        ({"srel": 0.1, "dual": {"enabled": True, "srel1": 0.05, "srel2": 0.1}},
+         r"train.ema.srel: with train.ema.dual.enabled give dual.gamma1/gamma2"),
     ],
 )  # fmt: skip
 def test_bad_ema_config_fails_naming_the_key(ema, message):

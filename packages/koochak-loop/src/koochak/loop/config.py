@@ -47,7 +47,7 @@ class EmaConfig:
     decay_init: float = 0.0  # decay at step 0 when warming up
     warmup_steps: int = 0  # model steps from decay_init to decay (schedule linear|cosine)
     schedule: str = "constant"  # constant | linear | cosine
-    profile: Optional[str] = None  # constant | power; null: constant (power with dual)
+    profile: Optional[str] = None  # constant | power; null: power with gamma/srel/dual
     gamma: Optional[float] = None  # power profile exponent (or srel)
     srel: Optional[float] = None  # power profile's relative width (or gamma)
     offload_to_cpu: bool = False  # keep shadows in host memory
@@ -353,7 +353,12 @@ def _check_ema(values: Mapping[str, Any], section: str) -> None:
         if values.get(key) is not None and not 0 < values[key] <= ema.SREL_MAX:
             raise bad(key, f"a number in (0, {ema.SREL_MAX:.4f}]")
     if section == "train.ema":
-        if values.get("warmup_steps") and values.get("schedule", "constant") == "constant":
+        profile = values.get("profile")
+        if (
+            values.get("warmup_steps")
+            and values.get("schedule", "constant") == "constant"
+            and (profile != "power")
+        ):
             raise ConfigError(
                 "train.ema.warmup_steps: a warm-up needs train.ema.schedule linear or cosine "
                 f"(schedule is constant), got warmup_steps={values['warmup_steps']!r}"

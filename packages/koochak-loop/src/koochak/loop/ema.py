@@ -145,19 +145,37 @@ def ema_enabled(cfg: Any) -> bool:
 
 
 def shadow_specs(cfg: Any) -> list[ShadowSpec]:
-    """The shadows ``train.ema`` asks for (empty when EMA is off); errors name the key."""
+    """The shadows ``train.ema`` asks for (empty when EMA is off); errors name the key.
+
+    The profile defaults to ``power`` when ``gamma``/``srel`` or ``dual`` is given, else
+    ``constant``; a key the chosen profile would ignore is an error rather than a silent no-op.
+    """
     if not ema_enabled(cfg):
         return []
     dual = _get(cfg, "dual") or {}
-    profile = _get(cfg, "profile") or ("power" if _get(dual, "enabled") else "constant")
+    power_keys = [k for k in ("gamma", "srel") if _get(cfg, k) is not None]
+    implied = "power" if _get(dual, "enabled") or power_keys else "constant"
+    profile = _get(cfg, "profile") or implied
+    if profile == "power" and _get(cfg, "decay") is not None:
+        raise ValueError("train.ema.decay: only the constant profile has a decay (profile is "
+                         "power; its averaging length is gamma or srel)")  # fmt: skip
+    if profile == "power" and _get(cfg, "warmup_steps"):
+        raise ValueError("train.ema.warmup_steps: only the constant profile warms up (the power "
+                         "profile needs no warm-up)")  # fmt: skip
     if _get(dual, "enabled"):
         if profile != "power":
             raise ValueError("train.ema.dual.enabled: dual EMA tracks two power profiles; "
                              f"set train.ema.profile: power (got {profile!r})")  # fmt: skip
+        if power_keys:
+            raise ValueError(f"train.ema.{power_keys[0]}: with train.ema.dual.enabled give "
+                             "dual.gamma1/gamma2 or dual.srel1/srel2 instead")  # fmt: skip
         return [ShadowSpec("power", gamma=_gamma(dual, f"gamma{i}", f"srel{i}", "train.ema.dual"))
                 for i in (1, 2)]  # fmt: skip
     if profile == "power":
         return [ShadowSpec("power", gamma=_gamma(cfg, "gamma", "srel", "train.ema"))]
+    if power_keys:
+        raise ValueError(f"train.ema.{power_keys[0]}: only the power profile uses gamma/srel; "
+                         "set train.ema.profile: power (profile is constant)")  # fmt: skip
     decay = _get(cfg, "decay")
     return [
         ShadowSpec(
