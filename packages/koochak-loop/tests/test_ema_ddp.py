@@ -3,7 +3,8 @@
 DDP makes every rank's parameters identical after each update, so their shadows (updated without
 any communication) are identical too; floating buffers (BatchNorm statistics) are rank-local
 between DDP's broadcasts, and so are their shadows: rank 0's are the ones saved, as its buffers
-are. Rank 0's checkpoint holds its shadows, keyed without ``module.``.
+are. Rank 0's checkpoint holds its shadows, keyed without ``module.``, and a single process
+continues from it.
 This file is also the per-rank training script.
 """
 
@@ -71,6 +72,22 @@ def test_every_rank_keeps_identical_shadows_and_rank_0_saves_them(tmp_path):
             if "running" not in key:  # parameters: the same on every rank
                 assert torch.equal(values[0], values[1]), key
     assert ranks[0]["updates"] == ranks[1]["updates"] == 12
+
+    # The 2-rank checkpoint, shadows included, continues in one process.
+    from koochak.loop import training_loop
+
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1)
+    )
+    x = torch.randn(8, 4)
+    final = training_loop(
+        model=model, dataset=[(x, x.sum(dim=1, keepdim=True))] * 2, optimizer=torch.optim.AdamW(model.parameters()),
+        step_fn=lambda m, b, ctx: {"loss": torch.nn.functional.mse_loss(m(b[0]), b[1])},
+        checkpoint_dict=load(str(tmp_path / "step000000012.pt")),
+        train_cfg={"max_steps": 14, "log_every": 1000, "device": "cpu", "out_dir": str(tmp_path / "one"),
+                   "ema": {"dual": {"enabled": True, "srel1": 0.05, "srel2": 0.10}}},
+    )  # fmt: skip
+    assert (final["ema"]["step"], final["ema"]["updates"], final["world_size"]) == (14, 14, 1)
 
 
 if __name__ == "__main__":
