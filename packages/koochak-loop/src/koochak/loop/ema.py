@@ -236,10 +236,13 @@ class ModelEma:
         self.updates = 0  # EMA updates applied
         self._keys, self._slots, self._index = _float_slots(self.model)
         live = self._live()
-        self._offload = offload_to_cpu and any(t.device.type != "cpu" for t in live)
-        pin = self._offload and pin_memory and torch.cuda.is_available()
-        self.shadows = [_copies(live, pin if self._offload else None) for _ in self.specs]
-        self._staging = _copies(live, pin) if self._offload else None
+        accelerator = next((t.device for t in live if t.device.type != "cpu"), None)
+        offload = offload_to_cpu and accelerator is not None
+        # Only a CUDA copy into pinned memory is truly asynchronous (and has an event to wait on).
+        self._cuda = accelerator if offload and accelerator.type == "cuda" else None
+        pin = self._cuda is not None and pin_memory
+        self.shadows = [_copies(live, pin if offload else None) for _ in self.specs]
+        self._staging = _copies(live, pin) if offload else None
         self._pending: list[float] | None = None  # staged weights not yet folded in
         self._event: Any = None
 
@@ -259,11 +262,11 @@ class ModelEma:
             else:
                 self._finish()  # the previous staged copy: finished long ago, so no stall
                 for staged, tensor in zip(self._staging, self._live()):
-                    staged.copy_(tensor, non_blocking=True)
+                    staged.copy_(tensor, non_blocking=self._cuda is not None)
                 self._pending = weights
-                if torch.cuda.is_available():
+                if self._cuda is not None:  # after the copies on the stream that queued them
                     self._event = torch.cuda.Event()
-                    self._event.record()
+                    self._event.record(torch.cuda.current_stream(self._cuda))
         self.step, self.updates = step, self.updates + 1
 
     def _finish(self) -> None:
