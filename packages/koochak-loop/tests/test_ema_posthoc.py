@@ -144,3 +144,32 @@ def test_a_target_beyond_the_latest_stored_step_is_refused(run):
     out, _, _ = run
     with pytest.raises(ValueError, match=f"step must be in 1..{STEPS}"):
         reconstruct_power_ema_state_dict(collect_power_ema_states(out), srel=0.07, step=STEPS + 1)
+
+
+@pytest.mark.slow
+def test_the_cli_as_a_subprocess(run, tmp_path):
+    import subprocess
+    import sys
+
+    out, _, _ = run
+    target = tmp_path / "ema.pt"
+    cmd = [
+        sys.executable,
+        "-m",
+        "koochak.loop.ema_posthoc",
+        str(out),
+        "--srel",
+        "0.07",
+        "--out",
+        str(target),
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (
+        done.stdout.startswith(f"wrote {target}: gamma 11.2449 at step 400")
+        and "from 32 stored shadow(s)" in done.stdout
+    )
+    empty = subprocess.run([*cmd[:3], str(tmp_path / "nothing"), *cmd[4:6], "--out", str(tmp_path / "x.pt")],
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert empty.returncode == 1 and len(empty.stderr.strip().splitlines()) == 1, empty.stderr
+    assert "no published checkpoint holds power EMA shadows" in empty.stderr
