@@ -21,11 +21,6 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "migrating.md"
 
 PENDING = {
-    # EMA (koochak-loop), being added alongside this page
-    "koochak.loop.ema",
-    "koochak.loop.ema_posthoc",
-    "koochak.loop.ema_posthoc.reconstruct_power_ema_state_dict",
-    "koochak.loop.ema_posthoc.reconstruct_dual_power_ema_state_dict",
     # jobs (koochak-jobs is still an empty package)
     "koochak.jobs.prepare_run",
     "koochak.jobs.load_environment_profile",

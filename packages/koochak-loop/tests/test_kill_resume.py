@@ -3,7 +3,7 @@ auto-resume until done ends bit-identical to a run that was never interrupted.
 
 This file is also the training script the test launches (``python test_kill_resume.py OUT ...``):
 a tiny CPU model with dropout (torch RNG), NumPy and Python randomness in ``step_fn``, AdamW and a
-schedule, a checkpoint after every update and keep_last_k=2, so most of the run's wall time is
+schedule, dual power EMA shadows thinned to every second update, a checkpoint after every update and keep_last_k=2, so most of the run's wall time is
 spent publishing and a random kill often lands inside a publication. Deterministic kills inside
 the object write and between object and manifest come from a store wrapper (``killtest://``).
 """
@@ -101,6 +101,7 @@ def main(out_dir: str, kill_mode: str, kill_step: int) -> None:
             "out_dir": out_dir,
             "checkpoint_dir": location,
             "progress_bar": False,
+            "ema": {"dual": {"enabled": True, "srel1": 0.05, "srel2": 0.10}, "update_every": 2},
         },
         resume="auto",
         checkpoint_dict=ckpt,
@@ -161,6 +162,14 @@ def test_sigkilled_run_resumes_to_a_bit_identical_result(tmp_path):
             other = got["optimizer"]["state"][index][name]
             assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
     assert want["scheduler"] == got["scheduler"]
+    # The EMA shadows continue bit-exactly too (both of them, thinned updates included).
+    assert (want["ema"]["step"], want["ema"]["updates"]) == (
+        got["ema"]["step"],
+        got["ema"]["updates"],
+    )
+    for ours, theirs in zip(want["ema"]["shadows"], got["ema"]["shadows"], strict=True):
+        for key, tensor in ours["state_dict"].items():
+            assert torch.equal(tensor, theirs["state_dict"][key]), key
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+from koochak.loop.ema import ModelEma, check_ema_state, restore_ema
 
 CHECKPOINT_VERSION = 1
 # Numbered checkpoint names; group 1 is the number used for ordering and cursor checks.
@@ -378,6 +379,8 @@ def check_checkpoint_format(ckpt: Any, source: str) -> None:
         raise ValueError(
             f"{source}: field 'wall_time' must be a number or null, got {_short(wall_time)}"
         )
+    if ckpt.get("ema") is not None:
+        check_ema_state(ckpt["ema"], source)
 
 
 def _short(value: Any) -> str:
@@ -435,8 +438,9 @@ def restore_training_state(
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: Any = None,
     scaler: Any = None,
+    ema: ModelEma | None = None,
 ) -> int:
-    """Load weights, optimizer, scheduler and scaler state from ``ckpt``; return ``next_step``.
+    """Load weights, optimizer, scheduler, scaler and EMA state from ``ckpt``; return ``next_step``.
 
     The model may be wrapped (DDP, compile) or not; the optimizer moves its state onto the
     parameters' devices itself. RNG is restored separately (``restore_rng``) right before the next
@@ -452,6 +456,7 @@ def restore_training_state(
         scheduler.load_state_dict(ckpt["scheduler"])
     if scaler is not None and ckpt.get("scaler") is not None and hasattr(scaler, "load_state_dict"):
         scaler.load_state_dict(ckpt["scaler"])
+    restore_ema(ema, ckpt)  # the shadows continue, or (none saved) start from these weights
     return int(ckpt["next_step"])
 
 

@@ -46,6 +46,7 @@ def capture_checkpoint(
     config: Mapping[str, Any] | None,
     wall_time: float,
     metrics: Mapping[str, Any] | None,
+    ema: Any = None,
 ) -> dict[str, Any]:
     """Build the checkpoint dict; every rank must call it (it gathers per-rank RNG states).
 
@@ -71,6 +72,7 @@ def capture_checkpoint(
         world_size=world_size,
         wall_time=wall_time,
         metrics=metrics,
+        ema=ema.state_dict() if ema is not None else None,
     )
 
 

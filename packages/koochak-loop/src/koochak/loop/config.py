@@ -34,6 +34,33 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class EmaDualConfig:
+    enabled: bool = False  # track two power-profile shadows (EDM2 post-hoc EMA)
+    gamma1: Optional[float] = None  # first shadow's power exponent (or srel1)
+    gamma2: Optional[float] = None
+    srel1: Optional[float] = None  # first shadow's relative width, e.g. 0.05 (or gamma1)
+    srel2: Optional[float] = None
+
+
+@dataclass
+class EmaConfig:
+    enabled: Optional[bool] = None  # null: on when decay, profile, gamma/srel or dual is given
+    decay: Optional[float] = None  # constant profile's decay per model step; null: 0.999
+    decay_init: float = 0.0  # decay at step 0 when warming up
+    warmup_steps: int = 0  # model steps from decay_init to decay (schedule linear|cosine)
+    schedule: str = "constant"  # constant | linear | cosine
+    profile: Optional[str] = None  # constant | power; null: power with gamma/srel/dual
+    gamma: Optional[float] = None  # power profile exponent (or srel)
+    srel: Optional[float] = None  # power profile's relative width (or gamma)
+    offload_to_cpu: bool = False  # keep shadows in host memory
+    pin_memory: bool = True  # pinned host memory for offloaded shadows (CUDA)
+    update_every: int = 1  # EMA update every k model steps (decay ** k)
+    compensate_update_every: bool = True  # kept for compatibility: always compensated
+    eval_with_ema: bool = False  # run eval_fn with the (first) shadow's weights
+    dual: EmaDualConfig = field(default_factory=EmaDualConfig)
+
+
+@dataclass
 class TrainConfig:
     max_steps: Optional[int] = 1000  # null: run until the dataset is exhausted
     log_every: int = 50
@@ -69,6 +96,7 @@ class TrainConfig:
     gpu_health_max_temperature_c: float = 90.0
     gpu_health_max_kernel_seconds: float = 10.0
     gpu_health_max_new_ecc_uncorrected: int = 0
+    ema: EmaConfig = field(default_factory=EmaConfig)
 
 
 @dataclass
@@ -165,7 +193,7 @@ _CHOICES = {
 # Accepted values of train.device (device.get_device resolves them).
 DEVICE_PATTERN = r"auto|cpu|cuda|cuda:\d+|mps"
 DEVICE_CHOICES = "auto|cpu|cuda|cuda:N|mps"
-_POSITIVE = ("train.log_every", "train.grad_accum", "data.batch_size")
+_POSITIVE = ("train.log_every", "train.grad_accum", "train.ema.update_every", "data.batch_size")
 _POSITIVE_OR_NULL = ("train.max_steps",)
 _NON_NEGATIVE_OR_NULL = (
     "train.eval_every",
@@ -174,8 +202,12 @@ _NON_NEGATIVE_OR_NULL = (
     "train.nonfinite_grad_check_every",
     "train.gpu_health_every",
     "train.gpu_health_max_new_ecc_uncorrected",
+    "train.ema.warmup_steps",
     "data.num_workers",
 )
+# Legacy flat names of train.ema.* keys, honoured with a note: train.ema_<key> and train.ema_eval.
+_LEGACY_EMA = {f"ema_{f.name}": f.name for f in dataclasses.fields(EmaConfig) if f.name != "dual"}
+_LEGACY_EMA["ema_eval"] = "eval_with_ema"
 
 
 # ----------------------------------------------------------------------------- unknown keys
@@ -305,6 +337,66 @@ def _check_values(values: Mapping[str, Any], section: str) -> None:
         raise ConfigError(
             f"train.grad_clip: expected a positive number or null, got {values['grad_clip']!r}"
         )
+    if section in ("train.ema", "train.ema.dual"):
+        _check_ema(values, section)
+
+
+def _check_ema(values: Mapping[str, Any], section: str) -> None:
+    """Ranges of the EMA keys, then the combination (profile, gamma/srel, dual) as a whole."""
+    from koochak.loop import ema
+
+    def bad(key: str, what: str) -> ConfigError:
+        return ConfigError(f"{section}.{key}: expected {what}, got {values[key]!r}")
+
+    for key in ("schedule", "profile"):
+        choices = ema.SCHEDULES if key == "schedule" else ema.PROFILES
+        if values.get(key) is not None and values[key] not in choices:
+            raise bad(key, f"one of {'|'.join(choices)}")
+    for key in ("decay", "decay_init"):
+        if values.get(key) is not None and not 0 <= values[key] < 1:
+            raise bad(key, "a number in [0, 1)")
+    for key in ("gamma", "gamma1", "gamma2"):
+        if values.get(key) is not None and not values[key] >= 0:
+            raise bad(key, "a number >= 0")
+    for key in ("srel", "srel1", "srel2"):
+        if values.get(key) is not None and not 0 < values[key] <= ema.SREL_MAX:
+            raise bad(key, f"a number in (0, {ema.SREL_MAX:.4f}]")
+    if section == "train.ema":
+        profile = values.get("profile")
+        if (
+            values.get("warmup_steps")
+            and values.get("schedule", "constant") == "constant"
+            and (profile != "power")
+        ):
+            raise ConfigError(
+                "train.ema.warmup_steps: a warm-up needs train.ema.schedule linear or cosine "
+                f"(schedule is constant), got warmup_steps={values['warmup_steps']!r}"
+            )
+        try:
+            ema.shadow_specs(values)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+
+def _translate_legacy_ema(train: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """Move legacy flat ``train.ema_*`` keys under ``train.ema``, with a note naming each."""
+    train = dict(train)
+    legacy = [key for key in train if key in _LEGACY_EMA]
+    if not legacy:
+        return train
+    nested = dict(train.get("ema") or {})
+    for key in legacy:
+        name, value = _LEGACY_EMA[key], train.pop(key)
+        if name in nested and nested[name] != value:
+            raise ConfigError(
+                f"{source}: train.{key}={value!r} (legacy) and train.ema.{name}="
+                f"{nested[name]!r} disagree; keep only train.ema.{name}"
+            )
+        nested[name] = value
+        warnings.warn(f"{source}: train.{key} is the legacy name of train.ema.{name}; it is "
+                      "honoured, but use the nested key", UserWarning, stacklevel=3)  # fmt: skip
+    train["ema"] = nested
+    return train
 
 
 def _check_section(values: Mapping[str, Any], schema: type, section: str) -> dict[str, Any]:
@@ -453,6 +545,7 @@ def load_config_with_report(
         user = OmegaConf.merge(user, _parse_overrides(overrides))
     except OmegaConfBaseException as exc:
         raise ConfigError(f"{source}: cannot apply overrides: {_omegaconf_message(exc)}") from None
+    user = _without_legacy_ema(user, source)
     for section in SECTIONS:
         value = user._get_node(section) if section in user else None
         if value is not None and not isinstance(value, DictConfig) and user[section] is not None:
@@ -490,6 +583,16 @@ def load_config_with_report(
             raise ConfigError(f"{source}: {exc}") from None
     user_sections = tuple(str(k) for k in user if k in SECTIONS or k in values)
     return cfg, ConfigReport(source, user_sections, tuple(unknown), strict)
+
+
+def _without_legacy_ema(user: DictConfig, source: str) -> DictConfig:
+    train = user.get("train") if "train" in user else None
+    if not isinstance(train, DictConfig) or not any(k in _LEGACY_EMA for k in train):
+        return user
+    plain = OmegaConf.to_container(user, resolve=False)  # interpolations stay as written
+    assert isinstance(plain, dict)
+    plain["train"] = _translate_legacy_ema(plain["train"], source)
+    return OmegaConf.create(plain)
 
 
 def check_config(cfg: DictConfig | Mapping[str, Any], source: str = "<config>") -> ConfigReport:
@@ -585,12 +688,34 @@ def resolve_train_config(train_cfg: Mapping[str, Any] | TrainConfig | None) -> T
         values = {}
     else:
         values = to_container(train_cfg)
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    unknown = [f"train.{k}" for k in values if k not in names]
+    values = _translate_legacy_ema(values, "train_cfg")
+    unknown = _unknown_keys(values, TrainConfig, "train.")
     if unknown and values.get("strict_config", True):
         raise ConfigError(_unknown_message(unknown, Config, "train_cfg"))
-    checked = _check_section({k: v for k, v in values.items() if k in names}, TrainConfig, "train")
-    return TrainConfig(**checked)
+    checked = _check_section(_known_only(values, TrainConfig), TrainConfig, "train")
+    return _build(TrainConfig, checked)
+
+
+def _known_only(values: Mapping[str, Any], schema: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(schema)
+    known = {}
+    for key, value in values.items():
+        if key in hints:
+            sub = _dataclass_type(hints[key])
+            known[key] = _known_only(value, sub) if sub and isinstance(value, Mapping) else value
+    return known
+
+
+def _build(schema: type, values: Mapping[str, Any]) -> Any:
+    """The dataclass ``schema`` from checked ``values``, nested sections included."""
+    hints = typing.get_type_hints(schema)
+    kwargs = {}
+    for key, value in values.items():
+        sub = _dataclass_type(hints[key])
+        kwargs[key] = (
+            _build(sub, value) if sub is not None and isinstance(value, Mapping) else value
+        )
+    return schema(**kwargs)
 
 
 def defaults() -> dict[str, Any]:

@@ -36,6 +36,7 @@ from koochak.loop.checkpoint_saver import (
 )
 from koochak.loop.config import TrainConfig, resolve_train_config
 from koochak.loop.device import get_device, get_lr
+from koochak.loop.ema import ModelEma, make_model_ema
 from koochak.loop.evacuation import Evacuated, EvacuationController, make_evacuation
 from koochak.loop.gradients import apply_gate, check_finite, grads_of, total_norm
 from koochak.loop.health import GpuHealthWatchdog, GpuUnhealthy, make_gpu_health
@@ -137,37 +138,18 @@ def training_loop(
         evac = make_evacuation(evacuation, train_dict)
         if evac is not None:
             evac.install()
-        emit(
-            hooks,
-            "on_train_start",
-            {
-                "step": start_step,
-                "max_steps": cfg.max_steps,
-                "train_cfg": train_dict,
-                "config_json": config_json,
-                "model": raw_model,
-                "num_params": num_params,
-                "rank": rank,
-                "world_size": world_size,
-                "out_dir": cfg.out_dir,
-                "resumed": checkpoint_dict is not None,
-                "resume_path": auto_resume_path,
-            },
-        )
+        start_info = {"step": start_step, "max_steps": cfg.max_steps, "train_cfg": train_dict,
+                      "config_json": config_json, "model": raw_model, "num_params": num_params,
+                      "rank": rank, "world_size": world_size, "out_dir": cfg.out_dir,
+                      "resumed": checkpoint_dict is not None, "resume_path": auto_resume_path}  # fmt: skip
+        emit(hooks, "on_train_start", start_info)
         # Compile the bare module first so DDP wraps the compiled graph (torch's recommended order).
         train_model = torch.compile(raw_model) if cfg.compile else raw_model
         train_model = ddp.wrap_model(train_model, setup, cfg)
+        ema = make_model_ema(cfg.ema, raw_model, start_step)  # one shadow per rank, no comms
         if checkpoint_dict is not None:
-            restore_training_state(checkpoint_dict, raw_model, optimizer, scheduler, scaler)
+            restore_training_state(checkpoint_dict, raw_model, optimizer, scheduler, scaler, ema)
         raw_model.train()
-        # What every checkpoint is captured from (live objects: each capture reads them anew).
-        parts = {
-            "model": raw_model,
-            "optimizer": optimizer,
-            "scheduler": scheduler,
-            "scaler": scaler,
-            "config": _config_of(config_json, cfg),
-        }
         if rank == 0:  # only rank 0 publishes; every rank takes part in capturing (RNG gather)
             saver = CheckpointSaver(
                 location,
@@ -175,6 +157,10 @@ def training_loop(
                 async_publish=cfg.checkpoint_async,
                 on_checkpoint=lambda info: emit(hooks, "on_checkpoint", info, warned=warned),
             )
+        # What every checkpoint is captured from (live objects: each capture reads them anew).
+        parts = {"model": raw_model, "optimizer": optimizer, "scheduler": scheduler,
+                 "scaler": scaler, "ema": ema, "config": _config_of(config_json, cfg)}  # fmt: skip
+        persist = _Persist(saver, parts, prior_wall_time, started)
         health = make_gpu_health(train_dict, device, cfg.out_dir, gpu_health)
 
         # Everything the per-step code needs, looked up once.
@@ -185,19 +171,22 @@ def training_loop(
         autocast = ctx.autocast if cfg.amp != "none" else None
         step_end_hooks, log_hooks = hooks.get("on_step_end"), hooks.get("on_log")
         quiet_ddp = isinstance(train_model, torch.nn.parallel.DistributedDataParallel)
+        eval_weights = ema if ema is not None and cfg.ema.eval_with_ema else None
         if cfg.cuda_prefetch:
             batches = cuda_prefetch(dataset, device, prepare_batch_fn)
         else:
             batches = _on_device(dataset, device, prepare_batch_fn)
 
+        def evaluate(at: int) -> dict[str, float]:
+            return _evaluate(eval_fn, raw_model, eval_dataset, ctx, hooks, warned, at, eval_weights)
+
         metrics: dict[str, float] = {}
         eval_metrics: dict[str, float] = {}
         if eval_fn is not None and cfg.eval_at_step_zero and start_step == 0:
-            eval_metrics = _evaluate(eval_fn, raw_model, eval_dataset, ctx, hooks, warned, step=0)
+            eval_metrics = evaluate(0)
 
         window_start, window_steps = time.perf_counter(), 0
         outputs: Mapping[str, Any] | None = None
-        batch: Any = None
         last_batch: Any = None
         logged = True
         optimizer.zero_grad(set_to_none=True)
@@ -209,55 +198,27 @@ def training_loop(
                 saver.poll()  # deliver a finished async publication; raise if it failed
 
             # ---- micro-steps: autocast -> step_fn -> scaled backward, grad_accum times
-            pending: Any = None
-            for micro in range(grad_accum):
-                batch = next(batches, _END)
-                if batch is _END:
-                    break
-                ctx.micro_step = micro
-                # Under DDP only the last micro-step all-reduces gradients.
-                no_sync = quiet_ddp and micro < grad_accum - 1
-                with train_model.no_sync() if no_sync else _NULL:
-                    out = _micro_step(
-                        step_fn, train_model, batch, ctx, autocast, scaler, grad_accum
-                    )
-                pending = out if grad_accum == 1 else _accumulate(pending, out, grad_accum)
+            pending, batch = _micro_steps(
+                batches, step_fn, train_model, ctx, autocast, scaler, grad_accum, quiet_ddp
+            )
             if batch is _END:
-                if pending is not None:
-                    warnings.warn(
-                        f"dataset ran out inside update {step}: its {micro} micro-batch(es) were "
-                        f"dropped rather than applied as a partial grad_accum={grad_accum} update",
-                        RuntimeWarning,
-                        stacklevel=2,
-                    )
-                    optimizer.zero_grad(set_to_none=True)
+                optimizer.zero_grad(set_to_none=True)  # a partial update is dropped, not applied
                 break
             outputs, last_batch = pending, batch
             is_log = (step + 1) % log_every == 0 or step + 1 == max_steps
 
             # ---- gradient gate: unscale -> finite check -> clip
-            gate: dict[str, float] | None = None
-            host: dict[str, float] | None = None
             is_check = bool(check_every) and (step + 1) % check_every == 0
-            if clip is not None or is_log or is_check:
-                scaler.unscale_(optimizer)
-                if is_check and not scaler.enabled:  # under a GradScaler, overflow is a skip
-                    check_finite(named_params, step)
-                norm = total_norm(grads_of(named_params))
-                if is_log:  # one read brings the norm and every logged scalar to the host
-                    host = _to_host(outputs, norm)
-                    norm_value = host.pop("grad_norm")
-                else:
-                    norm_value = norm.item()
-                gate = apply_gate(
-                    named_params, norm_value, max_norm=clip, step=step, allow_skip=scaler.enabled
-                )
+            gate, host = _gradient_gate(
+                named_params, scaler, optimizer, outputs, clip, is_log, is_check, step
+            )
 
             # ---- update: optimizer -> scaler -> [EMA] -> scheduler
             lr = get_lr(optimizer) if is_log else 0.0  # the rate this update used
             scaler.step(optimizer)  # an fp16 GradScaler skips an update with inf/NaN gradients
             scaler.update()
-            # [EMA] update goes here (later work).
+            if ema is not None:
+                ema.update(step + 1)  # host-side decay, multi-tensor lerp: no device sync
             if step_scheduler:
                 _step_scheduler(scheduler, outputs)
             optimizer.zero_grad(set_to_none=True)
@@ -277,47 +238,24 @@ def training_loop(
 
             # ---- protect: GPU health (every rank checks its device; one bad device stops all)
             if health is not None and health.due(step):
-                verdict = health.check(step)
-                if ddp.any_rank(not verdict.healthy, device):
-                    _, path = _terminal(
-                        saver,
-                        "gpu_health",
-                        step + 1,
-                        parts,
-                        {**metrics, **eval_metrics},
-                        prior_wall_time,
-                        started,
-                        best_effort=True,
-                    )
-                    raise GpuUnhealthy(step + 1, verdict, path)
+                _check_health(health, step, device, persist, {**metrics, **eval_metrics})
 
             # ---- maybe eval
             if eval_fn is not None and cfg.eval_every and (step + 1) % cfg.eval_every == 0:
-                eval_metrics = _evaluate(eval_fn, raw_model, eval_dataset, ctx, hooks, warned, step)
+                eval_metrics = evaluate(step)
                 if scheduler is not None and cfg.scheduler_step == "eval":
                     _step_scheduler(scheduler, eval_metrics)
 
             # ---- maybe save (periodic: keeps its zero-based index, resumes at step + 1). Not after
             # the update that reaches max_steps: the terminal save of the same state follows.
             if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 != max_steps:
-                periodic = capture_checkpoint(
-                    step=step,
-                    next_step=step + 1,
-                    reason="periodic",
-                    **parts,
-                    wall_time=prior_wall_time + time.perf_counter() - started,
-                    metrics={**metrics, **eval_metrics},
-                )
-                if saver is not None:
-                    saver.save(periodic)
+                persist.periodic(step, {**metrics, **eval_metrics})
             step += 1
 
             # ---- evacuate: all ranks agree at the end of a completed update, then leave (75)
             if evac is not None and evac.should_evacuate():
                 final_metrics = {**metrics, **eval_metrics}
-                checkpoint, path = _terminal(
-                    saver, "evacuation", step, parts, final_metrics, prior_wall_time, started
-                )
+                checkpoint, path = persist.terminal("evacuation", step, final_metrics)
                 end = {"step": step, "checkpoint": checkpoint, "metrics": final_metrics}
                 emit(hooks, "on_train_end", {**end, "reason": "evacuation"}, warned=warned)
                 raise Evacuated(step, checkpoint, path)
@@ -337,15 +275,9 @@ def training_loop(
             and checkpoint_dict.get("step") == step
             and checkpoint_dict.get("reason") == "terminal"
         )
-        checkpoint, _ = _terminal(
-            saver, "terminal", step, parts, final_metrics, prior_wall_time, started, republish
-        )
-        emit(
-            hooks,
-            "on_train_end",
-            {"step": step, "checkpoint": checkpoint, "metrics": final_metrics},
-            warned=warned,
-        )
+        checkpoint, _ = persist.terminal("terminal", step, final_metrics, publish=republish)
+        end = {"step": step, "checkpoint": checkpoint, "metrics": final_metrics}
+        emit(hooks, "on_train_end", end, warned=warned)
         return checkpoint
     # A GPU-health stop is a failure the hooks must hear of (an evacuation already ended cleanly
     # through on_train_end).
@@ -368,6 +300,70 @@ def _on_device(
     for batch in dataset:
         batch = to_device(batch, device)
         yield prepare_batch_fn(batch) if prepare_batch_fn is not None else batch
+
+
+def _micro_steps(
+    batches: Any,
+    step_fn: Callable[..., Mapping[str, Any]],
+    model: torch.nn.Module,
+    ctx: StepContext,
+    autocast: Callable[[], AbstractContextManager[Any]] | None,
+    scaler: Scaler,
+    grad_accum: int,
+    quiet_ddp: bool,
+) -> tuple[Any, Any]:
+    """One update's micro-steps: ``(accumulated outputs, last batch)``, or ``(None, _END)`` when
+    the data runs out (a partly accumulated update is dropped, with a warning)."""
+    pending: Any = None
+    batch: Any = None
+    for micro in range(grad_accum):
+        batch = next(batches, _END)
+        if batch is _END:
+            if pending is not None:
+                warnings.warn(
+                    f"dataset ran out inside update {ctx.step}: its {micro} micro-batch(es) were "
+                    f"dropped rather than applied as a partial grad_accum={grad_accum} update",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            return None, _END
+        ctx.micro_step = micro
+        # Under DDP only the last micro-step all-reduces gradients.
+        with model.no_sync() if quiet_ddp and micro < grad_accum - 1 else _NULL:
+            out = _micro_step(step_fn, model, batch, ctx, autocast, scaler, grad_accum)
+        pending = out if grad_accum == 1 else _accumulate(pending, out, grad_accum)
+    return pending, batch
+
+
+def _gradient_gate(
+    named_params: list[tuple[str, torch.nn.Parameter]],
+    scaler: Scaler,
+    optimizer: torch.optim.Optimizer,
+    outputs: Mapping[str, Any],
+    clip: float | None,
+    is_log: bool,
+    is_check: bool,
+    step: int,
+) -> tuple[dict[str, float] | None, dict[str, float] | None]:
+    """Unscale -> finite check -> clip, when anything needs the gradients' norm.
+
+    Returns the gate's metrics and, on logging steps, every logged scalar on the host (read
+    together with the norm, in one device sync).
+    """
+    if clip is None and not is_log and not is_check:
+        return None, None
+    scaler.unscale_(optimizer)
+    if is_check and not scaler.enabled:  # under a GradScaler, overflow is a skip
+        check_finite(named_params, step)
+    norm = total_norm(grads_of(named_params))
+    host: dict[str, float] | None = None
+    if is_log:
+        host = _to_host(outputs, norm)
+        norm_value = host.pop("grad_norm")
+    else:
+        norm_value = norm.item()
+    gate = apply_gate(named_params, norm_value, max_norm=clip, step=step, allow_skip=scaler.enabled)
+    return gate, host
 
 
 def _micro_step(
@@ -481,18 +477,21 @@ def _step_scheduler(scheduler: Any, metrics: Mapping[str, Any]) -> None:
 
 
 def _evaluate(
-    eval_fn: Callable[..., Mapping[str, Any]],
+    eval_fn: Callable[..., Mapping[str, Any]] | None,
     model: torch.nn.Module,
     eval_dataset: Any,
     ctx: StepContext,
     hooks: Hooks,
     warned: set[int],
     step: int,
+    ema: ModelEma | None = None,
 ) -> dict[str, float]:
-    """Run ``eval_fn`` under no_grad and eval mode; report ``eval_``-prefixed floats."""
+    """Run ``eval_fn`` under no_grad and eval mode (with ``ema``'s shadow swapped in, if given);
+    report ``eval_``-prefixed floats."""
+    assert eval_fn is not None
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), ema.swapped_in() if ema is not None else _NULL:
             raw = eval_fn(model, eval_dataset, ctx)
     finally:
         model.train()
@@ -528,52 +527,71 @@ def _config_of(config_json: Mapping[str, Any] | None, cfg: TrainConfig) -> dict[
     return dict(config_json) if config_json is not None else {"train": dataclasses.asdict(cfg)}
 
 
-def _terminal(
-    saver: CheckpointSaver | None,
-    reason: str,
-    step: int,
-    parts: Mapping[str, Any],
-    metrics: Mapping[str, float],
-    prior_wall_time: float,
-    started: float,
-    publish: bool = True,
-    best_effort: bool = False,
-) -> tuple[dict[str, Any] | None, str | None]:
-    """Capture a terminal-kind checkpoint (``next_step == step``) and publish it synchronously.
+@dataclass
+class _Persist:
+    """Captures this run's checkpoints (every rank: RNG gather) and has rank 0's saver publish."""
 
-    Every rank captures (RNG gather); rank 0 drains any async publication first, then publishes;
-    all ranks wait for its outcome, so no rank exits (and no launcher tears rank 0 down)
-    mid-publication, and a failed save stops every rank instead of leaving the others waiting.
-    ``best_effort`` (a failing GPU): a failed save is logged and the caller still exits.
-    """
-    path = None
-    failure: Exception | None = None
-    try:
-        checkpoint = capture_checkpoint(
-            step=step,
-            next_step=step,
-            reason=reason,
-            **parts,
-            wall_time=prior_wall_time + time.perf_counter() - started,
-            metrics=metrics,
+    saver: CheckpointSaver | None
+    parts: Mapping[str, Any]  # model, optimizer, scheduler, scaler, ema, config (live objects)
+    prior_wall_time: float
+    started: float
+
+    def capture(self, step: int, next_step: int, reason: str, metrics: Mapping[str, float]) -> Any:
+        wall_time = self.prior_wall_time + time.perf_counter() - self.started
+        return capture_checkpoint(step=step, next_step=next_step, reason=reason, **self.parts,
+                                  wall_time=wall_time, metrics=metrics)  # fmt: skip
+
+    def periodic(self, step: int, metrics: Mapping[str, float]) -> None:
+        checkpoint = self.capture(step, step + 1, "periodic", metrics)
+        if self.saver is not None:
+            self.saver.save(checkpoint)
+
+    def terminal(
+        self,
+        reason: str,
+        step: int,
+        metrics: Mapping[str, float],
+        publish: bool = True,
+        best_effort: bool = False,
+    ) -> tuple[dict[str, Any] | None, str | None]:
+        """Capture a terminal-kind checkpoint (``next_step == step``) and publish it synchronously.
+
+        Rank 0 drains any async publication first, then publishes; all ranks wait for its
+        outcome, so no rank exits (and no launcher tears rank 0 down) mid-publication, and a
+        failed save stops every rank instead of leaving the others waiting. ``best_effort`` (a
+        failing GPU): a failed save is logged and the caller still exits.
+        """
+        path = None
+        failure: Exception | None = None
+        try:
+            checkpoint = self.capture(step, step, reason, metrics)
+            if self.saver is not None and checkpoint is not None and publish:
+                path = self.saver.save(checkpoint, sync=True)
+        except Exception as exc:
+            if not best_effort:
+                failure = exc  # raised below, once the other ranks know
+            else:
+                warnings.warn(
+                    f"{reason} checkpoint at step {step} could not be saved: {exc}", stacklevel=3
+                )
+            checkpoint = None
+        rank0_failure = ddp.broadcast_object(
+            None if failure is None else f"{type(failure).__name__}: {failure}", src=0
         )
-        if saver is not None and checkpoint is not None and publish:
-            path = saver.save(checkpoint, sync=True)
-    except Exception as exc:
-        if not best_effort:
-            failure = exc  # raised below, once the other ranks know
-        else:
-            warnings.warn(
-                f"{reason} checkpoint at step {step} could not be saved: {exc}", stacklevel=2
+        if failure is not None:
+            raise failure
+        if rank0_failure is not None:
+            raise RuntimeError(
+                f"rank 0 could not save the {reason} checkpoint at step {step}: {rank0_failure}"
             )
-        checkpoint = None
-    rank0_failure = ddp.broadcast_object(
-        None if failure is None else f"{type(failure).__name__}: {failure}", src=0
-    )
-    if failure is not None:
-        raise failure
-    if rank0_failure is not None:
-        raise RuntimeError(
-            f"rank 0 could not save the {reason} checkpoint at step {step}: {rank0_failure}"
-        )
-    return checkpoint, path
+        return checkpoint, path
+
+
+def _check_health(
+    health: GpuHealthWatchdog, step: int, device: torch.device, persist: _Persist, metrics: Any
+) -> None:
+    """Every rank checks its device; one bad device makes all save a terminal checkpoint, exit 79."""
+    verdict = health.check(step)
+    if ddp.any_rank(not verdict.healthy, device):
+        _, path = persist.terminal("gpu_health", step + 1, metrics, best_effort=True)
+        raise GpuUnhealthy(step + 1, verdict, path)
