@@ -49,6 +49,18 @@ def setup_ddp(train_cfg: Any, device: torch.device) -> DdpSetup:
     return DdpSetup(True, dist.get_rank(), dist.get_world_size(), local_rank, created, device)
 
 
+def release_after_failure(setup: DdpSetup) -> None:
+    """End the process group ``setup_ddp`` created, when the loop leaves by an exception.
+
+    The process is about to exit (evacuation 75, a failure): a gloo or NCCL group still alive at
+    interpreter exit can abort it from a C++ destructor ("terminate called without an active
+    exception", exit 134) instead of letting it exit with the loop's code. A group the caller
+    created, and the group after a normal return, stay for the caller.
+    """
+    if setup.created_group and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def wrap_model(model: torch.nn.Module, setup: DdpSetup, train_cfg: Any) -> torch.nn.Module:
     """Wrap in DistributedDataParallel (``train.find_unused_parameters`` passed through).
 

@@ -132,6 +132,7 @@ def training_loop(
     step = start_step
     saver: CheckpointSaver | None = None
     evac: EvacuationController | None = None
+    finished = False
     try:
         # Record a request from here on: the signal's default action would kill the process
         # during the slow parts of setup (hooks, compile, restore); it is honoured after update 0.
@@ -278,6 +279,7 @@ def training_loop(
         checkpoint, _ = persist.terminal("terminal", step, final_metrics, publish=republish)
         end = {"step": step, "checkpoint": checkpoint, "metrics": final_metrics}
         emit(hooks, "on_train_end", end, warned=warned)
+        finished = True
         return checkpoint
     # A GPU-health stop is a failure the hooks must hear of (an evacuation already ended cleanly
     # through on_train_end).
@@ -289,6 +291,8 @@ def training_loop(
     finally:
         if evac is not None:
             evac.uninstall()
+        if not finished:
+            ddp.release_after_failure(setup)
 
 
 # ----------------------------------------------------------------------------- per-step helpers
