@@ -83,7 +83,9 @@ def test_config_is_materialised_with_patches_out_dir_and_resolved_interpolations
     assert "max_length: 128" in text
     assert f"csv_path: {run_dir}/log.csv" in text  # interpolation resolved against the pin
     assert "c: 3" in text and "a: 1" in text  # merge=True keeps the other keys
-    replaced = prepare(tmp_path, profile, config, patches=[ConfigPatch("data.nested", {"c": 3}, merge=False)])
+    replaced = prepare(
+        tmp_path, profile, config, patches=[ConfigPatch("data.nested", {"c": 3}, merge=False)]
+    )
     assert "a: 1" not in replaced.artifacts[0].content.decode()
     assert replaced.manifest_sha256 != prepared.manifest_sha256
 

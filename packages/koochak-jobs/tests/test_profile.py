@@ -79,8 +79,16 @@ def test_literal_braces_are_written_doubled(tmp_path):
 
 REFUSALS = [
     ("unknown top-level field", ("preflight:", "unknown: 1\npreflight:"), "field 'unknown'"),
-    ("environment.inherit", ("  secrets:", "  inherit: [PATH]\n  secrets:"), "'environment.inherit'"),
-    ("environment.preserve", ("  secrets:", "  preserve: [X]\n  secrets:"), "'environment.preserve'"),
+    (
+        "environment.inherit",
+        ("  secrets:", "  inherit: [PATH]\n  secrets:"),
+        "'environment.inherit'",
+    ),
+    (
+        "environment.preserve",
+        ("  secrets:", "  preserve: [X]\n  secrets:"),
+        "'environment.preserve'",
+    ),
     ("requirements.extra", ("  files:", "  extra: []\n  files:"), "'requirements.extra'"),
     ("version 2", ("version: 1", "version: 2"), "field 'version'"),
     ("version true", ("version: 1", "version: true"), "field 'version'"),
@@ -89,29 +97,89 @@ REFUSALS = [
     ("relative python", ("python: /opt/env/bin/python", "python: bin/python"), "field 'python'"),
     ("interpolation", ('"{run_dir}/triton-cache"\n', '"${oc.env:HOME}/cache"\n'), "interpolation"),
     ("plain interpolation", ("/opt/tool/bin/gcc\n    CXX", "${x}\n    CXX"), "interpolation"),
-    ("missing PATH", ("    PATH: /opt/tool/bin:/opt/env/bin:/usr/bin:/bin\n", ""), "PATH' is required"),
+    (
+        "missing PATH",
+        ("    PATH: /opt/tool/bin:/opt/env/bin:/usr/bin:/bin\n", ""),
+        "PATH' is required",
+    ),
     ("relative PATH entry", ("PATH: /opt/tool/bin:", "PATH: bin:"), "'environment.set.PATH'"),
-    ("empty PATH entry", ("PATH: /opt/tool/bin:", "PATH: /opt/tool/bin::"), "'environment.set.PATH'"),
+    (
+        "empty PATH entry",
+        ("PATH: /opt/tool/bin:", "PATH: /opt/tool/bin::"),
+        "'environment.set.PATH'",
+    ),
     ("relative CC", ("CC: /opt/tool/bin/gcc", "CC: gcc"), "'environment.set.CC'"),
-    ("non-string value", ('TRITON_CACHE_DIR: "{run_dir}/triton-cache"', "OMP_NUM_THREADS: 4"), "quote it"),
-    ("bad variable name", ('TRITON_CACHE_DIR: "{run_dir}', '"BAD-NAME": "{run_dir}'), "'environment.set.BAD-NAME'"),
-    ("unknown placeholder", ('"{run_dir}/triton-cache"\n', '"{home}/x"\n'), "unsupported placeholder"),
+    (
+        "non-string value",
+        ('TRITON_CACHE_DIR: "{run_dir}/triton-cache"', "OMP_NUM_THREADS: 4"),
+        "quote it",
+    ),
+    (
+        "bad variable name",
+        ('TRITON_CACHE_DIR: "{run_dir}', '"BAD-NAME": "{run_dir}'),
+        "'environment.set.BAD-NAME'",
+    ),
+    (
+        "unknown placeholder",
+        ('"{run_dir}/triton-cache"\n', '"{home}/x"\n'),
+        "unsupported placeholder",
+    ),
     ("secret also set", ("secrets: [TRACKING_TOKEN]", "secrets: [CC]"), "also in environment.set"),
-    ("runtime-owned secret", ("secrets: [TRACKING_TOKEN]", "secrets: [SCRUFFY_JOB_ID]"), "secrets cannot override runtime-owned"),
-    ("wildcard secret", ("secrets: [TRACKING_TOKEN]", "secrets: [TOKEN_*]"), "exact environment variable name"),
+    (
+        "runtime-owned secret",
+        ("secrets: [TRACKING_TOKEN]", "secrets: [SCRUFFY_JOB_ID]"),
+        "secrets cannot override runtime-owned",
+    ),
+    (
+        "wildcard secret",
+        ("secrets: [TRACKING_TOKEN]", "secrets: [TOKEN_*]"),
+        "exact environment variable name",
+    ),
     ("repeated secret", ("secrets: [TRACKING_TOKEN]", "secrets: [A, A]"), "appears twice"),
-    ("relative directory", ('create_directories: ["{run_dir}/triton-cache"]', "create_directories: [cache]"), "'environment.create_directories'"),
-    ("relative executable", ("executables: [/opt/tool/bin/gcc,", "executables: [gcc,"), "'requirements.executables'"),
-    ("relative file", ('files: ["{cwd}/data/train.bin"]', "files: [data.bin]"), "'requirements.files'"),
+    (
+        "relative directory",
+        ('create_directories: ["{run_dir}/triton-cache"]', "create_directories: [cache]"),
+        "'environment.create_directories'",
+    ),
+    (
+        "relative executable",
+        ("executables: [/opt/tool/bin/gcc,", "executables: [gcc,"),
+        "'requirements.executables'",
+    ),
+    (
+        "relative file",
+        ('files: ["{cwd}/data/train.bin"]', "files: [data.bin]"),
+        "'requirements.files'",
+    ),
     ("float version", ('torch: "2.8.0"', "torch: 2.8"), "quote it"),
-    ("bad package name", ('torch: "2.8.0"', '"not a module": "1"'), "not an importable module name"),
+    (
+        "bad package name",
+        ('torch: "2.8.0"', '"not a module": "1"'),
+        "not an importable module name",
+    ),
     ("empty version", ('torch: "2.8.0"', 'torch: " "'), "'requirements.packages.torch'"),
-    ("unknown check", ("[c_compiler, cuda, torch_compile]", "[c_compiler, gpu]"), "unknown check 'gpu'"),
+    (
+        "unknown check",
+        ("[c_compiler, cuda, torch_compile]", "[c_compiler, gpu]"),
+        "unknown check 'gpu'",
+    ),
     ("string list", ("secrets: [TRACKING_TOKEN]", "secrets: TRACKING_TOKEN"), "expected a list"),
     ("empty string in list", ("secrets: [TRACKING_TOKEN]", 'secrets: [""]'), "non-empty strings"),
-    ("c_compiler without CC", ("    CC: /opt/tool/bin/gcc\n", ""), "c_compiler requires an explicit CC"),
-    ("torch_compile without CXX", ("    CXX: /opt/tool/bin/g++\n", ""), "torch_compile requires explicit CC and CXX"),
-    ("duplicate key", ("    CC: /opt/tool/bin/gcc\n", "    CC: /a/gcc\n    CC: /b/gcc\n"), "duplicate key"),
+    (
+        "c_compiler without CC",
+        ("    CC: /opt/tool/bin/gcc\n", ""),
+        "c_compiler requires an explicit CC",
+    ),
+    (
+        "torch_compile without CXX",
+        ("    CXX: /opt/tool/bin/g++\n", ""),
+        "torch_compile requires explicit CC and CXX",
+    ),
+    (
+        "duplicate key",
+        ("    CC: /opt/tool/bin/gcc\n", "    CC: /a/gcc\n    CC: /b/gcc\n"),
+        "duplicate key",
+    ),
 ]
 RUNTIME = [
     "HOME", "SLURM_JOB_ID", "SCRUFFY_ROOT", "CUDA_VISIBLE_DEVICES", "RANK", "LOCAL_RANK",
@@ -133,7 +201,9 @@ def test_every_bad_field_is_one_value_error_naming_file_and_field(tmp_path, labe
 
 @pytest.mark.parametrize("name", RUNTIME)
 def test_runtime_owned_names_cannot_be_set(tmp_path, name):
-    text = GOOD.replace("    CC: /opt/tool/bin/gcc\n", f"    CC: /opt/tool/bin/gcc\n    {name}: x\n")
+    text = GOOD.replace(
+        "    CC: /opt/tool/bin/gcc\n", f"    CC: /opt/tool/bin/gcc\n    {name}: x\n"
+    )
     with pytest.raises(ValueError, match=f"cannot override runtime-owned {name}"):
         load(tmp_path, text)
 
