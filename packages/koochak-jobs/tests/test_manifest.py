@@ -7,6 +7,7 @@ import os
 import re
 import stat
 import sys
+from pathlib import Path
 
 import pytest
 from koochak.jobs import ConfigPatch, DeclaredOutput, load_environment_profile, prepare_run
@@ -159,7 +160,7 @@ def test_staging_writes_read_only_files_and_reruns_are_no_ops(tmp_path, profile,
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o444
     with open(prepared.manifest_path, "rb") as f:
         assert f.read() == prepared.artifacts[-1].content
-    assert json.loads(open(prepared.manifest_path).read())["version"] == 1
+    assert json.loads(Path(prepared.manifest_path).read_text())["version"] == 1
     os.chmod(prepared.manifest_path, 0o644)
     assert prepared.stage() == []  # identical bytes: nothing written ...
     assert stat.S_IMODE(os.stat(prepared.manifest_path).st_mode) == 0o444  # ... mode re-hardened

@@ -8,8 +8,7 @@ import json
 import os
 import stat
 import sys
-
-import pytest
+from pathlib import Path
 
 START = """\
 import json, os, sys
@@ -54,7 +53,7 @@ def test_clean_environment_is_rebuilt_and_user_code_runs_last(kit, tmp_path, mar
     for kept, value in (("SLURM_JOB_ID", "4242"), ("SCRUFFY_JOB_ID", "job-1"),
                         ("CUDA_VISIBLE_DEVICES", "3"), ("RANK", "0"), ("TRACKING_TOKEN", "tok-123")):  # fmt: skip
         assert env[kept] == value
-    record = json.loads(open(prepared.preflight_path).read())
+    record = json.loads(Path(prepared.preflight_path).read_text())
     assert record["state"] == "completed" and record["child_returncode"] == 0
     assert record["manifest_sha256"] == prepared.manifest_sha256
     assert record["profile_sha256"] == prepared.profile.sha256
@@ -69,7 +68,7 @@ def test_secret_values_are_never_written_anywhere(kit, tmp_path, marker):
         tmp_path,
         START.format(marker=str(marker))
         + "import hashlib\n"
-        + f"seen = hashlib.sha256(os.environ['TRACKING_TOKEN'].encode()).hexdigest()\n"
+        + "seen = hashlib.sha256(os.environ['TRACKING_TOKEN'].encode()).hexdigest()\n"
         + f"assert seen == {hashlib.sha256(secret.encode()).hexdigest()!r}\nprint('secret seen')\n",
     )
     prepared = kit.staged(tmp_path, profile, script)
@@ -98,7 +97,7 @@ def test_a_missing_secret_fails_before_user_code_naming_it(kit, tmp_path, marker
     assert line["kind"] == "environment_preflight_failed" and line["check"] == "secrets"
     assert "TRACKING_TOKEN" in line["error"] and "present" not in done.stderr
     assert not marker.exists()
-    assert json.loads(open(prepared.preflight_path).read())["state"] == "failed"
+    assert json.loads(Path(prepared.preflight_path).read_text())["state"] == "failed"
 
 
 def test_tampered_manifest_or_config_never_starts_user_code(kit, tmp_path, marker):
@@ -167,7 +166,7 @@ def test_package_versions_are_the_ones_the_workload_imports(kit, tmp_path, marke
     )
     done = kit.run_runner(prepared)
     assert done.returncode == 0, done.stderr
-    record = json.loads(open(prepared.preflight_path).read())
+    record = json.loads(Path(prepared.preflight_path).read_text())
     assert record["observed"]["package:mypkg"] == "1.2.3+local"
 
 
@@ -202,17 +201,17 @@ def test_child_exit_codes_pass_through(kit, tmp_path):
                               run_dir=str(tmp_path / f"r{code}"))  # fmt: skip
         done = kit.run_runner(prepared)
         assert done.returncode == expected
-        record = json.loads(open(prepared.preflight_path).read())
+        record = json.loads(Path(prepared.preflight_path).read_text())
         assert record["state"] == "failed" and record["child_returncode"] == expected
 
 
 def test_preflight_only_runs_checks_without_the_workload(kit, tmp_path, marker):
-    profile = kit.basic_profile(tmp_path, f"CC: /usr/bin/gcc\n", tail="preflight: [c_compiler]\n")
+    profile = kit.basic_profile(tmp_path, "CC: /usr/bin/gcc\n", tail="preflight: [c_compiler]\n")
     prepared = kit.staged(tmp_path, profile, env_dump_workload(kit, tmp_path, marker))
     done = kit.run_runner(prepared, "--preflight-only")
     assert done.returncode == 0, done.stderr
     assert not marker.exists()
-    record = json.loads(open(prepared.preflight_path).read())
+    record = json.loads(Path(prepared.preflight_path).read_text())
     assert record["state"] == "passed" and record["preflight_only"] is True
     assert record["checks"] == ["c_compiler"]
     assert record["observed"]["c_compiler"]["cc"] == "/usr/bin/gcc"
@@ -229,5 +228,5 @@ def test_a_broken_compiler_fails_before_model_code(kit, tmp_path, marker):
     line = kit.failure(done.stderr)
     assert line["check"] == "c_compiler" and "no toolchain" in line["error"]
     assert not marker.exists()
-    record = json.loads(open(prepared.preflight_path).read())
+    record = json.loads(Path(prepared.preflight_path).read_text())
     assert record["state"] == "failed" and record["check"] == "c_compiler"
