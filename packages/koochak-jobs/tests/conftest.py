@@ -54,7 +54,7 @@ def staged(tmp_path: Path, profile: Path, script: Path, **kwargs):
     prepared = prepare_run(
         name=kwargs.pop("name", "t1"),
         profile=load_environment_profile(profile),
-        python_args=kwargs.pop("python_args", [str(script)]),
+        python_args=kwargs.pop("python_args", None) or [str(script)],
         cwd=kwargs.pop("cwd", str(tmp_path)),
         run_dir=kwargs.pop("run_dir", str(tmp_path / "run")),
         **kwargs,
