@@ -16,8 +16,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from koochak.storage.strict_yaml import load_yaml_file
-
 __all__ = ["ConfigPatch", "materialize_config"]
 
 _RESOLVER = re.compile(r"\$\{\s*[A-Za-z_][\w.\-]*\s*:")
@@ -76,6 +74,7 @@ def materialize_config(
 ) -> str:
     """The resolved YAML text of ``base_config`` with ``out_dir_config_key`` set to ``run_dir``
     (unless it is None or empty) and then ``patches`` applied in order."""
+    from koochak.storage.strict_yaml import load_yaml_file
     from omegaconf import OmegaConf  # only prepare_run needs it; the runner never does
     from omegaconf.errors import OmegaConfBaseException
 

@@ -25,7 +25,6 @@ from types import MappingProxyType
 from typing import Any
 
 from koochak.storage.strict_json import is_exact_int
-from koochak.storage.strict_yaml import load_yaml_file
 
 __all__ = [
     "CHECKS",
@@ -297,6 +296,8 @@ def canonical_sha256(doc: Any) -> str:
 
 def load_environment_profile(path: str | os.PathLike[str]) -> EnvironmentProfile:
     """Read and check a profile file; every refusal is one ValueError naming the file and field."""
+    from koochak.storage.strict_yaml import load_yaml_file  # the runner never parses YAML
+
     where = os.fspath(path)
     try:
         doc = load_yaml_file(path)
