@@ -94,7 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         figures: dict[str, list[float]] = {label: [] for label in commands}
         for _ in range(args.repeats):
             for label, command in commands.items():
-                if label.startswith("torch_compile") and len(figures[label]) >= args.compile_repeats:
+                if (
+                    label.startswith("torch_compile")
+                    and len(figures[label]) >= args.compile_repeats
+                ):
                     continue
                 if label.startswith("torch_compile"):
                     shutil.rmtree(os.path.join(os.path.dirname(command[4]), "inductor"), True)

@@ -230,3 +230,24 @@ def test_a_broken_compiler_fails_before_model_code(kit, tmp_path, marker):
     assert not marker.exists()
     record = json.loads(Path(prepared.preflight_path).read_text())
     assert record["state"] == "failed" and record["check"] == "c_compiler"
+
+
+def test_koochak_run_ignores_an_ambient_pythonpath(kit, tmp_path, marker):
+    """The console script re-executes under -I: a poisoned PYTHONPATH never shapes the runner."""
+    import subprocess
+
+    poison = tmp_path / "poison"
+    poison.mkdir()
+    (poison / "yaml.py").write_text("raise ImportError('ambient yaml was imported')\n")
+    (poison / "json.py").write_text("raise ImportError('ambient json was imported')\n")
+    prepared = kit.staged(
+        tmp_path, kit.basic_profile(tmp_path), env_dump_workload(kit, tmp_path, marker)
+    )
+    script = os.path.join(os.path.dirname(sys.executable), "koochak-run")
+    env = dict(os.environ, PYTHONPATH=str(poison))
+    done = subprocess.run([script, *prepared.runner_argv[4:]], env=env, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert marker.exists()
+    done = subprocess.run([script], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 64 and "usage:" in done.stderr

@@ -117,16 +117,6 @@ def main(argv: list[str] | None = None) -> int:
         signals.restore()
 
 
-def cli() -> None:
-    """The ``koochak-run`` console script: re-executes itself under ``python -I`` (a console
-    script starts without it), so ambient PYTHONPATH or user site-packages never shape the
-    runner, exactly as when a scheduler runs ``python -I -m koochak.jobs.runner``."""
-    if not sys.flags.isolated:
-        argv = [sys.executable, "-I", "-m", "koochak.jobs.runner", *sys.argv[1:]]
-        os.execv(sys.executable, argv)
-    sys.exit(main())
-
-
 # -- the steps ------------------------------------------------------------------------------
 
 
