@@ -25,6 +25,7 @@ import os
 import re
 import sys
 import traceback
+import uuid
 from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from typing import Any
@@ -50,6 +51,7 @@ from koochak.jobs.requirements import (
     interpreter_flags,
     wait_for_file,
 )
+from koochak.storage.store import TEMP_PREFIX
 
 __all__ = ["PREFLIGHT_VERSION", "USAGE", "execute_manifest", "main"]
 
@@ -150,15 +152,24 @@ class _Record:
 def _replace_file(path: str, content: bytes) -> None:
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
-    temp = os.path.join(parent, f".koochak-tmp-{os.getpid()}-{os.path.basename(path)}")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444)
+    temp = os.path.join(parent, f"{TEMP_PREFIX}{uuid.uuid4().hex}-{os.path.basename(path)}")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444)
     try:
-        os.write(fd, content)
-        os.fchmod(fd, 0o444)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(temp, path)
+        try:
+            view = memoryview(content)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fchmod(fd, 0o444)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temp, path)  # the one job file that is replaced: it records a state
+    except BaseException:
+        try:
+            os.unlink(temp)
+        except OSError:
+            pass
+        raise
     dfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(dfd)
@@ -174,9 +185,13 @@ def _read_verified(path: str, expected: str) -> dict[str, Any]:
             "manifest", f"cannot read launch manifest {path}: {exc.strerror}"
         ) from None
     try:
-        data = os.read(fd, _MAX_MANIFEST + 1)
+        parts, size = [], 0
+        while size <= _MAX_MANIFEST and (block := os.read(fd, 1 << 20)):
+            parts.append(block)
+            size += len(block)
     finally:
         os.close(fd)
+    data = b"".join(parts)
     digest = hashlib.sha256(data).hexdigest()
     if digest != expected:
         raise PreflightError(
@@ -370,4 +385,6 @@ def _publish(outputs, clean, publisher, record) -> int:  # type: ignore[no-untyp
 
 
 if __name__ == "__main__":
+    if not sys.flags.isolated:  # started without -I: start again isolated, before any work
+        os.execv(sys.executable, [sys.executable, "-I", "-m", "koochak.jobs.runner", *sys.argv[1:]])
     sys.exit(main())
