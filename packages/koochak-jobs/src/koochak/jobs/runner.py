@@ -19,20 +19,29 @@ Exit codes: `koochak.jobs.exit_codes`. A failed check prints one JSON line on st
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import re
-import sys
-import traceback
-import uuid
-from collections.abc import Callable, Mapping
-from datetime import datetime, timezone
-from typing import Any
+import signal as _signal
 
-from koochak.jobs.child import Signals, become_subreaper, run_managed
-from koochak.jobs.environment import build_environment, environment_sha256
-from koochak.jobs.exit_codes import (
+# Started as a program: catch evacuation and stop requests from the first instant, before the
+# imports below; main() takes them over. (Imported as a library, nothing is installed.)
+_EARLY: list[int] = []
+if __name__ == "__main__":
+    for _signum in (_signal.SIGUSR1, _signal.SIGTERM, _signal.SIGINT):
+        _signal.signal(_signum, lambda signum, frame: _EARLY.append(signum))
+
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+import traceback  # noqa: E402
+import uuid  # noqa: E402
+from collections.abc import Callable, Mapping  # noqa: E402
+from datetime import datetime, timezone  # noqa: E402
+from typing import Any  # noqa: E402
+
+from koochak.jobs.child import Signals, become_subreaper, run_managed  # noqa: E402
+from koochak.jobs.environment import build_environment, environment_sha256  # noqa: E402
+from koochak.jobs.exit_codes import (  # noqa: E402
     EXIT_CHECKPOINT_ACK_TIMEOUT,
     EXIT_EVACUATED,
     EXIT_OK,
@@ -41,9 +50,9 @@ from koochak.jobs.exit_codes import (
     EXIT_USAGE,
     exit_code_for_signal,
 )
-from koochak.jobs.manifest import parse_manifest
-from koochak.jobs.preflight import PreflightError, run_check
-from koochak.jobs.requirements import (
+from koochak.jobs.manifest import parse_manifest  # noqa: E402
+from koochak.jobs.preflight import PreflightError, run_check  # noqa: E402
+from koochak.jobs.requirements import (  # noqa: E402
     DEFAULT_FILE_WAIT_S,
     check_executables,
     check_interpreter,
@@ -51,7 +60,7 @@ from koochak.jobs.requirements import (
     interpreter_flags,
     wait_for_file,
 )
-from koochak.storage.store import TEMP_PREFIX
+from koochak.storage.store import TEMP_PREFIX  # noqa: E402
 
 __all__ = ["PREFLIGHT_VERSION", "USAGE", "execute_manifest", "main"]
 
@@ -101,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     """The CLI; returns the exit code (see the module docstring)."""
     signals = Signals()
     signals.install()  # first of all: an evacuation request from now on is never lost
+    signals.pending.extend(_EARLY)  # and one that came while this module was loading
+    _EARLY.clear()
     try:
         try:
             options = _parse_args(list(sys.argv[1:] if argv is None else argv))
