@@ -83,6 +83,12 @@ def main(argv: list[str] | None = None) -> int:
         with open(script, "w") as f:
             f.write(WORKLOAD)
         commands = {"bare python -I": [sys.executable, "-I", script, stamp]}
+        # Part of "no checks": an interpreter that imports the runner, then starts the workload.
+        importing = os.path.join(tmp, "import_then_run.py")
+        with open(importing, "w") as f:
+            f.write("import subprocess, sys\nimport koochak.jobs.runner\n"
+                    "subprocess.run([sys.executable, '-I', *sys.argv[1:]], check=True)\n")  # fmt: skip
+        commands["(runner imports + spawn only)"] = [sys.executable, "-I", importing, script, stamp]
         for index, (label, checks, packages) in enumerate(rows):
             prepared = prepare_run(
                 name=f"bench{index}", profile=_profile(f"bench{index}", checks, packages),
