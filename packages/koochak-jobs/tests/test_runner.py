@@ -10,6 +10,8 @@ import stat
 import sys
 from pathlib import Path
 
+import pytest
+
 START = """\
 import json, os, sys
 open({marker!r}, "w").write("started")
@@ -251,3 +253,41 @@ def test_koochak_run_ignores_an_ambient_pythonpath(kit, tmp_path, marker):
     assert marker.exists()
     done = subprocess.run([script], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 64 and "usage:" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "edit,expected",
+    [
+        (lambda d: d.update(extra=1), "unknown field 'extra'"),
+        (lambda d: d.update(version=2), "version=2"),
+        (
+            lambda d: d["environment"]["inherit"].append("PYTHONPATH"),
+            "'PYTHONPATH' is not runtime-owned",
+        ),
+        (lambda d: d["environment"]["secrets"].append("SLURM_JOB_ID"), "not a secret name"),
+        (lambda d: d["environment"].pop("set"), "missing field 'environment.set'"),
+        (lambda d: d.update(cwd="relative"), "field 'cwd' must be an absolute path"),
+    ],
+)
+def test_a_manifest_with_the_right_digest_is_still_read_strictly(
+    kit, tmp_path, marker, edit, expected
+):
+
+    from koochak.jobs.manifest import encode_manifest
+
+    prepared = kit.staged(
+        tmp_path, kit.basic_profile(tmp_path), env_dump_workload(kit, tmp_path, marker)
+    )
+    doc = prepared.manifest
+    edit(doc)
+    forged = tmp_path / "forged.json"
+    forged.write_bytes(encode_manifest(doc))
+    digest = hashlib.sha256(forged.read_bytes()).hexdigest()
+    import subprocess
+
+    done = subprocess.run([*prepared.runner_argv[:4], str(forged), digest], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 78
+    line = kit.failure(done.stderr)
+    assert line["check"] == "manifest" and expected in line["error"], line
+    assert not marker.exists()

@@ -136,3 +136,26 @@ def test_a_leader_that_leaves_descendants_fails_closed_and_they_are_terminated(k
     assert not alive(grandchild)
     record = json.loads(Path(prepared.preflight_path).read_text())
     assert record["state"] == "failed" and record["check"] == "descendants"
+
+
+def test_a_signal_to_the_runners_whole_group_during_a_check_is_an_evacuation(kit, tmp_path, marker):
+    """A scheduler that signals the runner's group also kills the check's subprocess; that is
+    an evacuation (75), not a failed check (78)."""
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    importing = tmp_path / "importing"
+    (lib / "slowpkg.py").write_text(
+        f"import time\nopen({str(importing)!r}, 'w').close()\ntime.sleep(30)\n__version__ = '1'\n"
+    )
+    script = kit.workload(tmp_path, f"open({str(marker)!r}, 'w').close()\n")
+    profile = kit.basic_profile(
+        tmp_path, f"PYTHONPATH: {lib}\n", tail="requirements:\n  packages: {slowpkg: '1'}\n"
+    )
+    prepared = kit.staged(tmp_path, profile, script)
+    runner = start_runner(prepared)
+    wait_for(importing, runner)
+    os.killpg(runner.pid, signal.SIGUSR1)
+    out, err = runner.communicate(timeout=60)
+    assert runner.returncode == 75, err
+    assert not marker.exists()
+    assert json.loads(Path(prepared.preflight_path).read_text())["state"] == "evacuated"
