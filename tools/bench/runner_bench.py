@@ -37,9 +37,13 @@ def _profile(name: str, checks: tuple[str, ...], packages: dict[str, str]) -> En
     if gcc and gxx:
         variables.update(CC=gcc, CXX=gxx, TORCHINDUCTOR_CACHE_DIR="{run_dir}/inductor")
     return EnvironmentProfile(
-        profile_id=name, python=sys.executable, variables=variables, packages=packages,
-        preflight=checks, source=name,
-    )  # fmt: skip
+        profile_id=name,
+        python=sys.executable,
+        variables=variables,
+        packages=packages,
+        preflight=checks,
+        source=name,
+    )
 
 
 def _time_to_user_code(argv: list[str], stamp: str) -> float:
@@ -86,15 +90,19 @@ def main(argv: list[str] | None = None) -> int:
         # Part of "no checks": an interpreter that imports the runner, then starts the workload.
         importing = os.path.join(tmp, "import_then_run.py")
         with open(importing, "w") as f:
-            f.write("import subprocess, sys\nimport koochak.jobs.runner\n"
-                    "subprocess.run([sys.executable, '-I', *sys.argv[1:]], check=True)\n")  # fmt: skip
+            f.write(
+                "import subprocess, sys\nimport koochak.jobs.runner\n"
+                "subprocess.run([sys.executable, '-I', *sys.argv[1:]], check=True)\n"
+            )
         commands["(runner imports + spawn only)"] = [sys.executable, "-I", importing, script, stamp]
         for index, (label, checks, packages) in enumerate(rows):
             prepared = prepare_run(
-                name=f"bench{index}", profile=_profile(f"bench{index}", checks, packages),
-                python_args=["-I", script, stamp], cwd=tmp,
+                name=f"bench{index}",
+                profile=_profile(f"bench{index}", checks, packages),
+                python_args=["-I", script, stamp],
+                cwd=tmp,
                 run_dir=os.path.join(tmp, f"run{index}"),
-            )  # fmt: skip
+            )
             prepared.stage()
             commands[label] = list(prepared.runner_argv)
         figures: dict[str, list[float]] = {label: [] for label in commands}

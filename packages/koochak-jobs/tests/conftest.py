@@ -67,9 +67,13 @@ def run_runner(prepared, *extra: str, env=None, timeout=120, **popen):
     """The runner exactly as a scheduler starts it (``python -I -m koochak.jobs.runner``)."""
     argv = [*prepared.runner_argv[:4], *extra, *prepared.runner_argv[4:]]
     return subprocess.run(
-        argv, env=env if env is not None else dict(os.environ), capture_output=True,
-        text=True, timeout=timeout, **popen,
-    )  # fmt: skip
+        argv,
+        env=env if env is not None else dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **popen,
+    )
 
 
 def failure(stderr: str) -> dict:

@@ -29,15 +29,26 @@ def test_the_example_profile_is_valid_and_site_neutral():
 @pytest.mark.slow
 def test_the_submission_script_prepares_a_run_the_runner_accepts(tmp_path):
     run_dir = tmp_path / "digits"
-    argv = [sys.executable, str(EXAMPLES / "submit_digits.py"), "--local", "--run-dir",
-            str(run_dir), "--steps", "4"]  # fmt: skip
+    argv = [
+        sys.executable,
+        str(EXAMPLES / "submit_digits.py"),
+        "--local",
+        "--run-dir",
+        str(run_dir),
+        "--steps",
+        "4",
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=True)
     again = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=True)
     assert "already staged (identical)" in again.stdout
     runner_argv = done.stdout.strip().splitlines()[-1].split()
     assert runner_argv[1:4] == ["-I", "-m", "koochak.jobs.runner"]
-    check = subprocess.run([*runner_argv[:4], "--preflight-only", *runner_argv[4:]],
-                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    check = subprocess.run(
+        [*runner_argv[:4], "--preflight-only", *runner_argv[4:]],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert check.returncode == 0, check.stderr
     record = json.loads((run_dir / "preflight.json").read_text())
     assert record["state"] == "passed" and record["preflight_only"] is True

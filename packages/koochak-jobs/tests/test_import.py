@@ -26,8 +26,9 @@ def test_no_jobs_module_imports_torch_or_omegaconf_for_the_runner():
         "    importlib.import_module('koochak.jobs.' + m.name)\n"
         "print(runner_only, 'torch' in sys.modules)\n"
     )
-    out = subprocess.run([sys.executable, "-I", "-c", code], check=True, capture_output=True,
-                         text=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-I", "-c", code], check=True, capture_output=True, text=True
+    )
     assert out.stdout.split() == ["False", "False"]
 
 

@@ -66,8 +66,13 @@ def test_prepare_is_pure_and_deterministic(tmp_path, profile, config):
     run_dir = str(tmp_path / "runs" / "r1")
     assert first.run_dir == run_dir  # trailing slash stripped
     assert first.runner_argv == (
-        sys.executable, "-I", "-m", "koochak.jobs.runner", first.manifest_path, first.manifest_sha256,
-    )  # fmt: skip
+        sys.executable,
+        "-I",
+        "-m",
+        "koochak.jobs.runner",
+        first.manifest_path,
+        first.manifest_sha256,
+    )
     assert first.manifest_path == f"{run_dir}/launch.json"
     assert first.artifacts[-1].path == first.manifest_path  # the manifest is last
     with pytest.raises(AttributeError):
@@ -97,8 +102,15 @@ def test_manifest_pins_environment_argv_config_and_outputs_without_secret_values
     monkeypatch.setenv("TRACKING_TOKEN", "value-that-must-not-leak")
     prepared = prepare(tmp_path, profile, config)
     doc = parse_manifest(prepared.artifacts[-1].content, "m")
-    assert doc["argv"] == [sys.executable, "-m", "pkg.train", "--config", prepared.config_path,
-                           "--out", f"{prepared.run_dir}/x"]  # fmt: skip
+    assert doc["argv"] == [
+        sys.executable,
+        "-m",
+        "pkg.train",
+        "--config",
+        prepared.config_path,
+        "--out",
+        f"{prepared.run_dir}/x",
+    ]
     assert doc["config"] == {"path": prepared.config_path, "sha256": prepared.config_sha256}
     assert doc["environment"]["set"]["CACHE"] == f"{prepared.run_dir}/cache"
     assert doc["environment"]["secrets"] == ["TRACKING_TOKEN"]

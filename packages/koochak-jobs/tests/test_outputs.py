@@ -77,8 +77,14 @@ def producer_run(kit, tmp_path, scruffy, mode="ok", run="run"):
     lib, _ = scruffy
     script = kit.workload(tmp_path, PRODUCER, "producer.py")
     profile = kit.basic_profile(tmp_path, f"PYTHONPATH: {lib}\n")
-    return kit.staged(tmp_path, profile, script, python_args=[str(script), "{run_dir}", mode],
-                      run_dir=str(tmp_path / run), outputs=OUTPUTS)  # fmt: skip
+    return kit.staged(
+        tmp_path,
+        profile,
+        script,
+        python_args=[str(script), "{run_dir}", mode],
+        run_dir=str(tmp_path / run),
+        outputs=OUTPUTS,
+    )
 
 
 def events(root: Path) -> list[dict]:

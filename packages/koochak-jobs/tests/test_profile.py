@@ -182,9 +182,18 @@ REFUSALS = [
     ),
 ]
 RUNTIME = [
-    "HOME", "SLURM_JOB_ID", "SCRUFFY_ROOT", "CUDA_VISIBLE_DEVICES", "RANK", "LOCAL_RANK",
-    "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LC_ALL", "TMPDIR",
-]  # fmt: skip
+    "HOME",
+    "SLURM_JOB_ID",
+    "SCRUFFY_ROOT",
+    "CUDA_VISIBLE_DEVICES",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "LC_ALL",
+    "TMPDIR",
+]
 
 
 @pytest.mark.parametrize("label,edit,expected", REFUSALS, ids=[r[0] for r in REFUSALS])

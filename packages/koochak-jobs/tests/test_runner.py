@@ -38,10 +38,17 @@ def test_clean_environment_is_rebuilt_and_user_code_runs_last(kit, tmp_path, mar
     prepared = kit.staged(tmp_path, profile, script, python_args=[str(script), str(dump)])
     ambient = dict(os.environ)
     ambient.update(
-        PYTHONPATH="/somewhere/stale", NCCL_SOCKET_IFNAME="eth9", NCCL_DEBUG="INFO",
-        CC="/ambient/cc", SLURM_JOB_ID="4242", SCRUFFY_JOB_ID="job-1",
-        CUDA_VISIBLE_DEVICES="3", RANK="0", TRACKING_TOKEN="tok-123", UNRELATED="x",
-    )  # fmt: skip
+        PYTHONPATH="/somewhere/stale",
+        NCCL_SOCKET_IFNAME="eth9",
+        NCCL_DEBUG="INFO",
+        CC="/ambient/cc",
+        SLURM_JOB_ID="4242",
+        SCRUFFY_JOB_ID="job-1",
+        CUDA_VISIBLE_DEVICES="3",
+        RANK="0",
+        TRACKING_TOKEN="tok-123",
+        UNRELATED="x",
+    )
     done = kit.run_runner(prepared, env=ambient)
     assert done.returncode == 0, done.stderr
     assert "workload ran" in done.stdout
@@ -52,8 +59,13 @@ def test_clean_environment_is_rebuilt_and_user_code_runs_last(kit, tmp_path, mar
     assert env["NCCL_DEBUG"] == "WARN"  # the profile's, not the ambient one
     for dropped in ("PYTHONPATH", "NCCL_SOCKET_IFNAME", "CC", "UNRELATED"):
         assert dropped not in env
-    for kept, value in (("SLURM_JOB_ID", "4242"), ("SCRUFFY_JOB_ID", "job-1"),
-                        ("CUDA_VISIBLE_DEVICES", "3"), ("RANK", "0"), ("TRACKING_TOKEN", "tok-123")):  # fmt: skip
+    for kept, value in (
+        ("SLURM_JOB_ID", "4242"),
+        ("SCRUFFY_JOB_ID", "job-1"),
+        ("CUDA_VISIBLE_DEVICES", "3"),
+        ("RANK", "0"),
+        ("TRACKING_TOKEN", "tok-123"),
+    ):
         assert env[kept] == value
     record = json.loads(Path(prepared.preflight_path).read_text())
     assert record["state"] == "completed" and record["child_returncode"] == 0
@@ -107,8 +119,9 @@ def test_tampered_manifest_or_config_never_starts_user_code(kit, tmp_path, marke
     config = tmp_path / "train.yaml"
     config.write_text("train:\n  max_steps: 1\n")
     script = env_dump_workload(kit, tmp_path, marker)
-    prepared = kit.staged(tmp_path, profile, script, base_config=config,
-                          python_args=[str(script), "{config}"])  # fmt: skip
+    prepared = kit.staged(
+        tmp_path, profile, script, base_config=config, python_args=[str(script), "{config}"]
+    )
     wrong = "0" * 64
     argv = [*prepared.runner_argv[:5], wrong]
     import subprocess
@@ -188,8 +201,12 @@ def test_usage_errors_exit_64_with_one_line(kit, tmp_path):
     import subprocess
 
     for args in ([], ["only-one"], ["m.json", "not-a-digest"], ["--bogus", "m", "0" * 64]):
-        done = subprocess.run([sys.executable, "-I", "-m", "koochak.jobs.runner", *args],
-                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-I", "-m", "koochak.jobs.runner", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert done.returncode == 64, args
         assert len(done.stderr.strip().splitlines()) == 1 and "usage:" in done.stderr
         assert "Traceback" not in done.stderr
@@ -199,8 +216,13 @@ def test_child_exit_codes_pass_through(kit, tmp_path):
     profile = kit.basic_profile(tmp_path)
     script = kit.workload(tmp_path, "import sys\nsys.exit(int(sys.argv[1]))\n")
     for code, expected in ((3, 3), (75, 75), (76, 76)):
-        prepared = kit.staged(tmp_path, profile, script, python_args=[str(script), str(code)],
-                              run_dir=str(tmp_path / f"r{code}"))  # fmt: skip
+        prepared = kit.staged(
+            tmp_path,
+            profile,
+            script,
+            python_args=[str(script), str(code)],
+            run_dir=str(tmp_path / f"r{code}"),
+        )
         done = kit.run_runner(prepared)
         assert done.returncode == expected
         record = json.loads(Path(prepared.preflight_path).read_text())
@@ -247,8 +269,9 @@ def test_koochak_run_ignores_an_ambient_pythonpath(kit, tmp_path, marker):
     )
     script = os.path.join(os.path.dirname(sys.executable), "koochak-run")
     env = dict(os.environ, PYTHONPATH=str(poison))
-    done = subprocess.run([script, *prepared.runner_argv[4:]], env=env, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [script, *prepared.runner_argv[4:]], env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert marker.exists()
     done = subprocess.run([script], env=env, capture_output=True, text=True, timeout=60)
@@ -285,8 +308,9 @@ def test_a_manifest_with_the_right_digest_is_still_read_strictly(
     digest = hashlib.sha256(forged.read_bytes()).hexdigest()
     import subprocess
 
-    done = subprocess.run([*prepared.runner_argv[:4], str(forged), digest], capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [*prepared.runner_argv[:4], str(forged), digest], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 78
     line = kit.failure(done.stderr)
     assert line["check"] == "manifest" and expected in line["error"], line

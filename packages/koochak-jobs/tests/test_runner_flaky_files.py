@@ -69,8 +69,20 @@ int openat(int dirfd, const char *path, int flags, ...) {
 def shim(tmp_path_factory):
     work = tmp_path_factory.mktemp("shim")
     (work / "shim.c").write_text(SHIM)
-    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(work / "eio.so"),
-                    str(work / "shim.c"), "-ldl"], check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [
+            "gcc",
+            "-shared",
+            "-fPIC",
+            "-O1",
+            "-o",
+            str(work / "eio.so"),
+            str(work / "shim.c"),
+            "-ldl",
+        ],
+        check=True,
+        capture_output=True,
+    )
     return work / "eio.so"
 
 

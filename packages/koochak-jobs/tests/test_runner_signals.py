@@ -24,9 +24,12 @@ def wait_for(path: Path, proc: subprocess.Popen, seconds: float = 60.0) -> None:
 
 def start_runner(prepared) -> subprocess.Popen:
     return subprocess.Popen(
-        list(prepared.runner_argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        list(prepared.runner_argv),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         process_group=0,  # the runner leads its own group, like a job step
-    )  # fmt: skip
+    )
 
 
 WAITS_FOR_USR1 = """\
@@ -45,17 +48,24 @@ sys.exit(75)
 def test_sigusr1_reaches_the_workload_group_and_never_the_runners_own(kit, tmp_path):
     ready, evacuated, hit = tmp_path / "ready", tmp_path / "evacuated", tmp_path / "bystander-hit"
     script = kit.workload(tmp_path, WAITS_FOR_USR1)
-    prepared = kit.staged(tmp_path, kit.basic_profile(tmp_path), script,
-                          python_args=[str(script), str(ready), str(evacuated)])  # fmt: skip
+    prepared = kit.staged(
+        tmp_path,
+        kit.basic_profile(tmp_path),
+        script,
+        python_args=[str(script), str(ready), str(evacuated)],
+    )
     runner = start_runner(prepared)
     bystander_ready = tmp_path / "bystander-ready"
     bystander = subprocess.Popen(
-        [sys.executable, "-c",
-         "import signal, sys, time\n"
-         f"signal.signal(signal.SIGUSR1, lambda *a: open({str(hit)!r}, 'w').close())\n"
-         f"open({str(bystander_ready)!r}, 'w').close()\ntime.sleep(120)\n"],
+        [
+            sys.executable,
+            "-c",
+            "import signal, sys, time\n"
+            f"signal.signal(signal.SIGUSR1, lambda *a: open({str(hit)!r}, 'w').close())\n"
+            f"open({str(bystander_ready)!r}, 'w').close()\ntime.sleep(120)\n",
+        ],
         process_group=runner.pid,  # a sibling in the runner's group: the "parent allocation"
-    )  # fmt: skip
+    )
     try:
         wait_for(ready, runner)
         wait_for(bystander_ready, bystander)
@@ -74,8 +84,9 @@ def test_sigterm_is_forwarded_and_a_killed_workload_gives_128_plus_n(kit, tmp_pa
     script = kit.workload(
         tmp_path, "import sys, time\nopen(sys.argv[1], 'w').close()\ntime.sleep(120)\n"
     )
-    prepared = kit.staged(tmp_path, kit.basic_profile(tmp_path), script,
-                          python_args=[str(script), str(ready)])  # fmt: skip
+    prepared = kit.staged(
+        tmp_path, kit.basic_profile(tmp_path), script, python_args=[str(script), str(ready)]
+    )
     runner = start_runner(prepared)
     wait_for(ready, runner)
     os.kill(runner.pid, signal.SIGTERM)
@@ -126,8 +137,9 @@ def alive(pid: int) -> bool:
 def test_a_leader_that_leaves_descendants_fails_closed_and_they_are_terminated(kit, tmp_path):
     pid_file = tmp_path / "grandchild.pid"
     script = kit.workload(tmp_path, LEAVES_GRANDCHILD)
-    prepared = kit.staged(tmp_path, kit.basic_profile(tmp_path), script,
-                          python_args=[str(script), str(pid_file)])  # fmt: skip
+    prepared = kit.staged(
+        tmp_path, kit.basic_profile(tmp_path), script, python_args=[str(script), str(pid_file)]
+    )
     done = kit.run_runner(prepared)
     grandchild = int(pid_file.read_text())
     assert done.returncode == 78, done.stderr

@@ -48,8 +48,12 @@ def test_torch_compile_with_inductor_on_cpu_passes_and_a_broken_cxx_fails_first(
     broken = tmp_path / "g++"
     broken.write_text("#!/bin/sh\necho 'g++: internal compiler error' >&2\nexit 4\n")
     broken.chmod(0o755)
-    prepared = kit.staged(tmp_path, compile_profile(kit, tmp_path, str(broken), "b.yaml"),
-                          script, run_dir=str(tmp_path / "broken"))  # fmt: skip
+    prepared = kit.staged(
+        tmp_path,
+        compile_profile(kit, tmp_path, str(broken), "b.yaml"),
+        script,
+        run_dir=str(tmp_path / "broken"),
+    )
     done = kit.run_runner(prepared, timeout=900)
     assert done.returncode == 78
     assert kit.failure(done.stderr)["check"] == "torch_compile"
@@ -95,8 +99,12 @@ def test_a_real_digits_training_run_through_a_manifest(kit, tmp_path):
         ],
         outputs=[DeclaredOutput("checkpoint/step000000012.pt", "{run_dir}/step000000012.pt")],
     )
-    env = dict(os.environ, SCRUFFY_ROOT=str(queue), SCRUFFY_JOB_ID="digits-1",
-               TRACKING_TOKEN="tok-digits-secret")  # fmt: skip
+    env = dict(
+        os.environ,
+        SCRUFFY_ROOT=str(queue),
+        SCRUFFY_JOB_ID="digits-1",
+        TRACKING_TOKEN="tok-digits-secret",
+    )
     done = kit.run_runner(prepared, env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     run_dir = Path(prepared.run_dir)

@@ -46,13 +46,29 @@ PREFLIGHT_NAME = "preflight.json"
 RUNNER_MODULE = "koochak.jobs.runner"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 _FIELDS = {
-    "version", "name", "cwd", "run_dir", "argv", "environment", "config", "outputs",
+    "version",
+    "name",
+    "cwd",
+    "run_dir",
+    "argv",
+    "environment",
+    "config",
+    "outputs",
     "preflight_path",
-}  # fmt: skip
+}
 _ENV_FIELDS = {
-    "profile_id", "profile_sha256", "python", "set", "inherit", "secrets",
-    "create_directories", "executables", "files", "packages", "preflight",
-}  # fmt: skip
+    "profile_id",
+    "profile_sha256",
+    "python",
+    "set",
+    "inherit",
+    "secrets",
+    "create_directories",
+    "executables",
+    "files",
+    "packages",
+    "preflight",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,15 +195,18 @@ def prepare_run(
     for output in outputs:
         if not isinstance(output, DeclaredOutput):
             raise ValueError(f"prepare_run outputs=: {output!r} is not a DeclaredOutput")
-        path = substitute(output.path, {"cwd": cwd, "run_dir": run_dir},
-                          f"DeclaredOutput({output.artifact_id!r}) path")  # fmt: skip
+        path = substitute(
+            output.path,
+            {"cwd": cwd, "run_dir": run_dir},
+            f"DeclaredOutput({output.artifact_id!r}) path",
+        )
         declared.append(
             DeclaredOutput(
                 output.artifact_id,
                 os.path.normpath(path),
                 kind=output.kind,
                 provenance=output.provenance,
-            )  # fmt: skip
+            )
         )
     ids = [o.artifact_id for o in declared]
     if len(set(ids)) != len(ids):

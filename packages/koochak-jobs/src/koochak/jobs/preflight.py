@@ -55,9 +55,14 @@ def run_python(
     argv = [python, *flags, "-c", code, *args]
     try:
         done = subprocess.run(
-            argv, env=dict(env), cwd=cwd, capture_output=True, text=True, timeout=timeout,
+            argv,
+            env=dict(env),
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
             stdin=subprocess.DEVNULL,
-        )  # fmt: skip
+        )
     except subprocess.TimeoutExpired:
         raise PreflightError(check, f"{check} check did not finish within {timeout:g} s") from None
     except OSError as exc:
@@ -76,8 +81,9 @@ def run_python(
         ) from None
 
 
-def _c_compiler(python: str, env: Mapping[str, str], cwd: str, flags: Sequence[str],
-                preflight: Sequence[str]) -> dict[str, Any]:  # fmt: skip
+def _c_compiler(
+    python: str, env: Mapping[str, str], cwd: str, flags: Sequence[str], preflight: Sequence[str]
+) -> dict[str, Any]:
     cc = env.get("CC", "")
     if not os.path.isabs(cc) or not os.access(cc, os.X_OK) or not os.path.isfile(cc):
         raise PreflightError("c_compiler", f"CC={cc!r} is not an executable file")
@@ -86,14 +92,21 @@ def _c_compiler(python: str, env: Mapping[str, str], cwd: str, flags: Sequence[s
         source = os.path.join(work, "check.c")
         program = os.path.join(work, "check")
         with open(source, "w", encoding="ascii") as f:
-            f.write('#include <stdio.h>\nint main(void) { printf("koochak-cc %d\\n", 6 * 7); '
-                    "return 0; }\n")  # fmt: skip
+            f.write(
+                '#include <stdio.h>\nint main(void) { printf("koochak-cc %d\\n", 6 * 7); '
+                "return 0; }\n"
+            )
         for argv, what in (([cc, "-o", program, source], "compiling"), ([program], "running")):
             try:
                 done = subprocess.run(
-                    argv, env=dict(env), cwd=work, capture_output=True, text=True,
-                    timeout=timeout, stdin=subprocess.DEVNULL,
-                )  # fmt: skip
+                    argv,
+                    env=dict(env),
+                    cwd=work,
+                    capture_output=True,
+                    text=True,
+                    timeout=timeout,
+                    stdin=subprocess.DEVNULL,
+                )
             except (OSError, subprocess.TimeoutExpired) as exc:
                 raise PreflightError("c_compiler", f"{what} a C program with {cc}: {exc}") from None
             if done.returncode != 0:
@@ -122,10 +135,12 @@ print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda,
 """
 
 
-def _cuda(python: str, env: Mapping[str, str], cwd: str, flags: Sequence[str],
-          preflight: Sequence[str]) -> dict[str, Any]:  # fmt: skip
-    return run_python(python, flags, _CUDA, [], env=env, cwd=cwd,
-                      timeout=CHECK_TIMEOUT_S["cuda"], check="cuda")  # fmt: skip
+def _cuda(
+    python: str, env: Mapping[str, str], cwd: str, flags: Sequence[str], preflight: Sequence[str]
+) -> dict[str, Any]:
+    return run_python(
+        python, flags, _CUDA, [], env=env, cwd=cwd, timeout=CHECK_TIMEOUT_S["cuda"], check="cuda"
+    )
 
 
 _TORCH_COMPILE = """
@@ -145,11 +160,20 @@ print(json.dumps({"torch": torch.__version__, "device": device, "backend": "indu
 """
 
 
-def _torch_compile(python: str, env: Mapping[str, str], cwd: str, flags: Sequence[str],
-                   preflight: Sequence[str]) -> dict[str, Any]:  # fmt: skip
+def _torch_compile(
+    python: str, env: Mapping[str, str], cwd: str, flags: Sequence[str], preflight: Sequence[str]
+) -> dict[str, Any]:
     device = "cuda" if "cuda" in preflight else "cpu"
-    return run_python(python, flags, _TORCH_COMPILE, [device], env=env, cwd=cwd,
-                      timeout=CHECK_TIMEOUT_S["torch_compile"], check="torch_compile")  # fmt: skip
+    return run_python(
+        python,
+        flags,
+        _TORCH_COMPILE,
+        [device],
+        env=env,
+        cwd=cwd,
+        timeout=CHECK_TIMEOUT_S["torch_compile"],
+        check="torch_compile",
+    )
 
 
 _CHECKS: dict[str, Callable[..., dict[str, Any]]] = {
@@ -159,7 +183,14 @@ _CHECKS: dict[str, Callable[..., dict[str, Any]]] = {
 }
 
 
-def run_check(name: str, *, python: str, env: Mapping[str, str], cwd: str,
-              flags: Sequence[str], preflight: Sequence[str]) -> dict[str, Any]:  # fmt: skip
+def run_check(
+    name: str,
+    *,
+    python: str,
+    env: Mapping[str, str],
+    cwd: str,
+    flags: Sequence[str],
+    preflight: Sequence[str],
+) -> dict[str, Any]:
     """Run one built-in check; return what it observed."""
     return _CHECKS[name](python, env, cwd, flags, preflight)

@@ -341,8 +341,9 @@ def _section(doc: dict[str, Any], name: str, keys: set[str], where: str) -> dict
     return section
 
 
-def _exact_keys(doc: dict[Any, Any], allowed: set[str], required: set[str], where: str,
-                what: str) -> None:  # fmt: skip
+def _exact_keys(
+    doc: dict[Any, Any], allowed: set[str], required: set[str], where: str, what: str
+) -> None:
     for key in doc:
         if not isinstance(key, str):
             raise ValueError(f"{where}: {what} has a non-string key {key!r}")

@@ -159,8 +159,16 @@ def check_packages(
     local suffix such as ``+cu132`` may be left out of the pin; ``*`` accepts any)."""
     if not packages:
         return {}
-    found = run_python(python, flags, _PACKAGES, [json.dumps(sorted(packages))], env=env,
-                       cwd=cwd, timeout=600.0, check="requirements.packages")  # fmt: skip
+    found = run_python(
+        python,
+        flags,
+        _PACKAGES,
+        [json.dumps(sorted(packages))],
+        env=env,
+        cwd=cwd,
+        timeout=600.0,
+        check="requirements.packages",
+    )
     observed = {}
     for name, pin in packages.items():
         entry = found.get(name, {"error": "not reported"})

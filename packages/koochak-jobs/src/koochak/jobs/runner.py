@@ -51,6 +51,7 @@ from koochak.jobs.exit_codes import (  # noqa: E402
     exit_code_for_signal,
 )
 from koochak.jobs.manifest import parse_manifest  # noqa: E402
+from koochak.jobs.outputs import DeclaredOutput  # noqa: E402
 from koochak.jobs.preflight import PreflightError, run_check  # noqa: E402
 from koochak.jobs.requirements import (  # noqa: E402
     DEFAULT_FILE_WAIT_S,
@@ -75,8 +76,11 @@ class _Usage(Exception):
 
 
 def _parse_args(argv: list[str]) -> dict[str, Any]:
-    options: dict[str, Any] = {"preflight_only": False, "file_wait_s": DEFAULT_FILE_WAIT_S,
-                               "debug": False}  # fmt: skip
+    options: dict[str, Any] = {
+        "preflight_only": False,
+        "file_wait_s": DEFAULT_FILE_WAIT_S,
+        "debug": False,
+    }
     positional = []
     args = iter(argv)
     for arg in args:
@@ -282,8 +286,16 @@ def execute_manifest(
     ambient = os.environ if ambient is None else ambient
     record = _Record()
     try:
-        return _execute(manifest_path, expected_sha256, preflight_only, file_wait_s, signals,
-                        ambient, publisher, record)  # fmt: skip
+        return _execute(
+            manifest_path,
+            expected_sha256,
+            preflight_only,
+            file_wait_s,
+            signals,
+            ambient,
+            publisher,
+            record,
+        )
     except PreflightError as exc:
         stopped = _stopped_by(signals)
         if stopped is not None:  # a check killed by the same signal is not the check's fault
@@ -306,8 +318,16 @@ def _safe_write(record: _Record, state: str, **fields: Any) -> None:
         pass  # the stderr line still says what happened
 
 
-def _execute(manifest_path, expected_sha256, preflight_only, file_wait_s, signals, ambient,
-             publisher, record) -> int:  # fmt: skip
+def _execute(
+    manifest_path: str,
+    expected_sha256: str,
+    preflight_only: bool,
+    file_wait_s: float,
+    signals: Signals,
+    ambient: Mapping[str, str],
+    publisher: Callable[[Mapping[str, str]], Callable[..., Any]] | None,
+    record: _Record,
+) -> int:
     doc = _read_verified(manifest_path, expected_sha256)
     env_section = doc["environment"]
     record.start(
@@ -332,13 +352,20 @@ def _execute(manifest_path, expected_sha256, preflight_only, file_wait_s, signal
         observed[f"file:{path}"] = "available"
     if not os.path.isdir(cwd):
         raise PreflightError("requirements.cwd", f"working directory {cwd} does not exist")
-    observed.update(check_packages(env_section["packages"], python=python, flags=flags,
-                                   env=clean, cwd=cwd))  # fmt: skip
+    observed.update(
+        check_packages(env_section["packages"], python=python, flags=flags, env=clean, cwd=cwd)
+    )
     for check in env_section["preflight"]:
         if signals.pending:
             break
-        observed[check] = run_check(check, python=python, env=clean, cwd=cwd, flags=flags,
-                                    preflight=env_section["preflight"])  # fmt: skip
+        observed[check] = run_check(
+            check,
+            python=python,
+            env=clean,
+            cwd=cwd,
+            flags=flags,
+            preflight=env_section["preflight"],
+        )
         record.doc["checks"].append(check)
 
     stopped = _stopped_by(signals)
@@ -369,7 +396,12 @@ def _execute(manifest_path, expected_sha256, preflight_only, file_wait_s, signal
     return EXIT_OK
 
 
-def _publish(outputs, clean, publisher, record) -> int:  # type: ignore[no-untyped-def]
+def _publish(
+    outputs: list[DeclaredOutput],
+    clean: Mapping[str, str],
+    publisher: Callable[[Mapping[str, str]], Callable[..., Any]] | None,
+    record: _Record,
+) -> int:
     from koochak.events import ArtifactAckTimeout, ArtifactNotAccepted
     from koochak.jobs.publish import publish_outputs, scruffy_publisher
 

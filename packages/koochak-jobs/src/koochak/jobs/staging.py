@@ -15,8 +15,12 @@ import errno
 import os
 import stat
 import uuid
+from typing import TYPE_CHECKING
 
 from koochak.storage.store import TEMP_PREFIX
+
+if TYPE_CHECKING:
+    from koochak.jobs.manifest import PreparedRun
 
 __all__ = ["stage_run", "write_once"]
 
@@ -24,11 +28,11 @@ _MODE = 0o444
 _MAX_COMPARE = 64 << 20
 
 
-def stage_run(prepared: object) -> list[str]:
+def stage_run(prepared: PreparedRun) -> list[str]:
     """Write ``prepared.artifacts`` in order (the manifest is last); return the paths written
     now (empty when everything was already staged with identical bytes)."""
     written = []
-    for artifact in prepared.artifacts:  # type: ignore[attr-defined]
+    for artifact in prepared.artifacts:
         if write_once(artifact.path, artifact.content):
             written.append(artifact.path)
     return written
