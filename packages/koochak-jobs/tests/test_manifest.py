@@ -205,9 +205,10 @@ def test_staging_refuses_different_content_and_symlinks(tmp_path, profile, confi
 def test_concurrent_stagers_of_the_same_run_all_succeed(tmp_path, profile, config):
     from concurrent.futures import ThreadPoolExecutor
 
-    prepared = prepare(tmp_path, profile, config)
-    with ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(lambda _: prepared.stage(), range(16)))
-    assert sum(len(r) for r in results) == 2  # each file written exactly once
-    with open(prepared.manifest_path, "rb") as f:
-        assert f.read() == prepared.artifacts[-1].content
+    for attempt in range(10):  # fresh run directories: every race starts from nothing
+        prepared = prepare(tmp_path, profile, config, run_dir=str(tmp_path / f"race{attempt}"))
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(lambda _: prepared.stage(), range(16)))
+        assert sum(len(r) for r in results) == 2  # each file written exactly once
+        with open(prepared.manifest_path, "rb") as f:
+            assert f.read() == prepared.artifacts[-1].content

@@ -81,8 +81,10 @@ def _matches_existing(path: str, content: bytes) -> bool:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        if os.path.lexists(path):  # a dangling symlink
+        if os.path.islink(path):  # a dangling symlink
             raise FileExistsError(errno.EEXIST, "refusing to stage over a symlink", path) from None
+        if os.path.lexists(path):  # a concurrent stager linked it in just now: compare
+            return _matches_existing(path, content)
         return False
     except OSError as exc:
         if exc.errno == errno.ELOOP:
