@@ -148,6 +148,7 @@ def test_a_leader_that_leaves_descendants_fails_closed_and_they_are_terminated(k
     assert not alive(grandchild)
     record = json.loads(Path(prepared.preflight_path).read_text())
     assert record["state"] == "failed" and record["check"] == "descendants"
+    assert record["child_returncode"] == 0
 
 
 def test_a_signal_to_the_runners_whole_group_during_a_check_is_an_evacuation(kit, tmp_path, marker):

@@ -379,6 +379,7 @@ def _execute(
     become_subreaper()
     returncode, left_behind = run_managed(argv, cwd=cwd, env=clean, signals=signals)
     code = exit_code_for_signal(-returncode) if returncode < 0 else returncode
+    record.doc["child_returncode"] = code
     if left_behind:
         message = (
             "managed workload left background descendants in its process group; they were "
