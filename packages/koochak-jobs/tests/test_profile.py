@@ -180,6 +180,19 @@ REFUSALS = [
         ("    CC: /opt/tool/bin/gcc\n", "    CC: /a/gcc\n    CC: /b/gcc\n"),
         "duplicate key",
     ),
+    ("missing python", ("python: /opt/env/bin/python\n", ""), "field 'python' is required"),
+    ("missing version", ("version: 1\n", ""), "field 'version' is required"),
+    (
+        "packages not a mapping",
+        ('packages: {torch: "2.8.0", triton: "3.4.0"}', "packages: [torch]"),
+        "'requirements.packages'",
+    ),
+    (
+        "preflight not a list",
+        ("preflight: [c_compiler, cuda, torch_compile]", "preflight: cuda"),
+        "field 'preflight'",
+    ),
+    ("repeated check", ("[c_compiler, cuda, torch_compile]", "[cuda, cuda]"), "appears twice"),
 ]
 RUNTIME = [
     "HOME",
@@ -215,6 +228,17 @@ def test_runtime_owned_names_cannot_be_set(tmp_path, name):
     )
     with pytest.raises(ValueError, match=f"cannot override runtime-owned {name}"):
         load(tmp_path, text)
+
+
+def test_a_profile_that_is_not_a_mapping_or_has_an_empty_section_is_refused(tmp_path):
+    for text in ("- a\n- b\n", "", "just text\n"):
+        with pytest.raises(ValueError, match="must be a YAML mapping"):
+            load(tmp_path, text)
+    head = "version: 1\nid: a\npython: /p\n"
+    with pytest.raises(ValueError, match="field 'environment' must be a mapping"):
+        load(tmp_path, head + "environment: [a]\n")
+    with pytest.raises(ValueError, match="field 'requirements' is empty"):
+        load(tmp_path, head + "environment:\n  set:\n    PATH: /bin\nrequirements:\n")
 
 
 def test_binary_and_missing_files_are_refused_by_name(tmp_path):
