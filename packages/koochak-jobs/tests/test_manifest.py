@@ -208,7 +208,7 @@ def test_concurrent_stagers_of_the_same_run_all_succeed(tmp_path, profile, confi
     for attempt in range(10):  # fresh run directories: every race starts from nothing
         prepared = prepare(tmp_path, profile, config, run_dir=str(tmp_path / f"race{attempt}"))
         with ThreadPoolExecutor(8) as pool:
-            results = list(pool.map(lambda _: prepared.stage(), range(16)))
+            results = list(pool.map(lambda _, run=prepared: run.stage(), range(16)))
         assert sum(len(r) for r in results) == 2  # each file written exactly once
         with open(prepared.manifest_path, "rb") as f:
             assert f.read() == prepared.artifacts[-1].content
