@@ -149,11 +149,22 @@ def test_rejected_and_unacknowledged_publications_have_their_exit_codes(
     assert kit.failure(done.stderr)["check"] == "outputs"
 
 
-def test_outputs_need_a_scruffy_job(kit, tmp_path, scruffy):
+def test_outputs_that_cannot_be_published_fail_before_the_workload_starts(kit, tmp_path, scruffy):
+    _, root = scruffy
     env = {k: v for k, v in os.environ.items() if not k.startswith("SCRUFFY_")}
-    done = kit.run_runner(producer_run(kit, tmp_path, scruffy), env=env)
+    prepared = producer_run(kit, tmp_path, scruffy)
+    done = kit.run_runner(prepared, env=env)
     assert done.returncode == 78
-    assert "SCRUFFY_ROOT" in kit.failure(done.stderr)["error"]
+    line = kit.failure(done.stderr)
+    assert line["check"] == "outputs" and "SCRUFFY_ROOT" in line["error"]
+    assert not (Path(prepared.run_dir) / "model.bin").exists()  # the producer never ran
+
+    (Path(scruffy[0]) / "scruffy.py").unlink()  # no client on the profile's PYTHONPATH
+    prepared = producer_run(kit, tmp_path, scruffy, run="run2")
+    done = kit.run_runner(prepared, env=scruffy_env(root))
+    assert done.returncode == 78
+    assert "Scruffy client" in kit.failure(done.stderr)["error"]
+    assert not (Path(prepared.run_dir) / "model.bin").exists()
 
 
 def make_outputs(tmp_path):

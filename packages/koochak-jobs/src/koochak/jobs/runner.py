@@ -368,6 +368,11 @@ def _execute(
         )
         record.doc["checks"].append(check)
 
+    publish = None
+    if doc["outputs"]:  # can they be published? Find out now, not after hours of training
+        publish = _publisher(publisher, clean)
+        observed["outputs"] = "publisher ready"
+
     stopped = _stopped_by(signals)
     if stopped is not None:
         record.write("evacuated" if stopped == EXIT_EVACUATED else "stopped")
@@ -391,23 +396,33 @@ def _execute(
     if code != 0:
         record.write("failed", child_returncode=code)
         return code
-    if doc["outputs"]:
-        return _publish(doc["outputs"], clean, publisher, record)
+    if publish is not None:
+        return _publish(doc["outputs"], clean, publish, record)
     record.write("completed", child_returncode=0, outputs=[])
     return EXIT_OK
+
+
+def _publisher(
+    factory: Callable[[Mapping[str, str]], Callable[..., Any]] | None, clean: Mapping[str, str]
+) -> Callable[..., Any]:
+    from koochak.jobs.publish import scruffy_publisher
+
+    try:
+        return (factory or scruffy_publisher)(clean)
+    except (ImportError, ValueError, RuntimeError) as exc:
+        raise PreflightError("outputs", str(exc)) from None
 
 
 def _publish(
     outputs: list[DeclaredOutput],
     clean: Mapping[str, str],
-    publisher: Callable[[Mapping[str, str]], Callable[..., Any]] | None,
+    publish: Callable[..., Any],
     record: _Record,
 ) -> int:
     from koochak.events import ArtifactAckTimeout, ArtifactNotAccepted
-    from koochak.jobs.publish import publish_outputs, scruffy_publisher
+    from koochak.jobs.publish import publish_outputs
 
     try:
-        publish = (publisher or scruffy_publisher)(clean)
         event_ids = publish_outputs(outputs, publish, job_id=clean.get("SCRUFFY_JOB_ID"))
     except ArtifactAckTimeout as exc:
         record.write("failed", child_returncode=0, check="outputs", error=str(exc))
