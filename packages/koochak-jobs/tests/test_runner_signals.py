@@ -172,3 +172,29 @@ def test_a_signal_to_the_runners_whole_group_during_a_check_is_an_evacuation(kit
     assert runner.returncode == 75, err
     assert not marker.exists()
     assert json.loads(Path(prepared.preflight_path).read_text())["state"] == "evacuated"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux")
+def test_a_runner_killed_hard_takes_its_workload_with_it(kit, tmp_path):
+    ready = tmp_path / "ready"
+    script = kit.workload(
+        tmp_path,
+        "import os, sys, time\nopen(sys.argv[1], 'w').write(str(os.getpid()))\ntime.sleep(300)\n",
+    )
+    prepared = kit.staged(
+        tmp_path, kit.basic_profile(tmp_path), script, python_args=[str(script), str(ready)]
+    )
+    runner = start_runner(prepared)
+    wait_for(ready, runner)
+    while not ready.read_text():
+        time.sleep(0.01)
+    workload = int(ready.read_text())
+    os.kill(runner.pid, signal.SIGKILL)
+    runner.wait(timeout=60)
+    deadline = time.monotonic() + 30
+    while alive(workload) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    survived = alive(workload)
+    if survived:
+        os.kill(workload, signal.SIGKILL)
+    assert not survived

@@ -7,7 +7,9 @@ the runner's own group (which, under Slurm, may be the whole allocation step).
 
 When the leader exits, anything left in its group is terminated (SIGTERM, then SIGKILL) and
 reported, so a stray data-loader or server never outlives the job unnoticed. On Linux the
-runner is a child subreaper, so orphaned descendants are reparented to it and reaped here.
+runner is a child subreaper, so orphaned descendants are reparented to it and reaped here, and
+the workload is started with a parent-death signal, so a runner killed with SIGKILL takes the
+workload's leader with it.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
+from typing import Any
 
 __all__ = ["FORWARDED_SIGNALS", "Signals", "run_managed"]
 
@@ -58,17 +61,43 @@ class Signals:
         self.forwarded.append(signum)
 
 
-def become_subreaper() -> bool:
-    """Ask Linux to reparent orphaned descendants to this process; False where unsupported."""
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _libc() -> Any:
     if not sys.platform.startswith("linux"):
-        return False
+        return None
     try:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+        libc.prctl  # noqa: B018 - fails here, not in a forked child, where there is none
+        return libc
     except (OSError, AttributeError):
-        return False
+        return None
+
+
+def become_subreaper() -> bool:
+    """Ask Linux to reparent orphaned descendants to this process; False where unsupported."""
+    libc = _libc()
+    return libc is not None and libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def _die_with_runner() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the workload get SIGKILL if the runner dies (Linux): a
+    runner killed hard must not leave a training job holding the node's GPUs."""
+    libc = _libc()
+    if libc is None:
+        return None
+    runner = os.getpid()
+
+    def preexec() -> None:  # runs in the forked child, before exec: no allocation, no imports
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != runner:  # the runner died before prctl took effect
+            os._exit(128 + signal.SIGKILL)
+
+    return preexec
 
 
 def _group_alive(group: int) -> bool:
@@ -126,7 +155,10 @@ def run_managed(
     ``returncode`` is Popen's (negative N for "killed by signal N"); ``left_behind`` is True
     when descendants outlived the leader and had to be terminated.
     """
-    proc = subprocess.Popen(list(argv), cwd=cwd, env=dict(env), start_new_session=True)
+    # preexec_fn is safe here: the runner has no other threads.
+    proc = subprocess.Popen(
+        list(argv), cwd=cwd, env=dict(env), start_new_session=True, preexec_fn=_die_with_runner()
+    )
     signals.child_group = proc.pid  # a session leader's group id is its pid, and stays so
     for signum in signals.pending:  # arrived while Popen was starting the child
         signals._forward(signum)
