@@ -212,3 +212,14 @@ def test_concurrent_stagers_of_the_same_run_all_succeed(tmp_path, profile, confi
         assert sum(len(r) for r in results) == 2  # each file written exactly once
         with open(prepared.manifest_path, "rb") as f:
             assert f.read() == prepared.artifacts[-1].content
+
+
+def test_a_separate_launch_dir_holds_the_files_but_the_run_still_writes_to_run_dir(
+    tmp_path, profile, config
+):
+    prepared = prepare(tmp_path, profile, config, launch_dir=str(tmp_path / "launch"))
+    assert prepared.manifest_path == str(tmp_path / "launch" / "launch.json")
+    assert prepared.config_path == str(tmp_path / "launch" / "config.yaml")
+    assert prepared.preflight_path == str(tmp_path / "launch" / "preflight.json")
+    assert f"out_dir: {prepared.run_dir}" in prepared.artifacts[0].content.decode()
+    assert prepared.manifest["environment"]["set"]["CACHE"] == f"{prepared.run_dir}/cache"

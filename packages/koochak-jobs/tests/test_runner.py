@@ -210,6 +210,13 @@ def test_usage_errors_exit_64_with_one_line(kit, tmp_path):
         assert done.returncode == 64, args
         assert len(done.stderr.strip().splitlines()) == 1 and "usage:" in done.stderr
         assert "Traceback" not in done.stderr
+    done = subprocess.run(
+        [sys.executable, "-I", "-m", "koochak.jobs.runner", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0 and "usage:" in done.stdout and "Exit codes" in done.stdout
 
 
 def test_child_exit_codes_pass_through(kit, tmp_path):

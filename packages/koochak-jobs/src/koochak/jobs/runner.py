@@ -97,11 +97,13 @@ def _parse_args(argv: list[str]) -> dict[str, Any]:
             if not options["file_wait_s"] >= 0:
                 raise _Usage(f"--file-wait-seconds {raw!r}: expected a number >= 0")
         elif arg in ("-h", "--help"):
-            raise _Usage("")
+            options["help"] = True
         elif arg.startswith("--"):
             raise _Usage(f"unknown option {arg}")
         else:
             positional.append(arg)
+    if options.get("help"):
+        return options
     if len(positional) != 2:
         raise _Usage(f"expected MANIFEST and SHA256, got {len(positional)} argument(s)")
     if not _SHA256.fullmatch(positional[1]):
@@ -120,8 +122,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             options = _parse_args(list(sys.argv[1:] if argv is None else argv))
         except _Usage as exc:
-            print(f"koochak-run: {exc}; {USAGE}" if str(exc) else USAGE, file=sys.stderr)
+            print(f"koochak-run: {exc}; {USAGE}", file=sys.stderr)
             return EXIT_USAGE
+        if options.get("help"):
+            print(f"{USAGE}\n\n{__doc__}")
+            return EXIT_OK
         return execute_manifest(
             options["manifest"],
             options["sha256"],
