@@ -59,3 +59,30 @@ def test_torch_compile_with_inductor_on_cpu_passes_and_a_broken_cxx_fails_first(
     assert done.returncode == 78
     assert kit.failure(done.stderr)["check"] == "torch_compile"
     assert not marker.exists()
+
+
+@needs_torch
+def test_the_cuda_check_runs_in_the_target_interpreter(kit, tmp_path, marker):
+    """Passes on a machine with a GPU; elsewhere fails closed before user code, naming why."""
+    import subprocess
+    import sys
+
+    probe = "import torch; print(torch.cuda.is_available() and torch.cuda.device_count() > 0)"
+    has_cuda = (
+        subprocess.run(
+            [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300
+        ).stdout.strip()
+        == "True"
+    )
+    script = kit.workload(tmp_path, f"open({str(marker)!r}, 'w').close()\n")
+    prepared = kit.staged(tmp_path, kit.basic_profile(tmp_path, tail="preflight: [cuda]\n"), script)
+    done = kit.run_runner(prepared, timeout=600)
+    if has_cuda:
+        assert done.returncode == 0, done.stderr
+        observed = json.loads(Path(prepared.preflight_path).read_text())["observed"]["cuda"]
+        assert observed["devices"] >= 1
+    else:
+        assert done.returncode == 78
+        line = kit.failure(done.stderr)
+        assert line["check"] == "cuda" and "no CUDA device" in line["error"]
+        assert not marker.exists()
