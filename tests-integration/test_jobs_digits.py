@@ -19,13 +19,47 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "jobs"
 pytestmark = pytest.mark.slow
 
-# A stand-in Scruffy client on the profile's PYTHONPATH: every event appends to a file.
+# A stand-in Scruffy client on the profile's PYTHONPATH, speaking both contracts koochak-events
+# has used (the early positional one and the v1 keyword one); every event appends to
+# <root>/events.jsonl, a repeated id with another payload is a ReportConflict.
 FAKE_SCRUFFY = """\
 import json, os
-def publish_event(root, job_id, event, *, wait, timeout):
-    with open(os.path.join(root, "events.jsonl"), "a") as f:
-        f.write(json.dumps(event) + "\\n")
-    return "accepted"
+
+
+class ReportConflict(Exception):
+    pass
+
+
+def publish_event(root, *legacy, job_id=None, kind=None, data=None, event_id=None,
+                  occurred_at=None, source=None, wait=False, timeout=None):
+    root = str(root)
+    if legacy:
+        job_id, event = legacy
+        record = {"id": event["id"], "kind": event["kind"], "job_id": job_id,
+                  "payload": event["payload"], "source": event["source"]}
+    else:
+        record = {"id": event_id, "kind": kind, "job_id": job_id, "payload": data,
+                  "source": source}
+    mode_file = os.path.join(root, "mode")
+    mode = open(mode_file).read().strip() if os.path.exists(mode_file) else "accepted"
+    if mode == "timeout":
+        raise TimeoutError("no acknowledgement")
+    if mode == "reject":
+        return "rejected" if legacy else {"state": "rejected", "reason": "test rejects"}
+    path = os.path.join(root, "events.jsonl")
+    seen = {}
+    if os.path.exists(path):
+        for line in open(path):
+            kept = json.loads(line)
+            seen[kept["id"]] = kept
+    if record["id"] in seen:
+        if seen[record["id"]]["payload"] != record["payload"]:
+            raise ReportConflict(f"event_id {record['id']!r} was already used for another report")
+        return "duplicate" if legacy else {"state": "accepted", "acknowledged": True,
+                                           "deduplicated": True}
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\\n")
+    return "accepted" if legacy else {"state": "accepted", "acknowledged": True}
 """
 
 
@@ -86,13 +120,15 @@ def test_a_real_digits_training_run_through_a_manifest(tmp_path):
     assert (run_dir / "log.csv").exists()  # the config's ${train.out_dir} resolved to the run
     assert (run_dir / "step000000012.pt.ready.json").exists()
     events = [json.loads(x) for x in (queue / "events.jsonl").read_text().splitlines()]
-    ours = [e for e in events if e["source"] == "koochak.jobs.runner"]
-    assert [e["payload"]["artifact_id"] for e in ours] == ["checkpoint/step000000012.pt"]
-    # The loop published the same checkpoint itself: same job, id and digest, so the same
-    # event id, which the coordinator deduplicates.
-    assert ours[0]["id"] in {e["id"] for e in events if e["source"] != "koochak.jobs.runner"}
     record = json.loads((run_dir / "preflight.json").read_text())
     assert record["state"] == "completed" and record["outputs"] == ["checkpoint/step000000012.pt"]
+    # The loop published that checkpoint itself, with the same id and the same payload: the
+    # runner's event deduplicated (the stand-in refuses a repeated id with other content).
+    [ours] = record["event_ids"]
+    [event] = [e for e in events if e["id"] == ours]
+    publication = event["payload"].get("publication", event["payload"])
+    assert publication["artifact_id"] == "checkpoint/step000000012.pt"
+    assert event["payload"]["step"] == 12
     for path in run_dir.rglob("*"):
         if path.is_file():
             assert b"tok-digits-secret" not in path.read_bytes(), path

@@ -8,33 +8,10 @@ import os
 from pathlib import Path
 
 import pytest
-from koochak.events import ArtifactRejected, artifact_event_id
+from koochak.events import ArtifactRejected
 from koochak.jobs import DeclaredOutput, validate_output
 from koochak.jobs.publish import publish_outputs
 from koochak.storage.artifact import write_ready_manifest
-
-FAKE_SCRUFFY = '''\
-"""A stand-in Scruffy client: events append to <root>/events.jsonl; <root>/mode says how to
-answer (accepted, reject, timeout); an id already accepted answers "duplicate"."""
-import json, os
-
-def publish_event(root, job_id, event, *, wait, timeout):
-    mode_file = os.path.join(root, "mode")
-    mode = open(mode_file).read().strip() if os.path.exists(mode_file) else "accepted"
-    if mode == "timeout":
-        raise TimeoutError("no acknowledgement")
-    if mode == "reject":
-        return "rejected"
-    path = os.path.join(root, "events.jsonl")
-    seen = set()
-    if os.path.exists(path):
-        seen = {json.loads(line)["id"] for line in open(path)}
-    if event["id"] in seen:
-        return "duplicate"
-    with open(path, "a") as f:
-        f.write(json.dumps({"job_id": job_id, **event}) + "\\n")
-    return "accepted"
-'''
 
 PRODUCER = """\
 import os, sys
@@ -64,10 +41,10 @@ OUTPUTS = [
 
 
 @pytest.fixture
-def scruffy(tmp_path):
+def scruffy(tmp_path, kit):
     lib = tmp_path / "scruffy-src"
     lib.mkdir()
-    (lib / "scruffy.py").write_text(FAKE_SCRUFFY)
+    (lib / "scruffy.py").write_text(kit.FAKE_SCRUFFY)
     root = tmp_path / "queue"
     root.mkdir()
     return lib, root
@@ -102,12 +79,14 @@ def test_every_output_is_published_once_with_stable_ids(kit, tmp_path, scruffy):
     done = kit.run_runner(prepared, env=scruffy_env(root))
     assert done.returncode == 0, done.stderr
     published = events(root)
-    assert [e["payload"]["artifact_id"] for e in published] == ["model/final", "dataset/shards"]
-    for event in published:
+    record = json.loads(Path(prepared.preflight_path).read_text())
+    assert [e["id"] for e in published] == record["event_ids"]
+    pubs = [kit.publication(e["payload"]) for e in published]
+    assert [p["artifact_id"] for p in pubs] == ["model/final", "dataset/shards"]
+    for event, pub in zip(published, pubs):
         assert event["kind"] == "workload.artifact" and event["job_id"] == "job-7"
-        payload = event["payload"]
-        assert event["id"] == artifact_event_id("job-7", payload["artifact_id"], payload["sha256"])
-        assert payload["manifest_path"] == payload["path"] + ".ready.json"
+        assert pub["manifest_path"] == pub["path"] + ".ready.json"
+        assert len(pub["sha256"]) == 64
     record = json.loads(Path(prepared.preflight_path).read_text())
     assert record["state"] == "completed"
     assert record["outputs"] == ["model/final", "dataset/shards"]
@@ -123,7 +102,9 @@ def test_every_output_is_published_once_with_stable_ids(kit, tmp_path, scruffy):
         os.chmod(p, 0o644)
     shutil.rmtree(Path(prepared.run_dir) / "shards")
     assert kit.run_runner(prepared, env=scruffy_env(root)).returncode == 0
-    assert len(events(root)) == 2
+    assert len(events(root)) == 2  # the same bytes again: the same ids, deduplicated
+    again = json.loads(Path(prepared.preflight_path).read_text())
+    assert again["event_ids"] == record["event_ids"]
 
 
 @pytest.mark.parametrize(
@@ -176,7 +157,7 @@ def make_outputs(tmp_path):
     return [DeclaredOutput("x/a", str(a)), DeclaredOutput("x/b", str(b))]
 
 
-def test_a_retry_after_a_partial_spool_reuses_ids_and_continues(tmp_path):
+def test_a_retry_after_a_partial_spool_reuses_ids_and_continues(tmp_path, kit):
     outputs = make_outputs(tmp_path)
     accepted: dict[str, dict] = {}
 
@@ -184,7 +165,10 @@ def test_a_retry_after_a_partial_spool_reuses_ids_and_continues(tmp_path):
         assert wait is True
         if event.id in accepted:
             return  # the coordinator deduplicates
-        if event.payload["artifact_id"] == "x/b" and "fail-once-done" not in accepted:
+        if (
+            kit.publication(event.payload)["artifact_id"] == "x/b"
+            and "fail-once-done" not in accepted
+        ):
             accepted["fail-once-done"] = {}
             raise ArtifactRejected("spool full")
         accepted[event.id] = event.payload
@@ -197,12 +181,12 @@ def test_a_retry_after_a_partial_spool_reuses_ids_and_continues(tmp_path):
     assert len([k for k in accepted if k != "fail-once-done"]) == 2
 
 
-def test_each_output_is_revalidated_just_before_its_event(tmp_path):
+def test_each_output_is_revalidated_just_before_its_event(tmp_path, kit):
     outputs = make_outputs(tmp_path)
     sent = []
 
     def tamper_then_send(event, *, wait):
-        sent.append(event.payload["artifact_id"])
+        sent.append(kit.publication(event.payload)["artifact_id"])
         os.chmod(outputs[1].path, 0o644)
         with open(outputs[1].path, "ab") as f:
             f.write(b"late write")

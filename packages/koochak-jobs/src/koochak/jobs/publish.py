@@ -10,15 +10,19 @@ already accepted and the later outputs continue.
 from __future__ import annotations
 
 import importlib
+import inspect
+import math
+import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from koochak.jobs.outputs import DeclaredOutput, validate_output
 
-__all__ = ["SOURCE", "publish_outputs", "scruffy_publisher"]
+__all__ = ["SOURCE", "artifact_payload", "publish_outputs", "scruffy_publisher"]
 
 SOURCE = "koochak.jobs.runner"
+_CHECKPOINT = re.compile(r"checkpoint/step(\d{9})\.pt")
 
 
 def publish_outputs(
@@ -41,11 +45,37 @@ def publish_outputs(
                 f"declared output {output.artifact_id} ({output.path}): changed after it was "
                 "validated; nothing later is published"
             )
-        payload = {**now, "step": _step(output)}
-        event = make_event("workload.artifact", payload, job_id=job_id, source=SOURCE)
+        event = make_event(
+            "workload.artifact", artifact_payload(output, now), job_id=job_id, source=SOURCE
+        )
         publish(event, wait=True)
         ids.append(event.id)
     return ids
+
+
+def artifact_payload(output: DeclaredOutput, record: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``workload.artifact`` payload for a validated output. For a numbered checkpoint
+    (``checkpoint/step<N>.pt``) it is exactly what koochak.loop publishes for that checkpoint
+    (type ``checkpoint``, step N, the same publication record), so the event id and bytes
+    match and the coordinator deduplicates the two instead of seeing a conflict."""
+    events = importlib.import_module("koochak.events")
+    match = _CHECKPOINT.fullmatch(output.artifact_id)
+    step = int(match.group(1)) if match else _step(output)
+    build = getattr(events, "publication_record", None)
+    if build is None:  # koochak-events before the Scruffy v1 wire contract: a flat record
+        return {**record, "step": step}
+    publication = build(
+        record["artifact_id"],
+        record["path"],
+        record["size"],
+        record["sha256"],
+        record["manifest_path"],
+    )
+    return {
+        "artifact_type": output.artifact_id.split("/", 1)[0],
+        "step": step,
+        "publication": publication,
+    }
 
 
 def _step(output: DeclaredOutput) -> int:
@@ -58,9 +88,10 @@ def scruffy_publisher(env: Mapping[str, str]) -> Callable[..., Any]:
     """A Scruffy publisher for the job named by SCRUFFY_ROOT/SCRUFFY_JOB_ID in the clean env.
 
     The client is imported with the profile's ``PYTHONPATH`` entries first on ``sys.path``
-    (the runner itself runs under ``python -I``), exactly where the workload finds it.
+    (the runner itself runs under ``python -I``), exactly where the workload finds it, and
+    checked as koochak.events checks it for the training loop.
     """
-    from koochak.events.scruffy import DEFAULT_ARTIFACT_ACK_TIMEOUT_S, ScruffyPublisher
+    from koochak.events import scruffy as events_scruffy
 
     missing = [name for name in ("SCRUFFY_ROOT", "SCRUFFY_JOB_ID") if not env.get(name)]
     if missing:
@@ -72,23 +103,31 @@ def scruffy_publisher(env: Mapping[str, str]) -> Callable[..., Any]:
     saved = list(sys.path)
     sys.path[:0] = roots
     try:
-        client = importlib.import_module("scruffy")
+        # koochak-events' own client check (named import_client from its v1-contract release)
+        load = getattr(events_scruffy, "import_client", None) or events_scruffy._import_client
+        client = load()
     except ImportError as exc:
         raise RuntimeError(
-            f"declared outputs need the Scruffy client ({exc}); put its source root on the "
+            f"declared outputs need the Scruffy client: {exc}; put its source root on the "
             "profile's PYTHONPATH and declare scruffy in requirements.packages"
         ) from None
     finally:
         sys.path[:] = saved
-    if not callable(getattr(client, "publish_event", None)):
-        raise RuntimeError(f"the scruffy module at {client.__file__} has no publish_event()")
-    timeout = DEFAULT_ARTIFACT_ACK_TIMEOUT_S
-    raw = env.get("KOOCHAK_SCRUFFY_ARTIFACT_ACK_TIMEOUT_SECONDS", "")
+    timeout = events_scruffy.DEFAULT_ARTIFACT_ACK_TIMEOUT_S
+    raw = env.get(events_scruffy.TIMEOUT_ENV, "")
     if raw:
         try:
             timeout = float(raw)
         except ValueError:
+            timeout = -1.0
+        if not (math.isfinite(timeout) and timeout > 0):
             raise RuntimeError(
-                f"KOOCHAK_SCRUFFY_ARTIFACT_ACK_TIMEOUT_SECONDS={raw!r}: expected seconds"
-            ) from None
-    return ScruffyPublisher(client, env["SCRUFFY_ROOT"], env["SCRUFFY_JOB_ID"], timeout)
+                f"{events_scruffy.TIMEOUT_ENV}={raw!r}: expected a finite number of seconds > 0"
+            )
+    options: dict[str, Any] = {}
+    accepted = inspect.signature(events_scruffy.ScruffyPublisher).parameters
+    if "project_id" in accepted:
+        options["project_id"] = env.get("SCRUFFY_PROJECT", "").strip() or None
+    return events_scruffy.ScruffyPublisher(
+        client, env["SCRUFFY_ROOT"], env["SCRUFFY_JOB_ID"], timeout, **options
+    )
