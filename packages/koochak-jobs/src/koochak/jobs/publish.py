@@ -2,9 +2,9 @@
 
 All outputs are validated before the first event; each is validated again immediately before
 its own event and must still hold the same bytes. Event ids come from
-`koochak.events.artifact_event_id` (artifact id and content digest, within the job), so a runner retried
-after a partial spool republishes the same ids: the coordinator deduplicates the events it
-already accepted and the later outputs continue.
+`koochak.events.artifact_event_id` (artifact id and content digest, within the job), so a
+runner retried after a partial spool republishes the same ids: the coordinator deduplicates
+the events it already accepted and the later outputs continue.
 """
 
 from __future__ import annotations
