@@ -1,3 +1,77 @@
-"""koochak.jobs."""
+"""koochak.jobs: environment profiles, prepared runs, launch manifests and the isolated runner.
 
-__all__: list[str] = []
+Torch-free: the ``cuda`` and ``torch_compile`` checks run in the target interpreter as
+subprocesses of the runner. Names are imported on first use (PEP 562), so ``koochak-run``
+can re-execute itself under ``python -I`` before anything from an ambient PYTHONPATH loads,
+and the runner imports only what it runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "ConfigPatch": "config",
+    "materialize_config": "config",
+    "EXIT_CHECKPOINT_ACK_TIMEOUT": "exit_codes",
+    "EXIT_EVACUATED": "exit_codes",
+    "EXIT_OK": "exit_codes",
+    "EXIT_PREFLIGHT_FAILED": "exit_codes",
+    "EXIT_PUBLICATION_REJECTED": "exit_codes",
+    "EXIT_USAGE": "exit_codes",
+    "Artifact": "manifest",
+    "PreparedRun": "manifest",
+    "prepare_run": "manifest",
+    "DeclaredOutput": "outputs",
+    "validate_output": "outputs",
+    "EnvironmentProfile": "profile",
+    "load_environment_profile": "profile",
+    "stage_run": "staging",
+}
+__all__ = [
+    "Artifact",
+    "ConfigPatch",
+    "DeclaredOutput",
+    "EXIT_CHECKPOINT_ACK_TIMEOUT",
+    "EXIT_EVACUATED",
+    "EXIT_OK",
+    "EXIT_PREFLIGHT_FAILED",
+    "EXIT_PUBLICATION_REJECTED",
+    "EXIT_USAGE",
+    "EnvironmentProfile",
+    "PreparedRun",
+    "load_environment_profile",
+    "materialize_config",
+    "prepare_run",
+    "stage_run",
+    "validate_output",
+]
+
+if TYPE_CHECKING:
+    from koochak.jobs.config import ConfigPatch, materialize_config
+    from koochak.jobs.exit_codes import (
+        EXIT_CHECKPOINT_ACK_TIMEOUT,
+        EXIT_EVACUATED,
+        EXIT_OK,
+        EXIT_PREFLIGHT_FAILED,
+        EXIT_PUBLICATION_REJECTED,
+        EXIT_USAGE,
+    )
+    from koochak.jobs.manifest import Artifact, PreparedRun, prepare_run
+    from koochak.jobs.outputs import DeclaredOutput, validate_output
+    from koochak.jobs.profile import EnvironmentProfile, load_environment_profile
+    from koochak.jobs.staging import stage_run
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'koochak.jobs' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"koochak.jobs.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

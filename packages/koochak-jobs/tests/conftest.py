@@ -1,0 +1,147 @@
+"""Shared helpers: real profile files, prepared and staged runs, the runner as a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from koochak.jobs import load_environment_profile, prepare_run
+
+PYTHON = sys.executable
+BIN = os.path.dirname(PYTHON)
+PATH = f"{BIN}:/usr/bin:/bin"
+
+
+def write_profile(path: Path, text: str) -> Path:
+    path.write_text(textwrap.dedent(text), encoding="utf-8")
+    return path
+
+
+def basic_profile(
+    tmp_path: Path, extra_set: str = "", environment: str = "", tail: str = "", name="p.yaml"
+) -> Path:
+    """A minimal valid profile for this machine. ``extra_set`` holds more ``NAME: value`` lines
+    for ``environment.set``, ``environment`` more keys of ``environment`` (``secrets: [X]``),
+    ``tail`` top-level YAML (``requirements:``, ``preflight:``), all written unindented."""
+    lines = [
+        "version: 1",
+        "id: test-cpu",
+        f"python: {PYTHON}",
+        "environment:",
+        "  set:",
+        f'    PATH: "{PATH}"',
+        '    PYTHONUNBUFFERED: "1"',
+    ]
+    lines += ["    " + line for line in textwrap.dedent(extra_set).splitlines() if line.strip()]
+    lines += ["  " + line for line in textwrap.dedent(environment).splitlines() if line.strip()]
+    path = tmp_path / name
+    path.write_text("\n".join(lines) + "\n" + textwrap.dedent(tail), encoding="utf-8")
+    return path
+
+
+def workload(tmp_path: Path, code: str, name: str = "work.py") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(code), encoding="utf-8")
+    return path
+
+
+def staged(tmp_path: Path, profile: Path, script: Path, **kwargs):
+    prepared = prepare_run(
+        name=kwargs.pop("name", "t1"),
+        profile=load_environment_profile(profile),
+        python_args=kwargs.pop("python_args", None) or [str(script)],
+        cwd=kwargs.pop("cwd", str(tmp_path)),
+        run_dir=kwargs.pop("run_dir", str(tmp_path / "run")),
+        **kwargs,
+    )
+    prepared.stage()
+    return prepared
+
+
+def run_runner(prepared, *extra: str, env=None, timeout=120, **popen):
+    """The runner exactly as a scheduler starts it (``python -I -m koochak.jobs.runner``)."""
+    argv = [*prepared.runner_argv[:4], *extra, *prepared.runner_argv[4:]]
+    return subprocess.run(
+        argv,
+        env=env if env is not None else dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **popen,
+    )
+
+
+def failure(stderr: str) -> dict:
+    """The runner's one JSON failure line."""
+    lines = [line for line in stderr.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, stderr
+    return json.loads(lines[0])
+
+
+@pytest.fixture
+def marker(tmp_path: Path) -> Path:
+    """A file the workload creates first thing: its absence proves user code never started."""
+    return tmp_path / "user-code-started"
+
+
+@pytest.fixture
+def kit():
+    """These helpers as a namespace (test modules cannot import conftest in importlib mode)."""
+    return sys.modules[__name__]
+
+
+# A stand-in Scruffy client speaking both contracts koochak-events has used: the early one,
+# publish_event(root, job_id, event, *, wait, timeout) -> "accepted" | "duplicate" | ..., and
+# the v1 keyword one, publish_event(root, *, job_id, kind, data, event_id, occurred_at, source,
+# wait, timeout) -> {"state": ...}. Events append to <root>/events.jsonl as {id, kind, job_id,
+# payload, source}; <root>/mode answers accepted (default), reject or timeout. A repeated id
+# with the same payload deduplicates; with another payload it is a ReportConflict.
+FAKE_SCRUFFY = """\
+import json, os
+
+
+class ReportConflict(Exception):
+    pass
+
+
+def publish_event(root, *legacy, job_id=None, kind=None, data=None, event_id=None,
+                  occurred_at=None, source=None, wait=False, timeout=None):
+    root = str(root)
+    if legacy:
+        job_id, event = legacy
+        record = {"id": event["id"], "kind": event["kind"], "job_id": job_id,
+                  "payload": event["payload"], "source": event["source"]}
+    else:
+        record = {"id": event_id, "kind": kind, "job_id": job_id, "payload": data,
+                  "source": source}
+    mode_file = os.path.join(root, "mode")
+    mode = open(mode_file).read().strip() if os.path.exists(mode_file) else "accepted"
+    if mode == "timeout":
+        raise TimeoutError("no acknowledgement")
+    if mode == "reject":
+        return "rejected" if legacy else {"state": "rejected", "reason": "test rejects"}
+    path = os.path.join(root, "events.jsonl")
+    seen = {}
+    if os.path.exists(path):
+        for line in open(path):
+            kept = json.loads(line)
+            seen[kept["id"]] = kept
+    if record["id"] in seen:
+        if seen[record["id"]]["payload"] != record["payload"]:
+            raise ReportConflict(f"event_id {record['id']!r} was already used for another report")
+        return "duplicate" if legacy else {"state": "accepted", "acknowledged": True,
+                                           "deduplicated": True}
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\\n")
+    return "accepted" if legacy else {"state": "accepted", "acknowledged": True}
+"""
+
+
+def publication(payload: dict) -> dict:
+    """The publication record of an artifact event's payload, whichever contract wrote it."""
+    return payload.get("publication", payload)
