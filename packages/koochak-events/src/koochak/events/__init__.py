@@ -16,7 +16,7 @@ from koochak.events.errors import (
     artifact_failure,
 )
 from koochak.events.hooks import Publisher, make_event_hooks
-from koochak.events.scruffy import ScruffyPublisher, make_scruffy_hooks
+from koochak.events.scruffy import ScruffyPublisher, make_scruffy_hooks, make_scruffy_publisher
 
 __all__ = [
     "EXIT_CHECKPOINT_ACK_TIMEOUT",
@@ -32,6 +32,7 @@ __all__ = [
     "make_event",
     "make_event_hooks",
     "make_scruffy_hooks",
+    "make_scruffy_publisher",
     "parse_event",
     "publication_record",
 ]

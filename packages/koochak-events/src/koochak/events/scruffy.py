@@ -66,16 +66,25 @@ def make_scruffy_hooks(
     wins). Everything else is published without waiting. The client is imported and checked
     now, so a missing or incompatible one fails before training starts.
     """
+    publisher = make_scruffy_publisher(artifact_ack_timeout_s=artifact_ack_timeout_s, env=env)
+    return make_event_hooks(
+        publisher, progress_every_s=progress_every_s, clock=clock, job_id=publisher.job_id
+    )
+
+
+def make_scruffy_publisher(
+    *, artifact_ack_timeout_s: float | None = None, env: Mapping[str, str] | None = None
+) -> ScruffyPublisher:
+    """The checked `ScruffyPublisher` for the job SCRUFFY_ROOT/SCRUFFY_JOB_ID in ``env``
+    (default ``os.environ``): the client imported and checked, the ack timeout resolved as for
+    `make_scruffy_hooks`, SCRUFFY_NODE and SCRUFFY_PROJECT honoured."""
     env = os.environ if env is None else env
     root = _required(env, "SCRUFFY_ROOT")
     job_id = _required(env, "SCRUFFY_JOB_ID")
     timeout = _ack_timeout(artifact_ack_timeout_s, env)
     client = import_client()
     project = env.get("SCRUFFY_PROJECT", "").strip() or None
-    publisher = ScruffyPublisher(client, root, job_id, timeout, node=_node(env), project_id=project)
-    return make_event_hooks(
-        publisher, progress_every_s=progress_every_s, clock=clock, job_id=job_id
-    )
+    return ScruffyPublisher(client, root, job_id, timeout, node=_node(env), project_id=project)
 
 
 class ScruffyPublisher:

@@ -9,9 +9,6 @@ the events it already accepted and the later outputs continue.
 
 from __future__ import annotations
 
-import importlib
-import inspect
-import math
 import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -58,13 +55,11 @@ def artifact_payload(output: DeclaredOutput, record: Mapping[str, Any]) -> dict[
     (``checkpoint/step<N>.pt``) it is exactly what koochak.loop publishes for that checkpoint
     (type ``checkpoint``, step N, the same publication record), so the event id and bytes
     match and the coordinator deduplicates the two instead of seeing a conflict."""
-    events = importlib.import_module("koochak.events")
+    from koochak.events import publication_record
+
     match = _CHECKPOINT.fullmatch(output.artifact_id)
     step = int(match.group(1)) if match else _step(output)
-    build = getattr(events, "publication_record", None)
-    if build is None:  # koochak-events before the Scruffy v1 wire contract: a flat record
-        return {**record, "step": step}
-    publication = build(
+    publication = publication_record(
         record["artifact_id"],
         record["path"],
         record["size"],
@@ -91,7 +86,7 @@ def scruffy_publisher(env: Mapping[str, str]) -> Callable[..., Any]:
     (the runner itself runs under ``python -I``), exactly where the workload finds it, and
     checked as koochak.events checks it for the training loop.
     """
-    from koochak.events import scruffy as events_scruffy
+    from koochak.events.scruffy import make_scruffy_publisher
 
     missing = [name for name in ("SCRUFFY_ROOT", "SCRUFFY_JOB_ID") if not env.get(name)]
     if missing:
@@ -103,31 +98,13 @@ def scruffy_publisher(env: Mapping[str, str]) -> Callable[..., Any]:
     saved = list(sys.path)
     sys.path[:0] = roots
     try:
-        # koochak-events' own client check (named import_client from its v1-contract release)
-        load = getattr(events_scruffy, "import_client", None) or events_scruffy._import_client
-        client = load()
+        return make_scruffy_publisher(env=env)
     except ImportError as exc:
         raise RuntimeError(
             f"declared outputs need the Scruffy client: {exc}; put its source root on the "
             "profile's PYTHONPATH and declare scruffy in requirements.packages"
         ) from None
+    except ValueError as exc:  # the ack timeout in the environment
+        raise RuntimeError(str(exc)) from None
     finally:
         sys.path[:] = saved
-    timeout = events_scruffy.DEFAULT_ARTIFACT_ACK_TIMEOUT_S
-    raw = env.get(events_scruffy.TIMEOUT_ENV, "")
-    if raw:
-        try:
-            timeout = float(raw)
-        except ValueError:
-            timeout = -1.0
-        if not (math.isfinite(timeout) and timeout > 0):
-            raise RuntimeError(
-                f"{events_scruffy.TIMEOUT_ENV}={raw!r}: expected a finite number of seconds > 0"
-            )
-    options: dict[str, Any] = {}
-    accepted = inspect.signature(events_scruffy.ScruffyPublisher).parameters
-    if "project_id" in accepted:
-        options["project_id"] = env.get("SCRUFFY_PROJECT", "").strip() or None
-    return events_scruffy.ScruffyPublisher(
-        client, env["SCRUFFY_ROOT"], env["SCRUFFY_JOB_ID"], timeout, **options
-    )
