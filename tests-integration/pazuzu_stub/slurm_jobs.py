@@ -36,9 +36,12 @@ def exit_code(fields: dict[str, str]) -> int:
     return int(fields["ExitCode"].split(":")[0])
 
 
-def wait_for_path(path: Path, timeout: float = 120.0) -> None:
+def wait_for_path(path: Path, timeout: float = 120.0, job_id: str | None = None) -> None:
+    """Poll until ``path`` exists; fail early when ``job_id`` ended without making it."""
     deadline = time.monotonic() + timeout
     while not path.exists():
+        if job_id is not None and job_fields(job_id).get("JobState") in TERMINAL and not path.exists():
+            raise AssertionError(f"Slurm job {job_id} ended ({job_fields(job_id).get('JobState')}) before {path} appeared")
         if time.monotonic() > deadline:
             raise AssertionError(f"{path} did not appear within {timeout} s")
         time.sleep(0.1)

@@ -92,7 +92,7 @@ def test_staged_submitted_evacuated_and_resumed_through_slurm(local_slurm, tmp_p
     run_dir = tmp_path / "run"
     run = _prepared(run_dir, steps=40, sleep=0.1)
     first = _submit(run, tmp_path / "logs")
-    wait_for_path(run_dir / "state.json")  # it is past its first step
+    wait_for_path(run_dir / "state.json", job_id=first.job_id)  # it is past its first step
     subprocess.run(["scancel", "--signal=USR1", "--batch", first.job_id], check=True)
     fields = wait_for_job(first.job_id)
     assert (fields["JobState"], exit_code(fields)) == ("FAILED", 75), open(first.stderr_path).read()
