@@ -145,15 +145,15 @@ stop() {
   say "stopped"
 }
 
-status() {
-  local name state=stopped
+status() {  # exit 0 only when all three daemons run
+  local name all_running=0
   for name in munge/munged slurmctld slurmd; do
     if running "$DIR/$name.pid"; then echo "${name#munge/}: running (pid $(cat "$DIR/$name.pid"))"
-    else echo "${name#munge/}: stopped"; state=partial; fi
+    else echo "${name#munge/}: stopped"; all_running=1; fi
   done
   echo "SLURM_CONF=$CONF"
   if running "$DIR/slurmctld.pid"; then SLURM_CONF="$CONF" sinfo -N -l || true; fi
-  [[ "$state" == stopped ]]
+  return "$all_running"
 }
 
 case "${1:-}" in
