@@ -44,14 +44,18 @@ def _slurm_problem() -> str | None:
     """None when the local Slurm runs, else why it cannot."""
     missing = [p for p in ("sbatch", "slurmctld", "slurmd", "munged") if shutil.which(p) is None]
     if missing:
-        return f"Slurm is not installed (missing {', '.join(missing)}); run tools/local_slurm.sh start"
+        return (
+            f"Slurm is not installed (missing {', '.join(missing)}); run tools/local_slurm.sh start"
+        )
     if _usable(_node_state()):
         return None
     lock = Path(os.environ.get("TMPDIR", "/tmp"), "koochak-slurm.start.lock")
     with open(lock, "w") as handle:  # one starter at a time across xdist workers
         fcntl.flock(handle, fcntl.LOCK_EX)
         if not _usable(_node_state()):
-            started = subprocess.run([str(TOOL), "start"], capture_output=True, text=True, timeout=300)
+            started = subprocess.run(
+                [str(TOOL), "start"], capture_output=True, text=True, timeout=300
+            )
             if started.returncode != 0:
                 return f"tools/local_slurm.sh start failed: {(started.stderr or started.stdout).strip()}"
     state = _node_state()
@@ -66,4 +70,3 @@ def local_slurm() -> None:
     if _in_ci():
         pytest.fail(f"CI requires the local Slurm (tools/local_slurm.sh): {problem}", pytrace=False)
     pytest.skip(problem)
-

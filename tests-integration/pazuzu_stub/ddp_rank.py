@@ -36,8 +36,13 @@ def main(out_dir: str, max_steps: int) -> None:
         return step_fn(model, batch, ctx)
 
     recipe._step_fn = slowed
-    recipe._train(out_dir, max_steps, ddp=True)
-    torch.distributed.destroy_process_group()
+    try:
+        recipe._train(out_dir, max_steps, ddp=True)  # exits 75 (Evacuated) when evacuated
+    finally:
+        # Also on evacuation: a rank that exits with the group still up can abort in gloo's
+        # teardown (std::terminate, exit 134) while its peer is closing the connection.
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import inspect
 import sys
+from pathlib import Path
 
 import pazuzu
 import pytest
@@ -42,9 +43,14 @@ def test_exports_version_and_error_hierarchy():
 def test_signatures_match_the_contract():
     sig = {name: str(inspect.signature(getattr(pazuzu.PazuzuClient, name)))
            for name in ("run", "read", "run_script", "submit_slurm", "tail", "health")}  # fmt: skip
-    assert sig["run"].startswith("(self, command: 'str', *, stdin: 'bytes | str' = b'', timeout: 'float' = 120.0)")
+    assert sig["run"].startswith(
+        "(self, command: 'str', *, stdin: 'bytes | str' = b'', timeout: 'float' = 120.0)"
+    )
     assert sig["read"] == sig["run"]
-    assert "(self, interpreter: 'str', source: 'str', *, arguments=(), timeout: 'float' = 120.0)" in sig["run_script"]
+    assert (
+        "(self, interpreter: 'str', source: 'str', *, arguments=(), timeout: 'float' = 120.0)"
+        in sig["run_script"]
+    )
     assert sig["submit_slurm"].startswith("(self, job: 'SlurmJob')")
     assert sig["tail"].startswith("(self, remote_path: 'str', *, lines: 'int' = 100)")
     assert sig["health"].startswith("(self, *, probe: 'bool' = True, timeout: 'float' = 90.0)")
@@ -56,7 +62,14 @@ def test_signatures_match_the_contract():
                       ("cpus_per_task", 1), ("gpus_per_node", 0), ("nodes", 1), ("tasks_per_node", 1),
                       ("partition", None), ("account", None), ("qos", None), ("constraint", None),
                       ("array", None), ("dependency", None)]  # fmt: skip
-    assert [f.name for f in dataclasses.fields(pazuzu.SlurmJob)] == ["name", "argv", "cwd", "log_dir", "resources", "environment"]
+    assert [f.name for f in dataclasses.fields(pazuzu.SlurmJob)] == [
+        "name",
+        "argv",
+        "cwd",
+        "log_dir",
+        "resources",
+        "environment",
+    ]
     assert [f.name for f in dataclasses.fields(pazuzu.CommandResult)] == [
         "exit_code", "stdout", "stderr", "stdout_truncated", "stderr_truncated", "connection_generation", "replayed"]  # fmt: skip
 
@@ -64,11 +77,25 @@ def test_signatures_match_the_contract():
 def test_rendered_script_is_the_contracts_text():
     job = pazuzu.SlurmJob(
         name="train-1",
-        argv=["/opt/py/bin/python", "-I", "-m", "koochak.jobs.runner", "/runs/a b/launch.json", "ab12"],
+        argv=[
+            "/opt/py/bin/python",
+            "-I",
+            "-m",
+            "koochak.jobs.runner",
+            "/runs/a b/launch.json",
+            "ab12",
+        ],
         cwd="/work/my repo",
         log_dir="/runs/logs",
-        resources=_resources(gpus_per_node=2, nodes=2, tasks_per_node=4, cpus_per_task=8,
-                             partition="gpu", qos="high", dependency="afterok:12"),  # fmt: skip
+        resources=_resources(
+            gpus_per_node=2,
+            nodes=2,
+            tasks_per_node=4,
+            cpus_per_task=8,
+            partition="gpu",
+            qos="high",
+            dependency="afterok:12",
+        ),  # fmt: skip
         environment={"ZED": "last", "ALPHA": "it's"},
     )
     assert render_slurm_script(job) == (
@@ -94,7 +121,9 @@ def test_rendered_script_is_the_contracts_text():
         "exec /opt/py/bin/python -I -m koochak.jobs.runner '/runs/a b/launch.json' ab12\n"
     )
     # No GPUs: no --gres line; no environment: no export lines.
-    plain = pazuzu.SlurmJob(name="x", argv=["/bin/true"], cwd="/", log_dir="/l", resources=_resources())
+    plain = pazuzu.SlurmJob(
+        name="x", argv=["/bin/true"], cwd="/", log_dir="/l", resources=_resources()
+    )
     assert "--gres" not in render_slurm_script(plain) and "export" not in render_slurm_script(plain)
 
 
@@ -116,7 +145,13 @@ def test_resources_are_validated(kwargs, error, match):
 
 
 def test_job_is_validated_and_frozen():
-    ok = {"name": "n", "argv": ["/bin/true"], "cwd": "/", "log_dir": "/logs", "resources": _resources()}
+    ok = {
+        "name": "n",
+        "argv": ["/bin/true"],
+        "cwd": "/",
+        "log_dir": "/logs",
+        "resources": _resources(),
+    }
     with pytest.raises(ValueError, match="^name must contain only ASCII"):
         pazuzu.SlurmJob(**{**ok, "name": "-bad"})
     with pytest.raises(TypeError):
@@ -141,7 +176,9 @@ def test_job_is_validated_and_frozen():
 
 
 def test_parse_submission_takes_the_last_line_and_drops_the_cluster():
-    job = pazuzu.SlurmJob(name="n", argv=["/bin/true"], cwd="/", log_dir="/logs", resources=_resources())
+    job = pazuzu.SlurmJob(
+        name="n", argv=["/bin/true"], cwd="/", log_dir="/logs", resources=_resources()
+    )
     handle = parse_submission("warning: something\n4711;cluster\n\n", job)
     assert handle.as_dict() == {"job_id": "4711", "name": "n", "stdout_path": "/logs/n-4711.out",
                                 "stderr_path": "/logs/n-4711.err"}  # fmt: skip
@@ -157,10 +194,14 @@ def test_run_reports_exit_code_and_enforces_the_stdin_limit():
     assert result.as_dict()["replayed"] is False
     with pytest.raises(ValueError):
         _run(client.run("cat", stdin=b"x" * (4 * 1024 * 1024 + 1)))
-    assert _run(client.run("wc -c", stdin=b"x" * (4 * 1024 * 1024))).stdout.strip() == str(4 * 1024 * 1024)
+    assert _run(client.run("wc -c", stdin=b"x" * (4 * 1024 * 1024))).stdout.strip() == str(
+        4 * 1024 * 1024
+    )
     with pytest.raises(CommandTimedOut):
         _run(client.run("sleep 5", timeout=0.2))
-    script = _run(client.run_script(sys.executable, "import sys; print(sys.argv[1:])", arguments=["a"]))
+    script = _run(
+        client.run_script(sys.executable, "import sys; print(sys.argv[1:])", arguments=["a"])
+    )
     assert script.stdout.strip() == "['a']"
 
 
@@ -178,16 +219,22 @@ def test_submit_slurm_runs_the_job_on_the_real_slurm(local_slurm, tmp_path):
     fields = wait_for_job(handle.job_id)
     assert (fields["JobState"], exit_code(fields)) == ("COMPLETED", 0)
     wait_for_path(tmp_path / "logs" / f"stub-smoke-{handle.job_id}.out")
-    out = open(handle.stdout_path).read()
+    out = Path(handle.stdout_path).read_text()
     assert out == f"hello world from {tmp_path} job {handle.job_id}\n"
-    assert open(handle.stderr_path).read() == "oops\n"
+    assert Path(handle.stderr_path).read_text() == "oops\n"
     # A finished job has left squeue; the local Slurm keeps no accounting, so sacct fails and
     # that failure surfaces as the contract says (never a made-up state).
     with pytest.raises(PazuzuError, match="^sacct failed"):
         _run(client.slurm_status(handle.job_id))
-    sleeper = _run(client.submit_slurm(dataclasses.replace(job, name="stub-sleep", argv=["/bin/sleep", "60"])))
+    sleeper = _run(
+        client.submit_slurm(dataclasses.replace(job, name="stub-sleep", argv=["/bin/sleep", "60"]))
+    )
     status = _run(client.slurm_status(sleeper.job_id))
-    assert (status.source, status.state in {"PENDING", "RUNNING"}, status.terminal) == ("squeue", True, False)
+    assert (status.source, status.state in {"PENDING", "RUNNING"}, status.terminal) == (
+        "squeue",
+        True,
+        False,
+    )
     assert _run(client.cancel_slurm(sleeper.job_id)).exit_code == 0
     assert wait_for_job(sleeper.job_id)["JobState"] == "CANCELLED"
     # A script sbatch refuses (an unknown partition) is a PazuzuError carrying sbatch's words.

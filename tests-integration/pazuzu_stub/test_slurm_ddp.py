@@ -23,7 +23,9 @@ STEPS = 6
 def _sbatch(tmp_path: Path, out_dir: Path, *options: str, steps: int = STEPS, **env: str) -> str:
     cmd = ["sbatch", "--parsable", f"--output={tmp_path}/ddp-%j.log", f"--chdir={tmp_path}", *options,
            str(SBATCH), sys.executable, str(HERE / "ddp_rank.py"), str(out_dir), str(steps)]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env}, check=True)
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, env={**os.environ, **env}, check=True
+    )
     return done.stdout.strip().split(";")[0]
 
 
@@ -60,10 +62,13 @@ def test_two_ranks_through_slurm_evacuate_resume_and_match_one_process(local_slu
 def test_the_pre_timeout_warning_signal_evacuates_before_the_time_limit(local_slurm, tmp_path):
     from koochak.loop.checkpoint import resolve_auto_resume
 
-    # A 1-minute limit with the warning 50 s before it: Slurm signals the batch shell once its
-    # periodic check sees under 50 s left, long before the 200 slowed steps could finish.
-    job = _sbatch(tmp_path, tmp_path / "ddp", "--time=1", "--signal=B:USR1@50", steps=200, STEP_SLEEP="0.5")
-    fields = wait_for_job(job, timeout=150)
+    # A 2-minute limit with the warning 30 s before it. Slurm may send it up to 60 s early, so
+    # it arrives 30 to 90 s in: after both ranks installed their evacuation handlers (a USR1
+    # before that ends a rank like a kill, 128 + 10) and long before 400 slowed steps finish.
+    job = _sbatch(
+        tmp_path, tmp_path / "ddp", "--time=2", "--signal=B:USR1@30", steps=400, STEP_SLEEP="0.5"
+    )
+    fields = wait_for_job(job, timeout=240)
     assert (fields["JobState"], exit_code(fields)) == ("FAILED", 75), _log(tmp_path, job)
     _, ckpt = resolve_auto_resume(str(tmp_path / "ddp"))
-    assert ckpt["reason"] == "evacuation" and ckpt["next_step"] < 200
+    assert ckpt["reason"] == "evacuation" and ckpt["next_step"] < 400

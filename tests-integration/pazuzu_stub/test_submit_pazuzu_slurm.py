@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 # The workload: checks the staged manifest's digest, counts steps with durable progress, and
 # on SIGUSR1 saves and exits 75 (what the runner and the loop do, in a dozen lines).
-PROGRAM = r'''
+PROGRAM = r"""
 import hashlib, json, os, signal, sys, time
 manifest_path, expected = sys.argv[1], sys.argv[2]
 raw = open(manifest_path, "rb").read()
@@ -53,7 +53,7 @@ while state["step"] < manifest["steps"]:
     save()
     time.sleep(manifest["sleep"])
 print(json.dumps(state), flush=True)
-'''
+"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,14 +78,19 @@ def _artifact(path: Path, content: bytes) -> Artifact:
 
 def _prepared(run_dir: Path, steps: int, sleep: float) -> Run:
     program = _artifact(run_dir / "program.py", PROGRAM.encode())
-    manifest = _artifact(run_dir / "launch.json", json.dumps({"steps": steps, "sleep": sleep, "program": program.sha256}).encode())
+    manifest = _artifact(
+        run_dir / "launch.json",
+        json.dumps({"steps": steps, "sleep": sleep, "program": program.sha256}).encode(),
+    )
     argv = (sys.executable, "-I", program.path, manifest.path, manifest.sha256)
     return Run("koochak-e2e", str(run_dir), argv, (program, manifest))
 
 
 def _submit(run: Run, log_dir: Path) -> pazuzu.SlurmHandle:
     resources = pazuzu.SlurmResources(memory_gb_per_node=1, time_limit="00:05:00")
-    return asyncio.run(submit_pazuzu(pazuzu.PazuzuClient(), run, resources=resources, log_dir=str(log_dir)))
+    return asyncio.run(
+        submit_pazuzu(pazuzu.PazuzuClient(), run, resources=resources, log_dir=str(log_dir))
+    )
 
 
 def test_staged_submitted_evacuated_and_resumed_through_slurm(local_slurm, tmp_path):
@@ -95,17 +100,24 @@ def test_staged_submitted_evacuated_and_resumed_through_slurm(local_slurm, tmp_p
     wait_for_path(run_dir / "state.json", job_id=first.job_id)  # it is past its first step
     subprocess.run(["scancel", "--signal=USR1", "--batch", first.job_id], check=True)
     fields = wait_for_job(first.job_id)
-    assert (fields["JobState"], exit_code(fields)) == ("FAILED", 75), open(first.stderr_path).read()
+    assert (fields["JobState"], exit_code(fields)) == ("FAILED", 75), Path(
+        first.stderr_path
+    ).read_text()
     evacuated_at = json.loads((run_dir / "state.json").read_text())["step"]
     assert 0 < evacuated_at < 40
-    assert open(first.stdout_path).read() == f"evacuated at step {evacuated_at}\n"
+    assert Path(first.stdout_path).read_text() == f"evacuated at step {evacuated_at}\n"
 
     second = _submit(run, tmp_path / "logs")  # the same prepared run: staging is a no-op
     fields = wait_for_job(second.job_id)
-    assert (fields["JobState"], exit_code(fields)) == ("COMPLETED", 0), open(second.stderr_path).read()
+    assert (fields["JobState"], exit_code(fields)) == ("COMPLETED", 0), Path(
+        second.stderr_path
+    ).read_text()
     attempts = (run_dir / "attempts.log").read_text().split("\n")[:-1]
     assert attempts == [f"{first.job_id} 0", f"{second.job_id} {evacuated_at}"]
-    assert json.loads(open(second.stdout_path).read()) == {"step": 40, "total": sum(i * i for i in range(1, 41))}
+    assert json.loads(Path(second.stdout_path).read_text()) == {
+        "step": 40,
+        "total": sum(i * i for i in range(1, 41)),
+    }
     for artifact in run.artifacts:  # staged once, read-only, unchanged by the second submit
         assert Path(artifact.path).read_bytes() == artifact.content
         assert Path(artifact.path).stat().st_mode & 0o222 == 0
@@ -115,9 +127,13 @@ def test_a_corrupted_stage_target_stops_submission(local_slurm, tmp_path):
     run = _prepared(tmp_path / "run", steps=1, sleep=0)
     Path(run.artifacts[1].path).parent.mkdir(parents=True)
     Path(run.artifacts[1].path).write_text("{}")
-    queued = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, check=True).stdout
+    queued = subprocess.run(
+        ["squeue", "-h", "-o", "%i"], capture_output=True, text=True, check=True
+    ).stdout
     with pytest.raises(RuntimeError, match="failed to stage .*launch.json: FileExistsError"):
         _submit(run, tmp_path / "logs")
-    after = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, check=True).stdout
+    after = subprocess.run(
+        ["squeue", "-h", "-o", "%i"], capture_output=True, text=True, check=True
+    ).stdout
     assert set(after.split()) <= set(queued.split())  # nothing new reached Slurm
     assert not (tmp_path / "logs").exists()

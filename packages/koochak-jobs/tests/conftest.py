@@ -45,7 +45,9 @@ def make_run(run_dir: Path, name: str = "train", program: str = "print('hi')\n",
     """A run that stages `program.py` and a manifest naming its digest under run_dir, and
     whose runner argv checks the manifest digest and then runs the program."""
     prog = artifact(run_dir / "program.py", program.encode())
-    manifest = artifact(run_dir / "launch.json", f'{{"program_sha256": "{prog.sha256}"}}\n'.encode())
+    manifest = artifact(
+        run_dir / "launch.json", f'{{"program_sha256": "{prog.sha256}"}}\n'.encode()
+    )
     return Run(
         name=name,
         cwd=str(run_dir),

@@ -89,7 +89,10 @@ def test_concurrent_stagers_of_the_same_bytes_all_succeed(tmp_path):
         t.start()
     for t in threads:
         t.join()
-    assert sorted(set(results)) in (["unchanged", "written"], ["written"]) and results.count("written") == 1
+    assert (
+        sorted(set(results)) in (["unchanged", "written"], ["written"])
+        and results.count("written") == 1
+    )
     assert target.read_bytes() == data
 
 
@@ -106,7 +109,9 @@ def _recording_client(pazuzu):
 
         async def submit_slurm(self, job):
             self.jobs.append(job)
-            return pazuzu.SlurmHandle("7", job.name, f"{job.log_dir}/{job.name}-7.out", f"{job.log_dir}/{job.name}-7.err")
+            return pazuzu.SlurmHandle(
+                "7", job.name, f"{job.log_dir}/{job.name}-7.out", f"{job.log_dir}/{job.name}-7.err"
+            )
 
     return Client()
 
@@ -115,20 +120,31 @@ def _slurm_resources(pazuzu):
     return pazuzu.SlurmResources(memory_gb_per_node=1, time_limit="00:05:00")
 
 
-def test_submit_pazuzu_stages_over_stdin_then_submits_the_runner_argv(pazuzu, tmp_path, run_factory):
+def test_submit_pazuzu_stages_over_stdin_then_submits_the_runner_argv(
+    pazuzu, tmp_path, run_factory
+):
     run = run_factory(tmp_path / "run", program="print('ok')\n" * 1000)
     client, resources = _recording_client(pazuzu), _slurm_resources(pazuzu)
-    handle = asyncio.run(submit_pazuzu(client, run, resources=resources, log_dir=str(tmp_path / "logs")))
+    handle = asyncio.run(
+        submit_pazuzu(client, run, resources=resources, log_dir=str(tmp_path / "logs"))
+    )
     assert handle.job_id == "7"
     for a in run.artifacts:  # staged write-once by the remote staging program
         assert Path(a.path).read_bytes() == a.content
         assert stat.S_IMODE(Path(a.path).stat().st_mode) == 0o444
     assert [op for op, _ in client.calls] == ["run", "run"]
     for (_, command), a in zip(client.calls, run.artifacts):
-        assert command.startswith(f"{sys.executable} -I -c ") and command.endswith(f"{a.path} {a.sha256}")
+        assert command.startswith(f"{sys.executable} -I -c ") and command.endswith(
+            f"{a.path} {a.sha256}"
+        )
         assert "print('ok')" not in command  # the bytes went over stdin only
     (job,) = client.jobs
-    assert (job.name, job.argv, job.cwd, job.log_dir) == (run.name, run.runner_argv, run.cwd, str(tmp_path / "logs"))
+    assert (job.name, job.argv, job.cwd, job.log_dir) == (
+        run.name,
+        run.runner_argv,
+        run.cwd,
+        str(tmp_path / "logs"),
+    )
     assert job.resources is resources and dict(job.environment) == {}
     # The same run again: identical content is a no-op, and it is submitted again.
     asyncio.run(submit_pazuzu(client, run, resources=resources, log_dir=str(tmp_path / "logs")))
@@ -141,18 +157,39 @@ def test_a_refused_stage_submits_nothing(pazuzu, tmp_path, run_factory):
     manifest.parent.mkdir(parents=True)
     manifest.write_bytes(b"someone else's manifest\n")
     client = _recording_client(pazuzu)
-    with pytest.raises(RuntimeError, match=f"^failed to stage {manifest}: FileExistsError: .*refusing to replace different artifact"):
-        asyncio.run(submit_pazuzu(client, run, resources=_slurm_resources(pazuzu), log_dir=str(tmp_path)))
+    with pytest.raises(
+        RuntimeError,
+        match=f"^failed to stage {manifest}: FileExistsError: .*refusing to replace different artifact",
+    ):
+        asyncio.run(
+            submit_pazuzu(client, run, resources=_slurm_resources(pazuzu), log_dir=str(tmp_path))
+        )
     assert client.jobs == [] and manifest.read_bytes() == b"someone else's manifest\n"
 
 
-def test_bad_artifacts_and_jobs_fail_before_any_remote_call(pazuzu, tmp_path, run_factory, artifact_factory):
+def test_bad_artifacts_and_jobs_fail_before_any_remote_call(
+    pazuzu, tmp_path, run_factory, artifact_factory
+):
     client, resources = _recording_client(pazuzu), _slurm_resources(pazuzu)
     run = run_factory(tmp_path / "run")
-    big = run.__class__(**{**run.__dict__, "artifacts": (artifact_factory(tmp_path / "big", b"x" * (4 * 1024 * 1024 + 1)),)})
+    big = run.__class__(
+        **{
+            **run.__dict__,
+            "artifacts": (artifact_factory(tmp_path / "big", b"x" * (4 * 1024 * 1024 + 1)),),
+        }
+    )
     with pytest.raises(ValueError, match="at most 4194304 bytes per call"):
         asyncio.run(submit_pazuzu(client, big, resources=resources, log_dir=str(tmp_path)))
-    lying = run.__class__(**{**run.__dict__, "artifacts": (run.artifacts[0].__class__(run.artifacts[0].path, b"changed", run.artifacts[0].sha256),)})
+    lying = run.__class__(
+        **{
+            **run.__dict__,
+            "artifacts": (
+                run.artifacts[0].__class__(
+                    run.artifacts[0].path, b"changed", run.artifacts[0].sha256
+                ),
+            ),
+        }
+    )
     with pytest.raises(ValueError, match="artifact digest differs"):
         asyncio.run(submit_pazuzu(client, lying, resources=resources, log_dir=str(tmp_path)))
     with pytest.raises(ValueError, match="sbatch directive"):  # SlurmJob validation comes first
@@ -188,7 +225,17 @@ def scruffy(monkeypatch):
         assert isinstance(root, Path) and isinstance(cwd, Path)
         staged = all(Path(a).exists() for a in argv[2:4])  # program + manifest on disk
         module.calls.append(("submit_job", locals() | {"staged": staged}))
-        spec = (tuple(argv), name, str(cwd), request, project_id, workflow_id, task_id, str(needs), str(wait_for))
+        spec = (
+            tuple(argv),
+            name,
+            str(cwd),
+            request,
+            project_id,
+            workflow_id,
+            task_id,
+            str(needs),
+            str(wait_for),
+        )
         return _receipt("job", (project_id, request_id), spec, job_id=f"job-{len(seen)}")
 
     def submit_workflow(root, *, request_id, workflow_id, tasks, project_id="default"):
@@ -201,22 +248,41 @@ def scruffy(monkeypatch):
                                                  "project_id": project_id, "tasks": tasks}))  # fmt: skip
         return _receipt("workflow", (project_id, request_id), str(tasks), workflow_id=workflow_id)
 
-    module.submit_job, module.submit_workflow, module.extra_keys = submit_job, submit_workflow, ("recovery",)
+    module.submit_job, module.submit_workflow, module.extra_keys = (
+        submit_job,
+        submit_workflow,
+        ("recovery",),
+    )
     monkeypatch.setitem(sys.modules, "scruffy", module)
     return module
 
 
 def test_submit_scruffy_stages_then_makes_one_strict_call(scruffy, tmp_path, run_factory):
-    run, request = run_factory(tmp_path / "infer", "infer"), object()  # resources pass through untouched
+    run, request = (
+        run_factory(tmp_path / "infer", "infer"),
+        object(),
+    )  # resources pass through untouched
     gate = {"kind": "artifact", "task_id": "train", "artifact_id": "checkpoint/step000000009.pt"}
     receipt = submit_scruffy(run, root=str(tmp_path / "q"), resources=request, request_id="c/infer/1",
                              project_id="proj", workflow_id="wf", task_id="infer", needs=[], wait_for=(gate,))  # fmt: skip
     assert receipt["deduplicated"] is False
     ((name, call),) = scruffy.calls
     assert name == "submit_job" and call["staged"] is True
-    assert call["argv"] == list(run.runner_argv) and call["cwd"] == Path(run.cwd) and call["environment"] == {}
-    assert call["request"] is request and (call["request_id"], call["project_id"]) == ("c/infer/1", "proj")
-    assert (call["workflow_id"], call["task_id"], call["needs"], call["wait_for"]) == ("wf", "infer", [], [gate])
+    assert (
+        call["argv"] == list(run.runner_argv)
+        and call["cwd"] == Path(run.cwd)
+        and call["environment"] == {}
+    )
+    assert call["request"] is request and (call["request_id"], call["project_id"]) == (
+        "c/infer/1",
+        "proj",
+    )
+    assert (call["workflow_id"], call["task_id"], call["needs"], call["wait_for"]) == (
+        "wf",
+        "infer",
+        [],
+        [gate],
+    )
     # The same request id again is passed unchanged: Scruffy deduplicates.
     again = submit_scruffy(run, root=str(tmp_path / "q"), resources=request, request_id="c/infer/1",
                            project_id="proj", workflow_id="wf", task_id="infer", needs=[], wait_for=[gate])  # fmt: skip
@@ -234,14 +300,29 @@ def test_submit_scruffy_rejects_a_bad_gate_before_staging(scruffy, tmp_path, run
 def _workflow(tmp_path, run_factory, **train):
     tasks = (
         PreparedTask("train", run_factory(tmp_path / "train", "train"), RESOURCES, **train),
-        PreparedTask("infer", run_factory(tmp_path / "infer", "infer"), RESOURCES, needs=[],
-                     wait_for=[{"kind": "artifact", "task_id": "train", "artifact_id": "checkpoint/step000000009.pt"}]),  # fmt: skip
+        PreparedTask(
+            "infer",
+            run_factory(tmp_path / "infer", "infer"),
+            RESOURCES,
+            needs=[],
+            wait_for=[
+                {
+                    "kind": "artifact",
+                    "task_id": "train",
+                    "artifact_id": "checkpoint/step000000009.pt",
+                }
+            ],
+        ),  # fmt: skip
     )
     return PreparedWorkflow("campaign-1/attempt-1", "campaign-1", "proj", tasks)
 
 
 def test_workflow_stages_every_run_then_one_call_and_dedups(scruffy, tmp_path, run_factory):
-    recovery = {"max_attempts": 2, "retry_on": ["evacuated"], "evacuation": {"signal": "USR1", "grace_seconds": 0}}
+    recovery = {
+        "max_attempts": 2,
+        "retry_on": ["evacuated"],
+        "evacuation": {"signal": "USR1", "grace_seconds": 0},
+    }
     workflow = _workflow(tmp_path, run_factory, recovery=recovery)
     receipt = submit_scruffy_workflow(workflow, root=tmp_path / "q")
     ((name, call),) = scruffy.calls
@@ -256,9 +337,15 @@ def test_workflow_stages_every_run_then_one_call_and_dedups(scruffy, tmp_path, r
 
 def test_a_scruffy_without_recovery_raises_its_own_error(scruffy, tmp_path, run_factory):
     scruffy.extra_keys = ()  # like scruffy-gpu 0.1.1: recovery is an unexpected task field
-    recovery = {"max_attempts": 2, "retry_on": [], "evacuation": {"signal": "USR1", "grace_seconds": 5}}
+    recovery = {
+        "max_attempts": 2,
+        "retry_on": [],
+        "evacuation": {"signal": "USR1", "grace_seconds": 5},
+    }
     with pytest.raises(ValueError, match=r"tasks\[0\] has unexpected fields: \['recovery'\]"):
-        submit_scruffy_workflow(_workflow(tmp_path, run_factory, recovery=recovery), root=tmp_path / "q")
+        submit_scruffy_workflow(
+            _workflow(tmp_path, run_factory, recovery=recovery), root=tmp_path / "q"
+        )
 
 
 def test_a_failed_stage_submits_no_workflow(scruffy, tmp_path, run_factory):
@@ -276,6 +363,14 @@ def test_a_failed_stage_submits_no_workflow(scruffy, tmp_path, run_factory):
 def test_without_scruffy_the_error_says_what_to_install(monkeypatch, tmp_path, run_factory):
     monkeypatch.setitem(sys.modules, "scruffy", None)
     with pytest.raises(RuntimeError, match="submit_scruffy requires the optional Scruffy client"):
-        submit_scruffy(run_factory(tmp_path), root=tmp_path, resources=RESOURCES, request_id=None, project_id="p")
-    with pytest.raises(RuntimeError, match="submit_scruffy_workflow requires the optional Scruffy client"):
+        submit_scruffy(
+            run_factory(tmp_path),
+            root=tmp_path,
+            resources=RESOURCES,
+            request_id=None,
+            project_id="p",
+        )
+    with pytest.raises(
+        RuntimeError, match="submit_scruffy_workflow requires the optional Scruffy client"
+    ):
         submit_scruffy_workflow(_workflow(tmp_path, run_factory), root=tmp_path)

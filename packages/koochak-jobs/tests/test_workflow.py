@@ -24,7 +24,12 @@ class ResourceRequest:  # the shape of scruffy.ResourceRequest
 
 
 def _provenance(task_id: str) -> dict:
-    return {"project_id": "proj", "workflow_id": "wf-1", "task_id": task_id, "code_commit": "abc123"}
+    return {
+        "project_id": "proj",
+        "workflow_id": "wf-1",
+        "task_id": task_id,
+        "code_commit": "abc123",
+    }
 
 
 @pytest.fixture
@@ -37,7 +42,9 @@ def runs(tmp_path, run_factory, output_factory):
 def _workflow(runs, **infer):
     tasks = (
         PreparedTask("train", runs["train"], ResourceRequest(1, 0, 1, 1), recovery=RECOVERY),
-        PreparedTask("infer", runs["infer"], RESOURCES, **({"needs": [], "wait_for": [GATE]} | infer)),
+        PreparedTask(
+            "infer", runs["infer"], RESOURCES, **({"needs": [], "wait_for": [GATE]} | infer)
+        ),
     )
     return PreparedWorkflow("campaign/attempt-1", "wf-1", "proj", tasks)
 
@@ -54,8 +61,11 @@ def test_wire_dicts_have_exactly_the_allowed_keys(runs):
         "resources": RESOURCES,  # the dataclass, its unset time limit left out
         "needs": [],
         "wait_for": [],
-        "recovery": {"max_attempts": 3, "retry_on": ["evacuated", "checkpoint_ack_timeout"],
-                     "evacuation": {"signal": "USR1", "grace_seconds": 30}},  # fmt: skip
+        "recovery": {
+            "max_attempts": 3,
+            "retry_on": ["evacuated", "checkpoint_ack_timeout"],
+            "evacuation": {"signal": "USR1", "grace_seconds": 30},
+        },  # fmt: skip
     }
     # Artifact-only release: no needs, one artifact gate; no recovery given, none sent.
     assert (infer["needs"], infer["wait_for"], "recovery" in infer) == ([], [GATE], False)
@@ -65,7 +75,9 @@ def test_wire_dicts_have_exactly_the_allowed_keys(runs):
 
 
 def test_needs_and_gates_together_and_the_terminal_condition(runs):
-    infer = _workflow(runs, needs=[{"task_id": "train", "condition": "terminal"}]).scruffy_tasks()[1]
+    infer = _workflow(runs, needs=[{"task_id": "train", "condition": "terminal"}]).scruffy_tasks()[
+        1
+    ]
     assert infer["needs"] == [{"task_id": "train", "condition": "terminal"}]
     assert infer["wait_for"] == [GATE]
 
@@ -94,17 +106,41 @@ def test_models_are_frozen_and_do_not_follow_their_inputs(runs):
 @pytest.mark.parametrize(
     ("field", "value", "match"),
     [
-        ("needs", [{"task_id": "train", "condition": "done"}], r"task 'infer': needs\[0\].condition must be 'succeeded' or 'terminal'"),
-        ("needs", [{"task_id": "train"}], r"needs\[0\] must have exactly .*missing \['condition'\]"),
+        (
+            "needs",
+            [{"task_id": "train", "condition": "done"}],
+            r"task 'infer': needs\[0\].condition must be 'succeeded' or 'terminal'",
+        ),
+        (
+            "needs",
+            [{"task_id": "train"}],
+            r"needs\[0\] must have exactly .*missing \['condition'\]",
+        ),
         ("needs", [{"task_id": "train", "condition": "succeeded", "x": 1}], r"unexpected \['x'\]"),
-        ("needs", [{"task_id": "train", "condition": "succeeded"}] * 2, r"needs\[1\].task_id 'train' appears twice"),
+        (
+            "needs",
+            [{"task_id": "train", "condition": "succeeded"}] * 2,
+            r"needs\[1\].task_id 'train' appears twice",
+        ),
         ("needs", "train", r"task 'infer': needs must be a list"),
-        ("needs", [{"task_id": "bad id", "condition": "succeeded"}], r"needs\[0\].task_id must match"),
+        (
+            "needs",
+            [{"task_id": "bad id", "condition": "succeeded"}],
+            r"needs\[0\].task_id must match",
+        ),
         ("wait_for", [{**GATE, "kind": "file"}], r"wait_for\[0\].kind must be 'artifact'"),
-        ("wait_for", [{**GATE, "artifact_id": "x" * 257}], r"wait_for\[0\].artifact_id must be 1 to 256 printable"),
+        (
+            "wait_for",
+            [{**GATE, "artifact_id": "x" * 257}],
+            r"wait_for\[0\].artifact_id must be 1 to 256 printable",
+        ),
         ("wait_for", [{**GATE, "artifact_id": "a\nb"}], "256 printable"),
         ("wait_for", [{**GATE, "artifact_id": ""}], "256 printable"),
-        ("wait_for", [GATE, dict(GATE)], r"wait_for\[1\] waits for 'train'/'checkpoint/step000000009.pt' twice"),
+        (
+            "wait_for",
+            [GATE, dict(GATE)],
+            r"wait_for\[1\] waits for 'train'/'checkpoint/step000000009.pt' twice",
+        ),
         ("wait_for", [{"task_id": "train", "artifact_id": "a"}], r"missing \['kind'\]"),
     ],
 )
@@ -120,18 +156,33 @@ def _recovery(**changes):
 @pytest.mark.parametrize(
     ("recovery", "match"),
     [
-        (_recovery(max_attempts=0), r"task 'train': recovery.max_attempts must be an int from 1 to 10, got 0"),
+        (
+            _recovery(max_attempts=0),
+            r"task 'train': recovery.max_attempts must be an int from 1 to 10, got 0",
+        ),
         (_recovery(max_attempts=11), "from 1 to 10"),
         (_recovery(max_attempts=True), "from 1 to 10, got True"),
         (_recovery(max_attempts=2.0), "from 1 to 10"),
         (_recovery(retry_on=["evacuated", "evacuated"]), r"recovery.retry_on must not repeat"),
         (_recovery(retry_on=["preempted"]), r"recovery.retry_on\[0\] must be one of"),
         (_recovery(retry_on="evacuated"), "recovery.retry_on must be a list"),
-        (_recovery(evacuation={"signal": "SIGUSR1", "grace_seconds": 5}), r"evacuation.signal must be exactly 'USR1'"),
-        (_recovery(evacuation={"signal": "USR1", "grace_seconds": -1}), r"grace_seconds must be an int >= 0, got -1"),
-        (_recovery(evacuation={"signal": "USR1", "grace_seconds": 0.5}), "grace_seconds must be an int"),
+        (
+            _recovery(evacuation={"signal": "SIGUSR1", "grace_seconds": 5}),
+            r"evacuation.signal must be exactly 'USR1'",
+        ),
+        (
+            _recovery(evacuation={"signal": "USR1", "grace_seconds": -1}),
+            r"grace_seconds must be an int >= 0, got -1",
+        ),
+        (
+            _recovery(evacuation={"signal": "USR1", "grace_seconds": 0.5}),
+            "grace_seconds must be an int",
+        ),
         (_recovery(evacuation={"signal": "USR1"}), r"recovery.evacuation must have exactly"),
-        ({"max_attempts": 2, "retry_on": []}, r"recovery must have exactly .*missing \['evacuation'\]"),
+        (
+            {"max_attempts": 2, "retry_on": []},
+            r"recovery must have exactly .*missing \['evacuation'\]",
+        ),
         ({**RECOVERY, "backoff": 3}, r"unexpected \['backoff'\]"),
         ("3 attempts", "recovery must be a mapping"),
     ],
@@ -144,14 +195,20 @@ def test_recovery_is_the_exact_v1_mapping(runs, recovery, match):
 def test_recovery_edges_that_are_allowed(runs):
     for recovery in (_recovery(retry_on=[]), _recovery(max_attempts=1), _recovery(max_attempts=10),
                      _recovery(evacuation={"signal": "USR1", "grace_seconds": 0})):  # fmt: skip
-        spec = PreparedTask("train", runs["train"], RESOURCES, recovery=recovery).to_scruffy_spec("r")
+        spec = PreparedTask("train", runs["train"], RESOURCES, recovery=recovery).to_scruffy_spec(
+            "r"
+        )
         assert spec["recovery"] == recovery
 
 
 def test_workflow_references_must_name_its_own_tasks(runs):
-    with pytest.raises(ValueError, match="task 'infer': wait_for names a task outside this workflow: 'prep'"):
+    with pytest.raises(
+        ValueError, match="task 'infer': wait_for names a task outside this workflow: 'prep'"
+    ):
         _workflow(runs, wait_for=[{**GATE, "task_id": "prep"}])
-    with pytest.raises(ValueError, match="task 'infer': needs names a task outside this workflow: 'prep'"):
+    with pytest.raises(
+        ValueError, match="task 'infer': needs names a task outside this workflow: 'prep'"
+    ):
         _workflow(runs, needs=[{"task_id": "prep", "condition": "succeeded"}])
 
 
@@ -180,14 +237,28 @@ def test_workflow_shape_is_validated(runs):
 @pytest.mark.parametrize(
     ("provenance", "match"),
     [
-        ({**_provenance("train"), "task_id": "infer"}, r"declared output 'checkpoint/step000000009.pt': provenance.task_id must equal 'train', got 'infer'"),
-        ({**_provenance("train"), "workflow_id": "wf-2"}, "provenance.workflow_id must equal 'wf-1'"),
-        ({**_provenance("train"), "project_id": "other"}, "provenance.project_id must equal 'proj'"),
-        ({**_provenance("train"), "code_commit": " "}, "provenance.code_commit must be a non-blank str"),
+        (
+            {**_provenance("train"), "task_id": "infer"},
+            r"declared output 'checkpoint/step000000009.pt': provenance.task_id must equal 'train', got 'infer'",
+        ),
+        (
+            {**_provenance("train"), "workflow_id": "wf-2"},
+            "provenance.workflow_id must equal 'wf-1'",
+        ),
+        (
+            {**_provenance("train"), "project_id": "other"},
+            "provenance.project_id must equal 'proj'",
+        ),
+        (
+            {**_provenance("train"), "code_commit": " "},
+            "provenance.code_commit must be a non-blank str",
+        ),
         (None, "provenance must be a mapping"),
     ],
 )
-def test_declared_outputs_provenance_must_match_their_task(tmp_path, run_factory, output_factory, provenance, match):
+def test_declared_outputs_provenance_must_match_their_task(
+    tmp_path, run_factory, output_factory, provenance, match
+):
     run = run_factory(tmp_path, outputs=[output_factory("checkpoint/step000000009.pt", provenance)])
     with pytest.raises(ValueError, match=f"task 'train': .*{match}"):
         PreparedWorkflow("r", "wf-1", "proj", [PreparedTask("train", run, RESOURCES)])

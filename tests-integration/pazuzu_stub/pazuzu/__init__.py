@@ -11,4 +11,11 @@ from .client import CommandResult, PazuzuClient
 from .slurm import SlurmHandle, SlurmJob, SlurmResources, SlurmStatus
 
 __version__ = "0.1.0"
-__all__ = ["CommandResult", "PazuzuClient", "SlurmHandle", "SlurmJob", "SlurmResources", "SlurmStatus"]
+__all__ = [
+    "CommandResult",
+    "PazuzuClient",
+    "SlurmHandle",
+    "SlurmJob",
+    "SlurmResources",
+    "SlurmStatus",
+]

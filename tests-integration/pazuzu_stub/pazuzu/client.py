@@ -55,15 +55,21 @@ def _decode(data: bytes) -> tuple[str, bool]:
 class PazuzuClient:
     def __init__(self, socket_path: str | os.PathLike[str] | None = None) -> None:
         self.socket_path = (
-            Path(socket_path).expanduser().resolve() if socket_path is not None else _default_socket()
+            Path(socket_path).expanduser().resolve()
+            if socket_path is not None
+            else _default_socket()
         )
         self.calls: list[tuple[str, str]] = []  # (op, command): what a gateway would have run
 
-    async def _exec(self, op: str, command: str, stdin: bytes | str, timeout: float) -> CommandResult:
+    async def _exec(
+        self, op: str, command: str, stdin: bytes | str, timeout: float
+    ) -> CommandResult:
         if isinstance(stdin, str):
             stdin = stdin.encode("utf-8")
         if len(stdin) > STDIN_LIMIT:
-            raise ValueError(f"stdin is {len(stdin)} bytes; at most {STDIN_LIMIT} bytes are allowed")
+            raise ValueError(
+                f"stdin is {len(stdin)} bytes; at most {STDIN_LIMIT} bytes are allowed"
+            )
         self.calls.append((op, command))
         proc = await asyncio.create_subprocess_exec(
             "bash", "-c", command,
@@ -88,13 +94,19 @@ class PazuzuClient:
     async def reconnect(self) -> dict[str, Any]:
         return await self.health()
 
-    async def run(self, command: str, *, stdin: bytes | str = b"", timeout: float = 120.0) -> CommandResult:
+    async def run(
+        self, command: str, *, stdin: bytes | str = b"", timeout: float = 120.0
+    ) -> CommandResult:
         return await self._exec("run", command, stdin, timeout)
 
-    async def read(self, command: str, *, stdin: bytes | str = b"", timeout: float = 120.0) -> CommandResult:
+    async def read(
+        self, command: str, *, stdin: bytes | str = b"", timeout: float = 120.0
+    ) -> CommandResult:
         return await self._exec("read", command, stdin, timeout)
 
-    async def run_script(self, interpreter: str, source: str, *, arguments=(), timeout: float = 120.0) -> CommandResult:
+    async def run_script(
+        self, interpreter: str, source: str, *, arguments=(), timeout: float = 120.0
+    ) -> CommandResult:
         if not interpreter or "\0" in interpreter:
             raise ValueError("interpreter must be a non-empty str without NUL")
         command = shlex.join([interpreter, "-", *arguments])
@@ -122,8 +134,17 @@ class PazuzuClient:
         for line in queue.stdout.splitlines():
             fields = line.strip().split("|")
             if len(fields) == 5 and fields[0].split("_", 1)[0] == job_id:
-                return SlurmStatus(job_id, fields[1], "squeue", elapsed=fields[2], time_limit=fields[3], reason=fields[4])
-        acct = await self.read(f"sacct -n -P -X -j {job_id} --format=JobIDRaw,State,Elapsed,ExitCode")
+                return SlurmStatus(
+                    job_id,
+                    fields[1],
+                    "squeue",
+                    elapsed=fields[2],
+                    time_limit=fields[3],
+                    reason=fields[4],
+                )
+        acct = await self.read(
+            f"sacct -n -P -X -j {job_id} --format=JobIDRaw,State,Elapsed,ExitCode"
+        )
         if acct.exit_code != 0:
             raise PazuzuError(f"sacct failed with exit {acct.exit_code}: {acct.stderr.strip()}")
         for line in acct.stdout.splitlines():
@@ -138,11 +159,17 @@ class PazuzuClient:
     async def cancel_slurm(self, job_id: str) -> CommandResult:
         result = await self.run(f"scancel -- {validate_job_id(job_id)}")
         if result.exit_code != 0:
-            raise PazuzuError(f"scancel failed with exit {result.exit_code}: {result.stderr.strip()}")
+            raise PazuzuError(
+                f"scancel failed with exit {result.exit_code}: {result.stderr.strip()}"
+            )
         return result
 
     async def tail(self, remote_path: str, *, lines: int = 100) -> CommandResult:
-        if not isinstance(remote_path, str) or not posixpath.isabs(remote_path) or "\0" in remote_path:
+        if (
+            not isinstance(remote_path, str)
+            or not posixpath.isabs(remote_path)
+            or "\0" in remote_path
+        ):
             raise ValueError("remote_path must be an absolute POSIX path")
         if type(lines) is not int or not 1 <= lines <= 1000:
             raise ValueError("lines must be an integer from 1 to 1000")

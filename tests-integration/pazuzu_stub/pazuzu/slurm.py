@@ -74,14 +74,18 @@ class SlurmJob:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
-            raise ValueError("name must contain only ASCII letters, digits, '_', '.' or '-', start with a letter or digit, and be at most 128 characters")
+            raise ValueError(
+                "name must contain only ASCII letters, digits, '_', '.' or '-', start with a letter or digit, and be at most 128 characters"
+            )
         if not isinstance(self.resources, SlurmResources):
             raise TypeError("resources must be a SlurmResources")
         if isinstance(self.argv, (str, bytes)):
             raise TypeError("argv must be a sequence of arguments, not a string")
         argv = tuple(self.argv)
         if not argv or not all(isinstance(a, str) and a and "\0" not in a for a in argv):
-            raise ValueError("argv must be non-empty and every argument a non-empty str without NUL")
+            raise ValueError(
+                "argv must be non-empty and every argument a non-empty str without NUL"
+            )
         object.__setattr__(self, "argv", argv)
         if not isinstance(self.environment, Mapping):
             raise TypeError("environment must be a mapping")
@@ -94,7 +98,9 @@ class SlurmJob:
         _absolute("cwd", self.cwd)
         _absolute("log_dir", self.log_dir)
         if any(c.isspace() for c in self.log_dir):
-            raise ValueError("log_dir must not contain whitespace because it is used in an sbatch directive")
+            raise ValueError(
+                "log_dir must not contain whitespace because it is used in an sbatch directive"
+            )
 
     @property
     def stdout_pattern(self) -> str:

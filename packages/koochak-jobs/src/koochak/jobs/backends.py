@@ -66,7 +66,9 @@ def stage_write_once(path: str, data: bytes, sha256: str) -> str:
         except FileNotFoundError:
             return None
         except OSError as exc:  # ELOOP: the name is a symlink
-            raise FileExistsError(f"{path}: refusing to stage over a non-regular file ({exc.strerror})") from None
+            raise FileExistsError(
+                f"{path}: refusing to stage over a non-regular file ({exc.strerror})"
+            ) from None
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
@@ -136,10 +138,14 @@ def _checked_artifacts(prepared: SubmittableRun, limit: int | None = None) -> li
     artifacts = list(prepared.artifacts)
     for artifact in artifacts:
         if not isinstance(artifact.content, bytes):
-            raise TypeError(f"{artifact.path}: artifact content must be bytes, got {type(artifact.content).__name__}")
+            raise TypeError(
+                f"{artifact.path}: artifact content must be bytes, got {type(artifact.content).__name__}"
+            )
         actual = hashlib.sha256(artifact.content).hexdigest()
         if actual != artifact.sha256:
-            raise ValueError(f"{artifact.path}: artifact digest differs: expected {artifact.sha256}, got {actual}")
+            raise ValueError(
+                f"{artifact.path}: artifact digest differs: expected {artifact.sha256}, got {actual}"
+            )
         if limit is not None and len(artifact.content) > limit:
             raise ValueError(
                 f"{artifact.path}: artifact is {len(artifact.content)} bytes; Pazuzu stages at most {limit} bytes per call"
@@ -164,9 +170,13 @@ def _scruffy(name: str) -> Any:
             raise RuntimeError(
                 f"koochak.jobs.{_CALLER[name]} requires the optional Scruffy client: install the 'scruffy-gpu' package"
             ) from None
-        raise RuntimeError(f"the Scruffy client has a missing dependency: {exc.name}; reinstall or upgrade it") from None
+        raise RuntimeError(
+            f"the Scruffy client has a missing dependency: {exc.name}; reinstall or upgrade it"
+        ) from None
     except ImportError as exc:
-        raise RuntimeError(f"the Scruffy client is incompatible with this Python: {exc}; upgrade it") from None
+        raise RuntimeError(
+            f"the Scruffy client is incompatible with this Python: {exc}; upgrade it"
+        ) from None
     try:
         return getattr(module, name)
     except AttributeError:
@@ -221,7 +231,9 @@ def submit_scruffy_workflow(workflow: PreparedWorkflow, *, root: str | Path) -> 
     staged stay: they are write-once and identical on the next try).
     """
     if not isinstance(workflow, PreparedWorkflow):
-        raise TypeError(f"submit_scruffy_workflow expects a PreparedWorkflow, got {type(workflow).__name__}")
+        raise TypeError(
+            f"submit_scruffy_workflow expects a PreparedWorkflow, got {type(workflow).__name__}"
+        )
     submit_workflow = _scruffy("submit_workflow")
     tasks = workflow.scruffy_tasks()
     _stage_local([task.run for task in workflow.tasks])
@@ -234,7 +246,9 @@ def submit_scruffy_workflow(workflow: PreparedWorkflow, *, root: str | Path) -> 
     )
 
 
-async def submit_pazuzu(client: Any, prepared: SubmittableRun, *, resources: Any, log_dir: str) -> Any:
+async def submit_pazuzu(
+    client: Any, prepared: SubmittableRun, *, resources: Any, log_dir: str
+) -> Any:
     """Stage ``prepared`` through ``client.run`` and submit it with ``client.submit_slurm``.
 
     ``resources`` is a ``pazuzu.SlurmResources``, passed through unchanged; logs land at
@@ -247,7 +261,9 @@ async def submit_pazuzu(client: Any, prepared: SubmittableRun, *, resources: Any
     try:
         from pazuzu import SlurmJob
     except ImportError as exc:
-        raise RuntimeError(f"koochak.jobs.submit_pazuzu requires the optional pazuzu client: {exc}") from None
+        raise RuntimeError(
+            f"koochak.jobs.submit_pazuzu requires the optional pazuzu client: {exc}"
+        ) from None
     argv = list(prepared.runner_argv)
     job = SlurmJob(
         name=prepared.name,
@@ -259,7 +275,9 @@ async def submit_pazuzu(client: Any, prepared: SubmittableRun, *, resources: Any
     )
     artifacts = _checked_artifacts(prepared, limit=PAZUZU_STDIN_LIMIT)
     for artifact in artifacts:
-        command = shlex.join([argv[0], "-I", "-c", _staging_script(), str(artifact.path), artifact.sha256])
+        command = shlex.join(
+            [argv[0], "-I", "-c", _staging_script(), str(artifact.path), artifact.sha256]
+        )
         result = await client.run(command, stdin=artifact.content, timeout=_STAGE_TIMEOUT_S)
         if result.exit_code != 0:
             detail = result.stderr.strip() or result.stdout.strip() or f"exit {result.exit_code}"

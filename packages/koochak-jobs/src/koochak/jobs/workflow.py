@@ -86,9 +86,7 @@ class SubmittableRun(Protocol):
 
 def _check_identifier(value: Any, where: str) -> str:
     if not isinstance(value, str) or not _IDENTIFIER.fullmatch(value):
-        raise ValueError(
-            f"{where} must match [A-Za-z0-9][A-Za-z0-9_.-]{{0,127}}, got {value!r}"
-        )
+        raise ValueError(f"{where} must match [A-Za-z0-9][A-Za-z0-9_.-]{{0,127}}, got {value!r}")
     return value
 
 
@@ -98,7 +96,9 @@ def _check_keys(item: Any, expected: set[str], where: str) -> Mapping[str, Any]:
     keys = set(item)
     if keys != expected:
         missing, unexpected = sorted(expected - keys), sorted(keys - expected, key=str)
-        raise ValueError(f"{where} must have exactly {sorted(expected)}: missing {missing}, unexpected {unexpected}")
+        raise ValueError(
+            f"{where} must have exactly {sorted(expected)}: missing {missing}, unexpected {unexpected}"
+        )
     return item
 
 
@@ -166,12 +166,18 @@ def _recovery(value: Any, where: str) -> Mapping[str, Any]:
     retry_on = _check_sequence(value["retry_on"], f"{where}.retry_on")
     for i, reason in enumerate(retry_on):
         if reason not in RETRY_REASONS:
-            raise ValueError(f"{where}.retry_on[{i}] must be one of {list(RETRY_REASONS)}, got {reason!r}")
+            raise ValueError(
+                f"{where}.retry_on[{i}] must be one of {list(RETRY_REASONS)}, got {reason!r}"
+            )
     if len(set(retry_on)) != len(retry_on):
         raise ValueError(f"{where}.retry_on must not repeat a reason, got {list(retry_on)}")
-    evacuation = _check_keys(value["evacuation"], {"signal", "grace_seconds"}, f"{where}.evacuation")
+    evacuation = _check_keys(
+        value["evacuation"], {"signal", "grace_seconds"}, f"{where}.evacuation"
+    )
     if evacuation["signal"] != "USR1":
-        raise ValueError(f"{where}.evacuation.signal must be exactly 'USR1', got {evacuation['signal']!r}")
+        raise ValueError(
+            f"{where}.evacuation.signal must be exactly 'USR1', got {evacuation['signal']!r}"
+        )
     grace = evacuation["grace_seconds"]
     if type(grace) is not int or grace < 0:
         raise ValueError(f"{where}.evacuation.grace_seconds must be an int >= 0, got {grace!r}")
@@ -191,7 +197,9 @@ def _resources(value: Any, where: str) -> Mapping[str, Any]:
         fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
         value = {k: v for k, v in fields.items() if v is not None}
     if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
-        raise ValueError(f"{where} must be a mapping with str keys or a ResourceRequest, got {type(value).__name__}")
+        raise ValueError(
+            f"{where} must be a mapping with str keys or a ResourceRequest, got {type(value).__name__}"
+        )
     return MappingProxyType(dict(value))
 
 
@@ -266,7 +274,9 @@ def _check_request_id(value: Any) -> str:
         or not value.strip()
         or any(ord(c) < 32 or c == "\x7f" for c in value)
     ):
-        raise ValueError(f"workflow request_id must be a non-blank str without control characters, got {value!r}")
+        raise ValueError(
+            f"workflow request_id must be a non-blank str without control characters, got {value!r}"
+        )
     return value
 
 
@@ -280,13 +290,19 @@ def _check_provenance(task: PreparedTask, workflow: PreparedWorkflow) -> None:
         where = f"task {task.task_id!r}: declared output {output.artifact_id!r}"
         provenance = output.provenance
         if not isinstance(provenance, Mapping):
-            raise ValueError(f"{where}: provenance must be a mapping with {sorted(expected)} and code_commit, got {provenance!r}")
+            raise ValueError(
+                f"{where}: provenance must be a mapping with {sorted(expected)} and code_commit, got {provenance!r}"
+            )
         for key, value in expected.items():
             if provenance.get(key) != value:
-                raise ValueError(f"{where}: provenance.{key} must equal {value!r}, got {provenance.get(key)!r}")
+                raise ValueError(
+                    f"{where}: provenance.{key} must equal {value!r}, got {provenance.get(key)!r}"
+                )
         commit = provenance.get("code_commit")
         if not isinstance(commit, str) or not commit.strip():
-            raise ValueError(f"{where}: provenance.code_commit must be a non-blank str, got {commit!r}")
+            raise ValueError(
+                f"{where}: provenance.code_commit must be a non-blank str, got {commit!r}"
+            )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -308,13 +324,17 @@ class PreparedWorkflow:
         _check_identifier(self.workflow_id, "workflow_id")
         _check_identifier(self.project_id, "project_id")
         if isinstance(self.tasks, (str, bytes)) or not isinstance(self.tasks, Sequence):
-            raise TypeError(f"workflow tasks must be a sequence of PreparedTask, got {type(self.tasks).__name__}")
+            raise TypeError(
+                f"workflow tasks must be a sequence of PreparedTask, got {type(self.tasks).__name__}"
+            )
         tasks = tuple(self.tasks)
         if not tasks:
             raise ValueError("workflow tasks must not be empty")
         for i, task in enumerate(tasks):
             if not isinstance(task, PreparedTask):
-                raise TypeError(f"workflow tasks[{i}] must be a PreparedTask, got {type(task).__name__}")
+                raise TypeError(
+                    f"workflow tasks[{i}] must be a PreparedTask, got {type(task).__name__}"
+                )
         ids = [task.task_id for task in tasks]
         repeated = sorted({t for t in ids if ids.count(t) > 1})
         if repeated:
@@ -323,10 +343,14 @@ class PreparedWorkflow:
         for task in tasks:
             for need in task.needs:
                 if need["task_id"] not in ids:
-                    raise ValueError(f"task {task.task_id!r}: needs names a task outside this workflow: {need['task_id']!r}")
+                    raise ValueError(
+                        f"task {task.task_id!r}: needs names a task outside this workflow: {need['task_id']!r}"
+                    )
             for gate in task.wait_for:
                 if gate["task_id"] not in ids:
-                    raise ValueError(f"task {task.task_id!r}: wait_for names a task outside this workflow: {gate['task_id']!r}")
+                    raise ValueError(
+                        f"task {task.task_id!r}: wait_for names a task outside this workflow: {gate['task_id']!r}"
+                    )
             _check_provenance(task, self)
 
     def scruffy_tasks(self) -> list[dict[str, Any]]:
