@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from koochak.jobs.backends import (
+    stage_remote,
     stage_write_once,
     submit_pazuzu,
     submit_scruffy,
@@ -195,6 +196,26 @@ def test_bad_artifacts_and_jobs_fail_before_any_remote_call(
     with pytest.raises(ValueError, match="sbatch directive"):  # SlurmJob validation comes first
         asyncio.run(submit_pazuzu(client, run, resources=resources, log_dir="/logs with space"))
     assert client.calls == [] and client.jobs == []
+
+
+def test_the_stage_result_is_read_by_exit_code_not_returncode(pazuzu, tmp_path, run_factory):
+    class Client:  # a transport that failed remotely; returncode would say all is well
+        jobs: list = []
+
+        async def run(self, command, *, stdin=b"", timeout=120.0):
+            return types.SimpleNamespace(
+                exit_code=3, returncode=0, stdout="", stderr="disk quota exceeded\n"
+            )
+
+        async def submit_slurm(self, job):
+            self.jobs.append(job)
+
+    run, client = run_factory(tmp_path / "run"), Client()
+    with pytest.raises(RuntimeError, match=r"failed to stage .*program.py: disk quota exceeded$"):
+        asyncio.run(submit_pazuzu(client, run, resources=_slurm_resources(pazuzu), log_dir="/l"))
+    assert client.jobs == []
+    with pytest.raises(RuntimeError, match="disk quota exceeded"):
+        asyncio.run(stage_remote(client, run))
 
 
 def test_submit_pazuzu_without_the_client_says_what_is_missing(monkeypatch, tmp_path, run_factory):

@@ -30,7 +30,13 @@ from typing import Any
 
 from .workflow import PreparedWorkflow, StagedFile, SubmittableRun, _needs_wire, _wait_for_wire
 
-__all__ = ["submit_pazuzu", "submit_scruffy", "submit_scruffy_workflow", "stage_write_once"]
+__all__ = [
+    "stage_remote",
+    "stage_write_once",
+    "submit_pazuzu",
+    "submit_scruffy",
+    "submit_scruffy_workflow",
+]
 
 PAZUZU_STDIN_LIMIT = 4 * 1024 * 1024  # bytes per client.run call (the client refuses more)
 _STAGE_TIMEOUT_S = 60.0
@@ -246,6 +252,27 @@ def submit_scruffy_workflow(workflow: PreparedWorkflow, *, root: str | Path) -> 
     )
 
 
+async def stage_remote(client: Any, prepared: SubmittableRun) -> None:
+    """Stage every artifact of ``prepared`` on the far side of a Pazuzu ``client``, in order.
+
+    All artifacts are checked locally first (digest, at most 4 MiB each: one ``client.run``
+    call per artifact, bytes on stdin only). Each call runs the write-once staging program with
+    the run's own Python (``runner_argv[0]``) under ``-I``; a non-zero ``exit_code`` raises
+    ``RuntimeError("failed to stage <path>: <remote error>")`` and stages nothing further.
+    Staging the same run again is a no-op. ``submit_pazuzu`` calls this before submitting; on
+    its own it prepares a run for a job script of your own (the multi-node DDP recipe).
+    """
+    python = prepared.runner_argv[0]
+    for artifact in _checked_artifacts(prepared, limit=PAZUZU_STDIN_LIMIT):
+        command = shlex.join(
+            [python, "-I", "-c", _staging_script(), str(artifact.path), artifact.sha256]
+        )
+        result = await client.run(command, stdin=artifact.content, timeout=_STAGE_TIMEOUT_S)
+        if result.exit_code != 0:  # Pazuzu's CommandResult has exit_code, not returncode
+            detail = result.stderr.strip() or result.stdout.strip() or f"exit {result.exit_code}"
+            raise RuntimeError(f"failed to stage {artifact.path}: {detail}")
+
+
 async def submit_pazuzu(
     client: Any, prepared: SubmittableRun, *, resources: Any, log_dir: str
 ) -> Any:
@@ -253,10 +280,8 @@ async def submit_pazuzu(
 
     ``resources`` is a ``pazuzu.SlurmResources``, passed through unchanged; logs land at
     ``<log_dir>/<name>-<jobid>.out|.err``. The job is built (and so validated) before anything
-    is staged; each artifact is checked locally, sent on stdin (at most 4 MiB) to the remote
-    write-once staging program run by the run's own Python, and a non-zero ``exit_code``
-    raises ``RuntimeError("failed to stage <path>: ...")`` without submitting. Returns the
-    ``SlurmHandle``.
+    is staged; then ``stage_remote`` stages every artifact, and any failed stage raises
+    without submitting. Returns the ``SlurmHandle``.
     """
     try:
         from pazuzu import SlurmJob
@@ -264,22 +289,13 @@ async def submit_pazuzu(
         raise RuntimeError(
             f"koochak.jobs.submit_pazuzu requires the optional pazuzu client: {exc}"
         ) from None
-    argv = list(prepared.runner_argv)
     job = SlurmJob(
         name=prepared.name,
-        argv=argv,
+        argv=list(prepared.runner_argv),
         cwd=str(prepared.cwd),
         log_dir=log_dir,
         resources=resources,
         environment={},
     )
-    artifacts = _checked_artifacts(prepared, limit=PAZUZU_STDIN_LIMIT)
-    for artifact in artifacts:
-        command = shlex.join(
-            [argv[0], "-I", "-c", _staging_script(), str(artifact.path), artifact.sha256]
-        )
-        result = await client.run(command, stdin=artifact.content, timeout=_STAGE_TIMEOUT_S)
-        if result.exit_code != 0:
-            detail = result.stderr.strip() or result.stdout.strip() or f"exit {result.exit_code}"
-            raise RuntimeError(f"failed to stage {artifact.path}: {detail}")
+    await stage_remote(client, prepared)
     return await client.submit_slurm(job)
