@@ -69,7 +69,7 @@ class Run:
     cwd: str
     runner_argv: tuple[str, ...]
     artifacts: tuple[Artifact, ...]
-    declared_outputs: tuple = ()
+    outputs: tuple = ()
 
 
 def _artifact(path: Path, content: bytes) -> Artifact:

@@ -34,7 +34,7 @@ class Run:
     cwd: str
     runner_argv: tuple[str, ...]
     artifacts: tuple[Artifact, ...]
-    declared_outputs: tuple[Output, ...] = ()
+    outputs: tuple[Output, ...] = ()
 
 
 def artifact(path: Path | str, content: bytes) -> Artifact:
@@ -53,7 +53,7 @@ def make_run(run_dir: Path, name: str = "train", program: str = "print('hi')\n",
         cwd=str(run_dir),
         runner_argv=(sys.executable, "-I", prog.path, manifest.path, manifest.sha256),
         artifacts=(prog, manifest),
-        declared_outputs=tuple(outputs),
+        outputs=tuple(outputs),
     )
 
 

@@ -81,7 +81,7 @@ class SubmittableRun(Protocol):
     @property
     def artifacts(self) -> Sequence[StagedFile]: ...
     @property
-    def declared_outputs(self) -> Sequence[DeclaredOutputLike]: ...
+    def outputs(self) -> Sequence[DeclaredOutputLike]: ...
 
 
 def _check_identifier(value: Any, where: str) -> str:
@@ -286,7 +286,7 @@ def _check_provenance(task: PreparedTask, workflow: PreparedWorkflow) -> None:
         "workflow_id": workflow.workflow_id,
         "task_id": task.task_id,
     }
-    for output in task.run.declared_outputs:
+    for output in task.run.outputs:
         where = f"task {task.task_id!r}: declared output {output.artifact_id!r}"
         provenance = output.provenance
         if not isinstance(provenance, Mapping):
