@@ -47,11 +47,11 @@ print("done", state["step"], flush=True)
 """
 
 
-def _profile(tmp_path: Path, **variables: str) -> Path:
+def _profile(tmp_path: Path, name: str = "profile", **variables: str) -> Path:
     lines = ["version: 1", "id: slurm-test", f"python: {sys.executable}", "environment:", "  set:",
              f'    PATH: "{Path(sys.executable).parent}:/usr/bin:/bin"']  # fmt: skip
     lines += [f'    {k}: "{v}"' for k, v in variables.items()]
-    path = tmp_path / "profile.yaml"
+    path = tmp_path / f"{name}.yaml"
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -142,3 +142,86 @@ def test_ddp_ranks_each_under_the_runner_evacuate_resume_and_match_one_process(
     single_final = recipe._train(str(tmp_path / "single"), 6, ddp=False)
     assert ddp_final["world_size"] == 2
     assert torch.allclose(recipe._weights(ddp_final), recipe._weights(single_final), atol=1e-6)
+
+
+USER_CODE = r"""
+import os, time
+import torch
+from torch.nn import functional as F
+
+
+def make_model(cfg):
+    torch.manual_seed(0)
+    return torch.nn.Linear(3, 1)
+
+
+def dataset(cfg, start_step=0):  # batch t depends only on t: a resumed run sees the same stream
+    step = start_step
+    while True:
+        x = torch.randn(8, 3, generator=torch.Generator().manual_seed(1000 + step))
+        yield x, x @ torch.tensor([[1.0], [-1.0], [2.0]])
+        step += 1
+
+
+def step_fn(model, batch, ctx):
+    if ctx.step >= 1:
+        open(os.path.join(os.environ["MARK_DIR"], "started"), "a").close()
+    time.sleep(float(os.environ["STEP_SLEEP"]))
+    x, y = batch
+    return {"loss": F.mse_loss(model(x), y)}
+"""
+
+CONFIG = """\
+train: {max_steps: 20, ckpt_every: 5, log_every: 1000, device: cpu, progress_bar: false,
+        evacuation_enabled: true}
+optim: {optimizer: {name: sgd, lr: 0.05}}
+logging: {stdout: false}
+entry: {model: "slurm_user:make_model", dataset: "slurm_user:dataset", step: "slurm_user:step_fn"}
+"""
+
+
+def test_koochak_train_evacuated_through_slurm_resumes_bit_identical(local_slurm, tmp_path):
+    import torch
+    from koochak.loop.checkpoint import load, resolve_auto_resume
+
+    (tmp_path / "slurm_user.py").write_text(USER_CODE)
+    (tmp_path / "cfg.yaml").write_text(CONFIG)
+    resources = pazuzu.SlurmResources(memory_gb_per_node=1, time_limit="00:05:00")
+
+    def prepare(name: str, pause: str):
+        return koochak.jobs.prepare_run(
+            name=name,
+            profile=koochak.jobs.load_environment_profile(
+                _profile(tmp_path, name, STEP_SLEEP=pause, MARK_DIR="{run_dir}")
+            ),
+            python_args=["-m", "koochak.loop.cli", "--config", "{config}"],
+            cwd=str(tmp_path),
+            run_dir=str(tmp_path / name / "run"),
+            base_config=str(tmp_path / "cfg.yaml"),
+        )
+
+    def submit(prepared):
+        client = pazuzu.PazuzuClient()
+        log_dir = str(Path(prepared.run_dir) / "logs")
+        return asyncio.run(submit_pazuzu(client, prepared, resources=resources, log_dir=log_dir))
+
+    evacuated, straight = prepare("evacuated", "0.3"), prepare("straight", "0")
+    first = submit(evacuated)
+    wait_for_path(Path(evacuated.run_dir) / "started", job_id=first.job_id)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", first.job_id], check=True)
+    fields = wait_for_job(first.job_id)
+    assert (fields["JobState"], exit_code(fields)) == ("FAILED", 75), Path(
+        first.stderr_path
+    ).read_text()
+    _, terminal = resolve_auto_resume(evacuated.run_dir)
+    assert terminal["reason"] == "evacuation" and 0 < terminal["next_step"] < 20
+    jobs = [submit(evacuated), submit(straight)]  # the same prepared run again: resume: auto
+    for job in jobs:
+        fields = wait_for_job(job.job_id)
+        assert (fields["JobState"], exit_code(fields)) == ("COMPLETED", 0), Path(
+            job.stderr_path
+        ).read_text()
+    resumed = load(str(Path(evacuated.run_dir) / "step000000020.pt"))["model"]
+    uninterrupted = load(str(Path(straight.run_dir) / "step000000020.pt"))["model"]
+    assert resumed.keys() == uninterrupted.keys()
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
