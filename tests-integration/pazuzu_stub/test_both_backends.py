@@ -15,8 +15,10 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import shutil
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import koochak.jobs
@@ -152,3 +154,78 @@ def test_the_same_prepared_run_on_both_backends_runs_the_same_contract(
     assert on_scruffy[0]["manifest_sha256"] == prepared.manifest_sha256
     assert on_scruffy[1] == on_slurm[1]  # the workload saw the same argv, cwd, environment, config
     assert on_slurm[1]["env"]["MODE"] == "both" and on_slurm[1]["config"].startswith("train:")
+
+
+def test_a_recovery_mapping_retries_an_evacuated_task_which_resumes_bit_identical(
+    tmp_path, monkeypatch
+):
+    """Newer contract: the stub evacuates `train` (USR1 through the runner to the loop: 75);
+    its recovery mapping retries it in place and it resumes; `straight`, the same training
+    never interrupted, ends with the same weights."""
+    import torch
+    from koochak.loop.checkpoint import load
+    from slurm_user import CONFIG
+
+    shutil.copy(HERE / "slurm_user.py", tmp_path)
+    (tmp_path / "cfg.yaml").write_text(CONFIG)
+
+    def prepare(name: str, pause: str):
+        (tmp_path / name).mkdir()
+        profile = _profile(tmp_path / name, STEP_SLEEP=pause, MARK_DIR="{run_dir}")
+        return koochak.jobs.prepare_run(
+            name=name, profile=profile, python_args=["-m", "koochak.loop.cli", "--config", "{config}"],
+            cwd=str(tmp_path), run_dir=str(tmp_path / name / "run"), base_config=str(tmp_path / "cfg.yaml"),
+        )  # fmt: skip
+
+    recovery = {
+        "max_attempts": 2,
+        "retry_on": ["evacuated"],
+        "evacuation": {"signal": "USR1", "grace_seconds": 30},
+    }
+    train, straight = prepare("train", "0.3"), prepare("straight", "0")
+    workflow = PreparedWorkflow("retry/attempt-1", "wf", "default", [
+        PreparedTask("train", train, REQ, recovery=recovery),
+        PreparedTask("straight", straight, REQ),
+    ])  # fmt: skip
+    scruffy = stub_harness.load_client("newer", monkeypatch)
+    with stub_harness.StubController(tmp_path / "root", "newer") as controller:
+        root = controller.root
+        train_job, straight_job = (
+            t["job_id"] for t in submit_scruffy_workflow(workflow, root=root)["tasks"]
+        )
+        started = Path(train.run_dir) / "started"
+        while not started.exists():
+            job = scruffy.status(root, train_job)
+            assert job["state"] not in {"succeeded", "failed", "cancelled", "lost", "rejected"}, job
+            time.sleep(0.1)
+        controller.control(evacuate=[train_job])
+        done = scruffy.wait_for_job(root, train_job, timeout=240)
+        assert done["state"] == "succeeded", (root / done["stderr"]).read_text()
+        other = scruffy.wait_for_job(root, straight_job, timeout=240)
+        assert other["state"] == "succeeded", (root / other["stderr"]).read_text()
+        retrying = [
+            r
+            for r in stub_harness.journal(root)
+            if r.get("job_id") == train_job and r["kind"] == "job.retrying"
+        ]
+    assert [(r["data"]["reason"], r["data"]["exit_code"]) for r in retrying] == [("evacuated", 75)]
+    resumed = load(str(Path(train.run_dir) / "step000000020.pt"))["model"]
+    uninterrupted = load(str(Path(straight.run_dir) / "step000000020.pt"))["model"]
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted)
+
+
+def test_a_scruffy_without_recovery_rejects_it_with_its_own_error(tmp_path, monkeypatch):
+    profile = _profile(tmp_path)
+    run = koochak.jobs.prepare_run(name="t", profile=profile, python_args=["-c", "pass"], cwd=str(tmp_path),
+                                   run_dir=str(tmp_path / "run"))  # fmt: skip
+    recovery = {
+        "max_attempts": 2,
+        "retry_on": [],
+        "evacuation": {"signal": "USR1", "grace_seconds": 0},
+    }
+    workflow = PreparedWorkflow(
+        "r", "wf", "default", [PreparedTask("t", run, REQ, recovery=recovery)]
+    )
+    stub_harness.load_client("0.1.1", monkeypatch)
+    with pytest.raises(ValueError, match=r"unexpected fields: \['recovery'\]"):
+        submit_scruffy_workflow(workflow, root=tmp_path / "root")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -144,47 +145,12 @@ def test_ddp_ranks_each_under_the_runner_evacuate_resume_and_match_one_process(
     assert torch.allclose(recipe._weights(ddp_final), recipe._weights(single_final), atol=1e-6)
 
 
-USER_CODE = r"""
-import os, time
-import torch
-from torch.nn import functional as F
-
-
-def make_model(cfg):
-    torch.manual_seed(0)
-    return torch.nn.Linear(3, 1)
-
-
-def dataset(cfg, start_step=0):  # batch t depends only on t: a resumed run sees the same stream
-    step = start_step
-    while True:
-        x = torch.randn(8, 3, generator=torch.Generator().manual_seed(1000 + step))
-        yield x, x @ torch.tensor([[1.0], [-1.0], [2.0]])
-        step += 1
-
-
-def step_fn(model, batch, ctx):
-    if ctx.step >= 1:
-        open(os.path.join(os.environ["MARK_DIR"], "started"), "a").close()
-    time.sleep(float(os.environ["STEP_SLEEP"]))
-    x, y = batch
-    return {"loss": F.mse_loss(model(x), y)}
-"""
-
-CONFIG = """\
-train: {max_steps: 20, ckpt_every: 5, log_every: 1000, device: cpu, progress_bar: false,
-        evacuation_enabled: true}
-optim: {optimizer: {name: sgd, lr: 0.05}}
-logging: {stdout: false}
-entry: {model: "slurm_user:make_model", dataset: "slurm_user:dataset", step: "slurm_user:step_fn"}
-"""
-
-
 def test_koochak_train_evacuated_through_slurm_resumes_bit_identical(local_slurm, tmp_path):
     import torch
     from koochak.loop.checkpoint import load, resolve_auto_resume
+    from slurm_user import CONFIG
 
-    (tmp_path / "slurm_user.py").write_text(USER_CODE)
+    shutil.copy(HERE / "slurm_user.py", tmp_path)
     (tmp_path / "cfg.yaml").write_text(CONFIG)
     resources = pazuzu.SlurmResources(memory_gb_per_node=1, time_limit="00:05:00")
 
