@@ -167,6 +167,9 @@ def _stage_local(runs: Sequence[SubmittableRun]) -> None:
             stage_write_once(str(artifact.path), artifact.content, artifact.sha256)
 
 
+_CALLER = {"submit_job": "submit_scruffy", "submit_workflow": "submit_scruffy_workflow"}
+
+
 def _scruffy(name: str) -> Any:
     """``scruffy.<name>``, or a RuntimeError that says what to install."""
     try:
@@ -187,9 +190,6 @@ def _scruffy(name: str) -> Any:
         return getattr(module, name)
     except AttributeError:
         raise RuntimeError(f"the installed Scruffy client has no {name}(); upgrade it") from None
-
-
-_CALLER = {"submit_job": "submit_scruffy", "submit_workflow": "submit_scruffy_workflow"}
 
 
 def submit_scruffy(
