@@ -20,19 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "migrating.md"
 
-PENDING = {
-    # jobs (koochak-jobs is still an empty package)
-    "koochak.jobs.prepare_run",
-    "koochak.jobs.load_environment_profile",
-    "koochak.jobs.ConfigPatch",
-    "koochak-run",
-    "koochak.jobs.submit_pazuzu",
-    "koochak.jobs.submit_scruffy",
-    "koochak.jobs.submit_scruffy_workflow",
-    "koochak.jobs.DeclaredOutput",
-    "koochak.jobs.PreparedTask",
-    "koochak.jobs.PreparedWorkflow",
-}
+PENDING: set[str] = set()
 
 _ROW = re.compile(r"^\|(?P<spec>[^|]+)\|(?P<here>[^|]+)\|\s*$")
 _TICKED = re.compile(r"`([^`]+)`")

@@ -1,4 +1,5 @@
-"""koochak.jobs: environment profiles, prepared runs, launch manifests and the isolated runner.
+"""koochak.jobs: environment profiles, prepared runs, launch manifests, the isolated runner,
+Scruffy workflows and the Scruffy/Pazuzu submission backends.
 
 Torch-free: the ``cuda`` and ``torch_compile`` checks run in the target interpreter as
 subprocesses of the runner. Names are imported on first use (PEP 562), so ``koochak-run``
@@ -28,6 +29,13 @@ _EXPORTS = {
     "EnvironmentProfile": "profile",
     "load_environment_profile": "profile",
     "stage_run": "staging",
+    "PreparedTask": "workflow",
+    "PreparedWorkflow": "workflow",
+    "stage_remote": "backends",
+    "stage_write_once": "backends",
+    "submit_pazuzu": "backends",
+    "submit_scruffy": "backends",
+    "submit_scruffy_workflow": "backends",
 }
 __all__ = [
     "Artifact",
@@ -41,14 +49,28 @@ __all__ = [
     "EXIT_USAGE",
     "EnvironmentProfile",
     "PreparedRun",
+    "PreparedTask",
+    "PreparedWorkflow",
     "load_environment_profile",
     "materialize_config",
     "prepare_run",
+    "stage_remote",
     "stage_run",
+    "stage_write_once",
+    "submit_pazuzu",
+    "submit_scruffy",
+    "submit_scruffy_workflow",
     "validate_output",
 ]
 
 if TYPE_CHECKING:
+    from koochak.jobs.backends import (
+        stage_remote,
+        stage_write_once,
+        submit_pazuzu,
+        submit_scruffy,
+        submit_scruffy_workflow,
+    )
     from koochak.jobs.config import ConfigPatch, materialize_config
     from koochak.jobs.exit_codes import (
         EXIT_CHECKPOINT_ACK_TIMEOUT,
@@ -62,6 +84,7 @@ if TYPE_CHECKING:
     from koochak.jobs.outputs import DeclaredOutput, validate_output
     from koochak.jobs.profile import EnvironmentProfile, load_environment_profile
     from koochak.jobs.staging import stage_run
+    from koochak.jobs.workflow import PreparedTask, PreparedWorkflow
 
 
 def __getattr__(name: str) -> Any:

@@ -39,6 +39,14 @@ def build_environment(section: Mapping[str, Any], ambient: Mapping[str, str]) ->
     return clean
 
 
-def environment_sha256(clean: Mapping[str, str], secrets: Sequence[str]) -> str:
-    """Digest of the clean environment without the secrets (names and values both left out)."""
-    return canonical_sha256({k: v for k, v in clean.items() if k not in set(secrets)})
+def environment_sha256(
+    clean: Mapping[str, str], secrets: Sequence[str], inherit: Sequence[str] = ()
+) -> str:
+    """Digest of the environment the run declares: the clean environment without the secrets
+    (names and values both left out) and without the runtime-owned names matching ``inherit``
+    (``SLURM_*``, ``SCRUFFY_*``, ``RANK``, ...), which differ by backend, node and attempt, so the
+    same prepared run has the same digest under Scruffy and under Slurm."""
+    hidden = set(secrets)
+    return canonical_sha256(
+        {k: v for k, v in clean.items() if k not in hidden and not is_runtime_owned(k, inherit)}
+    )

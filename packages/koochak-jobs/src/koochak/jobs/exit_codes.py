@@ -6,6 +6,9 @@ its checkpoint safe), 77 and 78 are not, 64 is a broken submission.
 
 from __future__ import annotations
 
+# 76 and 77 are the loop's too (koochak-train under Scruffy): one definition, in koochak.events.
+from koochak.events.errors import EXIT_CHECKPOINT_ACK_TIMEOUT, EXIT_PUBLICATION_REJECTED
+
 __all__ = [
     "EXIT_CHECKPOINT_ACK_TIMEOUT",
     "EXIT_EVACUATED",
@@ -19,8 +22,6 @@ __all__ = [
 EXIT_OK = 0
 EXIT_USAGE = 64  # wrong arguments (EX_USAGE)
 EXIT_EVACUATED = 75  # SIGUSR1 before the workload started, or the workload's own evacuation exit
-EXIT_CHECKPOINT_ACK_TIMEOUT = 76  # a publication was not acknowledged in time; safe to retry
-EXIT_PUBLICATION_REJECTED = 77  # the coordinator explicitly rejected a publication
 EXIT_PREFLIGHT_FAILED = 78  # a preflight or contract check failed (one JSON line on stderr)
 
 

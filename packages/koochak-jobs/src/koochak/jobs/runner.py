@@ -344,7 +344,9 @@ def _execute(
         preflight_only=preflight_only,
     )
     clean = build_environment(env_section, ambient)
-    record.doc["environment_sha256"] = environment_sha256(clean, env_section["secrets"])
+    record.doc["environment_sha256"] = environment_sha256(
+        clean, env_section["secrets"], env_section["inherit"]
+    )
     _check_config(doc["config"])
     _create_directories(env_section["create_directories"])
     python, argv, cwd = env_section["python"], doc["argv"], doc["cwd"]

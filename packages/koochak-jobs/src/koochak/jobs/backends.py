@@ -1,0 +1,301 @@
+"""Send prepared runs somewhere: into a Scruffy queue, or as a standalone Slurm job via Pazuzu.
+
+Every adapter stages first and submits second, and a failure while staging submits nothing:
+
+- ``submit_scruffy`` / ``submit_scruffy_workflow`` write each run's artifacts write-once on
+  the shared filesystem, then make exactly one strict Scruffy call (``submit_job`` or
+  ``submit_workflow``). Gates and recovery fields are passed as given: a Scruffy that does not
+  know one raises its own error, which surfaces. Repeated request ids pass unchanged, which is
+  how Scruffy deduplicates a resubmission.
+- ``submit_pazuzu`` (async) stages each artifact through ``client.run(..., stdin=bytes)`` (the
+  bytes travel only on stdin, at most 4 MiB per call) into a write-once file on the remote
+  side, then makes one ``client.submit_slurm(SlurmJob(...))`` call.
+
+The scheduler gets the prepared runner argv and an empty environment: the real environment
+travels inside the hashed launch manifest and the runner rebuilds it. ``scruffy`` and
+``pazuzu`` are optional clients, imported only inside the function that needs one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import shlex
+import textwrap
+from collections.abc import Sequence
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from .workflow import PreparedWorkflow, StagedFile, SubmittableRun, _needs_wire, _wait_for_wire
+
+__all__ = [
+    "stage_remote",
+    "stage_write_once",
+    "submit_pazuzu",
+    "submit_scruffy",
+    "submit_scruffy_workflow",
+]
+
+PAZUZU_STDIN_LIMIT = 4 * 1024 * 1024  # bytes per client.run call (the client refuses more)
+_STAGE_TIMEOUT_S = 60.0
+
+
+def stage_write_once(path: str, data: bytes, sha256: str) -> str:
+    """Write ``data`` at absolute ``path`` exactly once; ``"written"`` or ``"unchanged"``.
+
+    The bytes must hash to ``sha256`` (else ValueError "artifact digest differs"). An existing
+    regular file with the same bytes is a no-op; different bytes, a symlink or any other
+    non-regular file raise FileExistsError ("refusing to replace different artifact"). A new
+    file goes to a temporary name in the same directory, is fsynced and made read-only (0444),
+    then hard-linked into place, which never replaces anything; a lost race re-checks.
+
+    This function is also the remote staging script: its source is shipped to the execution
+    side and run under ``python -I``, so it imports only the standard library, inside itself.
+    """
+    import hashlib
+    import os
+    import stat
+
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != sha256:
+        raise ValueError(f"{path}: artifact digest differs: expected {sha256}, got {actual}")
+    if not os.path.isabs(path):
+        raise ValueError(f"{path}: artifact path must be absolute")
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+
+    def on_disk():
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:  # ELOOP: the name is a symlink
+            raise FileExistsError(
+                f"{path}: refusing to stage over a non-regular file ({exc.strerror})"
+            ) from None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise FileExistsError(f"{path}: refusing to stage over a non-regular file")
+            chunks = []
+            while chunk := os.read(fd, 1 << 20):
+                chunks.append(chunk)
+            if info.st_mode & 0o222 and b"".join(chunks) == data:
+                os.fchmod(fd, 0o444)  # same bytes, loosened mode: harden it again
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
+
+    def settle(current):
+        if current == data:
+            return "unchanged"
+        theirs = hashlib.sha256(current or b"").hexdigest()
+        raise FileExistsError(
+            f"{path}: refusing to replace different artifact (on disk sha256 {theirs}, staging {sha256})"
+        )
+
+    current = on_disk()
+    if current is not None:
+        return settle(current)
+    tmp = os.path.join(parent, f".{os.path.basename(path)}.{os.getpid()}.{os.urandom(6).hex()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+        os.fchmod(fd, 0o444)
+    finally:
+        os.close(fd)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:  # another stager won: fine if it staged the same bytes
+        return settle(on_disk())
+    finally:
+        os.unlink(tmp)
+    dir_fd = os.open(parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return "written"
+
+
+@lru_cache(maxsize=1)
+def _staging_script() -> str:
+    """The program ``python -I -c SCRIPT PATH SHA256`` runs remotely, bytes on stdin."""
+    body = textwrap.dedent(inspect.getsource(stage_write_once))
+    return body + textwrap.dedent(
+        """
+        import sys
+        try:
+            print(stage_write_once(sys.argv[1], sys.stdin.buffer.read(), sys.argv[2]))
+        except Exception as exc:
+            print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+            sys.exit(1)
+        """
+    )
+
+
+def _checked_artifacts(prepared: SubmittableRun, limit: int | None = None) -> list[StagedFile]:
+    """The run's artifacts after checking each one's bytes against its digest (and size)."""
+    artifacts = list(prepared.artifacts)
+    for artifact in artifacts:
+        if not isinstance(artifact.content, bytes):
+            raise TypeError(
+                f"{artifact.path}: artifact content must be bytes, got {type(artifact.content).__name__}"
+            )
+        actual = hashlib.sha256(artifact.content).hexdigest()
+        if actual != artifact.sha256:
+            raise ValueError(
+                f"{artifact.path}: artifact digest differs: expected {artifact.sha256}, got {actual}"
+            )
+        if limit is not None and len(artifact.content) > limit:
+            raise ValueError(
+                f"{artifact.path}: artifact is {len(artifact.content)} bytes; Pazuzu stages at most {limit} bytes per call"
+            )
+    return artifacts
+
+
+def _stage_local(runs: Sequence[SubmittableRun]) -> None:
+    """Check every artifact of every run, then write them all write-once, in order."""
+    checked = [_checked_artifacts(run) for run in runs]
+    for artifacts in checked:
+        for artifact in artifacts:
+            stage_write_once(str(artifact.path), artifact.content, artifact.sha256)
+
+
+_CALLER = {"submit_job": "submit_scruffy", "submit_workflow": "submit_scruffy_workflow"}
+
+
+def _scruffy(name: str) -> Any:
+    """``scruffy.<name>``, or a RuntimeError that says what to install."""
+    try:
+        module = importlib.import_module("scruffy")
+    except ModuleNotFoundError as exc:
+        if exc.name == "scruffy":
+            raise RuntimeError(
+                f"koochak.jobs.{_CALLER[name]} requires the optional Scruffy client: install the 'scruffy-gpu' package"
+            ) from None
+        raise RuntimeError(
+            f"the Scruffy client has a missing dependency: {exc.name}; reinstall or upgrade it"
+        ) from None
+    except ImportError as exc:
+        raise RuntimeError(
+            f"the Scruffy client is incompatible with this Python: {exc}; upgrade it"
+        ) from None
+    try:
+        return getattr(module, name)
+    except AttributeError:
+        raise RuntimeError(f"the installed Scruffy client has no {name}(); upgrade it") from None
+
+
+def submit_scruffy(
+    prepared: SubmittableRun,
+    *,
+    root: str | Path,
+    resources: Any,
+    request_id: str | None,
+    project_id: str,
+    workflow_id: str | None = None,
+    task_id: str | None = None,
+    needs: Sequence[Any] | None = None,
+    wait_for: Sequence[Any] | None = None,
+) -> dict[str, Any]:
+    """Stage ``prepared`` on the shared filesystem, then one ``scruffy.submit_job`` call.
+
+    ``resources`` (a ``scruffy.ResourceRequest``) and ``request_id`` pass through unchanged;
+    ``needs``/``wait_for`` are validated (errors name the field) and sent as plain lists.
+    Returns Scruffy's receipt unchanged (``job_id``, ``deduplicated``, ...).
+    """
+    submit_job = _scruffy("submit_job")
+    needs_list = None if needs is None else _needs_wire(needs)
+    wait_list = None if wait_for is None else _wait_for_wire(wait_for)
+    _stage_local([prepared])
+    return submit_job(
+        Path(root),
+        argv=list(prepared.runner_argv),
+        name=prepared.name,
+        cwd=Path(prepared.cwd),
+        environment={},
+        request=resources,
+        request_id=request_id,
+        project_id=project_id,
+        workflow_id=workflow_id,
+        task_id=task_id,
+        needs=needs_list,
+        wait_for=wait_list,
+    )
+
+
+def submit_scruffy_workflow(workflow: PreparedWorkflow, *, root: str | Path) -> dict[str, Any]:
+    """Stage every task's run, then one ``scruffy.submit_workflow`` call: all or none.
+
+    If any artifact fails its check or its write, Scruffy is never called (files already
+    staged stay: they are write-once and identical on the next try).
+    """
+    if not isinstance(workflow, PreparedWorkflow):
+        raise TypeError(
+            f"submit_scruffy_workflow expects a PreparedWorkflow, got {type(workflow).__name__}"
+        )
+    submit_workflow = _scruffy("submit_workflow")
+    tasks = workflow.scruffy_tasks()
+    _stage_local([task.run for task in workflow.tasks])
+    return submit_workflow(
+        Path(root),
+        request_id=workflow.request_id,
+        workflow_id=workflow.workflow_id,
+        project_id=workflow.project_id,
+        tasks=tasks,
+    )
+
+
+async def stage_remote(client: Any, prepared: SubmittableRun) -> None:
+    """Stage every artifact of ``prepared`` on the far side of a Pazuzu ``client``, in order.
+
+    All artifacts are checked locally first (digest, at most 4 MiB each: one ``client.run``
+    call per artifact, bytes on stdin only). Each call runs the write-once staging program with
+    the run's own Python (``runner_argv[0]``) under ``-I``; a non-zero ``exit_code`` raises
+    ``RuntimeError("failed to stage <path>: <remote error>")`` and stages nothing further.
+    Staging the same run again is a no-op. ``submit_pazuzu`` calls this before submitting; on
+    its own it prepares a run for a job script of your own (the multi-node DDP recipe).
+    """
+    python = prepared.runner_argv[0]
+    for artifact in _checked_artifacts(prepared, limit=PAZUZU_STDIN_LIMIT):
+        command = shlex.join(
+            [python, "-I", "-c", _staging_script(), str(artifact.path), artifact.sha256]
+        )
+        result = await client.run(command, stdin=artifact.content, timeout=_STAGE_TIMEOUT_S)
+        if result.exit_code != 0:  # Pazuzu's CommandResult has exit_code, not returncode
+            detail = result.stderr.strip() or result.stdout.strip() or f"exit {result.exit_code}"
+            raise RuntimeError(f"failed to stage {artifact.path}: {detail}")
+
+
+async def submit_pazuzu(
+    client: Any, prepared: SubmittableRun, *, resources: Any, log_dir: str
+) -> Any:
+    """Stage ``prepared`` through ``client.run`` and submit it with ``client.submit_slurm``.
+
+    ``resources`` is a ``pazuzu.SlurmResources``, passed through unchanged; logs land at
+    ``<log_dir>/<name>-<jobid>.out|.err``. The job is built (and so validated) before anything
+    is staged; then ``stage_remote`` stages every artifact, and any failed stage raises
+    without submitting. Returns the ``SlurmHandle``.
+    """
+    try:
+        from pazuzu import SlurmJob
+    except ImportError as exc:
+        raise RuntimeError(
+            f"koochak.jobs.submit_pazuzu requires the optional pazuzu client: {exc}"
+        ) from None
+    job = SlurmJob(
+        name=prepared.name,
+        argv=list(prepared.runner_argv),
+        cwd=str(prepared.cwd),
+        log_dir=log_dir,
+        resources=resources,
+        environment={},
+    )
+    await stage_remote(client, prepared)
+    return await client.submit_slurm(job)
