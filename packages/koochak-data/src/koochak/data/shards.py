@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import json
 import logging
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -54,11 +55,14 @@ DEFAULT_TARGET_BYTES = 256 << 20
 
 _INDEX_FIELDS = ("format", "kind", "metadata", "shards", "version")
 _SHARD_FIELDS = ("key", "records", "sha256", "size")
-# Bytes handed to the hashing thread at a time: large enough that handing over costs nothing.
-_HASH_BATCH = 4 << 20
+# Shards are read in pieces that grow from the first to the last size; each is handed to the
+# hashing thread as it arrives. Large enough that handing over costs nothing, small enough
+# that the hash starts at once and never waits long for bytes.
+_FIRST_PIECE = 1 << 20
+_READ_PIECE = 8 << 20
 _READ_CHUNK = 16 << 20
 
-Sample = dict[str, Any]  # {"__key__": str, "<ext>": bytes, ...}
+Sample = dict[str, Any]  # {"__key__": str, "<ext>": memoryview (or bytes with copy=True), ...}
 
 
 @dataclass(frozen=True)
@@ -430,36 +434,45 @@ def write_index(
 
 
 def describe_shard(store: Store | str, key: str) -> ShardEntry:
-    """Size, SHA256 and record count of the tar shard at store key ``key`` (read in full once)."""
+    """Size, SHA256 and record count of the tar shard at store key ``key`` (read in full once).
+
+    Memory: the shard's size, for as long as the call runs."""
     store = open_store(store)
     source = f"{store.location}/{key}"
-    # The stat'ed size bounds every read, so a hostile header claiming a huge member cannot
-    # make the reader allocate more than the object holds.
+    # The stat'ed size bounds the read, so a hostile header claiming a huge member cannot make
+    # the reader allocate more than the object holds.
     size = store.stat(key).size
-    with store.open(key) as f:
-        reader = _ShardStream(f, size, source, hash=True, expected_by="stat")
-        try:
-            records = sum(1 for _ in _tar.iter_samples(_tar.read_members(reader, source), source))
-            digest = reader.finish()
-        finally:
-            reader.close()
+    data, digest = _read_whole(store, key, size, source, hash=True, expected_by="stat")
+    records = sum(1 for _ in _tar.iter_samples(_tar.parse_members(data, source), source))
     return ShardEntry(key, size, digest or "", records)
 
 
 def read_shard(
-    store: Store | str, index: ShardIndex, shard: ShardEntry | str, *, verify: bool = True
+    store: Store | str,
+    index: ShardIndex,
+    shard: ShardEntry | str,
+    *,
+    verify: bool = True,
+    copy: bool = False,
 ) -> Iterator[Sample]:
     """Read one shard of ``index`` and return an iterator over its samples.
 
-    The whole shard is read and checked before this returns, so no sample of a bad shard is
-    ever handed out: its size must match the index, with ``verify`` its SHA256 too (computed in
-    a helper thread while the bytes arrive), and its tar structure and record count must match.
-    Any mismatch raises ValueError naming the shard and the field. Memory: the shard's samples
-    (about its size); each member's bytes are copied once. ``verify=False`` skips the SHA256
-    (the tar header checksums are checked instead).
+    The whole shard is read into one buffer and checked before this returns, so no sample of
+    a bad shard is ever handed out: its size must match the index, with ``verify`` its SHA256
+    too (hashed on a helper thread while the next bytes arrive), and only then are its tar
+    structure and record count checked and its samples cut out of that same buffer — bytes
+    that change on disk after they were read cannot reach a sample. Any mismatch raises
+    ValueError naming the shard and the field. ``verify=False`` skips the SHA256 (the tar
+    header checksums are checked instead).
+
+    Field values are read-only ``memoryview`` slices of the shard's buffer (no copy): they stay
+    valid for as long as they are referenced, whatever is read next, and keep the whole
+    shard's buffer (about its size) in memory while any one of them is. ``bytes(value)`` keeps
+    a piece on its own; ``copy=True`` hands out ``bytes`` instead (one copy per field, and
+    samples that pickle, e.g. to leave a DataLoader worker undecoded).
     """
     store = open_store(store)
-    return iter(_load_shard(store, index, _entry_of(index, shard), verify))
+    return iter(_load_shard(store, index, _entry_of(index, shard), verify, copy))
 
 
 def read_shards(
@@ -469,13 +482,16 @@ def read_shards(
     *,
     verify: bool = True,
     prefetch: int = 1,
+    copy: bool = False,
 ) -> Iterator[Sample]:
     """Samples of ``shards`` (default: all of ``index``) in order, each shard as read_shard.
 
     Up to ``prefetch`` shards ahead are read and verified in background threads while the
-    current one is consumed, so hashing and I/O overlap with the caller's own work. Memory:
-    about ``prefetch + 1`` shards. The first bad shard raises ValueError when reached, after
-    every sample before it and none from it.
+    current one is consumed, so hashing and I/O overlap with the caller's own work (and with
+    each other: hashlib releases the GIL, so ``prefetch`` shards hash on that many cores).
+    Memory: about ``prefetch + 1`` shards, plus any shard a sample the caller still holds
+    points into. The first bad shard raises ValueError when reached, after every sample before
+    it and none from it.
     """
     store = open_store(store)
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
@@ -483,20 +499,20 @@ def read_shards(
     entries = [_entry_of(index, s) for s in (index.shards if shards is None else shards)]
     if prefetch == 0:
         for entry in entries:
-            yield from _load_shard(store, index, entry, verify)
+            yield from _load_shard(store, index, entry, verify, copy)
         return
     pool = ThreadPoolExecutor(max_workers=prefetch, thread_name_prefix="koochak-shard-read")
     pending: deque[Future[list[Sample]]] = deque()
     try:
         upcoming = iter(entries)
         for entry in upcoming:
-            pending.append(pool.submit(_load_shard, store, index, entry, verify))
+            pending.append(pool.submit(_load_shard, store, index, entry, verify, copy))
             if len(pending) >= prefetch:
                 break
         while pending:
             samples = pending.popleft().result()
             for entry in upcoming:
-                pending.append(pool.submit(_load_shard, store, index, entry, verify))
+                pending.append(pool.submit(_load_shard, store, index, entry, verify, copy))
                 break
             yield from samples
             del samples  # let the shard's memory go before the next one is awaited
@@ -506,27 +522,20 @@ def read_shards(
         pool.shutdown(wait=True)
 
 
-def _load_shard(store: Store, index: ShardIndex, entry: ShardEntry, verify: bool) -> list[Sample]:
+def _load_shard(
+    store: Store, index: ShardIndex, entry: ShardEntry, verify: bool, copy: bool
+) -> list[Sample]:
     key = index.key_of(entry)
     source = f"{store.location}/{key}"
-    with store.open(key) as f:
-        reader = _ShardStream(f, entry.size, source, hash=verify)
-        try:
-            try:
-                members = _tar.read_members(reader, source, checksums=not verify)
-                samples = list(_tar.iter_samples(members, source))
-            except ValueError:
-                # A corrupt shard is reported as a digest mismatch, the root cause, rather
-                # than as whichever structural error the corruption happened to cause.
-                if verify:
-                    reader.drain()
-                    reader.check_digest(entry.sha256)
-                raise
-            reader.finish()
-            if verify:
-                reader.check_digest(entry.sha256)
-        finally:
-            reader.close()
+    data, digest = _read_whole(store, key, entry.size, source, hash=verify)
+    if verify and digest != entry.sha256:
+        raise ValueError(
+            f"{source}: sha256 mismatch: index says {entry.sha256}, shard bytes hash to {digest}"
+        )
+    # Parsed only now, from the very buffer that was hashed: nothing of a shard whose digest
+    # did not match is ever parsed, let alone handed out.
+    members = _tar.parse_members(data, source, checksums=not verify)
+    samples = list(_tar.iter_samples(members, source, copy=copy))
     if len(samples) != entry.records:
         raise ValueError(
             f"{source}: records mismatch: index says {entry.records}, shard holds {len(samples)}"
@@ -544,85 +553,72 @@ def _entry_of(index: ShardIndex, shard: ShardEntry | str) -> ShardEntry:
     return entry
 
 
-class _ShardStream:
-    """A shard's bytes for the tar reader: exactly ``size`` bytes of ``f``, never more, hashed
-    by one helper thread in large batches so that SHA256 overlaps reading and parsing (hashlib
-    releases the GIL on large buffers)."""
+def _read_whole(
+    store: Store, key: str, size: int, source: str, *, hash: bool, expected_by: str = "index"
+) -> tuple[memoryview, str | None]:
+    """Exactly ``size`` bytes of object ``key`` in one new buffer, as a read-only view, and
+    their SHA256 (None without ``hash``). A shorter or longer object raises ValueError.
 
-    def __init__(
-        self, f: BinaryIO, size: int, source: str, *, hash: bool, expected_by: str = "index"
-    ) -> None:
-        self._f, self._size, self._source = f, size, source
-        self._expected = f"{expected_by} says {size} bytes"
-        self._left = size
-        self._digest = hashlib.sha256() if hash else None
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="koochak-shard-hash") if hash else None
-        self._batch: list[bytes] = []
-        self._batch_bytes = 0
-
-    def read(self, n: int) -> bytes:
-        # Called several times per tar member: kept lean. Reads stop at ``size``, so a header
-        # claiming a huge member gets a short read (and a truncation error), not an allocation.
-        if n > self._left:
-            n = self._left
-        data = self._f.read(n)
-        got = len(data)
-        if got < n:
-            raise ValueError(
-                f"{self._source}: size mismatch: {self._expected}, "
-                f"shard has {self._size - self._left + got}"
-            )
-        self._left -= got
-        if self._digest is not None and got:
-            self._batch.append(data)
-            self._batch_bytes += got
-            if self._batch_bytes >= _HASH_BATCH:
-                self._flush()
-        return data
-
-    def _flush(self) -> None:
-        if self._batch and self._pool is not None and self._digest is not None:
-            # One worker runs the updates in submission order, so the digest is sequential.
-            self._pool.submit(_update_all, self._digest, self._batch)
-            self._batch, self._batch_bytes = [], 0
-
-    def drain(self) -> None:
-        while self.read(_HASH_BATCH):
-            pass
-
-    def finish(self) -> str | None:
-        """After the archive ended: check that it filled ``size`` and nothing follows; return
-        the hex digest (None without hashing)."""
-        if self._left:
-            raise ValueError(
-                f"{self._source}: size mismatch: {self._expected}, "
-                f"the archive ends at byte {self._size - self._left}"
-            )
-        if self._f.read(1):
-            raise ValueError(f"{self._source}: size mismatch: {self._expected}, shard is longer")
-        return self.hexdigest()
-
-    def hexdigest(self) -> str | None:
-        if self._pool is None or self._digest is None:
-            return None
-        self._flush()
-        return self._pool.submit(self._digest.hexdigest).result()
-
-    def check_digest(self, expected: str) -> None:
-        digest = self.hexdigest()
-        if digest != expected:
-            raise ValueError(
-                f"{self._source}: sha256 mismatch: index says {expected}, shard bytes hash to {digest}"
-            )
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+    The buffer is filled piece by piece, and each piece is hashed on a helper thread while the
+    next one is read (hashlib releases the GIL on large buffers); a piece is never written
+    again once read, so the hash may lag behind the reads. Nothing reads past ``size``, so a
+    lying size costs no more memory than it claims.
+    """
+    expected = f"{expected_by} says {size} bytes"
+    buffer = bytearray(size)
+    view = memoryview(buffer)
+    digest = hashlib.sha256() if hash else None
+    hasher = (
+        ThreadPoolExecutor(1, thread_name_prefix="koochak-shard-hash")
+        if hash and size > _FIRST_PIECE
+        else None
+    )
+    updates: list[Future[None]] = []
+    try:
+        with store.open(key) as f:
+            readinto = _readinto_of(f)
+            got, piece = 0, _FIRST_PIECE
+            while got < size:
+                n = readinto(view[got : got + piece])
+                if not n:
+                    raise ValueError(f"{source}: size mismatch: {expected}, shard has {got}")
+                if hasher is not None:
+                    # One worker runs the updates in submission order: the digest is sequential.
+                    updates.append(hasher.submit(digest.update, view[got : got + n]))  # type: ignore[union-attr]
+                elif digest is not None:
+                    digest.update(view[got : got + n])
+                got += n
+                piece = min(piece * 2, _READ_PIECE)  # small first, so hashing starts at once
+            if readinto(memoryview(bytearray(1))):
+                raise ValueError(f"{source}: size mismatch: {expected}, shard is longer")
+        for update in updates:
+            update.result()
+    finally:
+        if hasher is not None:
+            # After a failure the updates not yet run are dropped: the digest is not wanted.
+            hasher.shutdown(wait=True, cancel_futures=True)
+    return view.toreadonly(), None if digest is None else digest.hexdigest()
 
 
-def _update_all(digest: Any, pieces: list[bytes]) -> None:
-    for piece in pieces:
-        digest.update(piece)
+def _readinto_of(f: BinaryIO) -> Callable[[memoryview], int | None]:
+    """A ``readinto`` for ``f`` that puts bytes straight into the caller's buffer."""
+    raw = getattr(f, "raw", None)
+    if isinstance(f, io.BufferedReader) and raw is not None:
+        try:
+            if f.tell() == raw.tell():  # nothing buffered yet: read around the buffer
+                return raw.readinto
+        except (OSError, ValueError):
+            pass  # not seekable: stay on the buffered reader
+    readinto = getattr(f, "readinto", None)
+    if callable(readinto):
+        return readinto
+
+    def copy_into(view: memoryview) -> int:
+        data = f.read(len(view))
+        view[: len(data)] = data
+        return len(data)
+
+    return copy_into
 
 
 # ---------------------------------------------------------------------------------------------
