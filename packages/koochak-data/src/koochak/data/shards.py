@@ -13,6 +13,7 @@ import hashlib
 import io
 import json
 import logging
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -442,9 +443,11 @@ def describe_shard(store: Store | str, key: str) -> ShardEntry:
     # The stat'ed size bounds the read, so a hostile header claiming a huge member cannot make
     # the reader allocate more than the object holds.
     size = store.stat(key).size
-    data, digest = _read_whole(store, key, size, source, hash=True, expected_by="stat")
-    records = sum(1 for _ in _tar.iter_samples(_tar.parse_members(data, source), source))
-    return ShardEntry(key, size, digest or "", records)
+    samples, digest = _parse_whole(
+        store, key, size, source, expected_sha256=None, hash=True, checksums=True,
+        expected_by="stat",
+    )  # fmt: skip
+    return ShardEntry(key, size, digest or "", len(samples))
 
 
 def read_shard(
@@ -472,7 +475,7 @@ def read_shard(
     samples that pickle, e.g. to leave a DataLoader worker undecoded).
     """
     store = open_store(store)
-    return iter(_load_shard(store, index, _entry_of(index, shard), verify, copy))
+    return iter(_load_shard(store, index, _entry_of(index, shard), verify, copy, None))
 
 
 def read_shards(
@@ -497,22 +500,25 @@ def read_shards(
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be an integer >= 0, got {prefetch!r}")
     entries = [_entry_of(index, s) for s in (index.shards if shards is None else shards)]
+    # Buffers of shards whose samples are all gone are refilled instead of freshly allocated:
+    # new memory costs page faults that can take as long as reading the bytes.
+    buffers = _Buffers(prefetch + 2)
     if prefetch == 0:
         for entry in entries:
-            yield from _load_shard(store, index, entry, verify, copy)
+            yield from _load_shard(store, index, entry, verify, copy, buffers)
         return
     pool = ThreadPoolExecutor(max_workers=prefetch, thread_name_prefix="koochak-shard-read")
     pending: deque[Future[list[Sample]]] = deque()
     try:
         upcoming = iter(entries)
         for entry in upcoming:
-            pending.append(pool.submit(_load_shard, store, index, entry, verify, copy))
+            pending.append(pool.submit(_load_shard, store, index, entry, verify, copy, buffers))
             if len(pending) >= prefetch:
                 break
         while pending:
             samples = pending.popleft().result()
             for entry in upcoming:
-                pending.append(pool.submit(_load_shard, store, index, entry, verify, copy))
+                pending.append(pool.submit(_load_shard, store, index, entry, verify, copy, buffers))
                 break
             yield from samples
             del samples  # let the shard's memory go before the next one is awaited
@@ -523,24 +529,82 @@ def read_shards(
 
 
 def _load_shard(
-    store: Store, index: ShardIndex, entry: ShardEntry, verify: bool, copy: bool
+    store: Store,
+    index: ShardIndex,
+    entry: ShardEntry,
+    verify: bool,
+    copy: bool,
+    buffers: _Buffers | None,
 ) -> list[Sample]:
     key = index.key_of(entry)
     source = f"{store.location}/{key}"
-    data, digest = _read_whole(store, key, entry.size, source, hash=verify)
-    if verify and digest != entry.sha256:
-        raise ValueError(
-            f"{source}: sha256 mismatch: index says {entry.sha256}, shard bytes hash to {digest}"
-        )
-    # Parsed only now, from the very buffer that was hashed: nothing of a shard whose digest
-    # did not match is ever parsed, let alone handed out.
-    members = _tar.parse_members(data, source, checksums=not verify)
-    samples = list(_tar.iter_samples(members, source, copy=copy))
+    buffer = None if buffers is None else buffers.take(entry.size)
+    samples, _ = _parse_whole(
+        store,
+        key,
+        entry.size,
+        source,
+        expected_sha256=entry.sha256 if verify else None,
+        checksums=not verify,
+        copy=copy,
+        buffer=buffer,
+    )
+    if buffers is not None and buffer is not None:
+        buffers.give(buffer)  # reused once the caller has let go of every sample
     if len(samples) != entry.records:
         raise ValueError(
             f"{source}: records mismatch: index says {entry.records}, shard holds {len(samples)}"
         )
     return samples
+
+
+def _parse_whole(
+    store: Store,
+    key: str,
+    size: int,
+    source: str,
+    *,
+    expected_sha256: str | None,
+    hash: bool = False,
+    checksums: bool,
+    copy: bool = False,
+    expected_by: str = "index",
+    buffer: bytearray | None = None,
+) -> tuple[list[Sample], str | None]:
+    """Read object ``key`` whole (see _read_whole) and parse its samples while the hash of the
+    last pieces finishes: (samples, hex digest, None unless hashed).
+
+    With ``expected_sha256`` the digest is compared first, so no sample of a shard whose digest
+    did not match ever leaves, and a corrupt shard is reported as the root cause (a digest
+    mismatch), not as whichever structural error the corruption caused. The samples are cut
+    from the very buffer that was hashed: bytes that change on disk later cannot reach one.
+    """
+    data, digest_of = _read_whole(
+        store,
+        key,
+        size,
+        source,
+        hash=hash or expected_sha256 is not None,
+        expected_by=expected_by,
+        buffer=buffer,
+    )
+    error: ValueError | None = None
+    try:
+        try:
+            # Parsing runs on this thread while the helper thread still hashes.
+            members = _tar.parse_members(data, source, checksums=checksums)
+            samples = list(_tar.iter_samples(members, source, copy=copy))
+        except ValueError as exc:
+            samples, error = [], exc
+    finally:
+        digest = digest_of()
+    if expected_sha256 is not None and digest != expected_sha256:
+        raise ValueError(
+            f"{source}: sha256 mismatch: index says {expected_sha256}, shard bytes hash to {digest}"
+        )
+    if error is not None:
+        raise error
+    return samples, digest
 
 
 def _entry_of(index: ShardIndex, shard: ShardEntry | str) -> ShardEntry:
@@ -554,19 +618,28 @@ def _entry_of(index: ShardIndex, shard: ShardEntry | str) -> ShardEntry:
 
 
 def _read_whole(
-    store: Store, key: str, size: int, source: str, *, hash: bool, expected_by: str = "index"
-) -> tuple[memoryview, str | None]:
-    """Exactly ``size`` bytes of object ``key`` in one new buffer, as a read-only view, and
-    their SHA256 (None without ``hash``). A shorter or longer object raises ValueError.
+    store: Store,
+    key: str,
+    size: int,
+    source: str,
+    *,
+    hash: bool,
+    expected_by: str = "index",
+    buffer: bytearray | None = None,
+) -> tuple[memoryview, Callable[[], str | None]]:
+    """Exactly ``size`` bytes of object ``key`` in one buffer (``buffer``, at least ``size``
+    long and referenced by no view, or a new one) as a read-only view, and a function that
+    waits for their SHA256 (None without ``hash``); call it exactly once, also after a failure
+    in between. A shorter or longer object raises ValueError.
 
     The buffer is filled piece by piece, and each piece is hashed on a helper thread while the
     next one is read (hashlib releases the GIL on large buffers); a piece is never written
-    again once read, so the hash may lag behind the reads. Nothing reads past ``size``, so a
-    lying size costs no more memory than it claims.
+    again once read, so the hash may lag behind the reads and the caller may parse the view
+    before it finishes. Nothing reads past ``size``, so a lying size costs no more memory than
+    it claims.
     """
     expected = f"{expected_by} says {size} bytes"
-    buffer = bytearray(size)
-    view = memoryview(buffer)
+    view = memoryview(bytearray(size) if buffer is None else buffer)[:size]
     digest = hashlib.sha256() if hash else None
     hasher = (
         ThreadPoolExecutor(1, thread_name_prefix="koochak-shard-hash")
@@ -574,6 +647,14 @@ def _read_whole(
         else None
     )
     updates: list[Future[None]] = []
+
+    def finish() -> str | None:
+        if hasher is not None:
+            hasher.shutdown(wait=True)
+            for update in updates:
+                update.result()
+        return None if digest is None else digest.hexdigest()
+
     try:
         with store.open(key) as f:
             readinto = _readinto_of(f)
@@ -591,13 +672,51 @@ def _read_whole(
                 piece = min(piece * 2, _READ_PIECE)  # small first, so hashing starts at once
             if readinto(memoryview(bytearray(1))):
                 raise ValueError(f"{source}: size mismatch: {expected}, shard is longer")
-        for update in updates:
-            update.result()
-    finally:
+    except BaseException:
         if hasher is not None:
-            # After a failure the updates not yet run are dropped: the digest is not wanted.
+            # The digest of a failed read is not wanted: drop the updates not yet run.
             hasher.shutdown(wait=True, cancel_futures=True)
-    return view.toreadonly(), None if digest is None else digest.hexdigest()
+        raise
+    return view.toreadonly(), finish
+
+
+class _Buffers:
+    """Shard buffers for one reader, refilled once no sample points into them any more.
+
+    A bytearray cannot be resized while a memoryview of it exists, so a failed one-byte
+    shrink is proof that some sample still holds the buffer; only a buffer that shrinks is
+    reused. At most ``keep`` buffers are kept; the pool dies with its reader.
+    """
+
+    def __init__(self, keep: int) -> None:
+        self._keep = keep
+        self._buffers: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> bytearray:
+        with self._lock:
+            for i, buffer in enumerate(self._buffers):
+                if len(buffer) >= size and _unreferenced(buffer):
+                    return self._buffers.pop(i)
+        return bytearray(size)
+
+    def give(self, buffer: bytearray) -> None:
+        with self._lock:
+            self._buffers.append(buffer)
+            if len(self._buffers) > self._keep:
+                # Forget the smallest: the next shard is likelier to fit a large one.
+                self._buffers.remove(min(self._buffers, key=len))
+
+
+def _unreferenced(buffer: bytearray) -> bool:
+    if not buffer:
+        return True  # nothing in it to overwrite
+    try:
+        last = buffer.pop()  # raises BufferError while any memoryview of it is alive
+    except BufferError:
+        return False
+    buffer.append(last)  # within the allocation: no copy
+    return True
 
 
 def _readinto_of(f: BinaryIO) -> Callable[[memoryview], int | None]:
