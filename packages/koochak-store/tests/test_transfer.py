@@ -186,6 +186,23 @@ def test_rerun_after_failure_resumes_and_ends_verified(stores):
         assert _sha(target.get(key)) == _sha(data)
 
 
+@pytest.mark.parametrize("publish", ["link", "exclusive"])
+def test_copy_interrupted_mid_range_leaves_nothing_and_resumes_byte_identical(tmp_path, publish):
+    source = LocalStore(tmp_path / "src")
+    data = os.urandom(20_500)  # 21 ranges of 1000 bytes, read three at a time
+    item = CopyItem("big.bin", len(data), source.put("big.bin", data).sha256)
+    target = LocalStore(tmp_path / "dst", publish=publish)
+    failing = _FailingSource(source, {12})  # half-way, with ranges before and after in flight
+    with pytest.raises(OSError, match="injected EIO on get #12"):
+        copy_objects(failing, target, [item], streams=1, range_streams=3, part_bytes=1000)
+    assert target.list() == [] and visible_files(tmp_path / "dst") == []
+    assert [p for p in (tmp_path / "dst").rglob("*") if p.is_file()] == []  # no temp left either
+    report = copy_objects(source, target, [item], range_streams=3, part_bytes=1000)
+    assert (report.copied, report.skipped) == (1, 0)
+    assert target.get("big.bin") == data
+    assert copy_objects(source, target, [item], part_bytes=1000).skipped == 1  # and stays done
+
+
 def test_mismatching_digest_leaves_no_object(stores):
     source, target = stores
     data = os.urandom(5000)
