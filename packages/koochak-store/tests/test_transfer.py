@@ -282,7 +282,8 @@ def test_first_failure_is_raised_after_in_flight_items_finish(stores):
 
     items = [CopyItem(k, 10) for k in ("a", "b", "c", "d")]
     with pytest.raises(OSError, match="injected"):
-        copy_objects(Source(source), target, items, streams=2)
+        # A target without put_many: one item per task (batches are tested below).
+        copy_objects(Source(source), _Wrapped(target), items, streams=2)
     assert [info.key for info in target.list()] == ["b"]  # c and d never started
 
 
@@ -552,3 +553,72 @@ def test_a_verified_copy_reads_each_source_byte_once_and_nothing_back(tmp_path):
     assert target.calls["read"] == 0
     target.set_faults([])
     assert target.get("k") == data
+
+
+# -- small objects in batches: LocalStore.put_many ---------------------------------------------
+
+
+def _batch(n: int) -> dict[str, bytes]:
+    return {f"d{i % 3}/o{i:03d}": os.urandom(100 + i) for i in range(n)}
+
+
+def test_put_many_publishes_every_object_for_two_flushes(tmp_path):
+    faulty = FaultyStore(tmp_path / "dst")  # no faults: it counts the filesystem calls
+    store = faulty.inner
+    objects = _batch(30)
+    infos = store.put_many([(k, v, len(v), _sha(v)) for k, v in objects.items()])
+    assert [i.key for i in infos] == list(objects)
+    assert all(i.sha256 == _sha(objects[i.key]) and i.size == len(objects[i.key]) for i in infos)
+    for key, data in objects.items():
+        assert store.get(key) == data
+    assert faulty.calls["syncfs"] == 2  # the data, then the names, for the whole batch
+    assert faulty.calls["fsync"] <= 4  # only the new directories' parents, never per object
+    assert visible_files(tmp_path / "dst") == sorted(objects)
+    assert [p.name for p in (tmp_path / "dst").rglob(".koochak-tmp-*")] == []
+
+
+def test_put_many_that_fails_while_writing_publishes_nothing_of_the_batch(tmp_path):
+    store = LocalStore(tmp_path / "dst")
+    store.put("b", b"already here")
+    with pytest.raises(FileExistsError, match="b"):
+        store.put_many([("a", b"1", 1, None), ("b", b"2", 1, None), ("c", b"3", 1, None)])
+    assert {i.key for i in store.list()} == {"b"} and store.get("b") == b"already here"
+    with pytest.raises(ValueError, match="expected_sha256"):
+        store.put_many([("x", b"1", 1, None), ("y", b"2", 1, _sha(b"other"))])
+    assert {i.key for i in store.list()} == {"b"}  # checked before any link: none of x, y
+    assert [p.name for p in (tmp_path / "dst").rglob(".koochak-tmp-*")] == []
+
+
+def test_put_many_whose_data_flush_fails_publishes_nothing(tmp_path):
+    faulty = FaultyStore(tmp_path / "dst", [Fault("syncfs", nth=1)])
+    with pytest.raises(OSError, match="injected"):
+        faulty.inner.put_many([(k, v, len(v), None) for k, v in _batch(5).items()])
+    assert visible_files(tmp_path / "dst") == []
+
+
+def test_put_many_on_an_exclusive_store_puts_each_object(tmp_path):
+    store = LocalStore(tmp_path / "dst", publish="exclusive")
+    objects = _batch(4)
+    store.put_many([(k, v, len(v), _sha(v)) for k, v in objects.items()])
+    assert {k: store.get(k) for k in objects} == objects
+
+
+def test_small_objects_are_copied_in_batches_and_resume_after_a_failure(tmp_path):
+    source = LocalStore(tmp_path / "src")
+    objects = _batch(40)
+    items = _fill(source, objects)
+    faulty = FaultyStore(tmp_path / "dst")
+    report = copy_objects(source, faulty.inner, items, streams=4, part_bytes=1000)
+    assert (report.copied, report.skipped) == (40, 0)
+    assert 0 < faulty.calls["syncfs"] <= 16  # batches of <= 1000 bytes, two flushes each
+    assert faulty.calls["fsync"] <= 4
+    for key, data in objects.items():
+        assert faulty.inner.get(key) == data
+    # A read failing inside a batch: what that stream read before it is still published.
+    target = LocalStore(tmp_path / "dst2")
+    with pytest.raises(OSError, match="injected EIO on get #5"):
+        copy_objects(_FailingSource(source, {5}), target, items, streams=1, part_bytes=1000)
+    assert [i.key for i in target.list()] == sorted(objects)[:4]
+    report = copy_objects(source, target, items, streams=4, part_bytes=1000)
+    assert (report.copied, report.skipped) == (36, 4)
+    assert {k: target.get(k) for k in objects} == objects
