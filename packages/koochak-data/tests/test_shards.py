@@ -599,3 +599,15 @@ def test_shards_hashed_piece_by_piece_on_the_helper_thread(store, monkeypatch) -
     _tamper_shard(store, index, flip)
     with pytest.raises(ValueError, match="shard-000001.tar: sha256 mismatch"):
         read_shard(store, index, index.shards[1])
+
+
+def test_shard_dataset_hands_out_picklable_bytes_unless_asked_for_views(store) -> None:
+    import pickle
+
+    samples = _samples(6)
+    _build(store, samples)
+    got = list(sh.ShardDataset(store, PREFIX))  # DataLoader workers pickle what they yield
+    assert got == samples and all(type(s["bin"]) is bytes for s in got)
+    assert pickle.loads(pickle.dumps(got)) == samples
+    views = list(sh.ShardDataset(store, PREFIX, copy=False))
+    assert views == samples and all(isinstance(s["bin"], memoryview) for s in views)

@@ -754,12 +754,13 @@ def iter_worker_samples(
     seed: int = 0,
     verify: bool = True,
     prefetch: int = 1,
+    copy: bool = False,
 ) -> Iterator[Sample]:
     """Samples of the shards this process's worker owns this epoch (see plan_shards), read
     with read_shards; call it inside the DataLoader worker, where the data is read."""
     worker_id, num_workers = worker_coordinates(rank=rank, world_size=world_size)
     shards = assign_shards(index, worker_id, num_workers, epoch=epoch, seed=seed)
-    yield from read_shards(store, index, shards, verify=verify, prefetch=prefetch)
+    yield from read_shards(store, index, shards, verify=verify, prefetch=prefetch, copy=copy)
 
 
 def _make_shard_dataset() -> type:
@@ -770,6 +771,9 @@ def _make_shard_dataset() -> type:
 
         Build it in the main process with the DDP rank and world size; each DataLoader worker
         then reads only the shards plan_shards deals it. Call ``set_epoch`` before each epoch.
+        Samples hold ``bytes`` by default (``copy=True``): DataLoader workers pickle what they
+        yield, and a memoryview cannot be pickled; a subclass that decodes in the worker can
+        pass ``copy=False`` and skip the copy.
         """
 
         def __init__(
@@ -783,11 +787,13 @@ def _make_shard_dataset() -> type:
             seed: int = 0,
             verify: bool = True,
             prefetch: int = 1,
+            copy: bool = True,
         ) -> None:
             self.store = open_store(store)
             self.index = load_index(self.store, prefix)
             self.rank, self.world_size = rank, world_size
             self.epoch, self.seed, self.verify, self.prefetch = epoch, seed, verify, prefetch
+            self.copy = copy
             worker_coordinates(rank=rank, world_size=world_size)  # validate now, not in a worker
 
         def set_epoch(self, epoch: int) -> None:
@@ -803,6 +809,7 @@ def _make_shard_dataset() -> type:
                 seed=self.seed,
                 verify=self.verify,
                 prefetch=self.prefetch,
+                copy=self.copy,
             )
 
     ShardDataset.__module__ = __name__
