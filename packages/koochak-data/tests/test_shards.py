@@ -552,12 +552,16 @@ def test_shard_changed_after_its_hash_gives_exactly_the_hashed_bytes(tmp_path) -
     assert Path(store.local_path(index_a.key_of(index_a.shards[0]))).read_bytes() == bytes_b
 
 
-@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("prefetch", [None, 0, 2])  # None: read_shard, shard after shard
 def test_zero_copy_samples_stay_valid_after_later_shards_are_read(store, prefetch) -> None:
     samples = _samples(40)
     index = _build(store, samples)
     held = []
-    for i, sample in enumerate(read_shards(store, index, prefetch=prefetch)):
+    if prefetch is None:
+        stream = (s for shard in index.shards for s in read_shard(store, index, shard))
+    else:
+        stream = read_shards(store, index, prefetch=prefetch)
+    for i, sample in enumerate(stream):
         assert isinstance(sample["bin"], memoryview) and sample["bin"].readonly
         if i < 3:
             held.append(sample["bin"])  # only one field of the first shard's samples is kept
@@ -565,8 +569,9 @@ def test_zero_copy_samples_stay_valid_after_later_shards_are_read(store, prefetc
             sample["bin"][0] = 0  # read-only: one caller cannot change what another sees
     # Every later shard has been read (into reused buffers where possible) since.
     assert [bytes(v) for v in held] == [s["bin"] for s in samples[:3]]
-    copies = list(read_shards(store, index, prefetch=prefetch, copy=True))
+    copies = list(read_shards(store, index, prefetch=prefetch or 0, copy=True))
     assert copies == samples and all(type(s["bin"]) is bytes for s in copies)
+    assert [bytes(v) for v in held] == [s["bin"] for s in samples[:3]]
 
 
 def test_shard_buffers_are_reused_only_once_no_sample_points_into_them() -> None:

@@ -13,6 +13,7 @@ import hashlib
 import io
 import json
 import logging
+import os
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -475,7 +476,7 @@ def read_shard(
     samples that pickle, e.g. to leave a DataLoader worker undecoded).
     """
     store = open_store(store)
-    return iter(_load_shard(store, index, _entry_of(index, shard), verify, copy, None))
+    return iter(_load_shard(store, index, _entry_of(index, shard), verify, copy, _SPARE_BUFFERS))
 
 
 def read_shards(
@@ -681,16 +682,20 @@ def _read_whole(
 
 
 class _Buffers:
-    """Shard buffers for one reader, refilled once no sample points into them any more.
+    """Shard buffers, refilled once no sample points into them any more.
 
     A bytearray cannot be resized while a memoryview of it exists, so a failed one-byte
     shrink is proof that some sample still holds the buffer; only a buffer that shrinks is
-    reused. At most ``keep`` buffers are kept; the pool dies with its reader.
+    reused. At most ``keep`` buffers (and ``max_bytes`` in all) are kept.
     """
 
-    def __init__(self, keep: int) -> None:
-        self._keep = keep
+    def __init__(self, keep: int, max_bytes: int | None = None) -> None:
+        self._keep, self._max_bytes = keep, max_bytes
         self._buffers: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def clear(self) -> None:
+        self._buffers = []
         self._lock = threading.Lock()
 
     def take(self, size: int) -> bytearray:
@@ -703,10 +708,23 @@ class _Buffers:
 
     def give(self, buffer: bytearray) -> None:
         with self._lock:
+            if self._max_bytes is not None and len(buffer) > self._max_bytes:
+                return
             self._buffers.append(buffer)
-            if len(self._buffers) > self._keep:
+            while len(self._buffers) > self._keep or (
+                self._max_bytes is not None and sum(map(len, self._buffers)) > self._max_bytes
+            ):
                 # Forget the smallest: the next shard is likelier to fit a large one.
                 self._buffers.remove(min(self._buffers, key=len))
+
+
+# read_shard's spare buffers, shared by every call in the process: a loop of read_shard calls
+# then refills the buffers of shards it is done with instead of paying for fresh memory (page
+# faults cost about as much as reading the bytes). Bounded so that an idle process keeps at
+# most this much; larger shards get fresh buffers, as a plain f.read() of them would.
+_SPARE_BUFFERS = _Buffers(keep=2, max_bytes=128 << 20)
+if hasattr(os, "register_at_fork"):  # a forked DataLoader worker starts with none (and a free lock)
+    os.register_at_fork(after_in_child=_SPARE_BUFFERS.clear)
 
 
 def _unreferenced(buffer: bytearray) -> bool:
