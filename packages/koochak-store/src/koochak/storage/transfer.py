@@ -12,7 +12,6 @@ verified put and is skipped; one with a different size is refused, never overwri
 
 from __future__ import annotations
 
-import io
 import logging
 import re
 import sys
@@ -21,7 +20,6 @@ from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any
 
 from koochak.storage.profile import min_object_bytes, profile_of
 from koochak.storage.store import Store, validate_key
@@ -106,15 +104,6 @@ def copy_objects(
       is true, or when it is None and stderr is a terminal.
     """
     todo = _validated(items)
-    # A source whose requests are cheap and whose ranges do not scale (a local or parallel
-    # filesystem), with no part size asked for: large objects stream through one open() into
-    # the put, which reads them into its two reused buffers (no fresh memory per part).
-    stream_large = (
-        part_bytes is None
-        and range_streams in (None, 1)
-        and min_object_bytes(profile_of(source)) <= _CHEAP_REQUEST_BYTES
-        and not profile_of(source).range_reads_scale
-    )
     streams, range_streams, part_bytes = _settings(
         source, target, streams, range_streams, part_bytes
     )
@@ -131,7 +120,7 @@ def copy_objects(
                 bar.update(n)
 
     stop = threading.Event()
-    copier = _Copier(source, target, range_streams, part_bytes, report, stop, stream_large)
+    copier = _Copier(source, target, range_streams, part_bytes, report, stop)
     copied = skipped = bytes_copied = bytes_skipped = 0
     first_error: BaseException | None = None
     pending: set[Future[list[tuple[CopyItem, bool]]]] = set()
@@ -283,46 +272,6 @@ def _progress_bar(total: int, show_progress: bool | None):  # -> tqdm | None
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="copy", leave=False)
 
 
-class _SourceStream(io.RawIOBase):
-    """One source object read as a stream for ``target.put``: never more than its expected
-    size plus one byte (a longer or shorter source fails naming the source key), progress
-    reported as it is read, and a stop request aborts the put (which then leaves nothing)."""
-
-    def __init__(self, copier: _Copier, item: CopyItem) -> None:
-        super().__init__()
-        self._copier, self._item = copier, item
-        self._f = copier.source.open(item.key)
-        self._got = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        copier, item = self._copier, self._item
-        if copier.stop.is_set():
-            raise _Interrupted(f"copy of {item.key!r} interrupted")
-        view = memoryview(buffer).cast("B")[: item.size + 1 - self._got]
-        n = self._f.readinto(view) if view else 0
-        if n is None:
-            raise ValueError(f"copy_objects: source key {item.key!r} is not a blocking stream")
-        self._got += n
-        where = f"copy_objects: source {copier.source.location!r} key {item.key!r} has"
-        if self._got > item.size:
-            raise ValueError(f"{where} more than {item.size} bytes, expected {item.size} "
-                             "(is the item's size right?)")  # fmt: skip
-        if not n and self._got < item.size:
-            raise ValueError(f"{where} {self._got} bytes, expected {item.size} "
-                             "(is the item's size right?)")  # fmt: skip
-        copier.report(n)
-        return n
-
-    def close(self) -> None:
-        try:
-            self._f.close()
-        finally:
-            super().close()
-
-
 class _Copier:
     """Copies one item at a time (called from pool threads); shared settings, no per-item state."""
 
@@ -334,7 +283,6 @@ class _Copier:
         part_bytes: int,
         report: Callable[[int], None],
         stop: threading.Event,
-        stream_large: bool = False,
     ) -> None:
         self.source = source
         self.target = target
@@ -342,19 +290,15 @@ class _Copier:
         self.part_bytes = part_bytes
         self.report = report
         self.stop = stop
-        self.stream_large = stream_large
 
     def copy(self, item: CopyItem) -> bool:
         """Return True when copied, False when skipped (already present with the right size)."""
         if self._already_there(item):
             return False
-        parts: Generator[bytes, None, None] | _SourceStream | None = None
+        parts: Generator[bytes, None, None] | None = None
         if item.size <= self.part_bytes:
-            data: bytes | Iterator[bytes] | _SourceStream = self._read_small(item)
+            data: bytes | Iterator[bytes] = self._read_small(item)
             done = len(data)
-        elif self.stream_large:
-            data = parts = _SourceStream(self, item)
-            done = 0  # reported as the put reads
         else:
             data = parts = self._parts(item)
             done = 0  # reported part by part as the put consumes them
