@@ -501,12 +501,16 @@ def read_shards(
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be an integer >= 0, got {prefetch!r}")
     entries = [_entry_of(index, s) for s in (index.shards if shards is None else shards)]
-    # Buffers of shards whose samples are all gone are refilled instead of freshly allocated:
-    # new memory costs page faults that can take as long as reading the bytes.
-    buffers = _Buffers(prefetch + 2)
+    # Buffers of shards whose samples are all gone are refilled instead of freshly allocated
+    # (new memory costs page faults that can take as long as reading the bytes); the first
+    # come from, and the last go back to, the spare buffers that read_shard calls share.
+    buffers = _Buffers(prefetch + 2, spare=_SPARE_BUFFERS)
     if prefetch == 0:
-        for entry in entries:
-            yield from _load_shard(store, index, entry, verify, copy, buffers)
+        try:
+            for entry in entries:
+                yield from _load_shard(store, index, entry, verify, copy, buffers)
+        finally:
+            buffers.close()
         return
     pool = ThreadPoolExecutor(max_workers=prefetch, thread_name_prefix="koochak-shard-read")
     pending: deque[Future[list[Sample]]] = deque()
@@ -527,6 +531,7 @@ def read_shards(
         for future in pending:
             future.cancel()
         pool.shutdown(wait=True)
+        buffers.close()
 
 
 def _load_shard(
@@ -689,8 +694,10 @@ class _Buffers:
     reused. At most ``keep`` buffers (and ``max_bytes`` in all) are kept.
     """
 
-    def __init__(self, keep: int, max_bytes: int | None = None) -> None:
-        self._keep, self._max_bytes = keep, max_bytes
+    def __init__(
+        self, keep: int, max_bytes: int | None = None, spare: _Buffers | None = None
+    ) -> None:
+        self._keep, self._max_bytes, self._spare = keep, max_bytes, spare
         self._buffers: list[bytearray] = []
         self._lock = threading.Lock()
 
@@ -703,8 +710,18 @@ class _Buffers:
             for i, buffer in enumerate(self._buffers):
                 if len(buffer) >= size and _unreferenced(buffer):
                     return self._buffers.pop(i)
+        if self._spare is not None:
+            return self._spare.take(size)
         # Room to spare, so the buffer also fits the next shard, which is rarely the same size.
         return bytearray(size + (size >> 4))
+
+    def close(self) -> None:
+        """Hand the buffers kept here to the spare pool (which keeps what its bounds allow)."""
+        with self._lock:
+            buffers, self._buffers = self._buffers, []
+        if self._spare is not None:
+            for buffer in buffers:
+                self._spare.give(buffer)
 
     def give(self, buffer: bytearray) -> None:
         with self._lock:
