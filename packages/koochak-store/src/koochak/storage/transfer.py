@@ -4,7 +4,9 @@ Several items move at once on a thread pool. An object larger than the part size
 byte ranges, a few in parallel, and fed in order into ONE create-only ``target.put``; at most
 ``range_streams`` parts are held per object, so memory stays bounded however large the object.
 The target's ``put`` hashes while it writes and refuses (leaving nothing visible) when the size
-or the expected SHA256 does not match, so a copy is verified without a second read.
+or the expected SHA256 does not match, so a copy is verified without a second read. Small objects
+go to a target that has ``put_many`` (a LocalStore) in batches, which pays for durability once
+per batch instead of twice per object.
 
 Reruns resume: a target that already exists with the expected size was committed by an earlier
 verified put and is skipped; one with a different size is refused, never overwritten.
@@ -93,8 +95,12 @@ def copy_objects(
       another size raises ``FileExistsError`` naming the key, and is left untouched;
     - ``streams`` items move at once; an item larger than ``part_bytes`` is read as byte ranges,
       ``range_streams`` at a time, in order into the put (at most ``range_streams`` parts held);
-    - the first failure is raised after the items already in flight have finished; items not yet
-      started are not started;
+    - items of at most ``part_bytes`` go to a target with ``put_many`` in batches (at most
+      _BATCH_ITEMS items and ``part_bytes`` bytes, enough batches for every stream), each batch
+      read in item order by one stream;
+    - the first failure is raised after the tasks already in flight have finished; items not yet
+      started are not started (in a batch, those its stream read before a failing read are
+      published, none after it);
     - defaults come from ``profile_of(source)`` and ``profile_of(target)``: ``streams`` is the
       smaller concurrency, ``range_streams`` the source's concurrency (at most 8) when its
       ranges scale and else 1, ``part_bytes`` the source's part size, capped at 16 MiB when the
