@@ -596,6 +596,15 @@ def test_put_many_whose_data_flush_fails_publishes_nothing(tmp_path):
     assert visible_files(tmp_path / "dst") == []
 
 
+def test_objects_above_a_mebibyte_or_alone_are_not_batched(tmp_path):
+    source = LocalStore(tmp_path / "src")
+    items = _fill(source, {"big": os.urandom((1 << 20) + 1), "one": b"x"})
+    faulty = FaultyStore(tmp_path / "dst")
+    copy_objects(source, faulty.inner, items, part_bytes=4 << 20)
+    assert faulty.calls["syncfs"] == 0  # each was put on its own, fsynced
+    assert faulty.inner.get("one") == b"x"
+
+
 def test_put_many_on_an_exclusive_store_puts_each_object(tmp_path):
     store = LocalStore(tmp_path / "dst", publish="exclusive")
     objects = _batch(4)
@@ -608,10 +617,10 @@ def test_small_objects_are_copied_in_batches_and_resume_after_a_failure(tmp_path
     objects = _batch(40)
     items = _fill(source, objects)
     faulty = FaultyStore(tmp_path / "dst")
-    report = copy_objects(source, faulty.inner, items, streams=4, part_bytes=1000)
+    report = copy_objects(source, faulty.inner, items, streams=4, part_bytes=10_000)
     assert (report.copied, report.skipped) == (40, 0)
-    assert 0 < faulty.calls["syncfs"] <= 16  # batches of <= 1000 bytes, two flushes each
-    assert faulty.calls["fsync"] <= 4
+    assert faulty.calls["syncfs"] == 8  # four batches of ten, two flushes each
+    assert faulty.calls["fsync"] <= 4  # only for new directories, never per object
     for key, data in objects.items():
         assert faulty.inner.get(key) == data
     # A read failing inside a batch: what that stream read before it is still published.

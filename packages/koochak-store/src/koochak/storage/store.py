@@ -664,7 +664,9 @@ class LocalStore:
         SHA256 mismatch, an I/O error) publishes nothing of the batch; a key that someone else
         publishes between our write and our link raises FileExistsError naming it, with the
         objects before it published and none after it. ``publish="exclusive"`` stores, which
-        cannot link, put each object in turn.
+        cannot link, put each object in turn. A ``syncfs`` flushes everything dirty on the
+        filesystem, other writers' data included: worth it for many small objects, not for a
+        few large ones.
         """
         batch = list(objects)
         if self.publish != "link":

@@ -42,8 +42,11 @@ _MAX_DEFAULT_RANGE_STREAMS = 8
 _CHEAP_REQUEST_BYTES = 1 << 20
 _PIPELINE_PART_BYTES = 16 << 20
 # Small objects published together by a target's put_many, at most this many per batch: one
-# flush per batch instead of two per object, with a batch's bytes bounded by part_bytes.
+# flush per batch instead of two per object, with a batch's bytes bounded by part_bytes. Only
+# objects up to _BATCH_OBJECT_BYTES are batched: for larger ones the two fsyncs are small next
+# to moving the bytes, and a batch's filesystem-wide flush would also wait for other writers.
 _BATCH_ITEMS = 512
+_BATCH_OBJECT_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -95,9 +98,9 @@ def copy_objects(
       another size raises ``FileExistsError`` naming the key, and is left untouched;
     - ``streams`` items move at once; an item larger than ``part_bytes`` is read as byte ranges,
       ``range_streams`` at a time, in order into the put (at most ``range_streams`` parts held);
-    - items of at most ``part_bytes`` go to a target with ``put_many`` in batches (at most
-      _BATCH_ITEMS items and ``part_bytes`` bytes, enough batches for every stream), each batch
-      read in item order by one stream;
+    - items of at most 1 MiB (and ``part_bytes``) go to a target with ``put_many`` in batches
+      (at most _BATCH_ITEMS items and ``part_bytes`` bytes, enough batches for every stream),
+      each batch read in item order by one stream;
     - the first failure is raised after the tasks already in flight have finished; items not yet
       started are not started (in a batch, those its stream read before a failing read are
       published, none after it);
@@ -180,25 +183,26 @@ def _tasks(
 ) -> Iterator[CopyItem | list[CopyItem]]:
     """The work, in item order: each large item alone; small ones (one read each) in batches
     when the target can publish a batch for one flush (``put_many``), else alone too."""
-    if not callable(getattr(target, "put_many", None)):
+    limit = min(part_bytes, _BATCH_OBJECT_BYTES)
+    small = sum(1 for item in todo if item.size <= limit)
+    if small < 2 or not callable(getattr(target, "put_many", None)):
         yield from todo
         return
-    small = sum(1 for item in todo if item.size <= part_bytes)
     # Enough batches to keep every stream busy, each at most part_bytes and _BATCH_ITEMS.
     per_batch = max(1, min(_BATCH_ITEMS, -(-small // streams)))
     batch: list[CopyItem] = []
     held = 0
     for item in todo:
-        if item.size > part_bytes:
+        if item.size > limit:
             yield item
             continue
         if batch and (len(batch) >= per_batch or held + item.size > part_bytes):
-            yield batch
+            yield batch if len(batch) > 1 else batch[0]
             batch, held = [], 0
         batch.append(item)
         held += item.size
     if batch:
-        yield batch
+        yield batch if len(batch) > 1 else batch[0]
 
 
 def _validated(items: Iterable[CopyItem]) -> list[CopyItem]:
