@@ -611,6 +611,7 @@ def test_shard_dataset_hands_out_picklable_bytes_unless_asked_for_views(store) -
 
     samples = _samples(6)
     _build(store, samples)
+
     def by_key(found):
         return sorted(found, key=lambda s: s["__key__"])  # the plan shuffles shard order
 
