@@ -631,3 +631,45 @@ def test_small_objects_are_copied_in_batches_and_resume_after_a_failure(tmp_path
     report = copy_objects(source, target, items, streams=4, part_bytes=1000)
     assert (report.copied, report.skipped) == (36, 4)
     assert {k: target.get(k) for k in objects} == objects
+
+
+_KILLED_BATCH = textwrap.dedent(
+    """
+    import sys, time
+    from koochak.storage.store import LocalStore, _Syscalls
+    from koochak.storage.transfer import CopyItem, copy_objects
+
+    class Stall(_Syscalls):
+        def syncfs(self, fd):  # the batch is written under temp names, nothing linked yet
+            print("stalled", flush=True)
+            time.sleep(60)  # killed here
+            return super().syncfs(fd)
+
+    source, target = LocalStore(sys.argv[1]), LocalStore(sys.argv[2])
+    target._sys = Stall()
+    copy_objects(source, target, [CopyItem(i.key, i.size) for i in source.list()], streams=1)
+    """
+)
+
+
+@pytest.mark.slow
+def test_copy_killed_inside_a_batch_shows_nothing_and_a_rerun_is_identical(tmp_path):
+    source, target = LocalStore(tmp_path / "src"), LocalStore(tmp_path / "dst")
+    objects = _batch(20)
+    items = _fill(source, objects)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_BATCH, str(source.root), str(target.root)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "stalled"
+    finally:
+        proc.kill()
+        proc.wait()
+    assert target.list() == [] and visible_files(tmp_path / "dst") == []
+    assert len(list((tmp_path / "dst").rglob(".koochak-tmp-*"))) == len(objects)  # hidden only
+    report = copy_objects(source, target, items)
+    assert (report.copied, report.skipped) == (len(objects), 0)
+    assert {k: target.get(k) for k in objects} == objects
+    assert len(target.remove_stale_temps(older_than_seconds=0)) == len(objects)
