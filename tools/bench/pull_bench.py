@@ -6,7 +6,8 @@ COLL DEST` (every SHA256 checked, mode and exact mtime_ns restored, temp name + 
 file) against `tar -xf TREE.tar -C DEST`, and `koochak-data verify --deep COLL` against
 `find SRC -type f -print0 | xargs -0 sha256sum`, each pair on the same tree, interleaved
 (A B A B ...) so a noisy neighbour slows both alike, a fresh DEST per run and `sync` (untimed)
-between runs. Wall and CPU seconds (user + system of the child, from wait4) are medians of
+between runs; the outputs are deleted only once a tree is done (about 2 x (repeat + 1) copies
+of it on disk at the end). Wall and CPU seconds (user + system of the child, from wait4) are medians of
 --repeat runs; the ratio is of the medians (lower is better).
 
 Two trees by default: the collection benchmark's (2,000 files of 1-64 KiB in directories of
@@ -89,7 +90,8 @@ def _bench_tree(
             figure = _run(list(argv) if not shell else argv[0], shell=shell)
             if i:
                 runs[name].append(figure)
-            shutil.rmtree(dest, ignore_errors=True)
+            # Outputs stay until the tree is done: deleting thousands of files between runs
+            # leaves the filesystem freeing them during the next run, on its clock.
     wall = {name: statistics.median(w for w, _ in values) for name, values in runs.items()}
     cpu = {name: statistics.median(c for _, c in values) for name, values in runs.items()}
     return {"files": files, "big": big, "big_count": big_count, "bytes": total, "wall": wall,
