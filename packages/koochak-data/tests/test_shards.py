@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import shutil
 import subprocess
@@ -479,3 +480,143 @@ def test_import_koochak_data_does_not_import_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Zero-copy reads: what the buffer guarantees
+
+
+class _SwappingStore(LocalStore):
+    """A LocalStore whose shard reads see the file replaced by ``replacement`` at a chosen
+    moment: after the first piece was read, or once the whole shard has been read."""
+
+    def __init__(self, root, replacement: bytes, when: str) -> None:
+        super().__init__(root, fsync=False)
+        self.replacement, self.when = replacement, when
+
+    def open(self, key):
+        buffered = super().open(key)
+        inner = buffered.raw  # unbuffered: each read sees the file as it is now
+        path = Path(self.local_path(key))
+        store = self
+
+        class Stream(io.RawIOBase):
+            calls = 0
+
+            def readable(self) -> bool:
+                return True
+
+            def readinto(self, view) -> int:
+                view = memoryview(view)[:700]  # several small reads per shard
+                n = inner.readinto(view)
+                Stream.calls += 1
+                if (store.when == "first" and Stream.calls == 1) or (store.when == "end" and not n):
+                    path.chmod(0o644)
+                    with open(path, "r+b") as f:  # in place: the open descriptor sees it
+                        f.write(store.replacement)
+                return n
+
+            def close(self) -> None:
+                buffered.close()
+                super().close()
+
+        return Stream()
+
+
+def _same_size_variants(tmp_path):
+    """Two one-shard datasets of identical size and layout but different bytes."""
+    a = [{"__key__": f"k{i}", "bin": bytes([1]) * (500 + i)} for i in range(6)]
+    b = [{"__key__": f"k{i}", "bin": bytes([2]) * (500 + i)} for i in range(6)]
+    plain = LocalStore(tmp_path / "s", fsync=False)
+    index_a = _build(plain, a, prefix="a", target=1 << 20)
+    index_b = _build(plain, b, prefix="b", target=1 << 20)
+    bytes_b = Path(plain.local_path(index_b.key_of(index_b.shards[0]))).read_bytes()
+    assert index_a.shards[0].size == len(bytes_b)
+    return a, index_a, bytes_b
+
+
+def test_shard_changed_while_being_read_never_delivers_a_sample(tmp_path) -> None:
+    a, index_a, bytes_b = _same_size_variants(tmp_path)
+    store = _SwappingStore(tmp_path / "s", bytes_b, when="first")
+    with pytest.raises(ValueError, match="sha256 mismatch"):
+        read_shard(store, index_a, index_a.shards[0])
+    with pytest.raises(ValueError, match="sha256 mismatch"):
+        list(read_shards(store, index_a, prefetch=2))
+
+
+def test_shard_changed_after_its_hash_gives_exactly_the_hashed_bytes(tmp_path) -> None:
+    # The samples are cut from the buffer that was hashed, never from a second read.
+    a, index_a, bytes_b = _same_size_variants(tmp_path)
+    store = _SwappingStore(tmp_path / "s", bytes_b, when="end")
+    assert list(read_shard(store, index_a, index_a.shards[0])) == a
+    assert Path(store.local_path(index_a.key_of(index_a.shards[0]))).read_bytes() == bytes_b
+
+
+@pytest.mark.parametrize("prefetch", [None, 0, 2])  # None: read_shard, shard after shard
+def test_zero_copy_samples_stay_valid_after_later_shards_are_read(store, prefetch) -> None:
+    samples = _samples(40)
+    index = _build(store, samples)
+    held = []
+    if prefetch is None:
+        stream = (s for shard in index.shards for s in read_shard(store, index, shard))
+    else:
+        stream = read_shards(store, index, prefetch=prefetch)
+    for i, sample in enumerate(stream):
+        assert isinstance(sample["bin"], memoryview) and sample["bin"].readonly
+        if i < 3:
+            held.append(sample["bin"])  # only one field of the first shard's samples is kept
+        with pytest.raises(TypeError):
+            sample["bin"][0] = 0  # read-only: one caller cannot change what another sees
+    # Every later shard has been read (into reused buffers where possible) since.
+    assert [bytes(v) for v in held] == [s["bin"] for s in samples[:3]]
+    copies = list(read_shards(store, index, prefetch=prefetch or 0, copy=True))
+    assert copies == samples and all(type(s["bin"]) is bytes for s in copies)
+    assert [bytes(v) for v in held] == [s["bin"] for s in samples[:3]]
+
+
+def test_shard_buffers_are_reused_only_once_no_sample_points_into_them() -> None:
+    buffers = sh._Buffers(2)
+    first = buffers.take(100)
+    view = memoryview(first)[10:20].toreadonly()
+    buffers.give(first)
+    second = buffers.take(100)
+    assert second is not first  # a sample still holds the first
+    del view
+    buffers.give(second)
+    assert buffers.take(80) in (first, second)  # reused, whichever fits
+
+
+def test_shards_hashed_piece_by_piece_on_the_helper_thread(store, monkeypatch) -> None:
+    # Test shards are small: shrink the pieces so the threaded, many-piece path runs.
+    monkeypatch.setattr(sh, "_FIRST_PIECE", 512)
+    monkeypatch.setattr(sh, "_READ_PIECE", 2048)
+    samples = _samples(30, size=3000)
+    index = _build(store, samples, target=20000)
+    assert all(s.size > 4 * 2048 for s in index.shards)
+    assert _read_all(store, index) == samples
+    assert list(read_shards(store, index, prefetch=2)) == samples
+    for shard in index.shards:
+        assert describe_shard(store, index.key_of(shard)).sha256 == shard.sha256
+
+    def flip(data):
+        data[-3000] ^= 0x01  # in the last piece
+
+    _tamper_shard(store, index, flip)
+    with pytest.raises(ValueError, match="shard-000001.tar: sha256 mismatch"):
+        read_shard(store, index, index.shards[1])
+
+
+def test_shard_dataset_hands_out_picklable_bytes_unless_asked_for_views(store) -> None:
+    import pickle
+
+    samples = _samples(6)
+    _build(store, samples)
+
+    def by_key(found):
+        return sorted(found, key=lambda s: s["__key__"])  # the plan shuffles shard order
+
+    got = by_key(sh.ShardDataset(store, PREFIX))  # DataLoader workers pickle what they yield
+    assert got == samples and all(type(s["bin"]) is bytes for s in got)
+    assert pickle.loads(pickle.dumps(got)) == samples
+    views = by_key(sh.ShardDataset(store, PREFIX, copy=False))
+    assert views == samples and all(isinstance(s["bin"], memoryview) for s in views)

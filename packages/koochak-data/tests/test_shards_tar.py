@@ -22,7 +22,7 @@ def _archive(samples: list[dict]) -> bytes:
 
 
 def _members(data: bytes, checksums: bool = True) -> list[tuple[str, bytes]]:
-    return list(_tar.read_members(io.BytesIO(data), "t.tar", checksums=checksums))
+    return list(_tar.parse_members(memoryview(data), "t.tar", checksums=checksums))
 
 
 def _read(data: bytes) -> list[dict]:

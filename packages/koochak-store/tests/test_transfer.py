@@ -186,6 +186,23 @@ def test_rerun_after_failure_resumes_and_ends_verified(stores):
         assert _sha(target.get(key)) == _sha(data)
 
 
+@pytest.mark.parametrize("publish", ["link", "exclusive"])
+def test_copy_interrupted_mid_range_leaves_nothing_and_resumes_byte_identical(tmp_path, publish):
+    source = LocalStore(tmp_path / "src")
+    data = os.urandom(20_500)  # 21 ranges of 1000 bytes, read three at a time
+    item = CopyItem("big.bin", len(data), source.put("big.bin", data).sha256)
+    target = LocalStore(tmp_path / "dst", publish=publish)
+    failing = _FailingSource(source, {12})  # half-way, with ranges before and after in flight
+    with pytest.raises(OSError, match="injected EIO on get #12"):
+        copy_objects(failing, target, [item], streams=1, range_streams=3, part_bytes=1000)
+    assert target.list() == [] and visible_files(tmp_path / "dst") == []
+    assert [p for p in (tmp_path / "dst").rglob("*") if p.is_file()] == []  # no temp left either
+    report = copy_objects(source, target, [item], range_streams=3, part_bytes=1000)
+    assert (report.copied, report.skipped) == (1, 0)
+    assert target.get("big.bin") == data
+    assert copy_objects(source, target, [item], part_bytes=1000).skipped == 1  # and stays done
+
+
 def test_mismatching_digest_leaves_no_object(stores):
     source, target = stores
     data = os.urandom(5000)
@@ -265,7 +282,8 @@ def test_first_failure_is_raised_after_in_flight_items_finish(stores):
 
     items = [CopyItem(k, 10) for k in ("a", "b", "c", "d")]
     with pytest.raises(OSError, match="injected"):
-        copy_objects(Source(source), target, items, streams=2)
+        # A target without put_many: one item per task (batches are tested below).
+        copy_objects(Source(source), _Wrapped(target), items, streams=2)
     assert [info.key for info in target.list()] == ["b"]  # c and d never started
 
 
@@ -535,3 +553,123 @@ def test_a_verified_copy_reads_each_source_byte_once_and_nothing_back(tmp_path):
     assert target.calls["read"] == 0
     target.set_faults([])
     assert target.get("k") == data
+
+
+# -- small objects in batches: LocalStore.put_many ---------------------------------------------
+
+
+def _batch(n: int) -> dict[str, bytes]:
+    return {f"d{i % 3}/o{i:03d}": os.urandom(100 + i) for i in range(n)}
+
+
+def test_put_many_publishes_every_object_for_two_flushes(tmp_path):
+    faulty = FaultyStore(tmp_path / "dst")  # no faults: it counts the filesystem calls
+    store = faulty.inner
+    objects = _batch(30)
+    infos = store.put_many([(k, v, len(v), _sha(v)) for k, v in objects.items()])
+    assert [i.key for i in infos] == list(objects)
+    assert all(i.sha256 == _sha(objects[i.key]) and i.size == len(objects[i.key]) for i in infos)
+    for key, data in objects.items():
+        assert store.get(key) == data
+    assert faulty.calls["syncfs"] == 2  # the data, then the names, for the whole batch
+    assert faulty.calls["fsync"] <= 4  # only the new directories' parents, never per object
+    assert visible_files(tmp_path / "dst") == sorted(objects)
+    assert [p.name for p in (tmp_path / "dst").rglob(".koochak-tmp-*")] == []
+
+
+def test_put_many_that_fails_while_writing_publishes_nothing_of_the_batch(tmp_path):
+    store = LocalStore(tmp_path / "dst")
+    store.put("b", b"already here")
+    with pytest.raises(FileExistsError, match="b"):
+        store.put_many([("a", b"1", 1, None), ("b", b"2", 1, None), ("c", b"3", 1, None)])
+    assert {i.key for i in store.list()} == {"b"} and store.get("b") == b"already here"
+    with pytest.raises(ValueError, match="expected_sha256"):
+        store.put_many([("x", b"1", 1, None), ("y", b"2", 1, _sha(b"other"))])
+    assert {i.key for i in store.list()} == {"b"}  # checked before any link: none of x, y
+    assert [p.name for p in (tmp_path / "dst").rglob(".koochak-tmp-*")] == []
+
+
+def test_put_many_whose_data_flush_fails_publishes_nothing(tmp_path):
+    faulty = FaultyStore(tmp_path / "dst", [Fault("syncfs", nth=1)])
+    with pytest.raises(OSError, match="injected"):
+        faulty.inner.put_many([(k, v, len(v), None) for k, v in _batch(5).items()])
+    assert visible_files(tmp_path / "dst") == []
+
+
+def test_objects_above_a_mebibyte_or_alone_are_not_batched(tmp_path):
+    source = LocalStore(tmp_path / "src")
+    items = _fill(source, {"big": os.urandom((1 << 20) + 1), "one": b"x"})
+    faulty = FaultyStore(tmp_path / "dst")
+    copy_objects(source, faulty.inner, items, part_bytes=4 << 20)
+    assert faulty.calls["syncfs"] == 0  # each was put on its own, fsynced
+    assert faulty.inner.get("one") == b"x"
+
+
+def test_put_many_on_an_exclusive_store_puts_each_object(tmp_path):
+    store = LocalStore(tmp_path / "dst", publish="exclusive")
+    objects = _batch(4)
+    store.put_many([(k, v, len(v), _sha(v)) for k, v in objects.items()])
+    assert {k: store.get(k) for k in objects} == objects
+
+
+def test_small_objects_are_copied_in_batches_and_resume_after_a_failure(tmp_path):
+    source = LocalStore(tmp_path / "src")
+    objects = _batch(40)
+    items = _fill(source, objects)
+    faulty = FaultyStore(tmp_path / "dst")
+    report = copy_objects(source, faulty.inner, items, streams=4, part_bytes=10_000)
+    assert (report.copied, report.skipped) == (40, 0)
+    assert faulty.calls["syncfs"] == 8  # four batches of ten, two flushes each
+    assert faulty.calls["fsync"] <= 4  # only for new directories, never per object
+    for key, data in objects.items():
+        assert faulty.inner.get(key) == data
+    # A read failing inside a batch: what that stream read before it is still published.
+    target = LocalStore(tmp_path / "dst2")
+    with pytest.raises(OSError, match="injected EIO on get #5"):
+        copy_objects(_FailingSource(source, {5}), target, items, streams=1, part_bytes=1000)
+    assert [i.key for i in target.list()] == sorted(objects)[:4]
+    report = copy_objects(source, target, items, streams=4, part_bytes=1000)
+    assert (report.copied, report.skipped) == (36, 4)
+    assert {k: target.get(k) for k in objects} == objects
+
+
+_KILLED_BATCH = textwrap.dedent(
+    """
+    import sys, time
+    from koochak.storage.store import LocalStore, _Syscalls
+    from koochak.storage.transfer import CopyItem, copy_objects
+
+    class Stall(_Syscalls):
+        def syncfs(self, fd):  # the batch is written under temp names, nothing linked yet
+            print("stalled", flush=True)
+            time.sleep(60)  # killed here
+            return super().syncfs(fd)
+
+    source, target = LocalStore(sys.argv[1]), LocalStore(sys.argv[2])
+    target._sys = Stall()
+    copy_objects(source, target, [CopyItem(i.key, i.size) for i in source.list()], streams=1)
+    """
+)
+
+
+@pytest.mark.slow
+def test_copy_killed_inside_a_batch_shows_nothing_and_a_rerun_is_identical(tmp_path):
+    source, target = LocalStore(tmp_path / "src"), LocalStore(tmp_path / "dst")
+    objects = _batch(20)
+    items = _fill(source, objects)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_BATCH, str(source.root), str(target.root)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "stalled"
+    finally:
+        proc.kill()
+        proc.wait()
+    assert target.list() == [] and visible_files(tmp_path / "dst") == []
+    assert len(list((tmp_path / "dst").rglob(".koochak-tmp-*"))) == len(objects)  # hidden only
+    report = copy_objects(source, target, items)
+    assert (report.copied, report.skipped) == (len(objects), 0)
+    assert {k: target.get(k) for k in objects} == objects
+    assert len(target.remove_stale_temps(older_than_seconds=0)) == len(objects)

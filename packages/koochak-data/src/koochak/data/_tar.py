@@ -6,8 +6,8 @@ mtime, so the same samples always give byte-identical shards. We write the heade
 rather than through :mod:`tarfile`: the bytes are then fixed by this file alone, not by the
 defaults of whichever Python version built the dataset.
 
-The reader parses a shard from a sequential stream, with about two reads per member; it
-accepts what common writers produce (ustar and GNU headers, pax and GNU long names, directory
+The reader parses a shard held whole in one buffer and hands out each member's bytes as a
+slice of it (no copy); it accepts what common writers produce (ustar and GNU headers, pax and GNU long names, directory
 entries) and refuses anything a dataset shard must not contain (links,
 devices, unsafe paths, duplicate members, data after the end of the archive) with a ValueError.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import struct
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn
 
 BLOCK = 512
 END_OF_ARCHIVE = bytes(2 * BLOCK)
@@ -238,50 +238,49 @@ def _decode_name(raw: bytes, where: str) -> str:
         raise ValueError(f"{where}: member name {raw!r} is not UTF-8") from exc
 
 
-class Readable(Protocol):
-    def read(self, size: int, /) -> bytes: ...
-
-
 def _truncated(source: str, what: str, pos: int, want: int, got: int) -> NoReturn:
     raise ValueError(
         f"{source}: truncated tar archive: {what} at byte {pos} needs {want} bytes, {got} remain"
     )
 
 
-def read_members(
-    stream: Readable, source: str, *, checksums: bool = True
-) -> Iterator[tuple[str, bytes]]:
-    """Every regular-file member of the tar archive read from ``stream``: (name, data).
+def parse_members(
+    data: memoryview, source: str, *, checksums: bool = True
+) -> Iterator[tuple[str, memoryview]]:
+    """Every regular-file member of the tar archive held whole in ``data``: (name, bytes).
 
-    Reads the stream sequentially to its end, one read per member's data and one for its
-    padding plus the next header (so each member's bytes arrive in their own bytes object,
-    copied once). Raises ValueError naming
-    ``source`` and the member for anything malformed or unsafe. ``checksums=False`` skips the
-    per-header checksums, for bytes whose SHA256 is checked anyway; bounds and names are
-    always checked.
+    Each member's bytes are a slice of ``data`` (no copy), so they live as long as the caller
+    keeps them and read as whatever ``data`` holds: hand in a read-only view of a buffer nobody
+    writes again. ``data`` must be exactly the archive (its length is the object's size), so a
+    header claiming more bytes than remain is a truncation error, never an allocation. Raises
+    ValueError naming ``source`` and the member for anything malformed or unsafe.
+    ``checksums=False`` skips the per-header checksums, for bytes whose SHA256 is checked
+    anyway; bounds and names are always checked.
     """
+    if data.ndim != 1 or data.itemsize != 1:
+        data = data.cast("B")
+    end = len(data)
+    unpack = _HEADER.unpack_from
     pos = 0
     long_name: str | None = None
     pax: dict[str, str] = {}
-    header = stream.read(BLOCK)
     while True:
-        if len(header) != BLOCK:
+        if end - pos < BLOCK:
             raise ValueError(
-                f"{source}: truncated tar archive: no end-of-archive marker (ends at byte "
-                f"{pos + len(header)})"
+                f"{source}: truncated tar archive: no end-of-archive marker (ends at byte {end})"
             )
-        if header == _ZERO_BLOCK:
+        raw_name, raw_size, raw_sum, typeflag, magic, raw_prefix = unpack(data, pos)
+        if not raw_name[0] and data[pos : pos + BLOCK] == _ZERO_BLOCK:
             # End of archive. Anything after it must be zero padding (tar record blocking).
-            while chunk := stream.read(1 << 20):
-                if chunk.strip(b"\x00"):
-                    raise ValueError(
-                        f"{source}: non-zero data after the end-of-archive marker at byte {pos}"
-                    )
+            if bytes(data[pos + BLOCK :]).strip(b"\x00"):
+                raise ValueError(
+                    f"{source}: non-zero data after the end-of-archive marker at byte {pos}"
+                )
             if long_name is not None or pax:
                 raise ValueError(f"{_where(source, pos)}: archive ends after a long-name/pax header")
             return
-        raw_name, raw_size, raw_sum, typeflag, magic, raw_prefix = _HEADER.unpack_from(header)
         if checksums:
+            header = bytes(data[pos : pos + BLOCK])
             stored = _octal(raw_sum, "chksum", source, pos)
             computed = sum(header) - sum(raw_sum) + 8 * 32
             if stored != computed and stored != _signed_checksum(header):
@@ -297,35 +296,31 @@ def read_members(
                 raise ValueError(f"{_where(source, pos)}: pax size {pax['size']!r} is not a number")
             size = int(pax["size"])
         header_pos = pos
-        data = stream.read(size) if size else b""
-        if len(data) != size:
-            _truncated(source, "member data", pos + BLOCK, size, len(data))
+        start = pos + BLOCK
+        if size > end - start:
+            _truncated(source, "member data", start, size, end - start)
+        stop = start + size
         padding = -size % BLOCK
-        if padding:
-            # The padding and the next header in one read: a third fewer calls per member.
-            tail = stream.read(padding + BLOCK)
-            if len(tail) < padding:
-                _truncated(source, "member padding", pos + BLOCK + size, padding, len(tail))
-            header = tail[padding:]
-        else:
-            header = stream.read(BLOCK)
-        pos += BLOCK + size + padding
+        if padding > end - stop:
+            _truncated(source, "member padding", stop, padding, end - stop)
+        pos = stop + padding
+        member = data[start:stop]
         if long_name is None and not pax and typeflag in _REGULAR:
             # The common case, a regular file named by its own header, in as few steps as we can.
             name = _decode_name(_field_str(raw_name), source)
             if raw_prefix[0] and magic == b"ustar\x00":
                 name = _decode_name(_field_str(raw_prefix), source) + "/" + name
             check_path(name, f"{source}: tar member name")
-            yield name, data
+            yield name, member
             continue
         if typeflag == b"x":
-            pax = _parse_pax(data, _where(source, header_pos))
+            pax = _parse_pax(bytes(member), _where(source, header_pos))
             continue
         if typeflag == b"g":
-            _parse_pax(data, _where(source, header_pos))  # validated; carries no names we use
+            _parse_pax(bytes(member), _where(source, header_pos))  # validated; names nothing we use
             continue
         if typeflag == b"L":
-            long_name = _decode_name(_field_str(data), source)
+            long_name = _decode_name(_field_str(bytes(member)), source)
             continue
         if typeflag == b"K":
             continue  # GNU long link name: only meaningful for links, which are refused below
@@ -348,11 +343,15 @@ def read_members(
             kind = _LINK_KINDS.get(typeflag, f"type {typeflag!r}")
             raise ValueError(f"{source}: tar member {name!r} is a {kind}; shards hold regular files only")
         check_path(name, f"{source}: tar member name")
-        yield name, data
+        yield name, member
 
 
-def iter_samples(members: Iterable[tuple[str, bytes]], source: str) -> Iterator[dict[str, Any]]:
+def iter_samples(
+    members: Iterable[tuple[str, Any]], source: str, *, copy: bool = False
+) -> Iterator[dict[str, Any]]:
     """Group consecutive members sharing a key into samples, WebDataset style.
+
+    Field values are the members' data as given (``copy=True``: each turned into ``bytes``).
 
     A key that reappears after another key, or an extension repeated within one sample, is a
     ValueError: WebDataset readers would silently split or overwrite such samples.
@@ -376,6 +375,6 @@ def iter_samples(members: Iterable[tuple[str, bytes]], source: str) -> Iterator[
             sample = {"__key__": key}
         if ext in sample:
             raise ValueError(f"{source}: sample {key!r} has field {ext!r} twice")
-        sample[ext] = data
+        sample[ext] = bytes(data) if copy else data
     if sample is not None:
         yield sample

@@ -9,10 +9,13 @@ bytes is the dataset version. See docs/formats.md, "Dataset shards and index.jso
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
+import os
+import threading
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 from typing import Any, BinaryIO
@@ -56,11 +59,14 @@ DEFAULT_TARGET_BYTES = 256 << 20
 
 _INDEX_FIELDS = ("format", "kind", "metadata", "shards", "version")
 _SHARD_FIELDS = ("key", "records", "sha256", "size")
-# Bytes handed to the hashing thread at a time: large enough that handing over costs nothing.
-_HASH_BATCH = 4 << 20
+# Shards are read in pieces that grow from the first to the last size; each is handed to the
+# hashing thread as it arrives. Large enough that handing over costs nothing, small enough
+# that the hash starts at once and never waits long for bytes.
+_FIRST_PIECE = 1 << 20
+_READ_PIECE = 8 << 20
 _READ_CHUNK = 16 << 20
 
-Sample = dict[str, Any]  # {"__key__": str, "<ext>": bytes, ...}
+Sample = dict[str, Any]  # {"__key__": str, "<ext>": memoryview (or bytes with copy=True), ...}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -386,36 +392,47 @@ def write_index(
 
 
 def describe_shard(store: Store | str, key: str) -> ShardEntry:
-    """Size, SHA256 and record count of the tar shard at store key ``key`` (read in full once)."""
+    """Size, SHA256 and record count of the tar shard at store key ``key`` (read in full once).
+
+    Memory: the shard's size, for as long as the call runs."""
     store = open_store(store)
     source = f"{store.location}/{key}"
-    # The stat'ed size bounds every read, so a hostile header claiming a huge member cannot
-    # make the reader allocate more than the object holds.
+    # The stat'ed size bounds the read, so a hostile header claiming a huge member cannot make
+    # the reader allocate more than the object holds.
     size = store.stat(key).size
-    with store.open(key) as f:
-        reader = _ShardStream(f, size, source, hash=True, expected_by="stat")
-        try:
-            records = sum(1 for _ in _tar.iter_samples(_tar.read_members(reader, source), source))
-            digest = reader.finish()
-        finally:
-            reader.close()
-    return ShardEntry(key, size, digest or "", records)
+    samples, digest = _parse_whole(
+        store, key, size, source, expected_sha256=None, hash=True, checksums=True,
+        expected_by="stat",
+    )  # fmt: skip
+    return ShardEntry(key, size, digest or "", len(samples))
 
 
 def read_shard(
-    store: Store | str, index: ShardIndex, shard: ShardEntry | str, *, verify: bool = True
+    store: Store | str,
+    index: ShardIndex,
+    shard: ShardEntry | str,
+    *,
+    verify: bool = True,
+    copy: bool = False,
 ) -> Iterator[Sample]:
     """Read one shard of ``index`` and return an iterator over its samples.
 
-    The whole shard is read and checked before this returns, so no sample of a bad shard is
-    ever handed out: its size must match the index, with ``verify`` its SHA256 too (computed in
-    a helper thread while the bytes arrive), and its tar structure and record count must match.
-    Any mismatch raises ValueError naming the shard and the field. Memory: the shard's samples
-    (about its size); each member's bytes are copied once. ``verify=False`` skips the SHA256
-    (the tar header checksums are checked instead).
+    The whole shard is read into one buffer and checked before this returns, so no sample of
+    a bad shard is ever handed out: its size must match the index, with ``verify`` its SHA256
+    too (hashed on a helper thread while the next bytes arrive), and only then are its tar
+    structure and record count checked and its samples cut out of that same buffer — bytes
+    that change on disk after they were read cannot reach a sample. Any mismatch raises
+    ValueError naming the shard and the field. ``verify=False`` skips the SHA256 (the tar
+    header checksums are checked instead).
+
+    Field values are read-only ``memoryview`` slices of the shard's buffer (no copy): they stay
+    valid for as long as they are referenced, whatever is read next, and keep the whole
+    shard's buffer (about its size) in memory while any one of them is. ``bytes(value)`` keeps
+    a piece on its own; ``copy=True`` hands out ``bytes`` instead (one copy per field, and
+    samples that pickle, e.g. to leave a DataLoader worker undecoded).
     """
     store = open_store(store)
-    return iter(_load_shard(store, index, _entry_of(index, shard), verify))
+    return iter(_load_shard(store, index, _entry_of(index, shard), verify, copy, _SPARE_BUFFERS))
 
 
 def read_shards(
@@ -425,34 +442,44 @@ def read_shards(
     *,
     verify: bool = True,
     prefetch: int = 1,
+    copy: bool = False,
 ) -> Iterator[Sample]:
     """Samples of ``shards`` (default: all of ``index``) in order, each shard as read_shard.
 
     Up to ``prefetch`` shards ahead are read and verified in background threads while the
-    current one is consumed, so hashing and I/O overlap with the caller's own work. Memory:
-    about ``prefetch + 1`` shards. The first bad shard raises ValueError when reached, after
-    every sample before it and none from it.
+    current one is consumed, so hashing and I/O overlap with the caller's own work (and with
+    each other: hashlib releases the GIL, so ``prefetch`` shards hash on that many cores).
+    Memory: about ``prefetch + 1`` shards, plus any shard a sample the caller still holds
+    points into. The first bad shard raises ValueError when reached, after every sample before
+    it and none from it.
     """
     store = open_store(store)
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be an integer >= 0, got {prefetch!r}")
     entries = [_entry_of(index, s) for s in (index.shards if shards is None else shards)]
+    # Buffers of shards whose samples are all gone are refilled instead of freshly allocated
+    # (new memory costs page faults that can take as long as reading the bytes); the first
+    # come from, and the last go back to, the spare buffers that read_shard calls share.
+    buffers = _Buffers(prefetch + 2, spare=_SPARE_BUFFERS)
     if prefetch == 0:
-        for entry in entries:
-            yield from _load_shard(store, index, entry, verify)
+        try:
+            for entry in entries:
+                yield from _load_shard(store, index, entry, verify, copy, buffers)
+        finally:
+            buffers.close()
         return
     pool = ThreadPoolExecutor(max_workers=prefetch, thread_name_prefix="koochak-shard-read")
     pending: deque[Future[list[Sample]]] = deque()
     try:
         upcoming = iter(entries)
         for entry in upcoming:
-            pending.append(pool.submit(_load_shard, store, index, entry, verify))
+            pending.append(pool.submit(_load_shard, store, index, entry, verify, copy, buffers))
             if len(pending) >= prefetch:
                 break
         while pending:
             samples = pending.popleft().result()
             for entry in upcoming:
-                pending.append(pool.submit(_load_shard, store, index, entry, verify))
+                pending.append(pool.submit(_load_shard, store, index, entry, verify, copy, buffers))
                 break
             yield from samples
             del samples  # let the shard's memory go before the next one is awaited
@@ -460,34 +487,86 @@ def read_shards(
         for future in pending:
             future.cancel()
         pool.shutdown(wait=True)
+        buffers.close()
 
 
-def _load_shard(store: Store, index: ShardIndex, entry: ShardEntry, verify: bool) -> list[Sample]:
+def _load_shard(
+    store: Store,
+    index: ShardIndex,
+    entry: ShardEntry,
+    verify: bool,
+    copy: bool,
+    buffers: _Buffers | None,
+) -> list[Sample]:
     key = index.key_of(entry)
     source = f"{store.location}/{key}"
-    with store.open(key) as f:
-        reader = _ShardStream(f, entry.size, source, hash=verify)
-        try:
-            try:
-                members = _tar.read_members(reader, source, checksums=not verify)
-                samples = list(_tar.iter_samples(members, source))
-            except ValueError:
-                # A corrupt shard is reported as a digest mismatch, the root cause, rather
-                # than as whichever structural error the corruption happened to cause.
-                if verify:
-                    reader.drain()
-                    reader.check_digest(entry.sha256)
-                raise
-            reader.finish()
-            if verify:
-                reader.check_digest(entry.sha256)
-        finally:
-            reader.close()
+    buffer = None if buffers is None else buffers.take(entry.size)
+    samples, _ = _parse_whole(
+        store,
+        key,
+        entry.size,
+        source,
+        expected_sha256=entry.sha256 if verify else None,
+        checksums=not verify,
+        copy=copy,
+        buffer=buffer,
+    )
+    if buffers is not None and buffer is not None:
+        buffers.give(buffer)  # reused once the caller has let go of every sample
     if len(samples) != entry.records:
         raise ValueError(
             f"{source}: records mismatch: index says {entry.records}, shard holds {len(samples)}"
         )
     return samples
+
+
+def _parse_whole(
+    store: Store,
+    key: str,
+    size: int,
+    source: str,
+    *,
+    expected_sha256: str | None,
+    hash: bool = False,
+    checksums: bool,
+    copy: bool = False,
+    expected_by: str = "index",
+    buffer: bytearray | None = None,
+) -> tuple[list[Sample], str | None]:
+    """Read object ``key`` whole (see _read_whole) and parse its samples while the hash of the
+    last pieces finishes: (samples, hex digest, None unless hashed).
+
+    With ``expected_sha256`` the digest is compared first, so no sample of a shard whose digest
+    did not match ever leaves, and a corrupt shard is reported as the root cause (a digest
+    mismatch), not as whichever structural error the corruption caused. The samples are cut
+    from the very buffer that was hashed: bytes that change on disk later cannot reach one.
+    """
+    data, digest_of = _read_whole(
+        store,
+        key,
+        size,
+        source,
+        hash=hash or expected_sha256 is not None,
+        expected_by=expected_by,
+        buffer=buffer,
+    )
+    error: ValueError | None = None
+    try:
+        try:
+            # Parsing runs on this thread while the helper thread still hashes.
+            members = _tar.parse_members(data, source, checksums=checksums)
+            samples = list(_tar.iter_samples(members, source, copy=copy))
+        except ValueError as exc:
+            samples, error = [], exc
+    finally:
+        digest = digest_of()
+    if expected_sha256 is not None and digest != expected_sha256:
+        raise ValueError(
+            f"{source}: sha256 mismatch: index says {expected_sha256}, shard bytes hash to {digest}"
+        )
+    if error is not None:
+        raise error
+    return samples, digest
 
 
 def _entry_of(index: ShardIndex, shard: ShardEntry | str) -> ShardEntry:
@@ -500,85 +579,157 @@ def _entry_of(index: ShardIndex, shard: ShardEntry | str) -> ShardEntry:
     return entry
 
 
-class _ShardStream:
-    """A shard's bytes for the tar reader: exactly ``size`` bytes of ``f``, never more, hashed
-    by one helper thread in large batches so that SHA256 overlaps reading and parsing (hashlib
-    releases the GIL on large buffers)."""
+def _read_whole(
+    store: Store,
+    key: str,
+    size: int,
+    source: str,
+    *,
+    hash: bool,
+    expected_by: str = "index",
+    buffer: bytearray | None = None,
+) -> tuple[memoryview, Callable[[], str | None]]:
+    """Exactly ``size`` bytes of object ``key`` in one buffer (``buffer``, at least ``size``
+    long and referenced by no view, or a new one) as a read-only view, and a function that
+    waits for their SHA256 (None without ``hash``); call it exactly once, also after a failure
+    in between. A shorter or longer object raises ValueError.
+
+    The buffer is filled piece by piece, and each piece is hashed on a helper thread while the
+    next one is read (hashlib releases the GIL on large buffers); a piece is never written
+    again once read, so the hash may lag behind the reads and the caller may parse the view
+    before it finishes. Nothing reads past ``size``, so a lying size costs no more memory than
+    it claims.
+    """
+    expected = f"{expected_by} says {size} bytes"
+    view = memoryview(bytearray(size) if buffer is None else buffer)[:size]
+    digest = hashlib.sha256() if hash else None
+    hasher = (
+        ThreadPoolExecutor(1, thread_name_prefix="koochak-shard-hash")
+        if hash and size > _FIRST_PIECE
+        else None
+    )
+    updates: list[Future[None]] = []
+
+    def finish() -> str | None:
+        if hasher is not None:
+            hasher.shutdown(wait=True)
+            for update in updates:
+                update.result()
+        return None if digest is None else digest.hexdigest()
+
+    try:
+        with store.open(key) as f:
+            readinto = _readinto_of(f)
+            got, piece = 0, _FIRST_PIECE
+            while got < size:
+                n = readinto(view[got : got + piece])
+                if not n:
+                    raise ValueError(f"{source}: size mismatch: {expected}, shard has {got}")
+                if hasher is not None:
+                    # One worker runs the updates in submission order: the digest is sequential.
+                    updates.append(hasher.submit(digest.update, view[got : got + n]))  # type: ignore[union-attr]
+                elif digest is not None:
+                    digest.update(view[got : got + n])
+                got += n
+                piece = min(piece * 2, _READ_PIECE)  # small first, so hashing starts at once
+            if readinto(memoryview(bytearray(1))):
+                raise ValueError(f"{source}: size mismatch: {expected}, shard is longer")
+    except BaseException:
+        if hasher is not None:
+            # The digest of a failed read is not wanted: drop the updates not yet run.
+            hasher.shutdown(wait=True, cancel_futures=True)
+        raise
+    return view.toreadonly(), finish
+
+
+class _Buffers:
+    """Shard buffers, refilled once no sample points into them any more.
+
+    A bytearray cannot be resized while a memoryview of it exists, so a failed one-byte
+    shrink is proof that some sample still holds the buffer; only a buffer that shrinks is
+    reused. At most ``keep`` buffers (and ``max_bytes`` in all) are kept.
+    """
 
     def __init__(
-        self, f: BinaryIO, size: int, source: str, *, hash: bool, expected_by: str = "index"
+        self, keep: int, max_bytes: int | None = None, spare: _Buffers | None = None
     ) -> None:
-        self._f, self._size, self._source = f, size, source
-        self._expected = f"{expected_by} says {size} bytes"
-        self._left = size
-        self._digest = hashlib.sha256() if hash else None
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="koochak-shard-hash") if hash else None
-        self._batch: list[bytes] = []
-        self._batch_bytes = 0
+        self._keep, self._max_bytes, self._spare = keep, max_bytes, spare
+        self._buffers: list[bytearray] = []
+        self._lock = threading.Lock()
 
-    def read(self, n: int) -> bytes:
-        # Called several times per tar member: kept lean. Reads stop at ``size``, so a header
-        # claiming a huge member gets a short read (and a truncation error), not an allocation.
-        if n > self._left:
-            n = self._left
-        data = self._f.read(n)
-        got = len(data)
-        if got < n:
-            raise ValueError(
-                f"{self._source}: size mismatch: {self._expected}, "
-                f"shard has {self._size - self._left + got}"
-            )
-        self._left -= got
-        if self._digest is not None and got:
-            self._batch.append(data)
-            self._batch_bytes += got
-            if self._batch_bytes >= _HASH_BATCH:
-                self._flush()
-        return data
+    def clear(self) -> None:
+        self._buffers = []
+        self._lock = threading.Lock()
 
-    def _flush(self) -> None:
-        if self._batch and self._pool is not None and self._digest is not None:
-            # One worker runs the updates in submission order, so the digest is sequential.
-            self._pool.submit(_update_all, self._digest, self._batch)
-            self._batch, self._batch_bytes = [], 0
-
-    def drain(self) -> None:
-        while self.read(_HASH_BATCH):
-            pass
-
-    def finish(self) -> str | None:
-        """After the archive ended: check that it filled ``size`` and nothing follows; return
-        the hex digest (None without hashing)."""
-        if self._left:
-            raise ValueError(
-                f"{self._source}: size mismatch: {self._expected}, "
-                f"the archive ends at byte {self._size - self._left}"
-            )
-        if self._f.read(1):
-            raise ValueError(f"{self._source}: size mismatch: {self._expected}, shard is longer")
-        return self.hexdigest()
-
-    def hexdigest(self) -> str | None:
-        if self._pool is None or self._digest is None:
-            return None
-        self._flush()
-        return self._pool.submit(self._digest.hexdigest).result()
-
-    def check_digest(self, expected: str) -> None:
-        digest = self.hexdigest()
-        if digest != expected:
-            raise ValueError(
-                f"{self._source}: sha256 mismatch: index says {expected}, shard bytes hash to {digest}"
-            )
+    def take(self, size: int) -> bytearray:
+        with self._lock:
+            for i, buffer in enumerate(self._buffers):
+                if len(buffer) >= size and _unreferenced(buffer):
+                    return self._buffers.pop(i)
+        if self._spare is not None:
+            return self._spare.take(size)
+        # Room to spare, so the buffer also fits the next shard, which is rarely the same size.
+        return bytearray(size + (size >> 4))
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        """Hand the buffers kept here to the spare pool (which keeps what its bounds allow)."""
+        with self._lock:
+            buffers, self._buffers = self._buffers, []
+        if self._spare is not None:
+            for buffer in buffers:
+                self._spare.give(buffer)
+
+    def give(self, buffer: bytearray) -> None:
+        with self._lock:
+            if self._max_bytes is not None and len(buffer) > self._max_bytes:
+                return
+            self._buffers.append(buffer)
+            while len(self._buffers) > self._keep or (
+                self._max_bytes is not None and sum(map(len, self._buffers)) > self._max_bytes
+            ):
+                # Forget the smallest: the next shard is likelier to fit a large one.
+                self._buffers.remove(min(self._buffers, key=len))
 
 
-def _update_all(digest: Any, pieces: list[bytes]) -> None:
-    for piece in pieces:
-        digest.update(piece)
+# read_shard's spare buffers, shared by every call in the process: a loop of read_shard calls
+# then refills the buffers of shards it is done with instead of paying for fresh memory (page
+# faults cost about as much as reading the bytes). Bounded so that an idle process keeps at
+# most this much; larger shards get fresh buffers, as a plain f.read() of them would.
+_SPARE_BUFFERS = _Buffers(keep=2, max_bytes=128 << 20)
+if hasattr(os, "register_at_fork"):  # a forked DataLoader worker starts with none (and a free lock)
+    os.register_at_fork(after_in_child=_SPARE_BUFFERS.clear)
+
+
+def _unreferenced(buffer: bytearray) -> bool:
+    if not buffer:
+        return True  # nothing in it to overwrite
+    try:
+        last = buffer.pop()  # raises BufferError while any memoryview of it is alive
+    except BufferError:
+        return False
+    buffer.append(last)  # within the allocation: no copy
+    return True
+
+
+def _readinto_of(f: BinaryIO) -> Callable[[memoryview], int | None]:
+    """A ``readinto`` for ``f`` that puts bytes straight into the caller's buffer."""
+    raw = getattr(f, "raw", None)
+    if isinstance(f, io.BufferedReader) and raw is not None:
+        try:
+            if f.tell() == raw.tell():  # nothing buffered yet: read around the buffer
+                return raw.readinto
+        except (OSError, ValueError):
+            pass  # not seekable: stay on the buffered reader
+    readinto = getattr(f, "readinto", None)
+    if callable(readinto):
+        return readinto
+
+    def copy_into(view: memoryview) -> int:
+        data = f.read(len(view))
+        view[: len(data)] = data
+        return len(data)
+
+    return copy_into
 
 
 # ---------------------------------------------------------------------------------------------
@@ -595,12 +746,13 @@ def iter_worker_samples(
     seed: int = 0,
     verify: bool = True,
     prefetch: int = 1,
+    copy: bool = False,
 ) -> Iterator[Sample]:
     """Samples of the shards this process's worker owns this epoch (see plan_shards), read
     with read_shards; call it inside the DataLoader worker, where the data is read."""
     worker_id, num_workers = worker_coordinates(rank=rank, world_size=world_size)
     shards = assign_shards(index, worker_id, num_workers, epoch=epoch, seed=seed)
-    yield from read_shards(store, index, shards, verify=verify, prefetch=prefetch)
+    yield from read_shards(store, index, shards, verify=verify, prefetch=prefetch, copy=copy)
 
 
 def _make_shard_dataset() -> type:
@@ -611,6 +763,9 @@ def _make_shard_dataset() -> type:
 
         Build it in the main process with the DDP rank and world size; each DataLoader worker
         then reads only the shards plan_shards deals it. Call ``set_epoch`` before each epoch.
+        Samples hold ``bytes`` by default (``copy=True``): DataLoader workers pickle what they
+        yield, and a memoryview cannot be pickled; a subclass that decodes in the worker can
+        pass ``copy=False`` and skip the copy.
         """
 
         def __init__(
@@ -624,11 +779,13 @@ def _make_shard_dataset() -> type:
             seed: int = 0,
             verify: bool = True,
             prefetch: int = 1,
+            copy: bool = True,
         ) -> None:
             self.store = open_store(store)
             self.index = load_index(self.store, prefix)
             self.rank, self.world_size = rank, world_size
             self.epoch, self.seed, self.verify, self.prefetch = epoch, seed, verify, prefetch
+            self.copy = copy
             worker_coordinates(rank=rank, world_size=world_size)  # validate now, not in a worker
 
         def set_epoch(self, epoch: int) -> None:
@@ -644,6 +801,7 @@ def _make_shard_dataset() -> type:
                 seed=self.seed,
                 verify=self.verify,
                 prefetch=self.prefetch,
+                copy=self.copy,
             )
 
     ShardDataset.__module__ = __name__

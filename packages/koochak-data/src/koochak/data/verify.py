@@ -135,41 +135,86 @@ def _check_pack(
     if problem is not None or not deep:
         return ([problem] if problem else []), 0
     problems: list[Problem] = []
-    pack_sha = hashlib.sha256()
+    pack_sha = _PackHasher()  # the pack's digest on a helper thread, the files' on this one
     position = 0
-    with store.open(pack.key) as handle:
+    try:
+        with store.open(pack.key) as handle:
 
-        def read(n: int, *hashers: Any) -> int:
-            nonlocal position
-            got = 0
-            while got < n:
-                chunk = handle.read(min(CHUNK, n - got))
-                if not chunk:
+            def read(n: int, file_sha: Any = None) -> int:
+                nonlocal position
+                got = 0
+                while got < n:
+                    chunk = handle.read(min(CHUNK, n - got))
+                    if not chunk:
+                        break
+                    pack_sha.update(chunk)
+                    if file_sha is not None:
+                        file_sha.update(chunk)
+                    got += len(chunk)
+                    advance(len(chunk))
+                position += got
+                return got
+
+            for e in sorted(members, key=lambda e: e.offset or 0):
+                assert e.offset is not None
+                read(e.offset - position)
+                file_sha = hashlib.sha256()
+                if read(e.size, file_sha) != e.size:
+                    problems.append(Problem(pack.key, e.path, "pack ends inside this file"))
                     break
-                for h in hashers:
-                    h.update(chunk)
-                got += len(chunk)
-                advance(len(chunk))
-            position += got
-            return got
-
-        for e in sorted(members, key=lambda e: e.offset or 0):
-            assert e.offset is not None
-            read(e.offset - position, pack_sha)
-            file_sha = hashlib.sha256()
-            if read(e.size, pack_sha, file_sha) != e.size:
-                problems.append(Problem(pack.key, e.path, "pack ends inside this file"))
-                break
-            if file_sha.hexdigest() != e.sha256:
-                problems.append(Problem(pack.key, e.path, "SHA256 differs from the manifest"))
-        read(pack.size - position, pack_sha)
-        if handle.read(1):
-            problems.append(Problem(pack.key, None, "longer than the manifest says"))
+                if file_sha.hexdigest() != e.sha256:
+                    problems.append(Problem(pack.key, e.path, "SHA256 differs from the manifest"))
+            read(pack.size - position)
+            if handle.read(1):
+                problems.append(Problem(pack.key, None, "longer than the manifest says"))
+        pack_digest = pack_sha.hexdigest()
+    finally:
+        pack_sha.close()
     if position != pack.size:
         problems.append(Problem(pack.key, None, f"read {position} bytes, manifest says {pack.size}"))
-    elif pack_sha.hexdigest() != pack.sha256:
+    elif pack_digest != pack.sha256:
         problems.append(Problem(pack.key, None, "pack SHA256 differs from the manifest"))
     return problems, position
+
+
+class _PackHasher:
+    """SHA256 of a pack's chunks on one helper thread, fed in batches of about a MiB, so it runs
+    beside the per-file hashes on the reading thread (hashlib releases the GIL)."""
+
+    _BATCH = 1 << 20
+
+    def __init__(self) -> None:
+        self._sha = hashlib.sha256()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="koochak-verify-pack")
+        self._batch: list[bytes] = []
+        self._held = 0
+        self._pending: list[Any] = []
+
+    def update(self, chunk: bytes) -> None:
+        self._batch.append(chunk)  # bytes: never changed, so the hash may lag behind
+        self._held += len(chunk)
+        if self._held >= self._BATCH:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._batch:
+            batch, self._batch, self._held = self._batch, [], 0
+            self._pending.append(self._pool.submit(_update_all, self._sha, batch))
+
+    def hexdigest(self) -> str:
+        self._flush()
+        for future in self._pending:
+            future.result()  # one worker: the updates ran in order
+        self._pending = []
+        return self._sha.hexdigest()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _update_all(sha: Any, chunks: list[bytes]) -> None:
+    for chunk in chunks:
+        sha.update(chunk)
 
 
 def _check_object(

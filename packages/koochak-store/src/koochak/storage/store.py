@@ -20,7 +20,7 @@ import stat as _stat
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, BinaryIO, Protocol, TypeVar, runtime_checkable
@@ -145,6 +145,16 @@ class _Syscalls:
     def close(self, fd: int) -> None:
         os.close(fd)
 
+    def syncfs(self, fd: int) -> bool:
+        """Flush the whole filesystem holding ``fd`` (Linux ``syncfs``); False where missing."""
+        function = _libc_syncfs()
+        if function is None:
+            return False
+        if function(fd) != 0:
+            error = _ctypes_errno()
+            raise OSError(error, f"syncfs failed: {os.strerror(error)}")
+        return True
+
     def pread(self, fd: int, size: int, offset: int) -> bytes:
         return os.pread(fd, size, offset)
 
@@ -222,6 +232,28 @@ def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
 
 
 _SYNC_FILE_RANGE_WRITE = 2  # <fcntl.h>: start writeback of dirty pages, do not wait for it
+
+
+@functools.cache
+def _libc_syncfs() -> Callable[[int], int] | None:
+    """libc's ``syncfs`` (Linux only; not in Python's os module), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        function = ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int]
+    function.restype = ctypes.c_int
+    return function
+
+
+def _ctypes_errno() -> int:
+    import ctypes
+
+    return ctypes.get_errno()
 
 
 def _views(data: bytes | bytearray | memoryview) -> Iterator[memoryview]:
@@ -582,6 +614,105 @@ class LocalStore:
             return self._put_link(key, final, parent, data, expected_size, want_sha)
         return self._put_exclusive(key, final, parent, data, expected_size, want_sha)
 
+    def put_many(
+        self, objects: Iterable[tuple[str, bytes | bytearray | memoryview, int | None, str | None]]
+    ) -> list[ObjectInfo]:
+        """Publish ``(key, data, expected_size, expected_sha256)`` objects for one flush or two.
+
+        Each object is checked and published as by ``put`` (create-only, hashed while written,
+        a mismatch raises ValueError), but durability is paid once per batch instead of twice
+        per object: every object is written under its hidden temp name, then one filesystem
+        flush (``syncfs``) makes all the data durable, then each temp name is hard-linked to
+        its key, then a second flush makes the names durable. A crash at any point leaves each
+        key either absent or complete. A failure while writing (an existing key, a size or
+        SHA256 mismatch, an I/O error) publishes nothing of the batch; a key that someone else
+        publishes between our write and our link raises FileExistsError naming it, with the
+        objects before it published and none after it. ``publish="exclusive"`` stores, which
+        cannot link, put each object in turn. A ``syncfs`` flushes everything dirty on the
+        filesystem, other writers' data included: worth it for many small objects, not for a
+        few large ones.
+        """
+        batch = list(objects)
+        if self.publish != "link":
+            return [
+                self.put(key, data, expected_size=size, expected_sha256=sha)
+                for key, data, size, sha in batch
+            ]
+        # (key, final path, parent directory, temp path, size, SHA256) of each written object
+        written: list[tuple[str, str, str, str, int, str]] = []
+        published: list[ObjectInfo] = []
+        try:
+            for key, data, expected_size, expected_sha256 in batch:
+                validate_key(key)
+                want_sha = _check_expected(key, expected_size, expected_sha256)
+                final = self.local_path(key)
+                if os.path.lexists(final):
+                    raise FileExistsError(errno.EEXIST, "object already exists", final)
+                parent = os.path.dirname(final)
+                self._makedirs(parent)
+                name = os.path.basename(final)
+                temp = os.path.join(parent, f"{TEMP_PREFIX}{uuid.uuid4().hex}-{name[:120]}")
+                fd = self._sys.open(temp, _CREATE_FLAGS, 0o644)
+                written.append((key, final, parent, temp, 0, ""))
+                size, digest = self._fill_and_close(
+                    fd, key, data, expected_size, want_sha, fsync=False
+                )
+                if self.verify_readback:
+                    self._verify_bytes(key, temp, size, digest)
+                written[-1] = (key, final, parent, temp, size, digest)
+            if written and self.fsync:  # the data, before any name points at it
+                self._sync_filesystems(
+                    dict.fromkeys(w[2] for w in written), [w[3] for w in written]
+                )
+            parents: dict[str, None] = {}
+            for key, final, parent, temp, size, digest in written:
+                self._sys.link(temp, final)  # never replaces: a concurrent writer fails this
+                try:
+                    st = self._wait_visible(key, final, size)
+                except BaseException:
+                    self._remove_failed(final)
+                    raise
+                parents[parent] = None
+                published.append(
+                    ObjectInfo(key=key, size=size, mtime_ns=st.st_mtime_ns, sha256=digest)
+                )
+        finally:
+            for *_, temp, _, _ in written:
+                try:
+                    self._sys.unlink(temp)
+                except OSError:
+                    pass  # hidden and never listed; the outcome stands
+            if published and self.fsync:
+                # The names: one flush for the batch (or each directory where syncfs is missing).
+                self._sync_filesystems(parents, [])
+        return published
+
+    def _sync_filesystems(self, directories: Iterable[str], files: Sequence[str]) -> None:
+        """Make everything written under ``directories`` durable with one ``syncfs`` per
+        filesystem they are on; where syncfs is missing, fsync each of ``files`` (or, with
+        none given, each directory) instead."""
+        anchors: dict[int, str] = {}
+        for path in directories:
+            anchors.setdefault(os.stat(path).st_dev, path)  # a mount below root is its own fs
+        synced = True
+        for path in anchors.values():
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                synced = self._sys.syncfs(fd) and synced
+            finally:
+                os.close(fd)
+        if synced:
+            return
+        for path in files:
+            fd = self._sys.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                self._sys.fsync(fd)
+            finally:
+                self._sys.close(fd)
+        if not files:
+            for path in directories:
+                self._fsync_dir(path)
+
     def _put_link(self, key, final, parent, data, expected_size, want_sha) -> ObjectInfo:
         name = os.path.basename(final)
         temp = os.path.join(parent, f"{TEMP_PREFIX}{uuid.uuid4().hex}-{name[:120]}")
@@ -626,14 +757,17 @@ class LocalStore:
                 self._remove_failed(final)
         return ObjectInfo(key=key, size=size, mtime_ns=st.st_mtime_ns, sha256=digest)
 
-    def _fill_and_close(self, fd, key, data, expected_size, want_sha) -> tuple[int, str]:
-        """Write and check ``data`` into a new file, fsync and close it; return (size, SHA256).
+    def _fill_and_close(
+        self, fd, key, data, expected_size, want_sha, fsync: bool | None = None
+    ) -> tuple[int, str]:
+        """Write and check ``data`` into a new file, fsync (``fsync``, default the store's
+        setting) and close it; return (size, SHA256).
 
         The descriptor is closed even when writing fails, and a failed close fails the put.
         """
         try:
             size, digest = self._write_checked(key, fd, data, expected_size, want_sha)
-            if self.fsync:
+            if self.fsync if fsync is None else fsync:
                 self._sys.fsync(fd)
         finally:
             self._sys.close(fd)

@@ -33,7 +33,9 @@ from koochak.storage.store import TEMP_PREFIX, LocalStore, ObjectInfo, Store, _S
 
 __all__ = ["StoreConformance", "Fault", "FaultyStore", "FakeClock", "FAULT_OPS", "visible_files"]
 
-FAULT_OPS = ("open", "read", "write", "fsync", "close", "stat", "link", "unlink", "list")
+FAULT_OPS = (
+    "open", "read", "write", "fsync", "syncfs", "close", "stat", "link", "unlink", "list"
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,10 @@ class _FaultySyscalls(_Syscalls):
     def fsync(self, fd: int) -> None:
         self._fault("fsync")
         super().fsync(fd)
+
+    def syncfs(self, fd: int) -> bool:
+        self._fault("syncfs")
+        return super().syncfs(fd)
 
     def start_writeback(self, fd: int, offset: int, length: int) -> bool:
         # Counted, never failed: it is only a hint and the real call reports no errors.

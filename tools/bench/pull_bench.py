@@ -1,0 +1,167 @@
+#!/usr/bin/env python3
+"""koochak-data pull and verify --deep as whole commands, against tar -xf and sha256sum.
+
+What a user types is a command, so this times commands: `koochak-data pull --no-progress
+COLL DEST` (every SHA256 checked, mode and exact mtime_ns restored, temp name + rename per
+file) against `tar -xf TREE.tar -C DEST`, and `koochak-data verify --deep COLL` against
+`find SRC -type f -print0 | xargs -0 sha256sum`, each pair on the same tree, interleaved
+(A B A B ...) so a noisy neighbour slows both alike, a fresh DEST per run and `sync` (untimed)
+between runs; the outputs are deleted only once a tree is done (about 2 x (repeat + 1) copies
+of it on disk at the end). Wall and CPU seconds (user + system of the child, from wait4) are medians of
+--repeat runs; the ratio is of the medians (lower is better).
+
+Two trees by default: the collection benchmark's (2,000 files of 1-64 KiB in directories of
+100, plus 2 x 8 MiB) and 4,000 files of 1-64 KiB. Goals: pull <= 1.5x tar -xf; verify --deep
+at least 2x as fast as sha256sum (ratio <= 0.5x).
+
+The floor printed below each tree is what any Python command pays before its first file: the
+interpreter's start and `import koochak.data.cli`, timed the same way (a whole command that
+does nothing else). tar pays none of it.
+
+    python tools/bench/pull_bench.py                       # both trees, 5 runs each: ~1 minute
+    python tools/bench/pull_bench.py --files 20000 --big 64M --repeat 3   # one larger tree
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from collection_bench import _generate  # noqa: E402  (the same tree generator)
+from koochak.data.archive import archive_tree  # noqa: E402
+from koochak.storage.profile import parse_size  # noqa: E402
+
+
+def _koochak_data() -> list[str]:
+    script = Path(sys.executable).with_name("koochak-data")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "koochak.data"]
+
+
+def _run(argv: list[str], *, shell: bool = False) -> tuple[float, float]:
+    """Wall and CPU seconds (user + system) of one command, measured from outside it."""
+    with tempfile.TemporaryFile() as errors:
+        start = time.perf_counter()
+        proc = subprocess.Popen(argv, shell=shell, stdout=subprocess.DEVNULL, stderr=errors)
+        # wait4's usage covers the child and every descendant it reaped (a pipeline's tools).
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode != 0:
+            errors.seek(0)
+            message = errors.read().decode(errors="replace").strip()
+            raise SystemExit(f"pull_bench: {argv!r} failed ({proc.returncode}): {message}")
+    return wall, usage.ru_utime + usage.ru_stime
+
+
+def _bench_tree(
+    scratch: Path, files: int, big: int, big_count: int, repeat: int
+) -> dict[str, object]:
+    src, coll, tar_file = scratch / "src", scratch / "coll", scratch / "tree.tar"
+    total = _generate(src, files, big, big_count, seed=0)
+    archive_tree(src, coll, show_progress=False)
+    subprocess.run(["tar", "-cf", str(tar_file), "-C", str(src), "."], check=True)
+    tool = _koochak_data()
+    commands = {
+        "pull": lambda dest: tool + ["pull", "--no-progress", str(coll), str(dest)],
+        "tar -xf": lambda dest: ["tar", "-xf", str(tar_file), "-C", str(dest)],
+        "verify --deep": lambda dest: tool + ["verify", "--deep", "--no-progress", str(coll)],
+        "sha256sum": lambda dest: (f"find {src} -type f -print0 | xargs -0 sha256sum > /dev/null",),
+        "startup + import": lambda dest: [sys.executable, "-c", "import koochak.data.cli"],
+    }
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
+    for i in range(repeat + 1):  # the first round warms caches and is not counted
+        for name, make in commands.items():
+            dest = scratch / f"out-{name.split()[0]}-{i}"
+            if name == "tar -xf":
+                dest.mkdir()
+            os.sync()
+            argv = make(dest)
+            shell = name == "sha256sum"
+            figure = _run(list(argv) if not shell else argv[0], shell=shell)
+            if i:
+                runs[name].append(figure)
+            # Outputs stay until the tree is done: deleting thousands of files between runs
+            # leaves the filesystem freeing them during the next run, on its clock.
+    wall = {name: statistics.median(w for w, _ in values) for name, values in runs.items()}
+    cpu = {name: statistics.median(c for _, c in values) for name, values in runs.items()}
+    return {"files": files, "big": big, "big_count": big_count, "bytes": total, "wall": wall,
+            "cpu": cpu, "ranges": {n: (min(w for w, _ in v), max(w for w, _ in v))
+                                   for n, v in runs.items()}}  # fmt: skip
+
+
+def _print(result: dict[str, object]) -> None:
+    wall: dict[str, float] = result["wall"]  # type: ignore[assignment]
+    cpu: dict[str, float] = result["cpu"]  # type: ignore[assignment]
+    ranges: dict[str, tuple[float, float]] = result["ranges"]  # type: ignore[assignment]
+    print(
+        f"tree: {result['files']} files of 1-64 KiB + {result['big_count']} x "
+        f"{int(result['big']) >> 20} MiB = {int(result['bytes']) / 2**20:.1f} MiB"
+    )
+    print(f"  {'command':<18}{'wall s':>8} {'(min-max)':>15}{'cpu s':>8}  {'baseline':<11}"
+          f"{'wall ratio':>11}{'cpu ratio':>10}  goal")  # fmt: skip
+    for name, base, goal in (("pull", "tar -xf", 1.5), ("verify --deep", "sha256sum", 0.5)):
+        for label in (base, name):
+            low, high = ranges[label]
+            line = (
+                f"  {label:<18}{wall[label]:8.3f} {f'({low:.3f}-{high:.3f})':>15}{cpu[label]:8.3f}"
+            )
+            if label == name:
+                ratio, cpu_ratio = wall[name] / wall[base], cpu[name] / max(cpu[base], 1e-9)
+                verdict = "ok" if ratio <= goal else "MISSED"
+                line += f"  {base:<11}{ratio:10.2f}x{cpu_ratio:9.2f}x  <= {goal}x {verdict}"
+            print(line)
+    fixed = wall["startup + import"]
+    print(
+        f"  floor: interpreter start + import koochak.data.cli = {fixed:.3f} s wall "
+        f"({cpu['startup + import']:.3f} s cpu), {fixed / wall['tar -xf']:.2f}x tar -xf's whole "
+        f"run before pull touches a file; pull minus it = "
+        f"{(wall['pull'] - fixed) / wall['tar -xf']:.2f}x tar -xf"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--files", type=int, default=None, help="one tree of this many files")
+    parser.add_argument("--big", default="8M", help="size of each big file (with --files)")
+    parser.add_argument("--big-count", type=int, default=0, help="big files (with --files)")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
+    parser.add_argument("--json", action="store_true", help="also print the figures as JSON")
+    args = parser.parse_args(argv)
+    for tool in ("tar", "find", "xargs", "sha256sum"):
+        if shutil.which(tool) is None:
+            print(f"pull_bench: needs {tool!r} on PATH for its baseline", file=sys.stderr)
+            return 1
+    if args.files is None:
+        trees = [(2000, 8 << 20, 2), (4000, 0, 0)]
+    else:
+        trees = [(args.files, parse_size(args.big), args.big_count)]
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"pull_bench: whole commands, medians of {args.repeat} interleaved runs; load {load}")
+    results = []
+    for files, big, big_count in trees:
+        scratch = Path(tempfile.mkdtemp(prefix="koochak-pull-bench-", dir=args.dir))
+        try:
+            result = _bench_tree(scratch, files, big, big_count, args.repeat)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        _print(result)
+        results.append(result)
+    print(f"load average at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    if args.json:
+        print(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
