@@ -27,6 +27,7 @@ from koochak.jobs.profile import (
     is_runtime_owned,
     substitute,
 )
+from koochak.jobs.staging import stage_run
 from koochak.storage.strict_json import loads_strict, require_version
 
 __all__ = [
@@ -111,8 +112,6 @@ class PreparedRun:
 
     def stage(self) -> list[str]:
         """Write the artifacts write-once; return the paths newly written (see `stage_run`)."""
-        from koochak.jobs.staging import stage_run
-
         return stage_run(self)
 
 

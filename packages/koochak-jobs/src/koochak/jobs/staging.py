@@ -15,12 +15,23 @@ import errno
 import os
 import stat
 import uuid
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
 from koochak.storage.store import TEMP_PREFIX
 
-if TYPE_CHECKING:
-    from koochak.jobs.manifest import PreparedRun
+
+class _File(Protocol):
+    path: str
+    content: bytes
+
+
+class _Staged(Protocol):
+    """What staging needs of a `koochak.jobs.PreparedRun` (kept structural so that the
+    manifest module imports this one, never the other way round)."""
+
+    @property
+    def artifacts(self) -> Sequence[_File]: ...
 
 __all__ = ["stage_run", "write_once"]
 
@@ -28,7 +39,7 @@ _MODE = 0o444
 _MAX_COMPARE = 64 << 20
 
 
-def stage_run(prepared: PreparedRun) -> list[str]:
+def stage_run(prepared: _Staged) -> list[str]:
     """Write ``prepared.artifacts`` in order (the manifest is last); return the paths written
     now (empty when everything was already staged with identical bytes)."""
     written = []

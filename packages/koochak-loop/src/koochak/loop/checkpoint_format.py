@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from koochak.loop.ema import ModelEma, check_ema_state, restore_ema
+from koochak.loop.state_dicts import match_state_dict_to_model, unwrap_model
 
 CHECKPOINT_VERSION = 1
 # Numbered checkpoint names; group 1 is the number used for ordering and cursor checks.
@@ -58,17 +59,6 @@ def step_of_name(name: str) -> int | None:
     """The number in a numbered checkpoint name (last path segment), or None for other names."""
     match = re.fullmatch(CHECKPOINT_PATTERN, name.rsplit("/", 1)[-1])
     return int(match.group(1)) if match else None
-
-
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The module whose weights a checkpoint stores: without DDP or torch.compile wrappers."""
-    while True:
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            model = model.module
-        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):
-            model = model._orig_mod
-        else:
-            return model
 
 
 def build_checkpoint(
@@ -410,26 +400,6 @@ def check_resume_cursor(ckpt: Mapping[str, Any], name: str) -> None:
             f"{name}: field 'next_step' is {next_step}; a {reason} checkpoint at step {step} "
             f"resumes at {expected}"
         )
-
-
-def match_state_dict_to_model(
-    model: torch.nn.Module, state_dict: Mapping[str, Any]
-) -> dict[str, Any]:
-    """Add or strip the ``module.`` prefix so ``state_dict`` keys match ``model``'s own keys.
-
-    Checkpoints store unwrapped weights, but a state dict taken from a DDP-wrapped model by hand
-    carries ``module.``; this makes either kind load into either kind of model.
-    """
-    model_keys = list(model.state_dict().keys())
-    sd_keys = list(state_dict.keys())
-    prefix = "module."
-    model_prefixed = bool(model_keys) and all(k.startswith(prefix) for k in model_keys)
-    sd_prefixed = bool(sd_keys) and all(k.startswith(prefix) for k in sd_keys)
-    if model_prefixed and not sd_prefixed:
-        return {prefix + k: v for k, v in state_dict.items()}
-    if sd_prefixed and not model_prefixed:
-        return {k[len(prefix) :]: v for k, v in state_dict.items()}
-    return dict(state_dict)
 
 
 def restore_training_state(

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from koochak.loop.state_dicts import match_state_dict_to_model, unwrap_model
 
 EMA_STATE_VERSION = 1
 PROFILES = ("constant", "power")
@@ -226,8 +227,6 @@ class ModelEma:
             raise ValueError(
                 f"train.ema.update_every: expected an integer >= 1, got {update_every!r}"
             )
-        from koochak.loop.checkpoint_format import unwrap_model
-
         self.model = unwrap_model(model)
         self.specs = list(specs)
         self.update_every = update_every
@@ -461,8 +460,6 @@ def load_ema_weights(
     model: torch.nn.Module, ckpt: Mapping[str, Any], shadow: int = 0
 ) -> torch.nn.Module:
     """Load shadow ``shadow`` of checkpoint ``ckpt`` into ``model`` (wrapped in DDP or not)."""
-    from koochak.loop.checkpoint_format import match_state_dict_to_model
-
     if ckpt.get("ema") is None:
         raise ValueError("checkpoint has no EMA shadows (field 'ema' is null)")
     check_ema_state(ckpt["ema"], "checkpoint")
