@@ -10,6 +10,7 @@ import importlib.util
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 RECIPE = Path(__file__).resolve().parents[2] / "packages" / "koochak-loop" / "tests" / "test_ddp.py"
@@ -23,7 +24,7 @@ def load_recipe():
 
 
 def main(out_dir: str, max_steps: int) -> None:
-    import torch
+    from koochak.loop.dist import exit_distributed_process
 
     recipe = load_recipe()
     os.makedirs(out_dir, exist_ok=True)
@@ -37,12 +38,16 @@ def main(out_dir: str, max_steps: int) -> None:
 
     recipe._step_fn = slowed
     try:
-        recipe._train(out_dir, max_steps, ddp=True)  # exits 75 (Evacuated) when evacuated
-    finally:
-        # Also on evacuation: a rank that exits with the group still up can abort in gloo's
-        # teardown (std::terminate, exit 134) while its peer is closing the connection.
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        recipe._train(out_dir, max_steps, ddp=True)
+        code = 0
+    except SystemExit as exc:  # 75 (Evacuated) when evacuated
+        code = exc.code if isinstance(exc.code, int) else 1
+    except Exception:
+        traceback.print_exc()
+        code = 1
+    # Ends the group and leaves without interpreter finalisation: a gloo DDP rank can abort
+    # there (std::terminate, exit 134) instead of exiting with its code.
+    exit_distributed_process(code)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import traceback
 
 import pytest
 import torch
@@ -99,8 +100,23 @@ def _spawned(local_rank: int, out_dir: str, max_steps: int, port: int) -> None:
         RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE="2",
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )  # fmt: skip
-    _train(out_dir, max_steps, ddp=True)
-    torch.distributed.destroy_process_group()
+    _leave(lambda: _train(out_dir, max_steps, ddp=True))
+
+
+def _leave(train) -> None:
+    """Run ``train`` as one rank and end the process with its code (75 when evacuated) the way
+    koochak-train does, without interpreter finalisation (which can abort a gloo DDP rank)."""
+    from koochak.loop.dist import exit_distributed_process
+
+    try:
+        train()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except Exception:
+        traceback.print_exc()
+        code = 1
+    exit_distributed_process(code)
 
 
 def _free_port() -> int:
@@ -236,8 +252,7 @@ def test_wrap_model_passes_find_unused_parameters_through(tmp_path):
 if __name__ == "__main__":
     mode, out_dir, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     if mode == "train":  # one rank, environment from torchrun or the test
-        _train(out_dir, steps, ddp=True)
-        torch.distributed.destroy_process_group()
+        _leave(lambda: _train(out_dir, steps, ddp=True))
     else:  # "spawn": both ranks via torch.multiprocessing
         import torch.multiprocessing as mp
 

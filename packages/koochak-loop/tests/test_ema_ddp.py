@@ -44,7 +44,9 @@ def _train(out_dir: str) -> None:
                    "ema": {"dual": {"enabled": True, "srel1": 0.05, "srel2": 0.10}}},
     )  # fmt: skip
     torch.save(final["ema"], os.path.join(out_dir, f"ema_rank{rank}.pt"))
-    torch.distributed.destroy_process_group()
+    from koochak.loop.dist import exit_distributed_process
+
+    exit_distributed_process(0)  # a gloo DDP rank can abort in interpreter finalisation
 
 
 def _free_port() -> int:

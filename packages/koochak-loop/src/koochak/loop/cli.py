@@ -33,6 +33,7 @@ from koochak.loop.config import (
     load_config_with_report,
     to_container,
 )
+from koochak.loop.dist import exit_distributed_process
 from koochak.loop.evacuation import make_evacuation
 from koochak.loop.logging.wandb_logger import check_restart_settings
 from koochak.loop.scruffy_exit import checkpoint_exit_code
@@ -247,6 +248,18 @@ def run_with_one_line_errors(
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return _run(args)
+    # One rank of several (torchrun): leave with the code through exit_distributed_process, the
+    # 75 of an evacuation and the 79 of a GPU-health stop included.
+    try:
+        code = _run(args)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    exit_distributed_process(code)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         kwargs = _prepare(args)
     except Exception as exc:

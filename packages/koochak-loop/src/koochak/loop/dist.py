@@ -7,7 +7,9 @@ unavailable or not initialised, so callers never branch on "am I distributed?".
 from __future__ import annotations
 
 import os
+import sys
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as torch_dist
@@ -37,6 +39,27 @@ def is_rank0() -> bool:
 def barrier() -> None:
     if is_initialized():
         torch_dist.barrier()
+
+
+def exit_distributed_process(code: int) -> NoReturn:
+    """End a process that ran torch.distributed with ``code``, without interpreter finalisation.
+
+    The default group is destroyed first. A DistributedDataParallel reducer keeps its group's
+    gloo threads alive even after ``destroy_process_group``; when the interpreter is torn down
+    they free their pending work without a live interpreter and, now and then, abort the process
+    ("terminate called without an active exception", SIGABRT) instead of letting it exit with
+    its code (75 after an evacuation, 0 after training). So, with stdio flushed, the process
+    leaves through ``os._exit``. Call it only at the end of a launcher's main, after every log
+    and checkpoint is closed: ``atexit`` handlers do not run.
+    """
+    if is_initialized():
+        torch_dist.destroy_process_group()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or broken pipe: nothing more can be said
+            pass
+    os._exit(code)
 
 
 def check_launch_environment() -> None:

@@ -279,6 +279,10 @@ def training_loop(
         checkpoint, _ = persist.terminal("terminal", step, final_metrics, publish=republish)
         end = {"step": step, "checkpoint": checkpoint, "metrics": final_metrics}
         emit(hooks, "on_train_end", end, warned=warned)
+        # Ranks leave together: one that ends its process (or group) while a peer still finishes
+        # its last collective can make gloo abort that peer at exit (SIGABRT, exit 134).
+        if world_size > 1:
+            dist.barrier()
         finished = True
         return checkpoint
     # A GPU-health stop is a failure the hooks must hear of (an evacuation already ended cleanly
