@@ -229,3 +229,51 @@ def test_a_scruffy_without_recovery_rejects_it_with_its_own_error(tmp_path, monk
     stub_harness.load_client("0.1.1", monkeypatch)
     with pytest.raises(ValueError, match=r"unexpected fields: \['recovery'\]"):
         submit_scruffy_workflow(workflow, root=tmp_path / "root")
+
+
+def test_an_unacknowledged_checkpoint_exits_76_through_the_runner_and_the_retry_republishes(
+    tmp_path, monkeypatch
+):
+    """Newer contract, a prepared koochak-train run under the runner: the controller holds
+    every report until a retry, so the first numbered checkpoint is not acknowledged in time;
+    the loop exits 76, the runner passes 76 on, the recovery mapping retries the task on
+    `checkpoint_ack_timeout`, and the retry resumes from that checkpoint and republishes its
+    artifact event under the same id (deduplicated: one accepted report per id)."""
+    from slurm_user import CONFIG
+
+    e2e = _scruffy_e2e()
+    shutil.copy(HERE / "slurm_user.py", tmp_path)
+    (tmp_path / "cfg.yaml").write_text(CONFIG)
+    profile = _profile(
+        tmp_path, STEP_SLEEP="0", MARK_DIR="{run_dir}",
+        KOOCHAK_SCRUFFY_ARTIFACT_ACK_TIMEOUT_SECONDS="3",
+    )  # fmt: skip
+    train = koochak.jobs.prepare_run(
+        name="train", profile=profile, python_args=["-m", "koochak.loop.cli", "--config", "{config}"],
+        cwd=str(tmp_path), run_dir=str(tmp_path / "run"), base_config=str(tmp_path / "cfg.yaml"),
+    )  # fmt: skip
+    recovery = {
+        "max_attempts": 2,
+        "retry_on": ["checkpoint_ack_timeout"],
+        "evacuation": {"signal": "USR1", "grace_seconds": 30},
+    }
+    workflow = PreparedWorkflow(
+        "ack/attempt-1", "wf", "default", [PreparedTask("train", train, REQ, recovery=recovery)]
+    )
+    scruffy = stub_harness.load_client("newer", monkeypatch)
+    with stub_harness.StubController(tmp_path / "root", "newer") as controller:
+        root = controller.root
+        controller.control(hold_reports=True, until_retry=True)
+        (job,) = (t["job_id"] for t in submit_scruffy_workflow(workflow, root=root)["tasks"])
+        done = scruffy.wait_for_job(root, job, timeout=240)
+        assert done["state"] == "succeeded", (root / done["stderr"]).read_text()
+        retrying = [r for r in e2e.journal_of(root, job) if r["kind"] == "job.retrying"]
+        events = e2e.artifact_events(root, job)
+    assert [(r["data"]["reason"], r["data"]["exit_code"]) for r in retrying] == [
+        ("checkpoint_ack_timeout", 76)
+    ]
+    record = e2e.exit_record(root, done)  # attempt 1's exit line, from the job's stderr.log
+    assert record["reason"] == "checkpoint_ack_timeout" and record["retryable"] is True
+    ids = [e["source_event_id"] for e in events]
+    assert record["event_id"] in ids and len(ids) == len(set(ids))
+    assert (Path(train.run_dir) / "step000000020.pt.ready.json").exists()
