@@ -19,9 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "jobs"
 pytestmark = pytest.mark.slow
 
-# A stand-in Scruffy client on the profile's PYTHONPATH, speaking both contracts koochak-events
-# has used (the early positional one and the v1 keyword one); every event appends to
-# <root>/events.jsonl, a repeated id with another payload is a ReportConflict.
+# A stand-in Scruffy client on the profile's PYTHONPATH, of the newer v1 keyword contract; every
+# event appends to <root>/events.jsonl, a repeated id with another payload is a ReportConflict.
 FAKE_SCRUFFY = """\
 import json, os
 
@@ -30,22 +29,16 @@ class ReportConflict(Exception):
     pass
 
 
-def publish_event(root, *legacy, job_id=None, kind=None, data=None, event_id=None,
-                  occurred_at=None, source=None, wait=False, timeout=None):
+def publish_event(root, *, job_id, kind, data, event_id=None, occurred_at=None, source=None,
+                  wait=False, timeout=None):
     root = str(root)
-    if legacy:
-        job_id, event = legacy
-        record = {"id": event["id"], "kind": event["kind"], "job_id": job_id,
-                  "payload": event["payload"], "source": event["source"]}
-    else:
-        record = {"id": event_id, "kind": kind, "job_id": job_id, "payload": data,
-                  "source": source}
+    record = {"id": event_id, "kind": kind, "job_id": job_id, "payload": data, "source": source}
     mode_file = os.path.join(root, "mode")
     mode = open(mode_file).read().strip() if os.path.exists(mode_file) else "accepted"
     if mode == "timeout":
         raise TimeoutError("no acknowledgement")
     if mode == "reject":
-        return "rejected" if legacy else {"state": "rejected", "reason": "test rejects"}
+        return {"state": "rejected", "reason": "test rejects"}
     path = os.path.join(root, "events.jsonl")
     seen = {}
     if os.path.exists(path):
@@ -55,11 +48,10 @@ def publish_event(root, *legacy, job_id=None, kind=None, data=None, event_id=Non
     if record["id"] in seen:
         if seen[record["id"]]["payload"] != record["payload"]:
             raise ReportConflict(f"event_id {record['id']!r} was already used for another report")
-        return "duplicate" if legacy else {"state": "accepted", "acknowledged": True,
-                                           "deduplicated": True}
+        return {"state": "accepted", "acknowledged": True, "deduplicated": True}
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\\n")
-    return "accepted" if legacy else {"state": "accepted", "acknowledged": True}
+    return {"state": "accepted", "acknowledged": True}
 """
 
 
@@ -126,7 +118,7 @@ def test_a_real_digits_training_run_through_a_manifest(tmp_path):
     # runner's event deduplicated (the stand-in refuses a repeated id with other content).
     [ours] = record["event_ids"]
     [event] = [e for e in events if e["id"] == ours]
-    publication = event["payload"].get("publication", event["payload"])
+    publication = event["payload"]["publication"]
     assert publication["artifact_id"] == "checkpoint/step000000012.pt"
     assert event["payload"]["step"] == 12
     for path in run_dir.rglob("*"):

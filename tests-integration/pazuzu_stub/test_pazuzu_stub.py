@@ -85,7 +85,7 @@ def test_rendered_script_is_the_contracts_text():
             "/runs/a b/launch.json",
             "ab12",
         ],
-        cwd="/work/my repo",
+        cwd="/srv/my repo",
         log_dir="/runs/logs",
         resources=_resources(
             gpus_per_node=2,
@@ -114,7 +114,7 @@ def test_rendered_script_is_the_contracts_text():
         "#SBATCH --error=/runs/logs/train-1-%j.err\n"
         "\n"
         "set -euo pipefail\n"
-        "cd '/work/my repo'\n"
+        "cd '/srv/my repo'\n"
         "export ALPHA='it'\"'\"'s'\n"
         "export ZED=last\n"
         "\n"

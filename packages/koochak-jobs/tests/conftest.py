@@ -99,10 +99,8 @@ def kit():
     return sys.modules[__name__]
 
 
-# A stand-in Scruffy client speaking both contracts koochak-events has used: the early one,
-# publish_event(root, job_id, event, *, wait, timeout) -> "accepted" | "duplicate" | ..., and
-# the v1 keyword one, publish_event(root, *, job_id, kind, data, event_id, occurred_at, source,
-# wait, timeout) -> {"state": ...}. Events append to <root>/events.jsonl as {id, kind, job_id,
+# A stand-in Scruffy client of the newer v1 contract, publish_event(root, *, job_id, kind, data,
+# event_id, occurred_at, source, wait, timeout) -> {"state": ...}. Events append to <root>/events.jsonl as {id, kind, job_id,
 # payload, source}; <root>/mode answers accepted (default), reject or timeout. A repeated id
 # with the same payload deduplicates; with another payload it is a ReportConflict.
 FAKE_SCRUFFY = """\
@@ -113,22 +111,16 @@ class ReportConflict(Exception):
     pass
 
 
-def publish_event(root, *legacy, job_id=None, kind=None, data=None, event_id=None,
-                  occurred_at=None, source=None, wait=False, timeout=None):
+def publish_event(root, *, job_id, kind, data, event_id=None, occurred_at=None, source=None,
+                  wait=False, timeout=None):
     root = str(root)
-    if legacy:
-        job_id, event = legacy
-        record = {"id": event["id"], "kind": event["kind"], "job_id": job_id,
-                  "payload": event["payload"], "source": event["source"]}
-    else:
-        record = {"id": event_id, "kind": kind, "job_id": job_id, "payload": data,
-                  "source": source}
+    record = {"id": event_id, "kind": kind, "job_id": job_id, "payload": data, "source": source}
     mode_file = os.path.join(root, "mode")
     mode = open(mode_file).read().strip() if os.path.exists(mode_file) else "accepted"
     if mode == "timeout":
         raise TimeoutError("no acknowledgement")
     if mode == "reject":
-        return "rejected" if legacy else {"state": "rejected", "reason": "test rejects"}
+        return {"state": "rejected", "reason": "test rejects"}
     path = os.path.join(root, "events.jsonl")
     seen = {}
     if os.path.exists(path):
@@ -138,17 +130,16 @@ def publish_event(root, *legacy, job_id=None, kind=None, data=None, event_id=Non
     if record["id"] in seen:
         if seen[record["id"]]["payload"] != record["payload"]:
             raise ReportConflict(f"event_id {record['id']!r} was already used for another report")
-        return "duplicate" if legacy else {"state": "accepted", "acknowledged": True,
-                                           "deduplicated": True}
+        return {"state": "accepted", "acknowledged": True, "deduplicated": True}
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\\n")
-    return "accepted" if legacy else {"state": "accepted", "acknowledged": True}
+    return {"state": "accepted", "acknowledged": True}
 """
 
 
 def publication(payload: dict) -> dict:
-    """The publication record of an artifact event's payload, whichever contract wrote it."""
-    return payload.get("publication", payload)
+    """The publication record of an artifact event's payload."""
+    return payload["publication"]
 
 
 # ----------------------------------------------------------------- a tiny SubmittableRun

@@ -61,10 +61,10 @@ def test_digest_is_stable_and_ignores_layout_but_not_content(tmp_path):
 
 
 def test_resolve_substitutes_placeholders_and_keeps_secret_names_only(tmp_path):
-    env = load(tmp_path, GOOD).resolve(cwd="/work/repo", run_dir="/runs/r1")
+    env = load(tmp_path, GOOD).resolve(cwd="/srv/project", run_dir="/runs/r1")
     assert env["set"]["TRITON_CACHE_DIR"] == "/runs/r1/triton-cache"
     assert env["create_directories"] == ["/runs/r1/triton-cache"]
-    assert env["files"] == ["/work/repo/data/train.bin"]
+    assert env["files"] == ["/srv/project/data/train.bin"]
     assert env["secrets"] == ["TRACKING_TOKEN"]
     assert env["inherit"] == list(RUNTIME_OWNED)
     with pytest.raises(ValueError, match="cwd"):
