@@ -14,6 +14,7 @@ memory, hashing as it reads, and only returns once every part has matched its si
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
 from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -225,12 +226,12 @@ def _read_part(
     except FileNotFoundError:
         raise ValueError(f"{source}: part {part.key} is missing") from None
     with stream:
-        readinto = getattr(stream, "readinto", None)
+        filler = _Filler(stream)
         for _, dest in sorted(targets, key=lambda item: item[0]):
             # The index tiles each part, so the extents follow one another with no gaps.
             for begin in range(0, len(dest), _READ_PIECE):
                 piece = dest[begin : begin + _READ_PIECE]
-                filled = _fill(stream, readinto, piece)
+                filled = filler.fill(piece)
                 sha.update(piece[:filled])
                 got += filled
                 if filled < len(piece):
@@ -249,20 +250,31 @@ def _read_part(
         )
 
 
-def _fill(stream: Any, readinto: Any, piece: memoryview) -> int:
-    """Read into ``piece`` until it is full or the stream ends; return the bytes read."""
-    filled = 0
-    while filled < len(piece):
-        if readinto is not None:
-            n = readinto(piece[filled:])
-        else:
-            block = stream.read(len(piece) - filled)
-            n = len(block)
-            piece[filled : filled + n] = block
-        if not n:
-            break
-        filled += n
-    return filled
+class _Filler:
+    """Reads a stream into given buffers: ``readinto`` where the stream has a working one."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.readinto = getattr(stream, "readinto", None)
+
+    def fill(self, piece: memoryview) -> int:
+        """Read into ``piece`` until it is full or the stream ends; return the bytes read."""
+        filled = 0
+        while filled < len(piece):
+            n = None
+            if self.readinto is not None:
+                try:
+                    n = self.readinto(piece[filled:])
+                except (NotImplementedError, io.UnsupportedOperation):
+                    self.readinto = None  # the base class's stub: it read nothing
+            if n is None:
+                block = self.stream.read(len(piece) - filled)
+                n = len(block)
+                piece[filled : filled + n] = block
+            if not n:
+                break
+            filled += n
+        return filled
 
 
 def _run_parallel(calls: Sequence[Any], workers: int | None, cleanup: Any = None) -> list[Any]:
