@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 
 import pytest
@@ -80,3 +82,27 @@ def test_a_failed_copy_frees_the_buffers_for_the_next_save():
         buffers.copy([torch.zeros(2), torch.empty(2, device="meta")])
     with buffers.copy(_state()) as copy:
         assert len(copy.tensors) == 3
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priority is Linux's")
+def test_a_background_thread_lowers_its_priority_and_its_children_inherit_it():
+    from koochak.loop._background import BACKGROUND_NICENESS, lower_this_threads_priority
+
+    seen: dict[str, int] = {}
+
+    def child() -> None:
+        seen["child"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    def background() -> None:
+        seen["lowered"] = lower_this_threads_priority()
+        thread = threading.Thread(target=child)
+        thread.start()
+        thread.join()
+
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    thread = threading.Thread(target=background)
+    thread.start()
+    thread.join()
+    assert seen["lowered"] is True
+    assert seen["child"] >= BACKGROUND_NICENESS
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
