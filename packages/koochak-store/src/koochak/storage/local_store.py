@@ -2,9 +2,10 @@
 
 A put is admitted once (key, expectations, no existing object, parent directory), its bytes are
 written and hashed in one pass (``_payload``) through the fault seam (``_syscalls``), and then
-one of two methods makes the object appear: ``_put_link`` (hidden temp file, fsync, hard link)
-or ``_put_exclusive`` (``O_EXCL`` on the key, publish on close). Those two are the only places
-an object appears under its key; ``put_many`` is ``_put_link`` for a batch with one flush.
+the object appears in one of two ways. Link mode hard-links a written, synced temp file to the
+key: ``_put_link``, and ``put_many`` for a batch with one flush. Exclusive mode creates the key
+itself with ``O_EXCL`` and relies on the mount publishing on close: ``_put_exclusive``, the one
+place that mode publishes (``put_many`` puts each object in turn there).
 """
 
 from __future__ import annotations
@@ -365,7 +366,7 @@ class LocalStore:
         self._makedirs(parent)
         return _Admitted(key, final, parent, expected_size, want_sha)
 
-    # -- publishing: the only two places an object appears under its key --------------------
+    # -- publishing: how each mode makes one object appear under its key ---------------------
 
     def _put_link(self, target: _Admitted, data: object) -> ObjectInfo:
         temp, size, digest = self._write_temp(target, data)
