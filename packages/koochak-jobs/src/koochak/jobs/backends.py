@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import inspect
 import shlex
-import textwrap
 from collections.abc import Sequence
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from .staging import stage_run, stage_write_once, staging_program
 from .workflow import PreparedWorkflow, StagedFile, SubmittableRun, _needs_wire, _wait_for_wire
 
 __all__ = [
@@ -40,103 +38,6 @@ __all__ = [
 
 PAZUZU_STDIN_LIMIT = 4 * 1024 * 1024  # bytes per client.run call (the client refuses more)
 _STAGE_TIMEOUT_S = 60.0
-
-
-def stage_write_once(path: str, data: bytes, sha256: str) -> str:
-    """Write ``data`` at absolute ``path`` exactly once; ``"written"`` or ``"unchanged"``.
-
-    The bytes must hash to ``sha256`` (else ValueError "artifact digest differs"). An existing
-    regular file with the same bytes is a no-op; different bytes, a symlink or any other
-    non-regular file raise FileExistsError ("refusing to replace different artifact"). A new
-    file goes to a temporary name in the same directory, is fsynced and made read-only (0444),
-    then hard-linked into place, which never replaces anything; a lost race re-checks.
-
-    This function is also the remote staging script: its source is shipped to the execution
-    side and run under ``python -I``, so it imports only the standard library, inside itself.
-    """
-    import hashlib
-    import os
-    import stat
-
-    actual = hashlib.sha256(data).hexdigest()
-    if actual != sha256:
-        raise ValueError(f"{path}: artifact digest differs: expected {sha256}, got {actual}")
-    if not os.path.isabs(path):
-        raise ValueError(f"{path}: artifact path must be absolute")
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-
-    def on_disk():
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:  # ELOOP: the name is a symlink
-            raise FileExistsError(
-                f"{path}: refusing to stage over a non-regular file ({exc.strerror})"
-            ) from None
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise FileExistsError(f"{path}: refusing to stage over a non-regular file")
-            chunks = []
-            while chunk := os.read(fd, 1 << 20):
-                chunks.append(chunk)
-            if info.st_mode & 0o222 and b"".join(chunks) == data:
-                os.fchmod(fd, 0o444)  # same bytes, loosened mode: harden it again
-            return b"".join(chunks)
-        finally:
-            os.close(fd)
-
-    def settle(current):
-        if current == data:
-            return "unchanged"
-        theirs = hashlib.sha256(current or b"").hexdigest()
-        raise FileExistsError(
-            f"{path}: refusing to replace different artifact (on disk sha256 {theirs}, staging {sha256})"
-        )
-
-    current = on_disk()
-    if current is not None:
-        return settle(current)
-    tmp = os.path.join(parent, f".{os.path.basename(path)}.{os.getpid()}.{os.urandom(6).hex()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-        os.fchmod(fd, 0o444)
-    finally:
-        os.close(fd)
-    try:
-        os.link(tmp, path)
-    except FileExistsError:  # another stager won: fine if it staged the same bytes
-        return settle(on_disk())
-    finally:
-        os.unlink(tmp)
-    dir_fd = os.open(parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-    return "written"
-
-
-@lru_cache(maxsize=1)
-def _staging_script() -> str:
-    """The program ``python -I -c SCRIPT PATH SHA256`` runs remotely, bytes on stdin."""
-    body = textwrap.dedent(inspect.getsource(stage_write_once))
-    return body + textwrap.dedent(
-        """
-        import sys
-        try:
-            print(stage_write_once(sys.argv[1], sys.stdin.buffer.read(), sys.argv[2]))
-        except Exception as exc:
-            print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
-            sys.exit(1)
-        """
-    )
 
 
 def _checked_artifacts(prepared: SubmittableRun, limit: int | None = None) -> list[StagedFile]:
@@ -161,10 +62,10 @@ def _checked_artifacts(prepared: SubmittableRun, limit: int | None = None) -> li
 
 def _stage_local(runs: Sequence[SubmittableRun]) -> None:
     """Check every artifact of every run, then write them all write-once, in order."""
-    checked = [_checked_artifacts(run) for run in runs]
-    for artifacts in checked:
-        for artifact in artifacts:
-            stage_write_once(str(artifact.path), artifact.content, artifact.sha256)
+    for run in runs:
+        _checked_artifacts(run)
+    for run in runs:
+        stage_run(run)
 
 
 _CALLER = {"submit_job": "submit_scruffy", "submit_workflow": "submit_scruffy_workflow"}
@@ -265,7 +166,7 @@ async def stage_remote(client: Any, prepared: SubmittableRun) -> None:
     python = prepared.runner_argv[0]
     for artifact in _checked_artifacts(prepared, limit=PAZUZU_STDIN_LIMIT):
         command = shlex.join(
-            [python, "-I", "-c", _staging_script(), str(artifact.path), artifact.sha256]
+            [python, "-I", "-c", staging_program(), str(artifact.path), artifact.sha256]
         )
         result = await client.run(command, stdin=artifact.content, timeout=_STAGE_TIMEOUT_S)
         if result.exit_code != 0:  # Pazuzu's CommandResult has exit_code, not returncode
