@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .staging import stage_run, stage_write_once, staging_program
-from .workflow import PreparedWorkflow, StagedFile, SubmittableRun, _needs_wire, _wait_for_wire
+from .staging import StagedFile, stage_run, stage_write_once, staging_program
+from .workflow import PreparedWorkflow, SubmittableRun, _needs_wire, _wait_for_wire
 
 __all__ = [
     "stage_remote",

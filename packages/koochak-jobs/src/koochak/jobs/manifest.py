@@ -27,13 +27,12 @@ from koochak.jobs.profile import (
     is_runtime_owned,
     substitute,
 )
-from koochak.jobs.staging import stage_run
+from koochak.jobs.staging import StagedFile, stage_run
 from koochak.storage.strict_json import loads_strict, require_version
 
 __all__ = [
     "MANIFEST_NAME",
     "MANIFEST_VERSION",
-    "Artifact",
     "PreparedRun",
     "encode_manifest",
     "parse_manifest",
@@ -73,15 +72,6 @@ _ENV_FIELDS = {
 
 
 @dataclass(frozen=True, slots=True)
-class Artifact:
-    """One file staging writes: absolute ``path``, exact ``content`` and its ``sha256``."""
-
-    path: str
-    content: bytes
-    sha256: str
-
-
-@dataclass(frozen=True, slots=True)
 class PreparedRun:
     """Everything needed to submit a run, computed without touching the filesystem.
 
@@ -102,7 +92,7 @@ class PreparedRun:
     config_sha256: str | None
     preflight_path: str
     outputs: tuple[DeclaredOutput, ...]
-    artifacts: tuple[Artifact, ...]
+    artifacts: tuple[StagedFile, ...]
     runner_argv: tuple[str, ...]
 
     @property
@@ -178,7 +168,7 @@ def prepare_run(
         content = text.encode("utf-8")
         config_path = os.path.join(launch_dir, CONFIG_NAME)
         config_sha256 = hashlib.sha256(content).hexdigest()
-        artifacts.append(Artifact(config_path, content, config_sha256))
+        artifacts.append(StagedFile(config_path, content, config_sha256))
     elif patches:
         raise ValueError("prepare_run patches= need base_config=")
 
@@ -224,7 +214,7 @@ def prepare_run(
     }
     content = encode_manifest(doc)
     manifest_sha256 = hashlib.sha256(content).hexdigest()
-    artifacts.append(Artifact(manifest_path, content, manifest_sha256))
+    artifacts.append(StagedFile(manifest_path, content, manifest_sha256))
     return PreparedRun(
         name=name,
         cwd=cwd,
@@ -318,3 +308,11 @@ def _exact(doc: dict[str, Any], fields: set[str], where: str, prefix: str) -> No
     missing = sorted(fields - set(doc))
     if missing:
         raise ValueError(f"{where}: missing field '{prefix}{missing[0]}'")
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Artifact":
+        from koochak.jobs._deprecated import moved
+
+        return moved(f"{__name__}.{name}", "koochak.jobs.StagedFile")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,13 +17,25 @@ from __future__ import annotations
 
 import inspect
 import textwrap
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from koochak.jobs.workflow import SubmittableRun
 
-__all__ = ["stage_run", "stage_write_once", "staging_program"]
+__all__ = ["StagedFile", "stage_run", "stage_write_once", "staging_program"]
+
+
+@dataclass(frozen=True, slots=True)
+class StagedFile:
+    """One file a run needs on the execution side before it starts (its config, its launch
+    manifest): ``content`` to be written write-once at the absolute ``path``; ``sha256`` is
+    the content's digest, checked again by the stager."""
+
+    path: str
+    content: bytes
+    sha256: str
 
 
 def stage_run(prepared: SubmittableRun) -> list[str]:

@@ -1,0 +1,36 @@
+"""Renamed names keep importing for one minor version, each use with a DeprecationWarning that
+names the new name and points at the caller's line."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+
+@pytest.mark.parametrize("module", ["koochak.jobs", "koochak.jobs.manifest"])
+def test_artifact_is_a_deprecated_alias_of_staged_file(module):
+    from koochak.jobs import StagedFile
+
+    mod = importlib.import_module(module)
+    with pytest.warns(
+        DeprecationWarning,
+        match=rf"^{module}\.Artifact is deprecated; use koochak\.jobs\.StagedFile",
+    ) as caught:
+        alias = mod.Artifact
+    assert alias is StagedFile
+    assert caught[0].filename == __file__  # the warning points at the line that used it
+    assert "Artifact" not in mod.__all__
+
+
+def test_from_import_of_the_old_name_warns_too():
+    with pytest.warns(DeprecationWarning, match="koochak-jobs 0.4"):
+        from koochak.jobs import Artifact
+    assert Artifact(path="/a", content=b"x", sha256="s").path == "/a"
+
+
+def test_an_unknown_name_is_still_an_attribute_error():
+    import koochak.jobs.manifest as manifest
+
+    with pytest.raises(AttributeError, match="no attribute 'Artefact'"):
+        manifest.Artefact  # noqa: B018
