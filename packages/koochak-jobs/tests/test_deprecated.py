@@ -34,3 +34,28 @@ def test_an_unknown_name_is_still_an_attribute_error():
 
     with pytest.raises(AttributeError, match="no attribute 'Artefact'"):
         manifest.Artefact  # noqa: B018
+
+
+@pytest.mark.parametrize("name", ["PreparedRun", "prepare_run"])
+def test_prepared_runs_still_import_from_the_manifest_module(name):
+    import koochak.jobs
+    import koochak.jobs.manifest as manifest
+
+    with pytest.warns(
+        DeprecationWarning,
+        match=rf"koochak\.jobs\.manifest\.{name} is deprecated; use koochak\.jobs\.{name} ",
+    ):
+        old = getattr(manifest, name)
+    assert old is getattr(koochak.jobs, name)
+    assert old.__module__ == "koochak.jobs.prepared"
+
+
+def test_the_launch_manifest_names_stay_where_they_were_without_a_warning(recwarn):
+    from koochak.jobs.manifest import (  # noqa: F401
+        MANIFEST_NAME,
+        MANIFEST_VERSION,
+        encode_manifest,
+        parse_manifest,
+    )
+
+    assert not [w for w in recwarn if issubclass(w.category, DeprecationWarning)]

@@ -21,8 +21,8 @@ _EXPORTS = {
     "EXIT_PREFLIGHT_FAILED": "exit_codes",
     "EXIT_PUBLICATION_REJECTED": "exit_codes",
     "EXIT_USAGE": "exit_codes",
-    "PreparedRun": "manifest",
-    "prepare_run": "manifest",
+    "PreparedRun": "prepared",
+    "prepare_run": "prepared",
     "DeclaredOutput": "outputs",
     "validate_output": "outputs",
     "EnvironmentProfile": "profile",
@@ -81,8 +81,8 @@ if TYPE_CHECKING:
         EXIT_PUBLICATION_REJECTED,
         EXIT_USAGE,
     )
-    from koochak.jobs.manifest import PreparedRun, prepare_run
     from koochak.jobs.outputs import DeclaredOutput, validate_output
+    from koochak.jobs.prepared import PreparedRun, prepare_run
     from koochak.jobs.profile import EnvironmentProfile, load_environment_profile
     from koochak.jobs.staging import StagedFile, stage_run, stage_write_once
     from koochak.jobs.workflow import PreparedTask, PreparedWorkflow
