@@ -59,3 +59,13 @@ def test_the_launch_manifest_names_stay_where_they_were_without_a_warning(recwar
     )
 
     assert not [w for w in recwarn if issubclass(w.category, DeprecationWarning)]
+
+
+def test_a_declared_outputs_ready_manifest_path_has_a_name_that_says_so():
+    from koochak.jobs import DeclaredOutput
+
+    output = DeclaredOutput("dataset/tokens", "/runs/a/tokens.bin")
+    assert output.ready_manifest_path == "/runs/a/tokens.bin.ready.json"
+    with pytest.warns(DeprecationWarning, match=r"use DeclaredOutput\.ready_manifest_path") as w:
+        assert output.manifest_path == output.ready_manifest_path
+    assert w[0].filename == __file__
