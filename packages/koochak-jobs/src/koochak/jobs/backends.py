@@ -2,12 +2,12 @@
 
 Every adapter stages first and submits second, and a failure while staging submits nothing:
 
-- ``submit_scruffy`` / ``submit_scruffy_workflow`` write each run's artifacts write-once on
+- ``submit_scruffy`` / ``submit_scruffy_workflow`` write each run's staged files write-once on
   the shared filesystem, then make exactly one strict Scruffy call (``submit_job`` or
   ``submit_workflow``). Gates and recovery fields are passed as given: a Scruffy that does not
   know one raises its own error, which surfaces. Repeated request ids pass unchanged, which is
   how Scruffy deduplicates a resubmission.
-- ``submit_pazuzu`` (async) stages each artifact through ``client.run(..., stdin=bytes)`` (the
+- ``submit_pazuzu`` (async) stages each file through ``client.run(..., stdin=bytes)`` (the
   bytes travel only on stdin, at most 4 MiB per call) into a write-once file on the remote
   side, then makes one ``client.submit_slurm(SlurmJob(...))`` call.
 
@@ -40,30 +40,31 @@ PAZUZU_STDIN_LIMIT = 4 * 1024 * 1024  # bytes per client.run call (the client re
 _STAGE_TIMEOUT_S = 60.0
 
 
-def _checked_artifacts(prepared: SubmittableRun, limit: int | None = None) -> list[StagedFile]:
-    """The run's artifacts after checking each one's bytes against its digest (and size)."""
-    artifacts = list(prepared.artifacts)
-    for artifact in artifacts:
-        if not isinstance(artifact.content, bytes):
+def _checked_files(prepared: SubmittableRun, limit: int | None = None) -> list[StagedFile]:
+    """The run's staged files (``artifacts``) after checking each one's bytes against its
+    digest (and size)."""
+    files = list(prepared.artifacts)
+    for staged in files:
+        if not isinstance(staged.content, bytes):
             raise TypeError(
-                f"{artifact.path}: artifact content must be bytes, got {type(artifact.content).__name__}"
+                f"{staged.path}: artifact content must be bytes, got {type(staged.content).__name__}"
             )
-        actual = hashlib.sha256(artifact.content).hexdigest()
-        if actual != artifact.sha256:
+        actual = hashlib.sha256(staged.content).hexdigest()
+        if actual != staged.sha256:
             raise ValueError(
-                f"{artifact.path}: artifact digest differs: expected {artifact.sha256}, got {actual}"
+                f"{staged.path}: artifact digest differs: expected {staged.sha256}, got {actual}"
             )
-        if limit is not None and len(artifact.content) > limit:
+        if limit is not None and len(staged.content) > limit:
             raise ValueError(
-                f"{artifact.path}: artifact is {len(artifact.content)} bytes; Pazuzu stages at most {limit} bytes per call"
+                f"{staged.path}: artifact is {len(staged.content)} bytes; Pazuzu stages at most {limit} bytes per call"
             )
-    return artifacts
+    return files
 
 
 def _stage_local(runs: Sequence[SubmittableRun]) -> None:
-    """Check every artifact of every run, then write them all write-once, in order."""
+    """Check every staged file of every run, then write them all write-once, in order."""
     for run in runs:
-        _checked_artifacts(run)
+        _checked_files(run)
     for run in runs:
         stage_run(run)
 
@@ -134,7 +135,7 @@ def submit_scruffy(
 def submit_scruffy_workflow(workflow: PreparedWorkflow, *, root: str | Path) -> dict[str, Any]:
     """Stage every task's run, then one ``scruffy.submit_workflow`` call: all or none.
 
-    If any artifact fails its check or its write, Scruffy is never called (files already
+    If any staged file fails its check or its write, Scruffy is never called (files already
     staged stay: they are write-once and identical on the next try).
     """
     if not isinstance(workflow, PreparedWorkflow):
@@ -154,24 +155,25 @@ def submit_scruffy_workflow(workflow: PreparedWorkflow, *, root: str | Path) -> 
 
 
 async def stage_remote(client: Any, prepared: SubmittableRun) -> None:
-    """Stage every artifact of ``prepared`` on the far side of a Pazuzu ``client``, in order.
+    """Stage every file of ``prepared`` on the far side of a Pazuzu ``client``, in order.
 
-    All artifacts are checked locally first (digest, at most 4 MiB each: one ``client.run``
-    call per artifact, bytes on stdin only). Each call runs the write-once staging program with
-    the run's own Python (``runner_argv[0]``) under ``-I``; a non-zero ``exit_code`` raises
-    ``RuntimeError("failed to stage <path>: <remote error>")`` and stages nothing further.
+    All files (``prepared.artifacts``) are checked locally first (digest, at most 4 MiB each:
+    one ``client.run`` call per file, bytes on stdin only). Each call runs the write-once
+    staging program (`staging_program`) with the run's own Python (``runner_argv[0]``) under
+    ``-I``; a non-zero ``exit_code`` raises ``RuntimeError("failed to stage <path>: <remote
+    error>")`` and stages nothing further.
     Staging the same run again is a no-op. ``submit_pazuzu`` calls this before submitting; on
     its own it prepares a run for a job script of your own (the multi-node DDP recipe).
     """
     python = prepared.runner_argv[0]
-    for artifact in _checked_artifacts(prepared, limit=PAZUZU_STDIN_LIMIT):
+    for staged in _checked_files(prepared, limit=PAZUZU_STDIN_LIMIT):
         command = shlex.join(
-            [python, "-I", "-c", staging_program(), str(artifact.path), artifact.sha256]
+            [python, "-I", "-c", staging_program(), str(staged.path), staged.sha256]
         )
-        result = await client.run(command, stdin=artifact.content, timeout=_STAGE_TIMEOUT_S)
+        result = await client.run(command, stdin=staged.content, timeout=_STAGE_TIMEOUT_S)
         if result.exit_code != 0:  # Pazuzu's CommandResult has exit_code, not returncode
             detail = result.stderr.strip() or result.stdout.strip() or f"exit {result.exit_code}"
-            raise RuntimeError(f"failed to stage {artifact.path}: {detail}")
+            raise RuntimeError(f"failed to stage {staged.path}: {detail}")
 
 
 async def submit_pazuzu(
@@ -181,7 +183,7 @@ async def submit_pazuzu(
 
     ``resources`` is a ``pazuzu.SlurmResources``, passed through unchanged; logs land at
     ``<log_dir>/<name>-<jobid>.out|.err``. The job is built (and so validated) before anything
-    is staged; then ``stage_remote`` stages every artifact, and any failed stage raises
+    is staged; then ``stage_remote`` stages every file, and any failed stage raises
     without submitting. Returns the ``SlurmHandle``.
     """
     try:
