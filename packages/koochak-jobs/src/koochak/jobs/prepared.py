@@ -9,12 +9,12 @@ Equal inputs give an equal `PreparedRun`, byte for byte and digest for digest.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from koochak.jobs.config import ConfigPatch, materialize_config
@@ -31,13 +31,13 @@ RUNNER_MODULE = "koochak.jobs.runner"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class PreparedRun:
     """Everything needed to submit a run, computed without touching the filesystem.
 
     ``runner_argv`` is what a scheduler executes on the node:
     ``(python, "-I", "-m", "koochak.jobs.runner", manifest_path, manifest_sha256)``.
-    ``artifacts`` are the files `stage` writes, the manifest always last.
+    ``artifacts`` are the `StagedFile` records `stage` writes, the manifest always last.
     """
 
     name: str
@@ -61,7 +61,7 @@ class PreparedRun:
         return json.loads(self.artifacts[-1].content)
 
     def stage(self) -> list[str]:
-        """Write the artifacts write-once; return the paths newly written (see `stage_run`)."""
+        """Write ``artifacts`` write-once; return the paths newly written (see `stage_run`)."""
         return stage_run(self)
 
 
@@ -113,7 +113,7 @@ def prepare_run(
 
     manifest_path = os.path.join(launch_dir, MANIFEST_NAME)
     preflight_path = os.path.join(launch_dir, PREFLIGHT_NAME)
-    artifacts = []
+    staged = []  # the files stage() writes, the manifest last
     config_path = config_sha256 = None
     if base_config is not None:
         text = materialize_config(
@@ -122,7 +122,7 @@ def prepare_run(
         content = text.encode("utf-8")
         config_path = os.path.join(launch_dir, CONFIG_NAME)
         config_sha256 = hashlib.sha256(content).hexdigest()
-        artifacts.append(StagedFile(config_path, content, config_sha256))
+        staged.append(StagedFile(config_path, content, config_sha256))
     elif patches:
         raise ValueError("prepare_run patches= need base_config=")
 
@@ -143,14 +143,7 @@ def prepare_run(
             {"cwd": cwd, "run_dir": run_dir},
             f"DeclaredOutput({output.artifact_id!r}) path",
         )
-        declared.append(
-            DeclaredOutput(
-                output.artifact_id,
-                os.path.normpath(path),
-                kind=output.kind,
-                provenance=output.provenance,
-            )
-        )
+        declared.append(dataclasses.replace(output, path=os.path.normpath(path)))
     ids = [o.artifact_id for o in declared]
     if len(set(ids)) != len(ids):
         raise ValueError(f"prepare_run outputs=: artifact ids repeat: {sorted(ids)}")
@@ -168,7 +161,7 @@ def prepare_run(
     )
     content = encode_manifest(doc)
     manifest_sha256 = hashlib.sha256(content).hexdigest()
-    artifacts.append(StagedFile(manifest_path, content, manifest_sha256))
+    staged.append(StagedFile(manifest_path, content, manifest_sha256))
     return PreparedRun(
         name=name,
         cwd=cwd,
@@ -182,6 +175,6 @@ def prepare_run(
         config_sha256=config_sha256,
         preflight_path=preflight_path,
         outputs=tuple(declared),
-        artifacts=tuple(artifacts),
+        artifacts=tuple(staged),
         runner_argv=(profile.python, "-I", "-m", RUNNER_MODULE, manifest_path, manifest_sha256),
     )
