@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import inspect
 import textwrap
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from koochak.jobs.workflow import SubmittableRun
+from typing import Protocol
 
 __all__ = ["StagedFile", "stage_run", "stage_write_once", "staging_program"]
 
@@ -38,7 +36,15 @@ class StagedFile:
     sha256: str
 
 
-def stage_run(prepared: SubmittableRun) -> list[str]:
+class _Staged(Protocol):
+    """What staging needs of a run: a `PreparedRun`, or any `workflow.SubmittableRun` (this
+    module stays below workflow, which imports `StagedFile` from here)."""
+
+    @property
+    def artifacts(self) -> Sequence[StagedFile]: ...
+
+
+def stage_run(prepared: _Staged) -> list[str]:
     """Write ``prepared.artifacts`` in order (the manifest is last); return the paths written
     now (empty when everything was already staged with identical bytes)."""
     written = []
