@@ -19,7 +19,7 @@ from typing import Any
 
 from koochak.jobs.outputs import DeclaredOutput
 from koochak.jobs.profile import CHECKS, RUNTIME_OWNED, is_runtime_owned
-from koochak.storage.strict_json import loads_strict, require_version
+from koochak.storage.strict_json import check_fields, loads_strict, require_version
 
 __all__ = [
     "MANIFEST_NAME",
@@ -106,7 +106,7 @@ def parse_manifest(data: bytes, where: str) -> dict[str, Any]:
     """Strictly read launch-manifest bytes (already digest-checked); ValueError naming the field."""
     doc = loads_strict(data, where)
     require_version(doc, where, MANIFEST_VERSION)
-    _exact(doc, _FIELDS, where, "")
+    check_fields(doc, where, _FIELDS)
     for key in ("name", "cwd", "run_dir", "preflight_path"):
         if not isinstance(doc[key], str) or not doc[key]:
             raise ValueError(f"{where}: field {key!r} must be a non-empty string")
@@ -119,7 +119,7 @@ def parse_manifest(data: bytes, where: str) -> dict[str, Any]:
     env = doc["environment"]
     if not isinstance(env, dict):
         raise ValueError(f"{where}: field 'environment' must be an object")
-    _exact(env, _ENV_FIELDS, where, "environment.")
+    check_fields(env, where, _ENV_FIELDS, prefix="environment.")
     if argv[0] != env["python"] or not os.path.isabs(env["python"]):
         raise ValueError(f"{where}: field 'argv'[0] must be the profile's absolute python")
     for key in ("set", "packages"):
@@ -165,15 +165,6 @@ def parse_manifest(data: bytes, where: str) -> dict[str, Any]:
         raise ValueError(f"{where}: field 'outputs': ids must be unique and paths absolute")
     doc["outputs"] = outputs
     return doc
-
-
-def _exact(doc: dict[str, Any], fields: set[str], where: str, prefix: str) -> None:
-    unknown = sorted(set(doc) - fields)
-    if unknown:
-        raise ValueError(f"{where}: unknown field '{prefix}{unknown[0]}'")
-    missing = sorted(fields - set(doc))
-    if missing:
-        raise ValueError(f"{where}: missing field '{prefix}{missing[0]}'")
 
 
 def __getattr__(name: str) -> Any:

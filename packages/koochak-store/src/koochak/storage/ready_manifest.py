@@ -14,7 +14,7 @@ import json
 import re
 from typing import Any
 
-from koochak.storage.strict_json import loads_strict, require_version
+from koochak.storage.strict_json import check_fields, loads_strict, require_version
 
 __all__ = ["READY_SUFFIX", "MANIFEST_VERSION", "InvalidArtifact"]
 
@@ -48,12 +48,7 @@ def _check_manifest(doc: Any, where: str) -> dict[str, Any]:
         require_version(doc, where, MANIFEST_VERSION)  # exact int: true and 1.0 are refused
     except ValueError as exc:
         raise InvalidArtifact(str(exc)) from None
-    unknown = sorted(set(doc) - _REQUIRED - _OPTIONAL)
-    if unknown:
-        raise InvalidArtifact(f"{where}: unknown field {unknown[0]!r}")
-    missing = sorted(_REQUIRED - set(doc))
-    if missing:
-        raise InvalidArtifact(f"{where}: missing field {missing[0]!r}")
+    check_fields(doc, where, _REQUIRED, _OPTIONAL, error=InvalidArtifact)
     for name in ("artifact_id", "key"):
         if not isinstance(doc[name], str) or not doc[name]:
             raise InvalidArtifact(f"{where}: field {name!r} must be a non-empty string")
