@@ -136,7 +136,7 @@ def training_loop(
     try:
         # Record a request from here on: the signal's default action would kill the process
         # during the slow parts of setup (hooks, compile, restore); it is honoured after update 0.
-        evac = make_evacuation(evacuation, train_dict)
+        evac = make_evacuation(evacuation, cfg)
         if evac is not None:
             evac.install()
         start_info = {"step": start_step, "max_steps": cfg.max_steps, "train_cfg": train_dict,
@@ -162,7 +162,7 @@ def training_loop(
         parts = {"model": raw_model, "optimizer": optimizer, "scheduler": scheduler,
                  "scaler": scaler, "ema": ema, "config": _config_of(config_json, cfg)}  # fmt: skip
         persist = _Persist(saver, parts, prior_wall_time, started)
-        health = make_gpu_health(train_dict, device, cfg.out_dir, gpu_health)
+        health = make_gpu_health(cfg, device, cfg.out_dir, gpu_health)
 
         # Everything the per-step code needs, looked up once.
         named_params = [(n, p) for n, p in raw_model.named_parameters() if p.requires_grad]
