@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from koochak.loop.checkpoint_format import (
+from koochak.loop.checkpoint import (
     build_checkpoint,
     check_resume_cursor,
     checkpoint_name,
@@ -18,8 +18,8 @@ from koochak.loop.checkpoint_format import (
     restore_training_state,
     rng_state_for_rank,
     serialize_checkpoint,
-    serialize_checkpoint_chunks,
 )
+from koochak.loop.checkpoint.serialization import serialize_checkpoint_chunks
 from koochak.loop.seed import get_rng_state, set_rng_state
 
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from koochak.loop import training_loop
-from koochak.loop.checkpoint_format import deserialize_checkpoint, serialize_checkpoint
+from koochak.loop.checkpoint import deserialize_checkpoint, serialize_checkpoint
 from koochak.loop.config import ConfigError, load_config, resolve_train_config
 from koochak.loop.ema import (
     ModelEma,
