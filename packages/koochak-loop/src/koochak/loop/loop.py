@@ -30,7 +30,7 @@ from koochak.loop import ddp, dist
 from koochak.loop.batch import to_device
 from koochak.loop.checkpoint.restore import restore_rng, restore_training_state
 from koochak.loop.checkpoint.resume import resume_checkpoint
-from koochak.loop.checkpoint.saver import Checkpointer, CheckpointSaver, is_published_terminal
+from koochak.loop.checkpoint.saver import Checkpointer, make_checkpointer
 from koochak.loop.config import TrainConfig, resolve_train_config
 from koochak.loop.device import get_device, get_lr
 from koochak.loop.ema import ModelEma, make_model_ema
@@ -99,15 +99,16 @@ def training_loop(
     hooks = merge(hooks)
     warned: set[int] = set()  # hooks that already warned once
     started = time.perf_counter()
-    location = cfg.checkpoint_dir or cfg.out_dir
-    train_dict = dataclasses.asdict(cfg)
+    train_dict = dataclasses.asdict(cfg)  # what leaves the loop (ctx, hooks): plain data
 
     # ---- setup once: device -> [resume lookup] -> [shard] -> start hook -> compile -> [DDP]
+    #      -> [EMA] -> [restore] -> checkpoints, [GPU health]
     setup = ddp.setup_ddp(cfg, get_device(cfg.device))  # process group; device from LOCAL_RANK
     device, rank, world_size = setup.device, setup.rank, setup.world_size
-    resumed = resume_checkpoint(resume, location, checkpoint_dict, auto_resume_path)
-    checkpoint_dict = resumed.checkpoint if resumed is not None else None
-    prior_wall_time = float(checkpoint_dict.get("wall_time") or 0.0) if checkpoint_dict else 0.0
+    location = cfg.checkpoint_dir or cfg.out_dir
+    resume_path, checkpoint_dict = resume_checkpoint(
+        resume, location, checkpoint_dict, auto_resume_path
+    ) or (None, None)
     start_step = int(checkpoint_dict["next_step"]) if checkpoint_dict else 0
     raw_model = model.to(device)
     dataset, eval_dataset = ddp.shard_datasets(dataset, eval_dataset, cfg, setup)
@@ -138,7 +139,7 @@ def training_loop(
         start_info = {"step": start_step, "max_steps": cfg.max_steps, "train_cfg": train_dict,
                       "config_json": config_json, "model": raw_model, "num_params": num_params,
                       "rank": rank, "world_size": world_size, "out_dir": cfg.out_dir,
-                      "resumed": resumed is not None, "resume_path": resumed.path if resumed else None}  # fmt: skip
+                      "resumed": checkpoint_dict is not None, "resume_path": resume_path}  # fmt: skip
         emit(hooks, "on_train_start", start_info)
         # Compile the bare module first so DDP wraps the compiled graph (torch's recommended order).
         train_model = torch.compile(raw_model) if cfg.compile else raw_model
@@ -150,16 +151,10 @@ def training_loop(
         # What every checkpoint is captured from (live objects: each capture reads them anew).
         parts = {"model": raw_model, "optimizer": optimizer, "scheduler": scheduler,
                  "scaler": scaler, "ema": ema, "config": _config_of(config_json, cfg)}  # fmt: skip
-        saver = None
-        if rank == 0:  # only rank 0 publishes; every rank takes part in capturing (RNG gather)
-            saver = CheckpointSaver(
-                location,
-                keep_last_k=cfg.keep_last_k or None,
-                async_publish=cfg.checkpoint_async,
-                on_checkpoint=lambda info: emit(hooks, "on_checkpoint", info, warned=warned),
-            )
-        checkpoints = Checkpointer(parts, saver, every=cfg.ckpt_every, max_steps=cfg.max_steps,
-                                   prior_wall_time=prior_wall_time, started=started)  # fmt: skip
+        checkpoints = make_checkpointer(
+            cfg, parts, rank=rank, resumed=checkpoint_dict, started=started,
+            on_checkpoint=lambda info: emit(hooks, "on_checkpoint", info, warned=warned),
+        )  # fmt: skip
         health = make_gpu_health(cfg, device, cfg.out_dir, gpu_health)
 
         # Everything the per-step code needs, looked up once.
@@ -264,8 +259,7 @@ def training_loop(
             _add_rate(metrics, last_batch, window_steps, grad_accum, world_size)
             emit(hooks, "on_log", {"step": step - 1, "metrics": metrics}, warned=warned)
         final_metrics = {**metrics, **eval_metrics}
-        publish = not is_published_terminal(checkpoint_dict, step)  # a resumed run with no work
-        _, checkpoint = checkpoints.terminal("terminal", step, final_metrics, publish=publish)
+        _, checkpoint = checkpoints.terminal("terminal", step, final_metrics)
         end = {"step": step, "checkpoint": checkpoint, "metrics": final_metrics}
         emit(hooks, "on_train_end", end, warned=warned)
         # Ranks leave together: one that ends its process (or group) while a peer still finishes
@@ -288,7 +282,7 @@ def training_loop(
             ddp.release_after_failure(setup)
 
 
-# ----------------------------------------------------------------------------- per-step helpers
+# ------------------------------------------------------------------ per-step helpers, in run order
 
 
 def _on_device(
@@ -332,37 +326,6 @@ def _micro_steps(
     return pending, batch
 
 
-def _gradient_gate(
-    named_params: list[tuple[str, torch.nn.Parameter]],
-    scaler: Scaler,
-    optimizer: torch.optim.Optimizer,
-    outputs: Mapping[str, Any],
-    clip: float | None,
-    is_log: bool,
-    is_check: bool,
-    step: int,
-) -> tuple[dict[str, float] | None, dict[str, float] | None]:
-    """Unscale -> finite check -> clip, when anything needs the gradients' norm.
-
-    Returns the gate's metrics and, on logging steps, every logged scalar on the host (read
-    together with the norm, in one device sync).
-    """
-    if clip is None and not is_log and not is_check:
-        return None, None
-    scaler.unscale_(optimizer)
-    if is_check and not scaler.enabled:  # under a GradScaler, overflow is a skip
-        check_finite(named_params, step)
-    norm = total_norm(grads_of(named_params))
-    host: dict[str, float] | None = None
-    if is_log:
-        host = _to_host(outputs, norm)
-        norm_value = host.pop("grad_norm")
-    else:
-        norm_value = norm.item()
-    gate = apply_gate(named_params, norm_value, max_norm=clip, step=step, allow_skip=scaler.enabled)
-    return gate, host
-
-
 def _micro_step(
     step_fn: Callable[..., Mapping[str, Any]],
     model: torch.nn.Module,
@@ -401,6 +364,37 @@ def _accumulate(
     return total
 
 
+def _gradient_gate(
+    named_params: list[tuple[str, torch.nn.Parameter]],
+    scaler: Scaler,
+    optimizer: torch.optim.Optimizer,
+    outputs: Mapping[str, Any],
+    clip: float | None,
+    is_log: bool,
+    is_check: bool,
+    step: int,
+) -> tuple[dict[str, float] | None, dict[str, float] | None]:
+    """Unscale -> finite check -> clip, when anything needs the gradients' norm.
+
+    Returns the gate's metrics and, on logging steps, every logged scalar on the host (read
+    together with the norm, in one device sync).
+    """
+    if clip is None and not is_log and not is_check:
+        return None, None
+    scaler.unscale_(optimizer)
+    if is_check and not scaler.enabled:  # under a GradScaler, overflow is a skip
+        check_finite(named_params, step)
+    norm = total_norm(grads_of(named_params))
+    host: dict[str, float] | None = None
+    if is_log:
+        host = _to_host(outputs, norm)
+        norm_value = host.pop("grad_norm")
+    else:
+        norm_value = norm.item()
+    gate = apply_gate(named_params, norm_value, max_norm=clip, step=step, allow_skip=scaler.enabled)
+    return gate, host
+
+
 def _to_host(outputs: Mapping[str, Any], norm: torch.Tensor | None) -> dict[str, float]:
     """Every scalar of ``outputs`` (and the grad norm) as floats, with a single device read."""
     names, tensors, host = [], [], {}
@@ -419,6 +413,18 @@ def _to_host(outputs: Mapping[str, Any], norm: torch.Tensor | None) -> dict[str,
         values = torch.stack([t.to(device) for t in tensors]).tolist()
         host.update(zip(names, values))
     return host
+
+
+def _step_scheduler(scheduler: Any, metrics: Mapping[str, Any]) -> None:
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        # Plateau needs a number: the monitored eval metric, or the step's loss (one sync).
+        key = getattr(scheduler, "monitor", "eval_loss")
+        value = metrics.get(key, metrics.get("loss"))
+        if value is None:
+            raise KeyError(f"plateau scheduler: metric {key!r} not found in {sorted(metrics)}")
+        scheduler.step(float(value))
+    else:
+        scheduler.step()
 
 
 def _log_metrics(
@@ -461,16 +467,18 @@ def _batch_size(batch: Any) -> int | None:
     return None
 
 
-def _step_scheduler(scheduler: Any, metrics: Mapping[str, Any]) -> None:
-    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-        # Plateau needs a number: the monitored eval metric, or the step's loss (one sync).
-        key = getattr(scheduler, "monitor", "eval_loss")
-        value = metrics.get(key, metrics.get("loss"))
-        if value is None:
-            raise KeyError(f"plateau scheduler: metric {key!r} not found in {sorted(metrics)}")
-        scheduler.step(float(value))
-    else:
-        scheduler.step()
+def _check_health(
+    health: GpuHealthWatchdog,
+    step: int,
+    device: torch.device,
+    checkpoints: Checkpointer,
+    metrics: Any,
+) -> None:
+    """Every rank checks its device; one bad device makes all save a terminal checkpoint, exit 79."""
+    verdict = health.check(step)
+    if ddp.any_rank(not verdict.healthy, device):
+        path, _ = checkpoints.terminal("gpu_health", step + 1, metrics, best_effort=True)
+        raise GpuUnhealthy(step + 1, verdict, path)
 
 
 def _evaluate(
@@ -517,22 +525,5 @@ def _human(n: int) -> str:
     return str(n)
 
 
-# ----------------------------------------------------------------------------- checkpoints
-
-
 def _config_of(config_json: Mapping[str, Any] | None, cfg: TrainConfig) -> dict[str, Any]:
     return dict(config_json) if config_json is not None else {"train": dataclasses.asdict(cfg)}
-
-
-def _check_health(
-    health: GpuHealthWatchdog,
-    step: int,
-    device: torch.device,
-    checkpoints: Checkpointer,
-    metrics: Any,
-) -> None:
-    """Every rank checks its device; one bad device makes all save a terminal checkpoint, exit 79."""
-    verdict = health.check(step)
-    if ddp.any_rank(not verdict.healthy, device):
-        path, _ = checkpoints.terminal("gpu_health", step + 1, metrics, best_effort=True)
-        raise GpuUnhealthy(step + 1, verdict, path)

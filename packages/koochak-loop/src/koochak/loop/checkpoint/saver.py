@@ -31,6 +31,7 @@ from koochak.loop.checkpoint.serialization import (
     serialize_checkpoint_buffer,
     serialize_checkpoint_chunks,
 )
+from koochak.loop.config import TrainConfig
 from koochak.loop.seed import get_rng_state
 from koochak.storage import artifact
 from koochak.storage.store import Store
@@ -87,6 +88,7 @@ class Checkpointer:
 
     ``parts`` are the live objects each capture reads anew (``model``, ``optimizer``,
     ``scheduler``, ``scaler``, ``ema``, ``config``). ``saver`` is None on the other ranks.
+    ``resumed`` is the checkpoint this run continues from (its wall time carries on), if any.
     """
 
     def __init__(
@@ -96,14 +98,15 @@ class Checkpointer:
         *,
         every: int | None,
         max_steps: int | None,
-        prior_wall_time: float,
+        resumed: Mapping[str, Any] | None,
         started: float,
     ) -> None:
         self.parts = parts
         self.saver = saver
         self.every = every
         self.max_steps = max_steps
-        self.prior_wall_time = prior_wall_time  # what the resumed checkpoint had trained
+        self.resumed = resumed
+        self.prior_wall_time = float(resumed.get("wall_time") or 0.0) if resumed else 0.0
         self.started = started  # perf_counter() when this attempt began
 
     def due(self, step: int) -> bool:
@@ -127,7 +130,6 @@ class Checkpointer:
         reason: str,
         step: int,
         metrics: Mapping[str, float],
-        publish: bool = True,
         best_effort: bool = False,
     ) -> tuple[str | None, dict[str, Any] | None]:
         """Capture a terminal-kind checkpoint (``next_step == step``) and publish it synchronously;
@@ -136,10 +138,13 @@ class Checkpointer:
         Rank 0 drains any async publication first, then publishes; all ranks wait for its
         outcome, so no rank exits (and no launcher tears rank 0 down) mid-publication, and a
         failed save stops every rank instead of leaving the others waiting. ``best_effort`` (a
-        failing GPU): a failed save is logged and the caller still exits.
+        failing GPU): a failed save is logged and the caller still exits. A resumed run that had
+        nothing left to do does not publish its terminal checkpoint again: it already is
+        published, and re-publishing would only open a window in which it is un-committed.
         """
         path = None
         failure: Exception | None = None
+        publish = not (reason == "terminal" and is_published_terminal(self.resumed, step))
         try:
             checkpoint = self.capture(step, step, reason, metrics)
             if self.saver is not None and checkpoint is not None and publish:
@@ -175,10 +180,32 @@ class Checkpointer:
             self.saver.close()
 
 
+def make_checkpointer(
+    cfg: TrainConfig,
+    parts: Mapping[str, Any],
+    *,
+    rank: int,
+    resumed: Mapping[str, Any] | None,
+    started: float,
+    on_checkpoint: Callable[[dict[str, Any]], None] | None,
+) -> Checkpointer:
+    """The loop's Checkpointer: saves every ``train.ckpt_every`` updates to
+    ``train.checkpoint_dir`` (else ``out_dir``), keeping ``keep_last_k``, async with
+    ``checkpoint_async``; only rank 0 publishes, every rank takes part in capturing."""
+    saver = None
+    if rank == 0:
+        saver = CheckpointSaver(
+            cfg.checkpoint_dir or cfg.out_dir,
+            keep_last_k=cfg.keep_last_k or None,
+            async_publish=cfg.checkpoint_async,
+            on_checkpoint=on_checkpoint,
+        )
+    return Checkpointer(parts, saver, every=cfg.ckpt_every, max_steps=cfg.max_steps,
+                        resumed=resumed, started=started)  # fmt: skip
+
+
 def is_published_terminal(resumed: Mapping[str, Any] | None, step: int) -> bool:
-    """Whether ``resumed`` already is the terminal checkpoint of ``step`` completed updates: a
-    resumed run that had nothing left to do. Re-publishing it would only open a window in which
-    it is un-committed."""
+    """Whether ``resumed`` already is the terminal checkpoint of ``step`` completed updates."""
     return (
         resumed is not None
         and step == int(resumed["next_step"])
