@@ -250,7 +250,8 @@ def test_disk_filling_up_mid_write_keeps_the_previous_checkpoint(tmp_path):
     assert ckpt["step"] == 0
     # Nothing of the failed step is left, not even its hidden temp file.
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "step000000000.pt", "step000000000.pt.ready.json"
+        "step000000000.pt",
+        "step000000000.pt.ready.json",
     ]
 
 
@@ -263,7 +264,9 @@ def location(request, tmp_path, monkeypatch):
     if request.param == "store":
         return LocalStore(root, publish="exclusive"), root, False
     stores = tmp_path / "stores.yaml"
-    stores.write_text(f"version: 1\nstores:\n  vault:\n    root: {tmp_path}\n    publish: exclusive\n")
+    stores.write_text(
+        f"version: 1\nstores:\n  vault:\n    root: {tmp_path}\n    publish: exclusive\n"
+    )
     monkeypatch.setenv("KOOCHAK_STORES", str(stores))
     return "vault://ckpt", root, False
 
