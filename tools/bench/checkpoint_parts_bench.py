@@ -44,10 +44,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from koochak.loop._host_buffers import HostBuffers
-from koochak.loop._parts_index import encode_index, parse_index
-from koochak.loop._parts_io import host_tensor, read_parts, write_parts
-from koochak.loop._parts_tree import join_tensors, load_skeleton, skeleton_bytes, split_tensors
+from koochak.loop.checkpoint.host_buffers import HostBuffers
+from koochak.loop.checkpoint.parts_index import encode_index, parse_index
+from koochak.loop.checkpoint.parts_io import host_tensor, read_parts, write_parts
+from koochak.loop.checkpoint.parts_tree import join_tensors, load_skeleton, skeleton_bytes, split_tensors
 from koochak.loop.checkpoint import deserialize_checkpoint, save
 from koochak.storage import artifact
 from koochak.storage.profile import parse_size

@@ -14,7 +14,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
-from koochak.loop._parts_index import (
+from koochak.loop.checkpoint.parts_index import (
     PARTS_FORMAT,
     Extent,
     Part,
@@ -27,9 +27,9 @@ from koochak.loop._parts_index import (
     parse_index,
     part_key,
 )
-from koochak.loop._parts_io import delete_parts, host_tensor, read_parts, write_parts
-from koochak.loop._parts_plan import plan_parts, resolve_parts
-from koochak.loop._parts_tree import (
+from koochak.loop.checkpoint.parts_io import delete_parts, host_tensor, read_parts, write_parts
+from koochak.loop.checkpoint.parts_plan import plan_parts, resolve_parts
+from koochak.loop.checkpoint.parts_tree import (
     TENSOR_TAG,
     join_tensors,
     load_skeleton,
@@ -96,7 +96,7 @@ def test_resolve_parts_keeps_an_int_and_refuses_nonsense(tmp_path):
 
 
 def test_auto_parts_follow_cores_streams_and_size(tmp_path, monkeypatch):
-    import koochak.loop._parts_plan as plan_module
+    import koochak.loop.checkpoint.parts_plan as plan_module
 
     monkeypatch.setattr(plan_module, "_cores", lambda: 2)
     local = LocalStore(tmp_path)  # LOCAL_PROFILE: 8 fast streams, 64 MiB parts

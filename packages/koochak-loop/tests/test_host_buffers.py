@@ -8,7 +8,7 @@ import threading
 
 import pytest
 import torch
-from koochak.loop._host_buffers import HostBuffers
+from koochak.loop.checkpoint.host_buffers import HostBuffers
 
 
 def _state(scale: float = 1.0) -> list[torch.Tensor]:
@@ -86,7 +86,7 @@ def test_a_failed_copy_frees_the_buffers_for_the_next_save():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priority is Linux's")
 def test_a_background_thread_lowers_its_priority_and_its_children_inherit_it():
-    from koochak.loop._background import BACKGROUND_NICENESS, lower_this_threads_priority
+    from koochak.loop.checkpoint.background import BACKGROUND_NICENESS, lower_this_threads_priority
 
     seen: dict[str, int] = {}
 

@@ -5,12 +5,15 @@
 publishes. Periodic saves come every ``train.ckpt_every`` updates; terminal ones (the end, an
 evacuation, a GPU-health stop) are synchronous, and every rank learns rank 0's outcome.
 
-With ``train.checkpoint_async`` periodic saves go through ``AsyncPublisher``: the training thread
-serializes the checkpoint (so the bytes are frozen at the step they describe) and one worker thread
-writes them, at most one publication in flight. Results come back to the training thread, never
-the other way round: ``on_checkpoint`` callbacks and failures are delivered by ``poll``/``drain``,
-which the loop calls at step boundaries, so hooks never run concurrently with training and a
-failed publication fails the next step.
+With ``train.checkpoint_async`` periodic saves go through ``AsyncPublisher``: the training
+thread's only work is to freeze the checkpoint at the step it describes (its non-tensor data into
+a small skeleton, its tensors copied into reusable host buffers, ``HostBuffers``) and one
+background thread, at a lower CPU priority, writes it from those buffers, at most one
+publication in flight. Results come back to the training thread, never the other way round:
+``on_checkpoint`` callbacks and failures are delivered by ``poll``/``drain``, which the loop calls
+at step boundaries, so hooks never run concurrently with training and a failed publication fails
+the next step. ``train.checkpoint_parts`` chooses the layout (1: one file; more, or ``auto``:
+parts written in parallel) for both kinds of save.
 """
 
 from __future__ import annotations
@@ -25,12 +28,11 @@ from typing import Any
 
 import torch
 from koochak.loop import ddp, dist
+from koochak.loop.checkpoint.background import lower_this_threads_priority
 from koochak.loop.checkpoint.format import build_checkpoint, checkpoint_name
+from koochak.loop.checkpoint.host_buffers import HostBuffers, HostCopy
 from koochak.loop.checkpoint.publication import checkpoint_store, publication_path, publish
-from koochak.loop.checkpoint.serialization import (
-    serialize_checkpoint_buffer,
-    serialize_checkpoint_chunks,
-)
+from koochak.loop.checkpoint.serialization import SplitCheckpoint, split_checkpoint
 from koochak.loop.config import TrainConfig
 from koochak.loop.seed import get_rng_state
 from koochak.storage import artifact
@@ -198,6 +200,7 @@ def make_checkpointer(
             cfg.checkpoint_dir or cfg.out_dir,
             keep_last_k=cfg.keep_last_k or None,
             async_publish=cfg.checkpoint_async,
+            parts=cfg.checkpoint_parts,
             on_checkpoint=on_checkpoint,
         )
     return Checkpointer(parts, saver, every=cfg.ckpt_every, max_steps=cfg.max_steps,
@@ -220,6 +223,11 @@ class CheckpointSaver:
     ``on_checkpoint(info)`` receives ``step``, ``path``, ``checkpoint`` and ``publication``. With
     ``async_publish`` periodic saves go through one background thread; ``sync=True`` saves
     (terminal, evacuation, GPU health) drain it first and publish on the calling thread.
+    ``parts`` is ``publish``'s: 1 for one file, more (or ``"auto"``) for parts.
+
+    An async save copies the checkpoint's tensors into host buffers that this saver keeps and
+    reuses (pinned for CUDA tensors), so its extra host memory is one checkpoint's tensors,
+    however many saves it makes.
     """
 
     def __init__(
@@ -228,14 +236,17 @@ class CheckpointSaver:
         *,
         keep_last_k: int | None = None,
         async_publish: bool = False,
+        parts: int | str = 1,
         on_checkpoint: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.location = location
         self.keep_last_k = keep_last_k
         self.async_publish = async_publish
+        self.parts = parts
         self.on_checkpoint = on_checkpoint
         self._store: Store | None = None
         self._async: AsyncPublisher | None = None
+        self._buffers = HostBuffers()
 
     @property
     def store(self) -> Store:
@@ -267,16 +278,19 @@ class CheckpointSaver:
             return path
 
         if self.async_publish and not sync:
-            # Serialize now, on this thread: the bytes must describe this step although training
-            # moves on (and mutates the tensors) while they are published.
-            data = serialize_checkpoint_buffer(ckpt)
             if self._async is None:
-                self._async = AsyncPublisher(self._publish)
-            self._async.submit(name, data, announce)
+                self._async = AsyncPublisher(self._publish_copy)
+            # Freeze now, on this thread: what is published must describe this step although
+            # training moves on (and mutates the tensors) while it is written. The previous save
+            # must be done first: its writers may still read the host buffers.
+            self._async.drain()
+            split = split_checkpoint(ckpt)
+            copy = self._buffers.copy(split.tensors)
+            self._async.submit(name, (split.with_tensors(copy.tensors), copy), announce)
             return None
         self.drain()
-        # Training waits here, so the tensors cannot change: stream straight into the store.
-        return announce(self._publish(name, serialize_checkpoint_chunks(ckpt)))
+        # Training waits here, so the tensors cannot change: write straight from them.
+        return announce(self._publish(name, ckpt))
 
     def poll(self) -> None:
         """Deliver a finished background publication; raises if it failed."""
@@ -293,8 +307,20 @@ class CheckpointSaver:
         if self._async is not None:
             self._async.close()
 
-    def _publish(self, name: str, data: Any) -> artifact.Publication:
-        return publish(self.store, name, data, keep_last_k=self.keep_last_k)
+    def _publish(
+        self, name: str, data: Mapping[str, Any] | SplitCheckpoint
+    ) -> artifact.Publication:
+        return publish(self.store, name, data, keep_last_k=self.keep_last_k, parts=self.parts)
+
+    def _publish_copy(
+        self, name: str, frozen: tuple[SplitCheckpoint, HostCopy]
+    ) -> artifact.Publication:
+        """The background half of an async save: publish from the host copy, then free it."""
+        split, copy = frozen
+        try:
+            return self._publish(name, split)
+        finally:
+            copy.release()
 
 
 class AsyncPublisher:
@@ -344,6 +370,8 @@ class AsyncPublisher:
                 log.error("checkpoint publication also failed: %s", exc)
 
     def _run(self, name: str, data: Any) -> None:
+        # Yield the cores to the training thread; the writers this thread starts inherit it.
+        lower_this_threads_priority()
         try:
             self._result = self._publish(name, data)
         except BaseException as exc:  # delivered to the training thread by poll/drain

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from koochak.loop._parts_index import DTYPE_NAMES
+from koochak.loop.checkpoint.parts_index import DTYPE_NAMES
 
 TENSOR_TAG = "__koochak_tensor__"
 _DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES if hasattr(torch, name)}

@@ -21,7 +21,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
-from koochak.loop._parts_index import (
+from koochak.loop.checkpoint.parts_index import (
     Extent,
     Part,
     PartsIndex,
@@ -29,8 +29,8 @@ from koochak.loop._parts_index import (
     TensorEntry,
     part_key,
 )
-from koochak.loop._parts_plan import plan_parts
-from koochak.loop._parts_tree import byte_view, dtype_name, torch_dtype
+from koochak.loop.checkpoint.parts_plan import plan_parts
+from koochak.loop.checkpoint.parts_tree import byte_view, dtype_name, torch_dtype
 from koochak.storage.store import Store
 
 log = logging.getLogger("koochak.loop.checkpoint")
@@ -139,7 +139,7 @@ def delete_parts(store: Store, name: str) -> list[str]:
 
     Call only once the checkpoint's manifest and index are gone (or were never written).
     """
-    from koochak.loop._parts_index import parts_prefix
+    from koochak.loop.checkpoint.parts_index import parts_prefix
 
     keys = [info.key for info in store.list(parts_prefix(name))]
     for key in keys:

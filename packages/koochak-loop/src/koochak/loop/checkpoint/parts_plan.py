@@ -11,7 +11,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from koochak.loop._parts_index import Extent
+from koochak.loop.checkpoint.parts_index import Extent
 
 # A store stream faster than this is limited by hashing on one core (SHA256 runs at about
 # 1-2 GB/s per core), so more parts than cores do not help; a slower one (object storage)
