@@ -44,12 +44,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from koochak.loop.checkpoint.host_buffers import HostBuffers
-from koochak.loop.checkpoint.parts_index import encode_index, parse_index
-from koochak.loop.checkpoint.parts_io import host_tensor, read_parts, write_parts
-from koochak.loop.checkpoint.parts_tree import join_tensors, load_skeleton, skeleton_bytes, split_tensors
-from koochak.loop.checkpoint import deserialize_checkpoint, save
-from koochak.storage import artifact
+from koochak.loop.checkpoint import resolve_auto_resume, save
+from koochak.loop.checkpoint.saver import CheckpointSaver
 from koochak.storage.profile import parse_size
 from koochak.storage.store import LocalStore
 
@@ -81,25 +77,14 @@ def state_views(state: dict[str, Any]) -> list[memoryview]:
 
 
 def koochak_save(state: dict[str, Any], root: str, parts: int) -> None:
-    store = LocalStore(root)
-    if parts == 1:
-        save(state, store)
-        return
-    skeleton, tensors = split_tensors(state)
-    index = write_parts(
-        store, NAME, [host_tensor(t) for t in tensors], skeleton_bytes(skeleton), parts
-    )
-    artifact.publish(store, NAME, encode_index(index), kind="checkpoint", latest=False)
+    save(state, LocalStore(root), parts=parts)
 
 
-def koochak_load(root: str, parts: int) -> Any:
-    store = LocalStore(root)
-    publication, data = artifact.read_verified(store, NAME)
-    if parts == 1:
-        return deserialize_checkpoint(data, NAME)
-    index = parse_index(data, NAME, NAME)
-    tensors = read_parts(store, index, NAME)
-    return join_tensors(load_skeleton(index.skeleton, NAME), tensors, NAME)
+def koochak_load(root: str) -> Any:
+    """What resume does: select the checkpoint, verify every byte, load it."""
+    found = resolve_auto_resume(root)
+    assert found is not None and found.checkpoint["step"] == 1
+    return found.checkpoint
 
 
 def torch_save_fsync(state: dict[str, Any], root: str) -> None:
@@ -249,7 +234,7 @@ def bench_loads(state, parts, base, repeats) -> dict[str, tuple[float, float]]:
         ours, floor = [], []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            loaded = koochak_load(root, p)
+            loaded = koochak_load(root)
             ours.append(time.perf_counter() - t0)
             del loaded
             gc.collect()
@@ -275,61 +260,40 @@ def bench_async(state, parts: int, base: str, repeats: int) -> dict[str, float]:
     del warm
     gc.collect()
 
-    buffers = HostBuffers()
+    root = tempfile.mkdtemp(prefix="bench-async-", dir=base)
+    saver = CheckpointSaver(LocalStore(root), async_publish=True, parts=parts, keep_last_k=1)
     blocking, persist = [], []
-    store_root = tempfile.mkdtemp(prefix="bench-async-", dir=base)
-    for i in range(repeats + 1):  # the first save allocates the buffers; not counted
-        name = f"step{i:09d}.pt"
+    for i in range(repeats + 1):  # the first save allocates the host buffers; not counted
+        ckpt = dict(state, step=i, next_step=i + 1)
         t0 = time.perf_counter()
-        job = async_save(state, store_root, name, parts, buffers)
+        saver.save(ckpt)
         took = time.perf_counter() - t0
-        job.join()
+        saver.drain()
         persist.append(time.perf_counter() - t0)
         if i:
             blocking.append(took)
-    shutil.rmtree(store_root)
 
-    step_gpu = lambda: _step(python_ms=1.0, wait_ms=9.0)  # noqa: E731
-    step_cpu = lambda: _cpu_step()  # noqa: E731
     result = {
         "bare copy": statistics.median(bare),
         "async blocking": statistics.median(blocking),
         "persist": statistics.median(persist),
     }
-    for label, step in (("gpu-like step", step_gpu), ("cpu step", step_cpu)):
-        quiet = _steps_for(step, statistics.median(persist) / 2)
-        root = tempfile.mkdtemp(prefix="bench-async-", dir=base)
-        job = async_save(state, root, NAME, parts, buffers)
+    step_gpu = lambda: _step(python_ms=1.0, wait_ms=9.0)  # noqa: E731
+    for label, step in (("gpu-like step", step_gpu), ("cpu step", _cpu_step)):
+        quiet = _steps_for(step, result["persist"] / 2)
         busy = []
-        while job.is_alive():
+        saver.save(dict(state, step=100, next_step=101))
+        while saver._async is not None and saver._async._thread.is_alive():
             t0 = time.perf_counter()
             step()
             busy.append(time.perf_counter() - t0)
-        job.join()
-        shutil.rmtree(root)
-        quiet += _steps_for(step, statistics.median(persist) / 2)  # before and after the save
+        saver.drain()
+        quiet += _steps_for(step, result["persist"] / 2)  # before and after the save
         result[f"{label} quiet"] = statistics.median(quiet)
         result[f"{label} during save"] = statistics.median(busy) if busy else float("nan")
+        result[f"{label} steps during save"] = len(busy)
+    shutil.rmtree(root)
     return result
-
-
-def async_save(state, root: str, name: str, parts: int, buffers: HostBuffers) -> threading.Thread:
-    """What an async save does: copy on the caller's thread, persist in the background."""
-    skeleton, tensors = split_tensors(state)
-    frozen = skeleton_bytes(skeleton)
-    copy = buffers.copy(tensors)
-
-    def persist() -> None:
-        try:
-            store = LocalStore(root)
-            index = write_parts(store, name, copy.tensors, frozen, parts)
-            artifact.publish(store, name, encode_index(index), kind="checkpoint", latest=False)
-        finally:
-            copy.release()
-
-    thread = threading.Thread(target=persist)
-    thread.start()
-    return thread
 
 
 def _step(python_ms: float, wait_ms: float) -> None:
