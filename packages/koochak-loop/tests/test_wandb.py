@@ -330,3 +330,37 @@ def test_training_loop_resumed_without_restart_settings_stops_before_the_first_s
     with pytest.raises(ValueError, match="resumes from checkpoint state.*wandb.resume: allow"):
         run(first, hooks, 4)
     assert steps == []
+
+
+@pytest.mark.slow
+def test_a_checkpoint_in_parts_is_versioned_with_all_its_parts(offline_wandb):
+    from koochak.loop import training_loop
+
+    out_dir = offline_wandb / "parts"
+    config = {"wandb": {"enabled": True, "mode": "offline", "id": "parts-run-1"}}
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    data = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(3)]
+
+    def step_fn(model, batch, ctx):
+        x, y = batch
+        return {"loss": torch.nn.functional.mse_loss(model(x), y)}
+
+    training_loop(
+        model=model,
+        dataset=data,
+        step_fn=step_fn,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        train_cfg={
+            "max_steps": 3,
+            "out_dir": str(out_dir),
+            "device": "cpu",
+            "checkpoint_parts": 2,
+        },  # fmt: skip
+        config_json=config,
+        hooks=make_wandb_hooks(config),
+    )
+    run = _read_run(out_dir, "parts-run-1")
+    name = "step000000003.pt"
+    ((_, _, files),) = run["artifacts"]
+    assert sorted(files) == [name, f"{name}.part-00000-00000", f"{name}.part-00000-00001"]

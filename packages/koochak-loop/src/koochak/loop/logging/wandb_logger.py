@@ -277,8 +277,13 @@ def make_wandb_hooks(
             f"{prefix}-{run.id}", type=artifact_type, metadata={"step": step, **metrics}
         )
         # The default (mutable) policy copies the file into W&B's staging area right here, so
-        # pruning (keep_last_k) cannot delete it before a background upload reads it.
-        artifact.add_file(path, name=os.path.basename(path))
+        # pruning (keep_last_k) cannot delete it before a background upload reads it. A
+        # checkpoint in parts is its index plus the parts beside it: the version holds them all.
+        from koochak.loop.checkpoint import checkpoint_objects
+
+        folder, name = os.path.split(path)
+        for key in checkpoint_objects(folder, name)[:-1]:  # not the ready manifest
+            artifact.add_file(os.path.join(folder, key), name=key)
         run.log_artifact(artifact, aliases=["latest", f"step-{step}", *_improved(metrics)])
         for name, value in state["best"].items():
             run.summary[f"best/{name}"] = value
