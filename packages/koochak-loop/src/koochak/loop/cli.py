@@ -36,6 +36,7 @@ from koochak.loop.config import (
 from koochak.loop.dist import exit_distributed_process
 from koochak.loop.evacuation import make_evacuation
 from koochak.loop.logging.wandb_logger import check_restart_settings
+from koochak.loop.masking import mask_text, masked_output, masking_active
 from koochak.loop.scruffy_exit import checkpoint_exit_code
 from omegaconf import DictConfig
 
@@ -294,8 +295,18 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _fail(prefix: str, exc: BaseException, suffix: str = "", prog: str = "koochak-train") -> None:
-    message = " ".join(str(exc).split()) or type(exc).__name__
+    # An exception's message is foreign text: the run's named secrets are masked in it.
+    message = " ".join(mask_text(str(exc)).split()) or type(exc).__name__
     print(f"{prog}: {prefix}{message}{suffix}", file=sys.stderr)
+
+
+def _debug_traceback(code: int) -> int:
+    """``--debug``: re-raise for the interpreter's traceback; under named secrets print it here,
+    masked, and return ``code`` (the interpreter would print it after the masking ended)."""
+    if not masking_active():
+        raise  # noqa: PLE0704 - called from an except block: re-raises the error being handled
+    traceback.print_exc()
+    return code
 
 
 def run_with_one_line_errors(
@@ -304,24 +315,28 @@ def run_with_one_line_errors(
     """Call ``main(argv)`` the way a script's ``__main__`` should: 0 when it returns; an exception
     is one line on stderr and exit code 1, with the traceback only when argv has ``--debug``."""
     args = list(sys.argv[1:] if argv is None else argv)
-    try:
-        main(args)
-    except Exception as exc:
-        if "--debug" in args:
-            raise
-        _fail(f"{type(exc).__name__}: ", exc, " (rerun with --debug for the traceback)", prog=prog)
-        return EXIT_TRAINING_FAILED
+    with masked_output():
+        try:
+            main(args)
+        except Exception as exc:
+            if "--debug" in args:
+                return _debug_traceback(EXIT_TRAINING_FAILED)
+            suffix = " (rerun with --debug for the traceback)"
+            _fail(f"{type(exc).__name__}: ", exc, suffix, prog=prog)
+            return EXIT_TRAINING_FAILED
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return _run(args)
+        with masked_output():
+            return _run(args)
     # One rank of several (torchrun): leave with the code through exit_distributed_process, the
     # 75 of an evacuation and the 79 of a GPU-health stop included.
     try:
-        code = _run(args)
+        with masked_output():
+            code = _run(args)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     exit_distributed_process(code)
@@ -332,7 +347,7 @@ def _run(args: argparse.Namespace) -> int:
         kwargs = _prepare(args)
     except Exception as exc:
         if args.debug:
-            raise
+            return _debug_traceback(EXIT_USAGE)
         _fail("error: ", exc)
         return EXIT_USAGE
     from koochak.loop.loop import training_loop
@@ -346,7 +361,7 @@ def _run(args: argparse.Namespace) -> int:
                 traceback.print_exception(type(exc), exc, exc.__traceback__)
             return code
         if args.debug:
-            raise
+            return _debug_traceback(EXIT_TRAINING_FAILED)
         _fail(
             f"training failed ({type(exc).__name__}): ",
             exc,
