@@ -135,3 +135,37 @@ def test_warnings_and_the_error_line_of_a_real_process_are_masked(project, tmp_p
     assert "hook" in done.stderr and "ConnectionError" in done.stderr  # the warning
     assert "tracking server said" in done.stderr  # the error line
     assert_clean(done.stdout + done.stderr)
+
+
+@pytest.mark.slow
+def test_wandb_does_not_copy_unmasked_output_into_its_run_files(project, tmp_path):
+    """W&B's console capture would record what the run prints before the masking sees it:
+    under named secrets it is off, so the offline run's files never hold the token."""
+    pytest.importorskip("wandb")
+    config, name = project
+    with open(tmp_path / f"{name}.py", "a") as f:
+        f.write(
+            "\n\ndef chatty_step(model, batch, ctx):\n"
+            "    print('using token', os.environ['TRACKING_TOKEN'], flush=True)\n"
+            "    x, y = batch\n"
+            "    return {'loss': ((model(x) - y) ** 2).mean()}\n"
+        )
+    home = tmp_path / "wandb-home"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(
+        {f"WANDB_{k}_DIR": str(home / k.lower()) for k in ("CACHE", "DATA", "CONFIG", "ARTIFACT")}
+    )
+    env.update(WANDB_MODE="offline", WANDB_SILENT="true")
+    argv = [sys.executable, "-m", "koochak.loop.cli", "--config", str(config), "--resume", "none"]
+    argv += [f"entry.step={name}:chatty_step", "wandb.enabled=true", "wandb.mode=offline"]
+    argv += [f"wandb.dir={tmp_path / 'wandb-run'}"]
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "using token [masked TRACKING_TOKEN]" in done.stdout
+    files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "wandb-run") for f in fs]
+    assert any(f.endswith(".wandb") for f in files), files
+    for path in files:
+        with open(path, "rb") as f:
+            data = f.read()
+        for fragment in FRAGMENTS:
+            assert fragment.encode() not in data, (fragment, path)
