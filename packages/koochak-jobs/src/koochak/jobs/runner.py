@@ -30,6 +30,7 @@ if __name__ == "__main__":
 
 import hashlib  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
@@ -106,8 +107,8 @@ def _parse_args(argv: list[str]) -> dict[str, Any]:
                 options["file_wait_s"] = float(raw)
             except ValueError:
                 raise _Usage(f"--file-wait-seconds {raw!r}: expected a number of seconds") from None
-            if not options["file_wait_s"] >= 0:
-                raise _Usage(f"--file-wait-seconds {raw!r}: expected a number >= 0")
+            if not (math.isfinite(options["file_wait_s"]) and options["file_wait_s"] >= 0):
+                raise _Usage(f"--file-wait-seconds {raw!r}: expected a finite number >= 0")
         elif arg in ("-h", "--help"):
             options["help"] = True
         elif arg.startswith("--"):
