@@ -32,7 +32,7 @@ def _step(model, batch, ctx):
     return {"loss": torch.nn.functional.mse_loss(model(x[:, :width]), y)}
 
 
-def _train(out, model, max_steps, every):
+def _train(out, model, max_steps, every, ema=None):
     torch.manual_seed(0)
     training_loop(
         model=model,
@@ -46,7 +46,7 @@ def _train(out, model, max_steps, every):
             "log_every": 1000,
             "device": "cpu",
             "out_dir": str(out),
-            "ema": {"dual": {"enabled": True, "srel1": 0.05, "srel2": 0.10}},
+            "ema": ema or {"dual": {"enabled": True, "srel1": 0.05, "srel2": 0.10}},
         },
     )
 
@@ -59,6 +59,7 @@ def runs(tmp_path_factory):
     _train(base / "linear4", torch.nn.Linear(4, 1), 6, 3)  # step000000002.pt, ...006.pt
     _train(base / "linear1", torch.nn.Linear(1, 1), 8, 4)  # step000000003.pt, ...008.pt
     _train(base / "seq", torch.nn.Sequential(torch.nn.Linear(4, 1)), 10, 5)  # ...004, ...010
+    _train(base / "const", torch.nn.Linear(4, 1), 12, 12, ema={"decay": 0.9})  # ...011, ...012
     return base
 
 
@@ -159,3 +160,16 @@ def test_a_stored_shadow_holding_nan_gives_no_output(runs, tmp_path):
     }
     with pytest.raises(ValueError, match="is not finite"):
         reconstruct_power_ema_state_dict(states, srel=0.07)
+
+
+def test_a_checkpoint_the_first_pass_skips_does_not_fail_the_second(runs, tmp_path, capsys, caplog):
+    """A checkpoint whose shadow uses the constant profile is skipped with a logged reason; the
+    weighted sum must skip it too (it used to fail there, after the first pass)."""
+    mixed = _mixed(runs, tmp_path, "const")
+    out = tmp_path / "out" / "ema.pt"
+    out.parent.mkdir()
+    assert main([str(mixed), "--srel", "0.07", "--out", str(out), "--json"]) == 0, (
+        capsys.readouterr().err
+    )
+    assert "step000000012.pt: its EMA shadows use the constant profile" in caplog.text
+    assert out.exists()

@@ -304,7 +304,7 @@ def _debug_traceback(code: int) -> int:
     """``--debug``: re-raise for the interpreter's traceback; under named secrets print it here,
     masked, and return ``code`` (the interpreter would print it after the masking ended)."""
     if not masking_active():
-        raise  # noqa: PLE0704 - called from an except block: re-raises the error being handled
+        raise  # called from an except block: re-raises the error being handled
     traceback.print_exc()
     return code
 
