@@ -78,7 +78,11 @@ def project(tmp_path, monkeypatch):
     ("key", "target", "expected"),
     [
         ("entry.model", ":f", "expected 'module:callable' with dotted Python names"),
-        ("entry.model", "{good}:make_model.", "expected 'module:callable' with dotted Python names"),
+        (
+            "entry.model",
+            "{good}:make_model.",
+            "expected 'module:callable' with dotted Python names",
+        ),
         ("entry.model", ".rel:f", "relative module '.rel' has no package to be relative to"),
         ("entry.model", "{entry_syntax}:make_model", "has a syntax error: expected ':'"),
         (
