@@ -117,17 +117,19 @@ def test_a_package_that_starts_a_daemon_when_imported_fails_its_check(
 
 
 @pytest.mark.skipif(not shutil.which("gcc"), reason="needs gcc")
+@pytest.mark.parametrize("compiles", [True, False])
 def test_a_compiler_wrapper_that_leaves_a_daemon_fails_the_c_compiler_check(
-    kit, tmp_path, daemons, marker
+    kit, tmp_path, daemons, marker, compiles
 ):
+    """Whether the wrapper then compiles or fails, its daemon does not outlive the runner."""
     pid_file = tmp_path / "daemon.pid"
     cc = tmp_path / "cc"
-    cc.write_text(
-        f"#!{sys.executable}\n"
-        + DAEMONIZE
-        + f"daemonize({str(pid_file)!r})\n"
-        + f"os.execv({shutil.which('gcc')!r}, ['gcc', *sys.argv[1:]])\n"
+    then = (
+        f"os.execv({shutil.which('gcc')!r}, ['gcc', *sys.argv[1:]])\n"
+        if compiles
+        else "sys.exit('cc: license server unreachable')\n"
     )
+    cc.write_text(f"#!{sys.executable}\n" + DAEMONIZE + f"daemonize({str(pid_file)!r})\n" + then)
     cc.chmod(0o755)
     script = kit.workload(tmp_path, f"open({str(marker)!r}, 'w').close()\n")
     profile = kit.basic_profile(tmp_path, f"CC: {cc}\n", tail="preflight: [c_compiler]\n")
@@ -135,5 +137,9 @@ def test_a_compiler_wrapper_that_leaves_a_daemon_fails_the_c_compiler_check(
     pid = daemon_pid(pid_file, daemons)
     assert done.returncode == 78, done.stderr
     line = kit.failure(done.stderr)
-    assert line["check"] == "c_compiler" and "left background processes running" in line["error"]
+    assert line["check"] == "c_compiler"
+    if compiles:
+        assert "left background processes running" in line["error"]
+    else:
+        assert "license server unreachable" in line["error"]
     assert not alive(pid) and not marker.exists()

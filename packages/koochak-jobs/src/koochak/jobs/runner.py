@@ -390,38 +390,42 @@ def _execute(
     become_subreaper()
     known = children_now()
     observed = record.doc["observed"]
-    observed.update(check_interpreter(python))
-    observed.update(check_executables(env_section["executables"]))
-    for path in env_section["files"]:
-        wait_for_file(path, file_wait_s)
-        observed[f"file:{path}"] = "available"
-    if not os.path.isdir(cwd):
-        raise PreflightError("requirements.cwd", f"working directory {cwd} does not exist")
-    observed.update(
-        check_packages(
-            env_section["packages"],
-            python=python,
-            flags=flags,
-            env=clean,
-            cwd=cwd,
-            secrets=record.secrets,
+    try:
+        observed.update(check_interpreter(python))
+        observed.update(check_executables(env_section["executables"]))
+        for path in env_section["files"]:
+            wait_for_file(path, file_wait_s)
+            observed[f"file:{path}"] = "available"
+        if not os.path.isdir(cwd):
+            raise PreflightError("requirements.cwd", f"working directory {cwd} does not exist")
+        observed.update(
+            check_packages(
+                env_section["packages"],
+                python=python,
+                flags=flags,
+                env=clean,
+                cwd=cwd,
+                secrets=record.secrets,
+            )
         )
-    )
-    _no_leftovers("requirements.packages", known)
-    for check in env_section["preflight"]:
-        if signals.pending:
-            break
-        observed[check] = run_check(
-            check,
-            python=python,
-            env=clean,
-            cwd=cwd,
-            flags=flags,
-            preflight=env_section["preflight"],
-            secrets=record.secrets,
-        )
-        _no_leftovers(check, known)
-        record.doc["checks"].append(check)
+        _no_leftovers("requirements.packages", known)
+        for check in env_section["preflight"]:
+            if signals.pending:
+                break
+            observed[check] = run_check(
+                check,
+                python=python,
+                env=clean,
+                cwd=cwd,
+                flags=flags,
+                preflight=env_section["preflight"],
+                secrets=record.secrets,
+            )
+            _no_leftovers(check, known)
+            record.doc["checks"].append(check)
+    except BaseException:
+        terminate_leftovers(None, known)  # what a failed or interrupted check left running
+        raise
 
     publish = None
     if doc["outputs"]:  # can they be published? Find out now, not after hours of training
