@@ -112,7 +112,9 @@ def _fail_closed(fn: Hook) -> Hook:
     return on_checkpoint
 
 
-def _accepts_wait(publish: Callable[..., Any]) -> bool:
+def _publisher_takes_wait(publish: Callable[..., Any]) -> bool:
+    """True when the hooks' ``publish`` callable can be passed ``wait=`` (a keyword ``wait`` or
+    ``**kwargs``): checkpoint events then ask it to wait for the acknowledgement."""
     try:
         params = inspect.signature(publish).parameters.values()
     except (TypeError, ValueError):  # some builtins have no signature: call them plainly
@@ -136,7 +138,7 @@ class _Emitter:
         source: str,
     ) -> None:
         self.publish = publish
-        self.wait_ok = _accepts_wait(publish)
+        self.publisher_takes_wait = _publisher_takes_wait(publish)
         self.progress_every_s = progress_every_s
         self.clock = clock
         self.job_id = job_id
@@ -296,7 +298,7 @@ class _Emitter:
             self._warn(f"could not build a {kind} event: {exc}")
             return
         try:
-            if self.wait_ok:
+            if self.publisher_takes_wait:
                 self.publish(event, wait=wait)
             else:
                 self.publish(event)
