@@ -7,7 +7,8 @@ and 4), all durable (fsync):
 1. on the disk of ``--dir``: Koochak ``save(..., parts=P)`` for each ``--parts`` (1 = today's
    single file); ``torch.save`` + fsync; torch DCP ``dcp.save`` with
    ``FileSystemWriter(thread_count=1 and 2, sync_files=True)``; and the raw floor: the same
-   bytes written and fsynced by one stream and by two (no serialization, no hash).
+   bytes written and fsynced by one stream and by two (no serialization, no hash), and by two
+   streams that also hash what they write (the least a verified save does, by hand).
 2. the same on a memory filesystem (``--shm-dir``, default /dev/shm; ``--shm-sizes``), where
    the CPU is the limit, against the two-core SHA256 floor (hashing every byte on two threads,
    nothing else): the only work Koochak does that DCP skips.
@@ -105,19 +106,25 @@ def dcp_save(state: dict[str, Any], root: str, threads: int) -> None:
         )
 
 
-def raw_write(views: list[memoryview], root: str, streams: int) -> None:
-    """The floor: the state's bytes written and fsynced by ``streams`` threads, nothing else."""
+def raw_write(views: list[memoryview], root: str, streams: int, hash: bool = False) -> None:
+    """The floor: the state's bytes written and fsynced by ``streams`` threads, nothing else;
+    with ``hash``, each thread also hashes every piece it writes (the least a verified save must
+    do, by hand)."""
     total = sum(v.nbytes for v in views)
     cuts = [total * k // streams for k in range(streams + 1)]
 
     def one(k: int) -> None:
         fd = os.open(os.path.join(root, f"raw{k}"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        sha = hashlib.sha256()
         try:
             for piece in _pieces(views, cuts[k], cuts[k + 1]):
+                if hash:
+                    sha.update(piece)
                 _write_all(fd, piece)
             os.fsync(fd)
         finally:
             os.close(fd)
+        sha.hexdigest()
 
     _threads([lambda k=k: one(k) for k in range(streams)])
 
@@ -136,15 +143,25 @@ def sha256_floor(views: list[memoryview], streams: int) -> None:
     _threads([lambda k=k: one(k) for k in range(streams)])
 
 
-def read_sha_floor(paths: list[str]) -> None:
-    """The load floor: each file read and hashed by its own thread into a reused buffer."""
+def read_sha_floor(paths: list[str], fresh: bool = False) -> None:
+    """The load floor: each file read and hashed by its own thread, into one reused buffer, or
+    (``fresh``) into new memory the size of the file, as a load must."""
 
     def one(path: str) -> None:
-        buffer = memoryview(bytearray(_PIECE))
         sha = hashlib.sha256()
         with open(path, "rb", buffering=0) as f:
-            while n := f.readinto(buffer):
-                sha.update(buffer[:n])
+            if fresh:
+                whole = memoryview(
+                    torch.empty(os.fstat(f.fileno()).st_size, dtype=torch.uint8).numpy()
+                )
+                for begin in range(0, len(whole), 2 * _PIECE):
+                    piece = whole[begin : begin + 2 * _PIECE]
+                    n = f.readinto(piece)
+                    sha.update(piece[:n])
+            else:
+                buffer = memoryview(bytearray(_PIECE))
+                while n := f.readinto(buffer):
+                    sha.update(buffer[:n])
         sha.hexdigest()
 
     _threads([lambda p=p: one(p) for p in paths])
@@ -186,19 +203,26 @@ def _threads(calls: list[Callable[[], None]]) -> None:
 # -- measuring -------------------------------------------------------------------------------
 
 
-def measure(methods: dict[str, Callable[[str], None]], base: str, repeats: int) -> dict[str, float]:
-    """Median seconds of each method, interleaved; each writes into a fresh directory, which is
-    removed (and the disk settled with sync) outside the timer."""
-    times: dict[str, list[float]] = {name: [] for name in methods}
+def measure(
+    methods: dict[str, Callable[[str], None]], base: str, repeats: int
+) -> dict[str, tuple[float, float]]:
+    """Median (wall, CPU) seconds of each method, interleaved; each writes into a fresh directory,
+    which is removed (and the disk settled with sync) outside the timer. CPU is this process's,
+    all threads, user + system: on a shared machine it shows the work each method does, which
+    the wall time follows when the cores are busy with other people's work."""
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in methods}
     for _ in range(repeats):
         for name, method in methods.items():
             root = tempfile.mkdtemp(prefix="bench-", dir=base)
             os.sync()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             method(root)
-            times[name].append(time.perf_counter() - t0)
+            times[name].append((time.perf_counter() - t0, time.process_time() - c0))
             shutil.rmtree(root)
-    return {name: statistics.median(values) for name, values in times.items()}
+    return {
+        name: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v))
+        for name, v in times.items()
+    }
 
 
 def write_methods(state: dict[str, Any], parts: list[int], shm: bool) -> dict[str, Callable]:
@@ -211,6 +235,7 @@ def write_methods(state: dict[str, Any], parts: list[int], shm: bool) -> dict[st
     methods["dcp threads=2"] = lambda root: dcp_save(state, root, 2)
     methods["raw 1 stream"] = lambda root: raw_write(views, root, 1)
     methods["raw 2 streams"] = lambda root: raw_write(views, root, 2)
+    methods["raw+sha256 2 str."] = lambda root: raw_write(views, root, 2, hash=True)
     if shm:
         methods["sha256 2 cores"] = lambda root: sha256_floor(views, 2)
     return methods
@@ -220,8 +245,9 @@ def bench_writes(state, parts, base, repeats, shm) -> dict[str, float]:
     return measure(write_methods(state, parts, shm), base, repeats)
 
 
-def bench_loads(state, parts, base, repeats) -> dict[str, tuple[float, float]]:
-    """(koochak verified load, read+SHA256 floor with one stream per part) seconds per P."""
+def bench_loads(state, parts, base, repeats) -> dict[str, tuple[float, float, float]]:
+    """(koochak verified load, read+SHA256 floor into a reused buffer, the same into new
+    memory) seconds per P, the floors with one stream per part (one per core used)."""
     out = {}
     for p in parts:
         root = tempfile.mkdtemp(prefix="bench-load-", dir=base)
@@ -231,7 +257,7 @@ def bench_loads(state, parts, base, repeats) -> dict[str, tuple[float, float]]:
             for n in os.listdir(root)
             if ".part-" in n or (p == 1 and n == NAME)
         )
-        ours, floor = [], []
+        ours, floor, fresh = [], [], []
         for _ in range(repeats):
             t0 = time.perf_counter()
             loaded = koochak_load(root)
@@ -241,8 +267,12 @@ def bench_loads(state, parts, base, repeats) -> dict[str, tuple[float, float]]:
             t0 = time.perf_counter()
             read_sha_floor(files)
             floor.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            read_sha_floor(files, fresh=True)
+            fresh.append(time.perf_counter() - t0)
+            gc.collect()
         shutil.rmtree(root)
-        out[f"P={p}"] = (statistics.median(ours), statistics.median(floor))
+        out[f"P={p}"] = tuple(statistics.median(v) for v in (ours, floor, fresh))
     return out
 
 
@@ -328,20 +358,23 @@ def _rate(size: int, seconds: float) -> str:
     return f"{size / seconds / (1 << 30):6.2f} GiB/s"
 
 
-def report_writes(title: str, size: int, times: dict[str, float], shm: bool) -> list[str]:
-    lines = [title]
-    for name, seconds in times.items():
-        lines.append(f"  {name:18s} {seconds:8.3f} s  {_rate(size, seconds)}")
-    floor = min(times["raw 1 stream"], times["raw 2 streams"])
+def report_writes(
+    title: str, size: int, times: dict[str, tuple[float, float]], shm: bool
+) -> list[str]:
+    lines = [title, f"  {'':18s} {'wall':>8s}    {'speed':>11s}   {'CPU':>7s}"]
+    for name, (wall, cpu) in times.items():
+        lines.append(f"  {name:18s} {wall:8.3f} s  {_rate(size, wall)}  {cpu:6.3f} s")
+    floor = min(times["raw 1 stream"][0], times["raw 2 streams"][0])
     for name in [n for n in times if n.startswith("koochak")]:
-        speed = times[name]
+        wall, cpu = times[name]
         parts = [
-            f"{floor / speed:.2f}x raw floor",
-            f"{times['dcp threads=2'] / speed:.2f}x dcp(2)",
-            f"{times['torch.save+fsync'] / speed:.2f}x torch.save",
+            f"{floor / wall:.2f}x raw floor",
+            f"{times['dcp threads=2'][0] / wall:.2f}x dcp(2)",
+            f"{times['torch.save+fsync'][0] / wall:.2f}x torch.save",
         ]
         if shm:
-            parts.append(f"{times['sha256 2 cores'] / speed:.2f}x sha256(2 cores)")
+            parts.append(f"{times['sha256 2 cores'][0] / wall:.2f}x sha256(2 cores)")
+        parts.append(f"{times['raw+sha256 2 str.'][0] / wall:.2f}x raw+sha256(2)")
         lines.append(f"  {name} speed: " + ", ".join(parts))
     return lines
 
@@ -389,10 +422,11 @@ def main() -> None:
                     loads = bench_loads(state, parts, base, args.repeats)
                     results[f"load {tag}"] = loads
                     lines.append(f"verified load, {tag} (load {os.getloadavg()[0]:.2f})")
-                    for name, (ours, floor) in loads.items():
+                    for name, (ours, floor, fresh) in loads.items():
                         lines.append(
-                            f"  {name}: {ours:.3f} s vs read+sha256 floor {floor:.3f} s: "
-                            f"{floor / ours:.2f}x the floor's speed"
+                            f"  {name}: {ours:.3f} s; read+sha256 floor {floor:.3f} s "
+                            f"({floor / ours:.2f}x its speed), into new memory {fresh:.3f} s "
+                            f"({fresh / ours:.2f}x)"
                         )
                 if "async" not in skip and size == min(sizes):
                     figures = bench_async(state, max(parts), base, args.repeats)
