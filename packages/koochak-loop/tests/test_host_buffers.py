@@ -106,3 +106,18 @@ def test_a_background_thread_lowers_its_priority_and_its_children_inherit_it():
     assert seen["lowered"] is True
     assert seen["child"] >= BACKGROUND_NICENESS
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned host buffers)")
+def test_cuda_tensors_go_into_pinned_buffers_that_are_reused():
+    state = [t.cuda() for t in _state()]
+    buffers = HostBuffers()
+    with buffers.copy(state) as copy:
+        assert all(t.is_pinned() and t.device.type == "cpu" for t in copy.tensors)
+        pointers = [t.data_ptr() for t in copy.tensors]
+        for tensor in state:
+            tensor.add_(1)  # queued after the copy on the same stream
+        assert torch.equal(copy.tensors[0], torch.full((64, 32), 1.0))
+    with buffers.copy(state) as copy:
+        assert [t.data_ptr() for t in copy.tensors] == pointers
+        assert torch.equal(copy.tensors[0], torch.full((64, 32), 2.0))
