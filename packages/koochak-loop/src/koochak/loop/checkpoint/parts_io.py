@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+import sys
 from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any
@@ -72,6 +73,7 @@ def write_parts(
     fails stops the others from starting; the parts already written are deleted, and the first
     error is raised. The tensors must not change until this returns.
     """
+    _little_endian_only()
     views = [byte_view(t) for t in tensors]
     plan = plan_parts([v.nbytes for v in views], parts)
     keys = [part_key(name, writer, n) for n in range(len(plan.part_sizes))]
@@ -167,6 +169,7 @@ def read_parts(
     ValueError naming ``source`` and the part when a part is missing or its size or SHA256
     differs from the index (the checkpoint is not valid); any other OSError propagates.
     """
+    _little_endian_only()
     sizes = _run_parallel(
         [(lambda p=p: _stat_size(store, p, source)) for p in index.parts], workers
     )
@@ -199,6 +202,11 @@ def read_parts(
                 box = tuple(slice(o, o + n) for o, n in zip(shard.offsets, shard.shape))
                 tensor[box] = buffer
     return tensors
+
+
+def _little_endian_only() -> None:
+    if sys.byteorder != "little":  # parts hold little-endian bytes; no host converts them yet
+        raise NotImplementedError("checkpoint parts are little-endian; this host is big-endian")
 
 
 def _add_targets(
