@@ -1,0 +1,64 @@
+"""Fixtures: S3 stores on the loopback servers of tools/local_s3.sh (the root ``local_s3``).
+
+Every store gets a prefix of its own (xdist workers and other suites share the servers) and
+everything under it is removed afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from koochak.s3 import S3Config, S3Store
+
+
+@pytest.fixture(scope="session")
+def s3_env(local_s3) -> Iterator[dict[str, str]]:
+    """The loopback servers' test credentials in os.environ (boto3 reads them from there)."""
+    saved = {name: os.environ.get(name) for name in local_s3.credentials}
+    os.environ.update(local_s3.credentials)
+    yield dict(local_s3.credentials)
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+def _config(endpoint: str, bucket: str, **settings) -> S3Config:
+    return S3Config(
+        bucket=bucket,
+        prefix=f"tests/{uuid.uuid4().hex}",
+        endpoint=endpoint,
+        region="us-east-1",
+        path_style=True,
+        **settings,
+    )
+
+
+def _empty(store: S3Store) -> None:
+    client = store._client
+    for info in store.list():
+        client.delete_object(Bucket=store.config.bucket, Key=store.config.prefix + info.key)
+    store.abort_stale_uploads(older_than_seconds=-60)
+
+
+@pytest.fixture
+def moto_config(local_s3, s3_env) -> S3Config:
+    """Settings for a fresh prefix on moto (honours If-None-Match), 5 MiB parts."""
+    return _config(local_s3.endpoint, local_s3.native_bucket, part_bytes=5 << 20, concurrency=4)
+
+
+@pytest.fixture
+def moto_store(moto_config) -> Iterator[S3Store]:
+    store = S3Store(moto_config)
+    yield store
+    _empty(store)
+
+
+@pytest.fixture
+def nocond_config(local_s3, s3_env) -> S3Config:
+    """Settings for a fresh prefix on rclone serve s3 (ignores If-None-Match)."""
+    return _config(local_s3.nocond_endpoint, local_s3.nocond_bucket, part_bytes=5 << 20)
