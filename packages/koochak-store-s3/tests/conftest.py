@@ -6,7 +6,9 @@ everything under it is removed afterwards.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import pathlib
 import uuid
 from collections.abc import Iterator
 
@@ -62,3 +64,37 @@ def moto_store(moto_config) -> Iterator[S3Store]:
 def nocond_config(local_s3, s3_env) -> S3Config:
     """Settings for a fresh prefix on rclone serve s3 (ignores If-None-Match)."""
     return _config(local_s3.nocond_endpoint, local_s3.nocond_bucket, part_bytes=5 << 20)
+
+
+def _load_fault_proxy():
+    # importlib import mode: test-folder helpers are loaded by path, not by name.
+    path = pathlib.Path(__file__).with_name("fault_proxy.py")
+    spec = importlib.util.spec_from_file_location("koochak_s3_fault_proxy", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.FaultProxy
+
+
+@pytest.fixture
+def fault_proxy(local_s3, s3_env):
+    """A FaultProxy (see fault_proxy.py) in front of moto."""
+    proxy = _load_fault_proxy()(local_s3.endpoint)
+    yield proxy
+    proxy.close()
+
+
+@pytest.fixture
+def proxied_store(fault_proxy, local_s3, s3_env) -> Iterator[S3Store]:
+    """An S3Store on moto through the fault proxy, with fast retries (no real sleeping)."""
+    from koochak.s3 import RetryPolicy
+
+    config = _config(fault_proxy.endpoint, local_s3.native_bucket, part_bytes=5 << 20,
+                     concurrency=2)  # fmt: skip
+    store = S3Store(config, retry=RetryPolicy(attempts=4, sleep=lambda _s: None))
+    store._trusts_conditional_writes()  # the once-per-endpoint check, before counting requests
+    fault_proxy.seen.clear()
+    fault_proxy.log.clear()
+    yield store
+    fault_proxy.plan.clear()
+    fault_proxy.always.clear()
+    _empty(store)

@@ -247,7 +247,26 @@ def _multipart(up, first, second, rest, expected_size, expected_sha256, mtime_ns
     # S3 keeps a checksum of the part checksums for a multipart object, not the SHA256 of the
     # whole: that one was checked against expected_sha256 before the commit.
     _check_server_checksum(up, answer, composite, hexdigest, token)
+    _check_still_ours(up, token)
     return ObjectInfo(up.key, size, mtime_ns(answer), hexdigest)
+
+
+def _check_still_ours(up: Upload, token: str) -> None:
+    """Read back a completed multipart object: it must carry this put's token.
+
+    On a server whose completion is atomic (AWS S3, MinIO, R2, ...) it always does. Some
+    servers (moto) check ``If-None-Match`` and write the object in two steps, so racing
+    completions can all be accepted and the last one's bytes stay: every writer but that one
+    then finds another token here and reports ``FileExistsError`` instead of success. (A
+    completion that lands after this read-back is not seen; that is why an artifact's commit is
+    its small ready manifest, one single-request conditional PUT, which such servers do refuse
+    atomically.)
+    """
+    head = _read_back(up)
+    if head is None or head.get("Metadata", {}).get(WRITER_META) != token:
+        raise FileExistsError(
+            errno.EEXIST, "object already exists (another writer's upload completed)", up.where
+        )
 
 
 def _chain(first, second, rest) -> Iterator[bytes | memoryview]:
@@ -312,9 +331,8 @@ def commit(
                       type(exc).__name__)  # fmt: skip
             head = _read_back(up)
             if head is not None:
-                stored = head.get("ChecksumSHA256")
-                ours = head.get("Metadata", {}).get(WRITER_META) == token and (
-                    stored is None or stored == checksum
+                ours = head.get("Metadata", {}).get(WRITER_META) == token and _comparable_match(
+                    head.get("ChecksumSHA256"), checksum
                 )
                 if ours:
                     return head
@@ -380,10 +398,8 @@ def _check_result(up, size, hexdigest, expected_size, expected_sha256) -> None:
 def _check_server_checksum(up, answer, sent, hexdigest, token) -> None:
     """The server's checksum of what it stored must be the one computed here."""
     got = answer.get("ChecksumSHA256")
-    if got is None or got == sent:
+    if _comparable_match(got, sent):
         return
-    if "-" in sent and "-" not in got:
-        return  # a server reporting a full-object checksum for a multipart upload: not comparable
     _remove_ours(up, token)
     raise OSError(
         errno.EIO,
@@ -391,6 +407,15 @@ def _check_server_checksum(up, answer, sent, hexdigest, token) -> None:
         "object was removed",
         up.where,
     )
+
+
+def _comparable_match(stored: str | None, ours: str) -> bool:
+    """False only when the server reports a checksum of the same kind that differs."""
+    if stored is None or stored == ours:
+        return True
+    # A server may report a full-object checksum for a multipart upload (or the reverse):
+    # a different kind, not comparable; the writer token decides then.
+    return ("-" in stored) != ("-" in ours)
 
 
 def _remove_ours(up: Upload, token: str) -> None:
