@@ -263,7 +263,13 @@ def _check_still_ours(up: Upload, token: str) -> None:
     atomically.)
     """
     head = _read_back(up)
-    if head is None or head.get("Metadata", {}).get(WRITER_META) != token:
+    if head is None:
+        raise OSError(errno.EIO, "the object vanished right after its commit", up.where)
+    found = head.get("Metadata", {}).get(WRITER_META)
+    if found is None:
+        # The server keeps no metadata of multipart uploads (rclone serve s3): nothing to check.
+        return
+    if found != token:
         raise FileExistsError(
             errno.EEXIST, "object already exists (another writer's upload completed)", up.where
         )
