@@ -271,3 +271,17 @@ def _fresh_client(config: S3Config):
     from koochak.s3.client import _make_client
 
     return _make_client(config, 10)
+
+
+# -- probe checks -----------------------------------------------------------------------------
+
+
+def test_probe_checks_tell_the_two_servers_apart(moto_store, nocond_config):
+    moto = {row["name"]: row["supported"] for row in moto_store.probe_checks("probe/")}
+    assert moto["conditional_create"] is True and moto["conditional_multipart"] is True
+    nocond_store = S3Store(nocond_config)
+    nocond = {row["name"]: row for row in nocond_store.probe_checks("probe/")}
+    assert nocond["conditional_create"]["supported"] is False
+    assert "overwrote" in nocond["conditional_create"]["detail"]
+    assert nocond["conditional_multipart"]["supported"] is False
+    assert moto_store.list() == [] and nocond_store.list() == []

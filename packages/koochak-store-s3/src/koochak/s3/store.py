@@ -228,6 +228,17 @@ class S3Store:
         except (bce.ClientError, bce.BotoCoreError) as exc:
             raise translate(exc, where) from None
 
+    def probe_checks(self, prefix: str) -> list[dict[str, Any]]:
+        """What this server guarantees, checked under ``prefix`` (koochak-probe calls this).
+
+        Rows of ``{name, supported, detail, seconds}``: conditional create and multipart
+        commit, checksum verification, metadata on multipart objects, read- and
+        list-after-write. See ``koochak.s3.probe``.
+        """
+        from koochak.s3.probe import semantics_checks
+
+        return semantics_checks(self, prefix)
+
     def abort_stale_uploads(self, older_than_seconds: float = 86400.0) -> list[str]:
         """Abort incomplete multipart uploads under the prefix started more than
         ``older_than_seconds`` ago; return their keys.
