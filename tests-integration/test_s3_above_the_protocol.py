@@ -8,6 +8,7 @@ endpoint and the test credentials come from the environment, as they would for a
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
@@ -18,16 +19,27 @@ from pathlib import Path
 import pytest
 from koochak.storage import CopyItem, LocalStore, copy_objects, open_store
 
+# moto accepts any secret key, so a distinctive one shows whether a credential leaks anywhere.
+SECRET = f"koochak-it-secret-{uuid.uuid4().hex}"
+
 
 @pytest.fixture
 def s3_location(local_s3, monkeypatch):
-    """A fresh s3:// prefix on moto; the environment points boto3 at it (removed afterwards)."""
-    for name, value in {**local_s3.credentials, "AWS_ENDPOINT_URL_S3": local_s3.endpoint}.items():
+    """A fresh s3:// prefix on moto; the environment points boto3 at it. Afterwards: no object
+    written there (manifests, indexes, file lists) holds the secret key, and all are removed."""
+    settings = {**local_s3.credentials, "AWS_ENDPOINT_URL_S3": local_s3.endpoint,
+                "AWS_SECRET_ACCESS_KEY": SECRET}  # fmt: skip
+    for name, value in settings.items():
         monkeypatch.setenv(name, value)
     location = f"s3://{local_s3.native_bucket}/it/{uuid.uuid4().hex}"
     yield location
     store = open_store(location)
     for info in store.list():
+        if info.size < (1 << 20):
+            data = store.get(info.key)
+            if info.key.endswith(".gz"):
+                data = gzip.decompress(data)
+            assert SECRET.encode() not in data, info.key
         store.delete(info.key)
 
 
@@ -93,6 +105,8 @@ def test_collections_archive_ls_verify_and_pull_on_s3(s3_location, tmp_path):
     assert verified.returncode == 0, verified.stderr
     pulled = _cli("pull", dest, str(tmp_path / "back"), "--no-progress")
     assert pulled.returncode == 0, pulled.stderr
+    for done in (archived, listed, verified, pulled):
+        assert SECRET not in done.stdout + done.stderr
     for path in tree.rglob("*.bin"):
         assert (tmp_path / "back" / path.relative_to(tree)).read_bytes() == path.read_bytes()
 
