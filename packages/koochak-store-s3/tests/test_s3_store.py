@@ -285,3 +285,36 @@ def test_probe_checks_tell_the_two_servers_apart(moto_store, nocond_config):
     assert "overwrote" in nocond["conditional_create"]["detail"]
     assert nocond["conditional_multipart"]["supported"] is False
     assert moto_store.list() == [] and nocond_store.list() == []
+
+
+def test_ranges_are_one_get_when_the_profile_says_they_do_not_scale(moto_config):
+    from dataclasses import replace
+
+    from koochak.s3 import S3_PROFILE
+
+    profile = replace(S3_PROFILE, part_bytes=1 << 20, range_reads_scale=False)
+    store = S3Store(moto_config, profile=profile)
+    data = os.urandom(5 << 20)
+    store.put("o", data)
+    calls = []
+    real = store._client.get_object
+    store._client = _Spy(store._client, "get_object", lambda **r: calls.append(r) or real(**r))
+    try:
+        assert store.get("o") == data
+        assert store.get("o", 100, (4 << 20) + 7) == data[100 : (4 << 20) + 7]
+        assert len(calls) == 2
+        fast = S3Store(moto_config, profile=replace(profile, range_reads_scale=True))
+        fast._client = store._client
+        assert fast.get("o") == data
+        assert len(calls) == 2 + 5  # the first MiB, then four more ranges in parallel
+    finally:
+        store._client = store._client._inner
+        store.delete("o")
+
+
+class _Spy:
+    def __init__(self, inner, name, call):
+        self._inner, self._name, self._call = inner, name, call
+
+    def __getattr__(self, attr):
+        return self._call if attr == self._name else getattr(self._inner, attr)

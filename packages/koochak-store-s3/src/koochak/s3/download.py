@@ -4,7 +4,8 @@
 ``Content-Range`` tells the object's size, and what is left of the range is fetched as
 ``part_bytes`` ranges, ``concurrency`` at a time, each pinned to the first answer's ETag
 (``If-Match``) so an object replaced meanwhile fails instead of mixing two objects' bytes. A
-small object costs one request. Every GET is retried (backoff with jitter) on throttling, 5xx
+small object costs one request; so does any range when the store's profile says ranges of one
+object do not add up (``range_reads_scale: false``). Every GET is retried (backoff with jitter) on throttling, 5xx
 and broken connections.
 
 ``ObjectStream`` (what ``S3Store.open`` returns) reads one GET's body; if the connection breaks
@@ -78,14 +79,20 @@ def _size_of(answer: dict[str, Any], begin: int, got: int) -> int:
 
 
 def read_range(r: Reader, begin: int, end: int | None) -> bytes:
-    """Bytes ``[begin, end)`` of the object (``end`` None = to its end), clamped at its end."""
+    """Bytes ``[begin, end)`` of the object (``end`` None = to its end), clamped at its end.
+
+    Where ranges of one object do not add up (the profile's ``range_reads_scale`` is false, as
+    on a server that reads the whole object for every range) the range is one GET.
+    """
+    if not r.parallel:
+        return _get(r, begin, end, None)[0]
     first_end = begin + r.part_bytes if end is None else min(end, begin + r.part_bytes)
     first, size, etag = _get(r, begin, first_end, None)
     stop = size if end is None else min(end, size)
     if begin + len(first) >= stop:
         return first[: max(0, stop - begin)]
     starts = range(begin + len(first), stop, r.part_bytes)
-    if not r.parallel or len(starts) == 1:
+    if len(starts) == 1:
         rest = [_get(r, s, min(s + r.part_bytes, stop), etag)[0] for s in starts]
     else:
         with ThreadPoolExecutor(
