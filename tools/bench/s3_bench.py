@@ -10,6 +10,8 @@ s3fs mount of it, on the same bytes, each figure printed as a ratio against its 
   get          S3Store.get of that object (parallel ranges) + SHA256 of what came back, written
                to a local file       vs  `cp` out of the s3fs mount (page cache dropped first)
                                      vs  boto3's managed download_file
+               and again with the profile koochak-probe recommends for moto (ranges of one
+               object do not add up there: one GET)
   copy         copy_objects of a tree (the SIZE file and --copy-files small files) local -> S3
                and S3 -> local       vs  `rclone copy` each way
   small puts   --small puts of 4 KiB per second, one thread   vs  boto3 put_object
@@ -36,6 +38,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import boto3
@@ -140,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
                       path_style=True, part_bytes=parse_size(args.part_size),
                       concurrency=args.concurrency)  # fmt: skip
     store = S3Store(config)
+    # What koochak-probe recommends for moto: it reads the whole object for every ranged GET,
+    # so ranges of one object do not add up and a get is one request.
+    probed = S3Store(config, profile=replace(store.profile, range_reads_scale=False))
     boto = boto3.client("s3", endpoint_url=endpoint,
                         config=Config(s3={"addressing_style": "path"}))  # fmt: skip
     timer = Timer(server_pid)
@@ -176,6 +182,11 @@ def main(argv: list[str] | None = None) -> int:
                 assert hashlib.sha256(data).hexdigest() == digest
                 (work / "got-k.bin").write_bytes(data)
 
+            def probed_get() -> None:
+                data = probed.get(f"put/{r}/big.bin")
+                assert hashlib.sha256(data).hexdigest() == digest
+                (work / "got-p.bin").write_bytes(data)
+
             def mount_get() -> None:
                 subprocess.run(["cp", str(mount / run / str(r) / "big.bin"), str(work / "got-m.bin")],
                                check=True)  # fmt: skip
@@ -184,9 +195,10 @@ def main(argv: list[str] | None = None) -> int:
                 boto.download_file(bucket, f"{run}/boto/{r}/big.bin", str(work / "got-b.bin"))
 
             timer.run("get koochak", koochak_get, _drop_caches)
+            timer.run("get koochak, probed profile", probed_get, _drop_caches)
             timer.run("get s3fs cp", mount_get, _drop_caches)
             timer.run("get boto3 download_file", boto_get, _drop_caches)
-            for name in ("got-k.bin", "got-m.bin", "got-b.bin"):
+            for name in ("got-k.bin", "got-p.bin", "got-m.bin", "got-b.bin"):
                 (work / name).unlink(missing_ok=True)
 
             # -- copy_objects vs rclone copy --------------------------------------------------------
@@ -263,6 +275,8 @@ def _report(rows: dict[str, dict[str, float]], size: int, args) -> None:
         "put_vs_boto3": t("put boto3 upload_file") / t("put koochak"),
         "get_vs_s3fs": t("get s3fs cp") / t("get koochak"),
         "get_vs_boto3": t("get boto3 download_file") / t("get koochak"),
+        "get_probed_vs_s3fs": t("get s3fs cp") / t("get koochak, probed profile"),
+        "get_probed_vs_boto3": t("get boto3 download_file") / t("get koochak, probed profile"),
         "copy_up_vs_rclone": t("copy rclone local->s3") / t("copy koochak local->s3"),
         "copy_down_vs_rclone": t("copy rclone s3->local") / t("copy koochak s3->local"),
         "small_puts_vs_boto3": t("small puts boto3 put_object") / t("small puts koochak"),

@@ -22,7 +22,8 @@ def test_s3_bench_prints_all_ratios_and_cleans_up(local_s3):
     document = json.loads(result.stdout[result.stdout.index("{") :])
     assert document["version"] == 1
     assert set(document["ratios"]) == {
-        "put_vs_s3fs", "put_vs_boto3", "get_vs_s3fs", "get_vs_boto3",
+        "put_vs_s3fs", "put_vs_boto3", "get_vs_s3fs", "get_vs_boto3", "get_probed_vs_s3fs",
+        "get_probed_vs_boto3",
         "copy_up_vs_rclone", "copy_down_vs_rclone", "small_puts_vs_boto3",
     }  # fmt: skip
     assert all(value > 0 for value in document["ratios"].values())
