@@ -123,3 +123,13 @@ def test_a_factory_refusing_its_options_names_the_entry(stores, tmp_path):
             open_store("ckpt://x")
     finally:
         _FACTORIES.pop("pickystore", None)
+
+
+def test_a_backend_returning_something_else_than_a_store_is_refused(stores):
+    register_store("notastore", lambda path, *, options, profile: object())
+    try:
+        _write(stores, "version: 1\nstores:\n  ckpt:\n    backend: notastore\n")
+        with pytest.raises(TypeError, match="does not implement the Store protocol"):
+            open_store("ckpt://x")
+    finally:
+        _FACTORIES.pop("notastore", None)

@@ -82,8 +82,6 @@ class StoreSettings:
         installed). ``path`` is the text after ``scheme://``; the backend decides what it means
         (typically a key prefix below the one in its options).
         """
-        from koochak.storage.store import Store
-
         where = f"open_store({location!r}): stores file entry {self.scheme!r}"
         if factory is None:
             raise ValueError(
@@ -101,7 +99,7 @@ class StoreSettings:
             ) from None
         except ValueError as exc:
             raise ValueError(f"{where}: options: {exc}") from None
-        if not isinstance(store, Store):
+        if not _is_store(store):
             raise TypeError(
                 f"{where}: backend {self.backend!r} returned {type(store).__name__}, which does "
                 "not implement the Store protocol"
@@ -117,6 +115,17 @@ class StoreSettings:
         path = path.strip("/")
         root = pathlib.Path(self.root)
         return root / validate_key(path) if path else root
+
+
+_STORE_METHODS = ("get", "open", "put", "stat", "list", "delete", "local_path")
+
+
+def _is_store(obj: Any) -> bool:
+    """What ``isinstance(obj, Store)`` checks, without importing the store module (which
+    imports this one)."""
+    return isinstance(getattr(obj, "location", None), str) and all(
+        callable(getattr(obj, name, None)) for name in _STORE_METHODS
+    )
 
 
 def stores_file_path() -> pathlib.Path:
