@@ -318,3 +318,11 @@ class _Spy:
 
     def __getattr__(self, attr):
         return self._call if attr == self._name else getattr(self._inner, attr)
+
+
+def test_a_store_pickles_for_worker_processes(moto_store):
+    import pickle
+
+    moto_store.put("p", b"for a worker")
+    copy = pickle.loads(pickle.dumps(moto_store))
+    assert copy.location == moto_store.location and copy.get("p") == b"for a worker"

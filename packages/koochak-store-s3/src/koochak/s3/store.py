@@ -71,6 +71,17 @@ class S3Store:
     def __repr__(self) -> str:
         return f"S3Store({self.location!r}, endpoint={self.endpoint!r})"
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A boto3 client does not pickle (DataLoader workers, spawned processes): the copy
+        # builds its own from the same settings; credentials come from its own environment.
+        state = dict(self.__dict__)
+        state["_client"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._client = client_for(self.config)
+
     @property
     def endpoint(self) -> str:
         """The endpoint URL in use, without any user or password."""
