@@ -13,10 +13,11 @@ s3fs mount of it, on the same bytes, each figure printed as a ratio against its 
                and again with the profile koochak-probe recommends for moto (ranges of one
                object do not add up there: one GET)
   copy         copy_objects of a tree (the SIZE file and --copy-files small files) local -> S3
-               and S3 -> local       vs  `rclone copy` each way
+               and S3 -> local (with the probed profile)     vs  `rclone copy` each way
   small puts   --small puts of 4 KiB per second, one thread   vs  boto3 put_object
 
-For every figure the client's CPU seconds and the S3 server's (moto's process) are printed
+Variants run interleaved, in reverse order every other round, after a `sync`; the best of
+--repeat rounds is reported. For every figure the client's CPU seconds and the S3 server's (moto's process) are printed
 beside the wall time: a server busy for most of the wall time is the bottleneck, not the client.
 
     python tools/bench/s3_bench.py                    # 256 MiB, 500 small puts (~2 minutes)
@@ -106,6 +107,16 @@ class Timer:
             self.rows[label] = row
         return wall
 
+    def group(self, round_: int, variants: list) -> None:
+        """Run ``(label, call, prepare)`` variants, in reverse order every other round, so that
+        neither side always runs first (after the other's writeback, or on a cooler server)."""
+        for label, call, prepare in variants if round_ % 2 == 0 else variants[::-1]:
+            self.run(label, call, prepare)
+
+
+def _sync() -> None:
+    subprocess.run(["sync"], check=False)
+
 
 def _file(path: Path, size: int) -> str:
     sha = hashlib.sha256()
@@ -172,9 +183,8 @@ def main(argv: list[str] | None = None) -> int:
             def boto_put() -> None:
                 boto.upload_file(str(src), bucket, f"{run}/boto/{r}/big.bin")
 
-            timer.run("put koochak", koochak_put)
-            timer.run("put s3fs cp+sync", mount_put)
-            timer.run("put boto3 upload_file", boto_put)
+            timer.group(r, [("put koochak", koochak_put, _sync), ("put s3fs cp+sync", mount_put, _sync),
+                            ("put boto3 upload_file", boto_put, _sync)])  # fmt: skip
 
             # -- get ------------------------------------------------------------------------------
             def koochak_get() -> None:
@@ -194,10 +204,10 @@ def main(argv: list[str] | None = None) -> int:
             def boto_get() -> None:
                 boto.download_file(bucket, f"{run}/boto/{r}/big.bin", str(work / "got-b.bin"))
 
-            timer.run("get koochak", koochak_get, _drop_caches)
-            timer.run("get koochak, probed profile", probed_get, _drop_caches)
-            timer.run("get s3fs cp", mount_get, _drop_caches)
-            timer.run("get boto3 download_file", boto_get, _drop_caches)
+            timer.group(r, [("get koochak", koochak_get, _drop_caches),
+                            ("get koochak, probed profile", probed_get, _drop_caches),
+                            ("get s3fs cp", mount_get, _drop_caches),
+                            ("get boto3 download_file", boto_get, _drop_caches)])  # fmt: skip
             for name in ("got-k.bin", "got-p.bin", "got-m.bin", "got-b.bin"):
                 (work / name).unlink(missing_ok=True)
 
@@ -212,26 +222,22 @@ def main(argv: list[str] | None = None) -> int:
                 (tree / f"f{i:05d}.bin").write_bytes(os.urandom(4096 + (i * 997) % 61440))
             local = LocalStore(tree)
             items = [CopyItem(i.key, i.size) for i in local.list()]
-            copy_target = store.child(f"copy/{r}")
+            # With the probed profile (one GET per object on moto), as a user would configure it.
+            copy_target = probed.child(f"copy/{r}")
             back = LocalStore(work / "back")
             rclone = [env["KOOCHAK_S3_RCLONE"], "--config", env["KOOCHAK_S3_RCLONE_CONFIG"], "copy"]
-            timer.run(
-                "copy koochak local->s3",
-                lambda: copy_objects(local, copy_target, items, show_progress=False),
-            )
-            timer.run(
-                "copy rclone local->s3",
-                lambda: subprocess.run(
-                    [*rclone, str(tree), f"moto:{bucket}/{run}/rclone/{r}"], check=True
-                ),
-            )
-            timer.run(
-                "copy koochak s3->local",
-                lambda: copy_objects(copy_target, back, items, show_progress=False),
-            )
-            timer.run("copy rclone s3->local",
-                      lambda: subprocess.run([*rclone, f"moto:{bucket}/{run}/rclone/{r}",
-                                              str(work / "rclone-back")], check=True))  # fmt: skip
+            up = [*rclone, str(tree), f"moto:{bucket}/{run}/rclone/{r}"]
+            down = [*rclone, f"moto:{bucket}/{run}/rclone/{r}", str(work / "rclone-back")]
+            timer.group(r, [
+                ("copy koochak local->s3",
+                 lambda: copy_objects(local, copy_target, items, show_progress=False), _sync),
+                ("copy rclone local->s3", lambda: subprocess.run(up, check=True), _sync),
+            ])  # fmt: skip
+            timer.group(r, [
+                ("copy koochak s3->local",
+                 lambda: copy_objects(copy_target, back, items, show_progress=False), _sync),
+                ("copy rclone s3->local", lambda: subprocess.run(down, check=True), _sync),
+            ])  # fmt: skip
 
             # -- small puts -------------------------------------------------------------------------
             payload = os.urandom(4096)
@@ -244,8 +250,8 @@ def main(argv: list[str] | None = None) -> int:
                 for i in range(args.small):
                     boto.put_object(Bucket=bucket, Key=f"{run}/boto-small/{r}/{i}", Body=payload)
 
-            timer.run("small puts koochak", koochak_small)
-            timer.run("small puts boto3 put_object", boto_small)
+            timer.group(r, [("small puts koochak", koochak_small, None),
+                            ("small puts boto3 put_object", boto_small, None)])  # fmt: skip
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(mount / run, ignore_errors=True)
