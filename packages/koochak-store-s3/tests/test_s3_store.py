@@ -326,3 +326,17 @@ def test_a_store_pickles_for_worker_processes(moto_store):
     moto_store.put("p", b"for a worker")
     copy = pickle.loads(pickle.dumps(moto_store))
     assert copy.location == moto_store.location and copy.get("p") == b"for a worker"
+
+
+def test_small_puts_skip_the_100_continue_round_trip_and_large_ones_keep_it(moto_config):
+    client = _fresh_client(moto_config)
+    sent = []
+    client.meta.events.register(
+        "before-send.s3.PutObject", lambda request, **_: sent.append(request.headers.get("Expect"))
+    )
+    store = S3Store(moto_config, client=client)
+    store.put("small", b"x" * 1000)
+    store.put("large", os.urandom(2 << 20))  # one part: a single PutObject
+    assert sent[-2:] == [None, b"100-continue"]
+    for key in ("small", "large"):
+        store.delete(key)

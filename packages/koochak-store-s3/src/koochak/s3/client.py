@@ -54,9 +54,28 @@ def _make_client(config: S3Config, pool: int) -> Any:
     )
     # A session of its own: boto3's default session is shared mutable state of the process.
     session = boto3.session.Session()
-    return session.client(
+    client = session.client(
         "s3", endpoint_url=config.endpoint, region_name=config.region, config=settings
     )
+    # botocore adds the header in a handler of "before-call.s3"; ours runs after it.
+    client.meta.events.register_last("before-call.s3", _no_expect_for_small_bodies)
+    return client
+
+
+# botocore sends every PutObject body with "Expect: 100-continue" and waits for the server's
+# go-ahead before sending it: one more round trip per put. Worth it for a large body (a 412 for
+# an existing key then costs no upload), not for a small one, where it is most of the latency.
+_EXPECT_MIN_BYTES = 1 << 20
+
+
+def _no_expect_for_small_bodies(params: dict[str, Any], model: Any = None, **_: Any) -> None:
+    from botocore.utils import determine_content_length
+
+    if getattr(model, "name", None) != "PutObject":
+        return
+    size = determine_content_length(params.get("body"))
+    if size is not None and size < _EXPECT_MIN_BYTES:
+        params.get("headers", {}).pop("Expect", None)
 
 
 def endpoint_of(client: Any) -> str:
