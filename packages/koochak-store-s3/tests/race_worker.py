@@ -23,7 +23,8 @@ def payload(worker: int, round_: int, size: int) -> bytes:
 def main() -> None:
     endpoint, bucket, prefix, worker, op, size = sys.argv[1:7]
     config = S3Config(bucket=bucket, prefix=prefix, endpoint=endpoint, region="us-east-1",
-                      path_style=True, part_bytes=5 << 20, concurrency=2)  # fmt: skip
+                      path_style=True, part_bytes=5 << 20, concurrency=2,
+                      verify_commit=True)  # fmt: skip
     store = S3Store(config)
     store._trusts_conditional_writes()  # the endpoint check, before the first race
     print("ready", flush=True)

@@ -196,6 +196,7 @@ def test_a_stores_file_entry_configures_an_s3_store(tmp_path, monkeypatch, local
                   path_style: true
                   part_size: 8MiB
                   concurrency: 3
+                  verify_commit: true
                 profile:
                   request_seconds: 0.002
                   stream_bytes_per_second: 500MB
@@ -211,6 +212,7 @@ def test_a_stores_file_entry_configures_an_s3_store(tmp_path, monkeypatch, local
     assert isinstance(store, S3Store)
     assert store.location == f"s3://{local_s3.native_bucket}/{prefix}/exp0"
     assert (store.config.part_bytes, store.config.concurrency) == (8 << 20, 3)
+    assert store.config.verify_commit
     assert store.profile.concurrency == 4 and not store.profile.range_reads_scale
     store.put("a", b"1")
     try:
@@ -340,3 +342,31 @@ def test_small_puts_skip_the_100_continue_round_trip_and_large_ones_keep_it(moto
     assert sent[-2:] == [None, b"100-continue"]
     for key in ("small", "large"):
         store.delete(key)
+
+
+def test_verify_commit_catches_a_racing_writer_a_non_atomic_server_let_through(
+    moto_config, monkeypatch
+):
+    # moto checks If-None-Match and then writes, without a lock: two racing puts can both be
+    # accepted. Simulated: right after our accepted put, another writer's put lands too.
+    from dataclasses import replace
+
+    client = _fresh_client(moto_config)
+    real = client.put_object
+
+    def raced(**request):
+        answer = real(**request)
+        if request["Key"].endswith("/k"):
+            real(Bucket=request["Bucket"], Key=request["Key"], Body=b"theirs",
+                 Metadata={"koochak-writer": "someone-else"})  # fmt: skip
+        return answer
+
+    monkeypatch.setattr(client, "put_object", raced)
+    trusting = S3Store(replace(moto_config, verify_commit=False), client=client)
+    assert trusting.put("k", b"mine").size == 4  # not seen: the server said yes
+    trusting.delete("k")
+    checking = S3Store(moto_config, client=client)  # verify_commit=True
+    with pytest.raises(FileExistsError, match="another writer"):
+        checking.put("k", b"mine")
+    assert checking.get("k") == b"theirs"
+    checking.delete("k")

@@ -29,6 +29,7 @@ OPTION_KEYS = (
     "region",
     "path_style",
     "single_writer",
+    "verify_commit",
     "part_size",
     "concurrency",
 )
@@ -46,6 +47,9 @@ class S3Config:
                     host name; None leaves it to the AWS configuration
     single_writer:  only one process ever writes under this prefix, so a server that ignores
                     ``If-None-Match`` may still be used (create-only then rests on that promise)
+    verify_commit:  read every single-request put back after its commit and require this put's
+                    token there, for servers whose conditional PutObject is not atomic under
+                    races (moto); multipart commits are always read back
     part_bytes:     multipart part size, and the range size of parallel reads
     concurrency:    parts uploaded / ranges read at once, per object
     """
@@ -56,6 +60,7 @@ class S3Config:
     region: str | None = None
     path_style: bool | None = None
     single_writer: bool = False
+    verify_commit: bool = False
     part_bytes: int = 16 << 20
     concurrency: int = 8
 
@@ -78,7 +83,7 @@ class S3Config:
             object.__setattr__(self, "endpoint", _check_endpoint(self.endpoint))
         if self.region is not None and (not isinstance(self.region, str) or not self.region):
             raise ValueError(f"S3 region {self.region!r} must be a non-empty string or null")
-        for name in ("path_style", "single_writer"):
+        for name in ("path_style", "single_writer", "verify_commit"):
             value = getattr(self, name)
             if not (isinstance(value, bool) or (name == "path_style" and value is None)):
                 raise ValueError(f"S3 {name}={value!r}; expected true or false")

@@ -206,6 +206,7 @@ class S3Store:
             concurrency=self.config.concurrency,
             retry=self.retry,
             check_absent=not self._trusts_conditional_writes(),
+            verify_commit=self.config.verify_commit,
         )
         return put_object(upload, data, expected_size, want_sha, _mtime_ns)
 

@@ -63,6 +63,7 @@ class Upload:
     concurrency: int
     retry: RetryPolicy
     check_absent: bool = False  # HEAD before writing (servers that ignore If-None-Match)
+    verify_commit: bool = False  # read a single put back after its commit (non-atomic servers)
 
 
 def payload_parts(data: object, part_bytes: int) -> Iterator[bytes | memoryview]:
@@ -178,6 +179,8 @@ def _single(up, body, expected_size, expected_sha256, mtime_ns) -> ObjectInfo:
 
     answer = commit(up, send, token, checksum)
     _check_server_checksum(up, answer, checksum, hexdigest, token)
+    if up.verify_commit:
+        _check_still_ours(up, token)
     return ObjectInfo(up.key, len(payload), mtime_ns(answer), hexdigest)
 
 
@@ -252,15 +255,15 @@ def _multipart(up, first, second, rest, expected_size, expected_sha256, mtime_ns
 
 
 def _check_still_ours(up: Upload, token: str) -> None:
-    """Read back a completed multipart object: it must carry this put's token.
+    """Read back a committed object: it must carry this put's token.
 
-    On a server whose completion is atomic (AWS S3, MinIO, R2, ...) it always does. Some
-    servers (moto) check ``If-None-Match`` and write the object in two steps, so racing
-    completions can all be accepted and the last one's bytes stay: every writer but that one
-    then finds another token here and reports ``FileExistsError`` instead of success. (A
-    completion that lands after this read-back is not seen; that is why an artifact's commit is
-    its small ready manifest, one single-request conditional PUT, which such servers do refuse
-    atomically.)
+    On a server whose conditional writes are atomic (AWS S3, MinIO, R2, ...) it always does.
+    moto checks ``If-None-Match`` and then writes, without a lock, so racing commits can all be
+    accepted and the last one's bytes stay: every writer but that one then finds another token
+    here and reports ``FileExistsError`` instead of success. Done for every multipart commit
+    (one request next to a large upload) and, with ``verify_commit``, for single puts too. A
+    commit that lands after this read-back is not seen; readers' digest checks against an
+    artifact's manifest are the last line.
     """
     head = _read_back(up)
     if head is None:
