@@ -370,3 +370,25 @@ def test_verify_commit_catches_a_racing_writer_a_non_atomic_server_let_through(
         checking.put("k", b"mine")
     assert checking.get("k") == b"theirs"
     checking.delete("k")
+
+
+def test_a_stream_of_short_reads_is_cut_into_whole_parts(moto_store):
+    import io
+
+    class Trickle(io.RawIOBase):  # returns at most 64 KiB per read, like a pipe
+        def __init__(self, data):
+            self._data, self._pos = data, 0
+
+        def readable(self):
+            return True
+
+        def read(self, n=-1):
+            n = min(n if n >= 0 else len(self._data), 64 << 10)
+            chunk = self._data[self._pos : self._pos + n]
+            self._pos += len(chunk)
+            return chunk
+
+    data = os.urandom(11 << 20)
+    info = moto_store.put("trickle", Trickle(data))
+    assert info.sha256 == hashlib.sha256(data).hexdigest()
+    assert moto_store.get("trickle") == data

@@ -115,7 +115,7 @@ def payload_parts(data: object, part_bytes: int) -> Iterator[bytes | memoryview]
 
 
 def _stream_parts(read: Callable[[int], object], part_bytes: int) -> Iterator[bytes]:
-    pending = b""
+    pending = bytearray()
     sent = False
     while True:
         block = read(part_bytes - len(pending))
@@ -127,13 +127,17 @@ def _stream_parts(read: Callable[[int], object], part_bytes: int) -> Iterator[by
             raise TypeError(f"put() stream read returned {type(block).__name__}; expected bytes")
         if not block:
             break
-        pending = bytes(block) if not pending else pending + bytes(block)
-        if len(pending) >= part_bytes:
-            yield pending
+        if not pending and isinstance(block, bytes) and len(block) == part_bytes:
+            yield block  # a whole part in one read (files): no copy
             sent = True
-            pending = b""
+            continue
+        pending += block  # short reads (pipes, sockets) add up without quadratic copying
+        if len(pending) >= part_bytes:
+            yield bytes(pending)
+            sent = True
+            pending = bytearray()
     if pending or not sent:
-        yield pending
+        yield bytes(pending)
 
 
 def put_object(
