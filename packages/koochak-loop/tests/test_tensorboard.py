@@ -48,8 +48,13 @@ def test_training_loop_writes_scalars_and_the_resolved_config(tmp_path):
         dataset=data,
         step_fn=_step_fn,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        train_cfg={"max_steps": 4, "log_every": 2, "eval_every": 2, "out_dir": str(tmp_path),
-                   "device": "cpu"},  # fmt: skip
+        train_cfg={
+            "max_steps": 4,
+            "log_every": 2,
+            "eval_every": 2,
+            "out_dir": str(tmp_path),
+            "device": "cpu",
+        },  # fmt: skip
         config_json=config,
         eval_dataset=data[:2],
         eval_fn=_eval_fn,
