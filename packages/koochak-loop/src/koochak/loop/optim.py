@@ -28,7 +28,18 @@ Schedule = Callable[[int], float]
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 SCHEDULERS = ("none", "cosine", "step", "plateau", "cosine_warmup")
-_OPTIMIZER_KEYS = ("name", "lr", "weight_decay", "betas", "eps", "momentum", "nesterov")
+_OPTIMIZER_KEYS = (
+    "name",
+    "lr",
+    "weight_decay",
+    "betas",
+    "eps",
+    "momentum",
+    "nesterov",
+    "fused",
+    "foreach",
+    "param_groups",
+)
 _SCHEDULER_KEYS = (
     "name",
     "warmup_steps",
@@ -168,50 +179,117 @@ def _integer(
 # Builders.
 
 
+# Options a param-group rule may set, per optimizer (the rest of a group's options come from
+# the top level).
+_GROUP_OPTIONS = {
+    "adamw": ("lr", "weight_decay", "betas", "eps"),
+    "adam": ("lr", "weight_decay", "betas", "eps"),
+    "sgd": ("lr", "weight_decay", "momentum"),
+}
+_CLASSES = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+
+
 def build_optimizer(
-    params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]], cfg: Mapping[str, Any]
+    params: torch.nn.Module | Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]],
+    cfg: Mapping[str, Any],
 ) -> torch.optim.Optimizer:
     """Build `adamw`, `adam` or `sgd` (case-insensitive) from the `optim.optimizer` mapping.
 
-    Keys: name, lr, weight_decay, betas, eps (Adam family), momentum, nesterov (SGD). A key left
-    null takes torch's default for that optimizer; keys the chosen optimizer does not use are
-    ignored.
+    ``params`` is the model (needed for ``param_groups`` rules), or its parameters / torch
+    parameter groups. Keys: name, lr, weight_decay, betas, eps (Adam family), momentum, nesterov
+    (SGD), ``fused`` / ``foreach`` (null: torch's choice), ``param_groups`` (rules, see
+    `koochak.loop.param_groups`). A key left null takes the default for that optimizer; keys the
+    chosen optimizer does not use are ignored at the top level and refused in a rule.
     """
     section = "optim.optimizer"
     cfg = _plain(cfg, section)
     _check_keys(cfg, _OPTIMIZER_KEYS, section)
     name = _name(cfg, OPTIMIZERS, section, default="adamw")
-    lr = _number(cfg, "lr", section, 1e-3, positive=True)
+    options = _options(name, cfg, section, defaults=True)
+    groups = _param_groups(params, name, cfg.get("param_groups"), section)
+    return _CLASSES[name](groups, **options, **_implementation(cfg, section))
 
+
+def _options(name: str, cfg: Mapping[str, Any], section: str, defaults: bool) -> dict[str, Any]:
+    """The constructor options of optimizer ``name`` from ``cfg``, checked. With ``defaults``
+    every option is filled in (the top level); without, only those ``cfg`` sets (a rule)."""
+    options: dict[str, Any] = {}
+    present = (lambda key: True) if defaults else (lambda key: cfg.get(key) is not None)
+    if present("lr"):
+        options["lr"] = _number(cfg, "lr", section, 1e-3, positive=True)
+    # torch's own defaults differ: AdamW decays by 0.01 unless told otherwise, Adam and SGD by 0.
+    if present("weight_decay"):
+        default_decay = 0.01 if name == "adamw" else 0.0
+        options["weight_decay"] = _number(cfg, "weight_decay", section, default_decay, minimum=0)
     if name in ("adam", "adamw"):
-        betas = cfg.get("betas")
-        if betas is None:
-            betas = (0.9, 0.999)
-        if (
-            isinstance(betas, (str, bytes))
-            or not isinstance(betas, (list, tuple))
-            or len(betas) != 2
-            or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)
-        ):
-            raise ValueError(f"{section}.betas must be two numbers in [0, 1), got {betas!r}")
-        eps = _number(cfg, "eps", section, 1e-8, positive=True)
-        # torch's own defaults differ: AdamW decays by 0.01 unless told otherwise, Adam by 0.
-        decay = _number(cfg, "weight_decay", section, 0.01 if name == "adamw" else 0.0, minimum=0)
-        cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
-        return cls(
-            params, lr=lr, betas=(float(betas[0]), float(betas[1])), eps=eps, weight_decay=decay
-        )
+        if present("betas"):
+            options["betas"] = _betas(cfg.get("betas"), section)
+        if present("eps"):
+            options["eps"] = _number(cfg, "eps", section, 1e-8, positive=True)
+        return options
+    if present("momentum"):
+        options["momentum"] = _number(cfg, "momentum", section, 0.0, minimum=0)
+    if defaults:
+        nesterov = cfg.get("nesterov")
+        if nesterov is None:
+            nesterov = False
+        if not isinstance(nesterov, bool):
+            raise TypeError(f"{section}.nesterov must be true or false, got {nesterov!r}")
+        if nesterov and options["momentum"] == 0:
+            raise ValueError(f"{section}.nesterov: true needs {section}.momentum > 0")
+        options["nesterov"] = nesterov
+    return options
 
-    momentum = _number(cfg, "momentum", section, 0.0, minimum=0)
-    nesterov = cfg.get("nesterov")
-    if nesterov is None:
-        nesterov = False
-    if not isinstance(nesterov, bool):
-        raise TypeError(f"{section}.nesterov must be true or false, got {nesterov!r}")
-    if nesterov and momentum == 0:
-        raise ValueError(f"{section}.nesterov: true needs {section}.momentum > 0")
-    decay = _number(cfg, "weight_decay", section, 0.0, minimum=0)
-    return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=decay)
+
+def _betas(betas: Any, section: str) -> tuple[float, float]:
+    if betas is None:
+        return (0.9, 0.999)
+    if (
+        isinstance(betas, (str, bytes))
+        or not isinstance(betas, (list, tuple))
+        or len(betas) != 2
+        or not all(
+            isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0
+            for b in betas
+        )
+    ):
+        raise ValueError(f"{section}.betas must be two numbers in [0, 1), got {betas!r}")
+    return (float(betas[0]), float(betas[1]))
+
+
+def _implementation(cfg: Mapping[str, Any], section: str) -> dict[str, bool]:
+    """``fused`` / ``foreach`` when set (null leaves the choice to torch)."""
+    flags = {}
+    for key in ("fused", "foreach"):
+        value = cfg.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, bool):
+            raise TypeError(f"{section}.{key} must be true, false or null, got {value!r}")
+        flags[key] = value
+    if flags.get("fused") and flags.get("foreach"):
+        raise ValueError(
+            f"{section}.fused and {section}.foreach cannot both be true (torch runs one "
+            "implementation); set one of them to null"
+        )
+    return flags
+
+
+def _param_groups(params: Any, name: str, rules: Any, section: str) -> Any:
+    from koochak.loop.param_groups import check_rules, param_groups
+
+    where = f"{section}.param_groups"
+    rules = check_rules(rules, _GROUP_OPTIONS[name], where)
+    if not isinstance(params, torch.nn.Module):
+        if rules:
+            raise ValueError(
+                f"{where} selects parameters by name and module, so it needs the model: call "
+                "build_optimizer(model, cfg), not build_optimizer(model.parameters(), cfg)"
+            )
+        return params
+    for i, rule in enumerate(rules):
+        rule.update(_options(name, rule, f"{where}[{i}]", defaults=False))
+    return param_groups(params, rules, where) if rules else params.parameters()
 
 
 def _total_steps(cfg: Mapping[str, Any], train_cfg: Mapping[str, Any], section: str) -> int:
