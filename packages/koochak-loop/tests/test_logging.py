@@ -215,6 +215,59 @@ def test_progress_hooks_are_empty_off_a_tty_and_draw_when_forced():
     assert "4/4" in out.getvalue()
 
 
+def _terminal(columns: int):
+    """A pseudo-terminal reporting ``columns`` columns: (what was drawn so far, its writer)."""
+    import fcntl
+    import os
+    import pty
+    import select
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    writer = open(slave, "w", encoding="utf-8")  # noqa: SIM115
+
+    def drawn() -> str:
+        data = b""
+        while select.select([master], [], [], 0.2)[0]:
+            data += os.read(master, 65536)
+        return data.decode()
+
+    return drawn, writer
+
+
+def test_no_bar_on_a_terminal_that_reports_0_columns(monkeypatch):
+    import sys
+
+    _, unsized = _terminal(0)
+    monkeypatch.setattr(sys, "stdout", unsized)
+    assert make_progress_hooks(unsized) == {}  # its rows would wrap and tear on clearing
+    drawn, sized = _terminal(60)
+    monkeypatch.setattr(sys, "stdout", sized)
+    assert make_progress_hooks(sized) != {}
+
+
+def test_log_lines_are_written_through_a_live_bar(monkeypatch):
+    import sys
+
+    drawn, terminal = _terminal(60)
+    monkeypatch.setattr(sys, "stdout", terminal)
+    hooks = merge(make_stdout_hooks(print_config=False), make_progress_hooks(terminal))
+    emit(hooks, "on_train_start", {"step": 0, "max_steps": 4})
+    emit(hooks, "on_step_end", {"step": 0, "outputs": {}})
+    before = drawn()
+    emit(hooks, "on_log", {"step": 0, "metrics": {"loss": 0.5}})
+    after = drawn()
+    emit(hooks, "on_train_end", {"step": 1, "checkpoint": {}, "metrics": {}})
+    assert "/4 [" in before.rsplit("\r", 1)[-1]  # the bar is on screen
+    # Cleared (carriage return, blanks, carriage return), the line on its own row, then redrawn.
+    cleared, line, redrawn = after.partition("log\tstep=0\tloss=0.5\r\n")
+    assert line and cleared.startswith("\r") and cleared.endswith(" \r") and "%|" not in cleared
+    assert "1/4" in redrawn
+    assert all(len(row) <= 60 for row in after.replace("\r\n", "\r").split("\r"))
+
+
 def test_progress_without_tqdm_names_the_extra(monkeypatch):
     import sys
 

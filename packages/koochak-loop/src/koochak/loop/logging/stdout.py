@@ -14,6 +14,7 @@ from typing import IO, Any
 import yaml
 from koochak.loop.hooks import Hooks, rank0_only
 from koochak.loop.logging._records import clean_metrics, format_number
+from koochak.loop.logging.progress import write_line
 from omegaconf import DictConfig, OmegaConf
 
 __all__ = ["format_tsv", "make_stdout_hooks"]
@@ -41,16 +42,8 @@ def make_stdout_hooks(stream: IO[str] | None = None, *, print_config: bool = Tru
     """
 
     def _print(line: str) -> None:
-        out = stream if stream is not None else sys.stdout
-        tqdm = sys.modules.get("tqdm")
-        if tqdm is not None and hasattr(tqdm, "tqdm"):
-            # A progress bar may be drawn on the same terminal: clear it, print, redraw it.
-            with tqdm.tqdm.external_write_mode(file=out):
-                out.write(line + "\n")
-                out.flush()
-            return
-        out.write(line + "\n")
-        out.flush()
+        # A progress bar may be drawn on the same terminal: write through it.
+        write_line(line, stream if stream is not None else sys.stdout)
 
     def on_train_start(info: dict[str, Any]) -> None:
         if print_config:
