@@ -5,6 +5,7 @@ import torch
 from koochak.loop.optim import (
     build_optimizer,
     build_scheduler,
+    continued_schedule,
     cosine_schedule,
     step_schedule,
     warmup_cosine_schedule,
@@ -319,3 +320,52 @@ def test_param_group_and_implementation_errors_name_the_key(cfg, message):
 def test_rules_need_the_model_not_its_parameters():
     with pytest.raises(ValueError, match=r"needs the model: call build_optimizer\(model, cfg\)"):
         build_optimizer(_params(), {"param_groups": [{"names": ["*.bias"]}]})
+
+
+# ------------------------------------------------------------------ max_steps extension
+
+
+def _resumed(stop_at: int, old_max: int, new_max: int, warmup: int = 5):
+    """LRs of a run that stepped `stop_at` times under max_steps=old_max, then resumed from its
+    state with max_steps=new_max: (before, after) lists."""
+    cfg = {"name": "cosine_warmup", "warmup_steps": warmup, "eta_min": 0.01}
+    optimizer = torch.optim.SGD(_params(), lr=0.1)
+    scheduler = build_scheduler(optimizer, cfg, {"max_steps": old_max})
+    before = _lrs(scheduler, optimizer, stop_at)
+    checkpoint = {"config": {"train": {"max_steps": old_max}}, "scheduler": scheduler.state_dict(),
+                  "optimizer": optimizer.state_dict()}  # fmt: skip
+    optimizer = torch.optim.SGD(_params(), lr=0.1)
+    scheduler = build_scheduler(optimizer, cfg, {"max_steps": new_max}, checkpoint=checkpoint)
+    optimizer.load_state_dict(checkpoint["optimizer"])  # as resume restores them
+    scheduler.load_state_dict(checkpoint["scheduler"])
+    return before, _lrs(scheduler, optimizer, new_max - stop_at + 2)
+
+
+def test_an_extended_run_continues_its_decay_from_the_lr_it_reached():
+    before, after = _resumed(stop_at=30, old_max=60, new_max=120)
+    uninterrupted = _resumed(stop_at=30, old_max=60, new_max=60)[1]
+    assert after[0] == pytest.approx(uninterrupted[0])  # no jump at the resume
+    assert all(a > b for a, b in zip(after, after[1:90]))  # then a smooth decay ...
+    assert after[90] == pytest.approx(0.01) and after[-1] == pytest.approx(0.01)  # to eta_min
+    assert min(after) >= 0.01 - 1e-12
+
+
+def test_an_extension_before_the_decay_began_is_the_longer_schedule():
+    _, after = _resumed(stop_at=3, old_max=60, new_max=120)
+    fresh_opt = torch.optim.SGD(_params(), lr=0.1)
+    fresh = build_scheduler(fresh_opt, {"name": "cosine_warmup", "warmup_steps": 5,
+                                        "eta_min": 0.01}, {"max_steps": 120})  # fmt: skip
+    assert after == pytest.approx(_lrs(fresh, fresh_opt, 124)[3:])
+
+
+def test_extending_a_finished_schedule_warns_that_it_stays_at_eta_min():
+    with pytest.warns(UserWarning, match=r"schedule had ended \(step 60 of 60"):
+        _, after = _resumed(stop_at=60, old_max=60, new_max=90)
+    assert after == pytest.approx([0.01] * len(after))
+
+
+def test_continued_schedule_is_the_schedule_then_a_cosine_from_where_it_was():
+    half = continued_schedule(lambda step: 1.0 - step / 10, start=4, total=8, final_factor=0.2)
+    assert [half(t) for t in range(4)] == [1.0, 0.9, 0.8, 0.7]
+    assert half(4) == pytest.approx(0.6) and half(8) == pytest.approx(0.2) == half(50)
+    assert half(6) == pytest.approx(0.4)

@@ -8,6 +8,7 @@ the step counter and base LRs; the factor functions are rebuilt from config on r
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -19,6 +20,7 @@ __all__ = [
     "SCHEDULERS",
     "build_optimizer",
     "build_scheduler",
+    "continued_schedule",
     "cosine_schedule",
     "step_schedule",
     "warmup_cosine_schedule",
@@ -311,7 +313,11 @@ def _total_steps(cfg: Mapping[str, Any], train_cfg: Mapping[str, Any], section: 
 
 
 def build_scheduler(
-    optimizer: torch.optim.Optimizer, cfg: Mapping[str, Any] | None, train_cfg: Mapping[str, Any]
+    optimizer: torch.optim.Optimizer,
+    cfg: Mapping[str, Any] | None,
+    train_cfg: Mapping[str, Any],
+    *,
+    checkpoint: Mapping[str, Any] | None = None,
 ) -> torch.optim.lr_scheduler.LRScheduler | torch.optim.lr_scheduler.ReduceLROnPlateau | None:
     """Build the scheduler named by `optim.scheduler.name`, or return None for `none`/null.
 
@@ -322,6 +328,12 @@ def build_scheduler(
       attribute names the metric the loop must pass to `step()` (default `eval_loss`).
 
     `T_max: null` means `train.max_steps`. A "step" is one `scheduler.step()` call.
+
+    ``checkpoint``: the checkpoint the run resumes from. When its ``train.max_steps`` was the
+    cosine's horizon and this run's is longer, the schedule is the checkpoint's up to where it
+    stopped, then a cosine from the LR it had reached down to ``eta_min`` at the new
+    ``max_steps`` (`continued_schedule`): no jump in the LR. (A decay that had not begun yet is
+    simply laid over the new horizon.)
     """
     section = "optim.scheduler"
     cfg = _plain(cfg, section)
@@ -365,13 +377,69 @@ def build_scheduler(
                 f"{section}.warmup_steps={warmup} must be below the schedule length {total} "
                 f"({section}.{source}): set {section}.warmup_steps={total // 10} or a longer schedule"
             )
+        origin = _resumed_horizon(checkpoint, cfg, total, section)
         factories = []
         for group in optimizer.param_groups:
             # eta_min is an absolute LR; as a factor it depends on each group's base LR.
             base = group.get("initial_lr", group["lr"])
             final = eta_min / base if base > 0 else 0.0
-            if warmup:
-                factories.append(warmup_cosine_schedule(warmup, total, final))
-            else:
-                factories.append(cosine_schedule(total, final))
+            factories.append(_decay(warmup, total, final, origin))
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=factories)
+
+
+def _decay(warmup: int, total: int, final: float, origin: tuple[int, int] | None) -> Schedule:
+    """The (warmup +) cosine over ``total`` steps; after a ``max_steps`` extension (``origin`` =
+    the checkpoint's scheduler steps and horizon) the checkpoint's schedule continued."""
+    if origin is None or origin[0] <= warmup:  # the decay has not begun: lay it over `total`
+        return (
+            warmup_cosine_schedule(warmup, total, final)
+            if warmup
+            else cosine_schedule(total, final)
+        )
+    start, horizon = origin
+    before = (
+        warmup_cosine_schedule(warmup, horizon, final)
+        if warmup
+        else cosine_schedule(horizon, final)
+    )
+    return continued_schedule(before, start, total, final)
+
+
+def _resumed_horizon(
+    checkpoint: Mapping[str, Any] | None, cfg: Mapping[str, Any], total: int, section: str
+) -> tuple[int, int] | None:
+    """(scheduler steps taken, the schedule's length) of the checkpoint a run resumes from, when
+    its horizon was ``train.max_steps`` and this run extends it; else None."""
+    if checkpoint is None or cfg.get("T_max") is not None:
+        return None
+    old_total = ((checkpoint.get("config") or {}).get("train") or {}).get("max_steps")
+    start = (checkpoint.get("scheduler") or {}).get("last_epoch")
+    if not isinstance(old_total, int) or not isinstance(start, int) or old_total >= total:
+        return None
+    if start >= old_total:
+        warnings.warn(
+            f"{section}: the checkpoint's schedule had ended (step {start} of {old_total}, "
+            f"LR at eta_min); extending train.max_steps to {total} continues at that LR. To "
+            "train the extra steps at a higher LR, start a new schedule (change optim.scheduler "
+            "and accept it with train.resume_allow_changes)",
+            UserWarning,
+            stacklevel=3,
+        )
+    return start, old_total
+
+
+def continued_schedule(schedule: Schedule, start: int, total: int, final_factor: float) -> Schedule:
+    """`schedule` before step `start`; from there a half-cosine from `schedule(start)` to
+    `final_factor` at step `total`, flat afterwards: how a decay continues when the run is
+    extended, without a jump in the LR."""
+    if total <= start:
+        raise ValueError(f"continued_schedule needs total > start, got {total} <= {start}")
+    begin = schedule(start)
+
+    def continued(step: int) -> float:
+        if step < start:
+            return schedule(step)
+        progress = min(step - start, total - start) / (total - start)
+        return final_factor + (begin - final_factor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return continued
