@@ -171,8 +171,7 @@ def collect_power_ema_states(location: Any) -> list[dict[str, Any]]:
 
 
 def _published(location: Any) -> Iterable[tuple[str, dict[str, Any]]]:
-    from koochak.loop.checkpoint_format import CHECKPOINT_PATTERN, deserialize_checkpoint
-    from koochak.loop.publish import checkpoint_store
+    from koochak.loop.checkpoint import CHECKPOINT_PATTERN, checkpoint_store, deserialize_checkpoint
     from koochak.storage import artifact
 
     store = checkpoint_store(location)
