@@ -8,6 +8,7 @@ import re
 import pytest
 import yaml
 from koochak.loop.config import (
+    as_dict,
     ConfigError,
     TrainConfig,
     defaults,
@@ -132,8 +133,16 @@ def test_summary_names_sections_unknown_keys_and_strictness(tmp_path):
 def test_get_section_names_the_missing_section():
     cfg = load_config(None)
     assert get_section(cfg, "train").max_steps == 1000
-    with pytest.raises(ConfigError, match="no section 'model'"):
-        get_section(cfg, "model")
+    with pytest.raises(ConfigError, match="no section 'trainer'"):
+        get_section(cfg, "trainer")
+
+
+def test_the_model_section_is_free_form_like_data(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_text("model:\n  n_layer: 4\n  attn: {heads: 4, dropout: 0.1}\n")
+    cfg = load_config(path, ["model.n_embd=128"])
+    assert as_dict(cfg.model) == {"n_layer": 4, "attn": {"heads": 4, "dropout": 0.1}, "n_embd": 128}
+    assert load_config(None).model == {}  # nothing needed when a model has no hyperparameters
 
 
 def test_resolve_train_config_for_plain_dicts():

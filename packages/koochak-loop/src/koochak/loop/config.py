@@ -4,7 +4,7 @@ The dataclasses below are the single source of truth for every supported key and
 (``examples/config_template.yaml`` mirrors them and a test keeps the two in sync). Configs are
 OmegaConf objects, so ``${train.out_dir}/log.csv``-style interpolation works across sections.
 
-Strict by default: an unknown key anywhere (except the free-form ``data`` section) fails before
+Strict by default: an unknown key anywhere (except the free-form ``data`` and ``model`` sections) fails before
 training with its full path and a did-you-mean. ``train.strict_config: false`` relaxes that to a
 warning (``train.config_warn_unknown``) and keeps the unknown keys. Type and value errors name the
 key, the value and what was expected.
@@ -97,7 +97,18 @@ class TrainConfig:
     gpu_health_max_temperature_c: float = 90.0
     gpu_health_max_kernel_seconds: float = 10.0
     gpu_health_max_new_ecc_uncorrected: int = 0
+    keep_best_k: Optional[int] = None  # also keep the k best checkpoints by keep_best_metric
+    keep_best_metric: Optional[str] = None  # e.g. eval_loss (a checkpoint's metrics)
+    keep_best_mode: str = "min"  # min | max: which direction is better
+    reduce_metrics: bool = True  # under DDP: log each scalar's mean over ranks, not rank 0's
+    reduce_metrics_exclude: list[str] = field(default_factory=list)  # metrics logged as rank 0's
+    resume_allow_changes: list[str] = field(default_factory=list)  # config keys a resume may change
     ema: EmaConfig = field(default_factory=EmaConfig)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Free-form: the model's hyperparameters, read by the entry.model factory (cfg.model)."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +127,9 @@ class OptimizerConfig:
     eps: float = 1e-08
     momentum: float = 0.0
     nesterov: bool = False
+    fused: Optional[bool] = None  # null: torch's choice
+    foreach: Optional[bool] = None  # null: torch's choice
+    param_groups: list[Any] = field(default_factory=list)  # rules: select parameters, set options
 
 
 @dataclass(frozen=True)
@@ -143,6 +157,9 @@ class LoggingConfig:
     stdout: bool = True
     csv_path: Optional[str] = None  # null: <out_dir>/log.csv in the CLI
     jsonl_path: Optional[str] = None  # null: <out_dir>/log.jsonl in the CLI
+    print_config: bool = False  # print the whole resolved config at start (else a summary)
+    tensorboard: bool = False  # TensorBoard event files (extra: koochak-loop[tensorboard])
+    tensorboard_dir: Optional[str] = None  # null: <out_dir>/tensorboard
 
 
 @dataclass(frozen=True)
@@ -158,6 +175,7 @@ class WandbConfig:
     artifact_name_prefix: str = "model"
     artifact_type: str = "model"
     log_checkpoints: bool = True
+    upload_checkpoints: bool = False  # copy checkpoint files into W&B (default: reference them)
     tags: list[str] = field(default_factory=list)
 
 
@@ -168,11 +186,13 @@ class EntryConfig:
     step: Optional[str] = None  # module:callable, step_fn(model, batch, ctx) -> dict
     eval_dataset: Optional[str] = None
     eval_fn: Optional[str] = None
+    optimizer: Optional[str] = None  # module:callable, fn(model, cfg) -> Optimizer
 
 
 @dataclass(frozen=True)
 class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -187,13 +207,14 @@ EMA_PROFILES = ("constant", "power")
 EMA_SCHEDULES = ("constant", "linear", "cosine")
 EMA_SREL_MAX = 1.0 / math.sqrt(12.0)
 # Sections whose extra keys are the user's own (dataset builders read them).
-_FREE_FORM = frozenset({"data"})
+_FREE_FORM = frozenset({"data", "model"})
 _CHOICES = {
     "train.amp": ("none", "bf16", "fp16"),
     "train.scheduler_step": ("update", "eval"),
     "train.shard_dataset_mode": ("iterable", "map"),
     "train.shard_eval_dataset_mode": ("iterable", "map"),
     "wandb.mode": ("online", "offline", "disabled"),
+    "train.keep_best_mode": ("min", "max"),
     "optim.scheduler.name": ("none", "cosine", "step", "plateau", "cosine_warmup"),
 }
 # Accepted values of train.device (device.get_device resolves them).
@@ -207,6 +228,7 @@ _NON_NEGATIVE_OR_NULL = (
     "train.keep_last_k",
     "train.nonfinite_grad_check_every",
     "train.gpu_health_every",
+    "train.keep_best_k",
     "train.gpu_health_max_new_ecc_uncorrected",
     "train.ema.warmup_steps",
     "data.num_workers",
@@ -345,6 +367,27 @@ def _check_values(values: Mapping[str, Any], section: str) -> None:
         )
     if section in ("train.ema", "train.ema.dual"):
         _check_ema(values, section)
+    if section == "optim.optimizer" and values.get("param_groups"):
+        _check_param_groups(values)
+    if section == "train" and values.get("keep_best_k") and not values.get("keep_best_metric"):
+        raise ConfigError(
+            f"train.keep_best_k={values['keep_best_k']!r} needs train.keep_best_metric, the "
+            "metric that ranks checkpoints (e.g. eval_loss, with keep_best_mode: min)"
+        )
+
+
+def _check_param_groups(values: Mapping[str, Any]) -> None:
+    """The parameter-group rules, as build_optimizer will read them (before anything is built)."""
+    from koochak.loop.optim import OPTIMIZERS, group_options
+    from koochak.loop.param_groups import check_rules
+
+    name = str(values.get("name") or "adamw").lower()
+    if name not in OPTIMIZERS:
+        return  # the optimizer builder names the bad name
+    try:
+        check_rules(values["param_groups"], group_options(name), "optim.optimizer.param_groups")
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _check_ema(values: Mapping[str, Any], section: str) -> None:

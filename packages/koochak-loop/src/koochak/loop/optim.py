@@ -188,6 +188,11 @@ _GROUP_OPTIONS = {
     "adam": ("lr", "weight_decay", "betas", "eps"),
     "sgd": ("lr", "weight_decay", "momentum"),
 }
+def group_options(name: str) -> tuple[str, ...]:
+    """The options a parameter-group rule may set for optimizer ``name``."""
+    return _GROUP_OPTIONS[name]
+
+
 _CLASSES = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
 
 
