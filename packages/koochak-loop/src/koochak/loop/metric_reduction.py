@@ -27,7 +27,11 @@ _GLOBAL = frozenset({"lr", "grad_norm", "grad_norm_rescaled", "grad_clip_coeffic
 
 
 def _gather(values: list[float], device: torch.device | None) -> list[list[float]]:
-    return dist.all_gather_floats(values, device)
+    from koochak.loop.ddp import collective_device
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [values]
+    return dist.all_gather_floats(values, device if device is not None else collective_device())
 
 
 def reduce_logged(

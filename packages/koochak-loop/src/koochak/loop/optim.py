@@ -188,6 +188,8 @@ _GROUP_OPTIONS = {
     "adam": ("lr", "weight_decay", "betas", "eps"),
     "sgd": ("lr", "weight_decay", "momentum"),
 }
+
+
 def group_options(name: str) -> tuple[str, ...]:
     """The options a parameter-group rule may set for optimizer ``name``."""
     return _GROUP_OPTIONS[name]

@@ -5,7 +5,8 @@ that changed any of those (``data.batch_size``, ``train.grad_accum``, ``optim.op
 ``train.seed``, the model ...) would silently make a different run out of the checkpoint, so it is
 refused, naming each key with its old and new value and the override that accepts them
 (``train.resume_allow_changes``). Changes that only affect what is observed or how the run is
-executed (logging cadence, sinks, device, retention, where files go) are harmless: they are
+executed (logging cadence, sinks, device, retention, where files go, the EMA shadows, which
+average the weights without changing how they train) are harmless: they are
 reported once. Extending ``train.max_steps`` is harmless too, and a schedule whose horizon is
 ``train.max_steps`` continues from the checkpoint (see `koochak.loop.optim.build_scheduler`).
 
@@ -60,7 +61,7 @@ HARMLESS = (
     "train.reduce_metrics",
     "train.reduce_metrics_exclude",
     "train.resume_allow_changes",
-    "train.print_config",
+    "train.ema",  # shadows average the weights; they do not change how the weights train
     "optim.optimizer.fused",
     "optim.optimizer.foreach",
     "logging.*",
@@ -148,12 +149,14 @@ def format_change(change: ConfigChange) -> str:
 def check_resume_config(
     old: Mapping[str, Any], new: Mapping[str, Any], allow: Sequence[str] = (), where: str = ""
 ) -> ConfigDrift:
-    """`compare_configs`, raising ValueError (one line) when a change breaks the run: the keys,
+    """`compare_configs`, raising ConfigError (one line) when a change breaks the run: the keys,
     old and new values, and the ``train.resume_allow_changes`` override that accepts them."""
     drift = compare_configs(old, new, allow)
     if drift.breaking:
         keys = [change.key for change in drift.breaking]
-        raise ValueError(
+        from koochak.loop.config import ConfigError
+
+        raise ConfigError(
             f"resume{f' from {where}' if where else ''}: the config changed in ways that make it "
             f"a different run (data order, batch geometry, model, optimizer or schedule): "
             f"{'; '.join(map(format_change, drift.breaking))}. Start a new run (--resume none, "

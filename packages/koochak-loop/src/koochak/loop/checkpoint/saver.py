@@ -144,7 +144,9 @@ class Checkpointer:
         """
         path = None
         failure: Exception | None = None
-        publish = not (reason == "terminal" and is_published_terminal(self.resumed, step))
+        publish = not (
+            reason in ("terminal", "stopped") and is_published_terminal(self.resumed, step)
+        )
         try:
             checkpoint = self.capture(step, step, reason, metrics)
             if self.saver is not None and checkpoint is not None and publish:
@@ -210,7 +212,7 @@ def is_published_terminal(resumed: Mapping[str, Any] | None, step: int) -> bool:
         resumed is not None
         and step == int(resumed["next_step"])
         and resumed.get("step") == step
-        and resumed.get("reason") == "terminal"
+        and resumed.get("reason") in ("terminal", "stopped")
     )
 
 
