@@ -18,7 +18,6 @@ def _rank_main(out_dir: str, exclude: str) -> None:
     from koochak.loop import training_loop
     from koochak.loop.dist import exit_distributed_process, get_rank
 
-    rank = int(os.environ["RANK"])
     model = torch.nn.Linear(1, 1)
     gathers = []
     import koochak.loop.metric_reduction as reduction
