@@ -8,9 +8,9 @@ import re
 import pytest
 import yaml
 from koochak.loop.config import (
-    as_dict,
     ConfigError,
     TrainConfig,
+    as_dict,
     defaults,
     format_summary,
     get_section,
