@@ -141,3 +141,35 @@ def test_koochak_train_refuses_a_changed_resume_with_exit_2_and_stops_with_exit_
     extended = train("train.max_steps=12")
     assert extended.returncode == 0, extended.stderr
     assert "train.max_steps: 6 -> 12" in extended.stderr
+
+
+def test_keep_best_k_never_prunes_the_best_checkpoint(tmp_path):
+    from koochak.storage.artifact import published_candidates
+    from koochak.storage.store import open_store
+
+    losses = iter([5.0, 1.0, 4.0, 3.0, 6.0, 7.0, 8.0, 2.5, 9.0, 9.5, 9.9, 9.8])
+
+    def eval_fn(model, data, ctx):
+        return {"loss": next(losses)}
+
+    def names():
+        return sorted(name for _, name in published_candidates(open_store(str(tmp_path)),
+                                                               r"step(\d{9})\.pt"))  # fmt: skip
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    cfg = {"max_steps": 12, "eval_every": 1, "ckpt_every": 1, "keep_last_k": 2, "device": "cpu",
+           "out_dir": str(tmp_path), "keep_best_k": 2, "keep_best_metric": "eval_loss"}  # fmt: skip
+    training_loop(model=model, dataset=_data(), step_fn=_step_fn,
+                  optimizer=torch.optim.SGD(model.parameters(), lr=0.1), train_cfg=cfg,
+                  eval_dataset=_data(1), eval_fn=eval_fn)  # fmt: skip
+    # The two newest (10, 12: the terminal one) and the two best: step 1 (1.0), step 7 (2.5).
+    assert names() == ["step000000001.pt", "step000000007.pt", "step000000010.pt",
+                       "step000000012.pt"]  # fmt: skip
+
+
+def test_keep_best_k_needs_a_metric():
+    from koochak.loop.config import load_config
+
+    with pytest.raises(ConfigError, match="train.keep_best_k=2 needs train.keep_best_metric"):
+        load_config(None, ["train.keep_best_k=2"])
