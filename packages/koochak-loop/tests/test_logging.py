@@ -156,7 +156,7 @@ def test_jsonl_reader_rejects_unknown_version_and_keys(tmp_path):
 
 
 def test_stdout_hooks_print_config_and_compact_tsv(capsys):
-    hooks = make_stdout_hooks()
+    hooks = make_stdout_hooks(print_config=True)
     emit(hooks, "on_train_start", {"step": 0, "config_json": {"train": {"max_steps": 3}}})
     emit(hooks, "on_log", {"step": 9, "metrics": {"loss": 0.123456, "lr": 0.0003}})
     emit(hooks, "on_eval_end", {"step": 9, "metrics": {"eval_acc": 0.5}})
@@ -169,6 +169,30 @@ def test_stdout_hooks_print_config_and_compact_tsv(capsys):
     ]
     assert lines[-2] == "log\tstep=9\tloss=0.1235\tlr=0.0003"
     assert lines[-1] == "eval\tstep=9\teval_acc=0.5"
+
+
+def test_stdout_prints_one_screen_and_writes_the_full_config_to_out_dir(tmp_path, capsys):
+    from koochak.loop.config import defaults, to_container
+    from omegaconf import OmegaConf
+
+    config = defaults()
+    config["train"].update(max_steps=60, grad_accum=4, out_dir=str(tmp_path))
+    config["model"] = {"n_layer": 4, "n_embd": 128}
+    config["optim"]["optimizer"]["param_groups"] = [{"max_ndim": 1, "weight_decay": 0.0}]
+    info = {"step": 0, "max_steps": 60, "config_json": config, "out_dir": str(tmp_path)}
+    emit(make_stdout_hooks(), "on_train_start", info)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == (
+        f"# config: what differs from the defaults (full config: {tmp_path / 'config.yaml'}; "
+        "logging.print_config: true prints all of it)"
+    )
+    assert lines[1] == "train    max_steps=60 grad_accum=4"
+    assert lines[2] == f"         out_dir={tmp_path}"  # wrapped at ~100 columns
+    assert lines[3] == "model    n_layer=4 n_embd=128"
+    assert lines[4] == 'optim    optimizer.param_groups=[{"max_ndim": 1, "weight_decay": 0.0}]'
+    assert lines[5].startswith("start\t") and len(lines) == 6  # one screen, not ~115 lines
+    written = to_container(OmegaConf.load(tmp_path / "config.yaml"))
+    assert written == config  # the whole resolved config, for later reference
 
 
 def test_stdout_start_line_names_the_checkpoint_a_run_resumed_from(capsys):
