@@ -658,14 +658,16 @@ def load_config_with_report(
     values = _resolve(cfg, source)
     strict, warn = _strictness(values)
     unknown = _unknown_keys(values, Config)
+    overrides = list(overrides)
     if unknown and strict:
         raise ConfigError(
-            _unknown_message(unknown, Config, source)
+            _blamed_unknown_message(unknown, source, overrides)
             + "; fix the key or set train.strict_config: false to allow unknown keys"
         )
     if unknown and warn and _rank() == 0:  # one warning per run, not one per DDP rank
         warnings.warn(
-            _unknown_message(unknown, Config, source) + " (kept: train.strict_config is false)",
+            _blamed_unknown_message(unknown, source, overrides)
+            + " (kept: train.strict_config is false)",
             UserWarning,
             stacklevel=2,
         )
@@ -676,9 +678,34 @@ def load_config_with_report(
         try:
             _check_section(values[section], hints[section], section)
         except ConfigError as exc:
-            raise ConfigError(f"{source}: {exc}") from None
+            path = str(exc).partition(":")[0]
+            raise ConfigError(f"{_blame(path, source, overrides)}: {exc}") from None
     user_sections = tuple(str(k) for k in user if k in SECTIONS or k in values)
     return cfg, ConfigReport(source, user_sections, tuple(unknown), strict)
+
+
+def _override_for(path: str, overrides: Sequence[str]) -> str | None:
+    """The last override that set ``path`` (or a section above or a key below it), if any."""
+    found = None
+    for item in overrides:
+        key = item.partition("=")[0].strip()
+        if key == path or path.startswith(key + ".") or key.startswith(path + "."):
+            found = item
+    return found
+
+
+def _blame(path: str, source: str, overrides: Sequence[str]) -> str:
+    """Where a bad value came from: the command-line override that set it, else the file."""
+    item = _override_for(path, overrides)
+    return f"override {item!r}" if item is not None else source
+
+
+def _blamed_unknown_message(unknown: Sequence[str], source: str, overrides: Sequence[str]) -> str:
+    """Unknown keys, each group named by where it came from: an override or the file."""
+    groups: dict[str, list[str]] = {}
+    for path in unknown:
+        groups.setdefault(_blame(path, source, overrides), []).append(path)
+    return "; ".join(_unknown_message(paths, Config, where) for where, paths in groups.items())
 
 
 def _without_legacy_ema(user: DictConfig, source: str) -> DictConfig:
