@@ -420,18 +420,33 @@ def ema_enabled(ema: EmaConfig) -> bool:
     return any(value is not None for value in implied) or ema.dual.enabled
 
 
+def ema_has_primary(ema: EmaConfig) -> bool:
+    """Whether ``train.ema`` asks for a primary shadow: always without dual EMA; beside the dual
+    power shadows when it also gives ``decay``, ``gamma``/``srel`` or ``profile: constant``
+    (upstream's ``ema`` next to ``ema_dual``: evaluate with one average, keep post-hoc snapshots)."""
+    if not ema.dual.enabled:
+        return True
+    return (
+        ema.decay is not None
+        or ema.gamma is not None
+        or ema.srel is not None
+        or ema.profile == "constant"
+    )
+
+
 def ema_profile(ema: EmaConfig) -> str | None:
-    """The one rule for which ``train.ema`` combinations are accepted: returns the profile the
-    shadows use (``constant`` or ``power``), None when EMA is off; a refused combination is a
-    ConfigError naming the key and the fix.
+    """The one rule for which ``train.ema`` combinations are accepted: returns the profile of the
+    primary shadow (``constant`` or ``power``; ``power`` for dual shadows alone), None when EMA
+    is off; a refused combination is a ConfigError naming the key and the fix.
 
     - A warm-up needs a ``linear`` or ``cosine`` schedule (unless the profile is set to power,
       whose own message follows), whether EMA is on or not.
-    - The profile defaults to power when ``gamma``/``srel`` or ``dual`` is given, else constant.
+    - The primary's profile defaults to power when ``gamma``/``srel`` is given (or, without a
+      primary, for the dual shadows), else constant.
     - Only the constant profile has a ``decay`` and a warm-up; only the power profile uses
       ``gamma``/``srel``, exactly one of the two.
-    - Dual EMA is two power shadows (``dual.gamma1|srel1`` and ``dual.gamma2|srel2``, exactly one
-      of each pair) and nothing else: no single ``gamma``/``srel`` beside it.
+    - Dual EMA adds two power shadows (``dual.gamma1|srel1`` and ``dual.gamma2|srel2``, exactly
+      one of each pair), after the primary when there is one (see `ema_has_primary`).
     """
     if ema.warmup_steps and ema.schedule == "constant" and ema.profile != "power":
         raise ConfigError(
@@ -441,23 +456,22 @@ def ema_profile(ema: EmaConfig) -> str | None:
     if not ema_enabled(ema):
         return None
     power_keys = [key for key in ("gamma", "srel") if getattr(ema, key) is not None]
-    profile = ema.profile or ("power" if ema.dual.enabled or power_keys else "constant")
+    if ema.dual.enabled:
+        for i in (1, 2):
+            _one_of(ema.dual, f"gamma{i}", f"srel{i}", "train.ema.dual")
+        if not ema_has_primary(ema):
+            if ema.warmup_steps:
+                raise ConfigError("train.ema.warmup_steps: only a constant primary shadow warms "
+                                  "up; give train.ema.decay for one, or drop the warm-up")  # fmt: skip
+            return "power"
+    profile = ema.profile or ("power" if power_keys else "constant")
     if profile == "power" and ema.decay is not None:
         raise ConfigError("train.ema.decay: only the constant profile has a decay (profile is "
                           "power; its averaging length is gamma or srel)")  # fmt: skip
     if profile == "power" and ema.warmup_steps:
         raise ConfigError("train.ema.warmup_steps: only the constant profile warms up (the power "
                           "profile needs no warm-up)")  # fmt: skip
-    if ema.dual.enabled:
-        if profile != "power":
-            raise ConfigError("train.ema.dual.enabled: dual EMA tracks two power profiles; "
-                              f"set train.ema.profile: power (got {profile!r})")  # fmt: skip
-        if power_keys:
-            raise ConfigError(f"train.ema.{power_keys[0]}: with train.ema.dual.enabled give "
-                              "dual.gamma1/gamma2 or dual.srel1/srel2 instead")  # fmt: skip
-        for i in (1, 2):
-            _one_of(ema.dual, f"gamma{i}", f"srel{i}", "train.ema.dual")
-    elif profile == "power":
+    if profile == "power":
         _one_of(ema, "gamma", "srel", "train.ema")
     elif power_keys:
         raise ConfigError(f"train.ema.{power_keys[0]}: only the power profile uses gamma/srel; "
