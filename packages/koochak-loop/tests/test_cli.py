@@ -48,6 +48,15 @@ def make_optimizer(model, cfg):
     return torch.optim.SGD(model.parameters(), lr=cfg.model.factory_lr)
 
 
+def stop_after_first_eval(cfg):
+    from koochak.loop.hooks import StopTraining
+
+    def on_eval_end(info):
+        raise StopTraining("good enough")
+
+    return {"on_eval_end": [on_eval_end]}
+
+
 def not_an_optimizer(model, cfg):
     return "adam please"
 
@@ -131,6 +140,21 @@ def test_model_section_param_groups_optimizer_factory_and_tensorboard(project, c
     assert main([*common, factory, "train.out_dir=" + str(root / "factory")]) == 0
     groups = torch.load(root / "factory" / "step000000006.pt", weights_only=True)["optimizer"]
     assert groups["param_groups"][0]["initial_lr"] == 0.25  # built by the factory from model:
+
+
+def test_entry_hooks_can_stop_the_run_with_exit_0(project, capsys):
+    root, name, config = project
+    args = [
+        "--config",
+        str(config),
+        "--resume",
+        "none",
+        f"entry.hooks={name}:stop_after_first_eval",
+    ]
+    assert main(args) == 0
+    assert "koochak: stopped at step 3 (good enough)" in capsys.readouterr().out
+    checkpoint = torch.load(root / "run" / "step000000003.pt", weights_only=True)
+    assert checkpoint["reason"] == "stopped"
 
 
 def test_help_points_at_the_config_template(capsys):

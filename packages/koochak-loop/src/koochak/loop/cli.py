@@ -148,6 +148,8 @@ def build_hooks(cfg: DictConfig) -> dict[str, list[Callable[[dict[str, Any]], No
         parts.append(sinks.make_progress_hooks())
     if os.environ.get("SCRUFFY_ROOT") and os.environ.get("SCRUFFY_JOB_ID"):
         parts.append(_scruffy_hooks())
+    if cfg.entry.hooks:  # the user's own (early stopping with StopTraining, a budget, ...)
+        parts.append(import_entry(cfg.entry.hooks, "entry.hooks")(cfg))
     return merge(*parts)
 
 

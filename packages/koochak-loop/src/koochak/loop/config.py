@@ -187,6 +187,7 @@ class EntryConfig:
     eval_dataset: Optional[str] = None
     eval_fn: Optional[str] = None
     optimizer: Optional[str] = None  # module:callable, fn(model, cfg) -> Optimizer
+    hooks: Optional[str] = None  # module:callable, fn(cfg) -> hooks dict (early stopping, ...)
 
 
 @dataclass(frozen=True)
