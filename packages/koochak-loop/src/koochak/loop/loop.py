@@ -41,7 +41,11 @@ from koochak.loop.hooks import StopTraining, emit, merge
 from koochak.loop.metric_reduction import CountedBatches, reduce_eval, reduce_logged
 from koochak.loop.precision import Scaler, autocast_factory
 from koochak.loop.prefetch import cuda_prefetch
-from koochak.loop.resume_config import check_resume_config, format_change
+from koochak.loop.resume_config import (
+    check_resume_config,
+    format_change,
+    schedule_follows_max_steps,
+)
 
 _NULL = contextlib.nullcontext()
 _END = object()
@@ -611,11 +615,11 @@ def _check_resumed_config(
     rank: int,
 ) -> None:
     """Refuse a resume whose config makes it a different run; say once what else changed."""
-    old = _with_defaults(checkpoint.get("config") or {})
-    drift = check_resume_config(old, _with_defaults(config), cfg.resume_allow_changes, where or "")
+    old, new = _with_defaults(checkpoint.get("config") or {}), _with_defaults(config)
+    drift = check_resume_config(old, new, cfg.resume_allow_changes, where or "")
     if drift.harmless and rank == 0:
         note = ""
-        if drift.max_steps_extended:
+        if drift.max_steps_extended and schedule_follows_max_steps(new):
             note = (" train.max_steps grew: a cosine whose length is train.max_steps continues from "
                     "the LR the checkpoint reached down to eta_min at the new max_steps when the "
                     "scheduler is built with the checkpoint (build_scheduler(..., checkpoint=); "

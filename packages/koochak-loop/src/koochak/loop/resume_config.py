@@ -28,6 +28,7 @@ __all__ = [
     "check_resume_config",
     "compare_configs",
     "format_change",
+    "schedule_follows_max_steps",
 ]
 
 # Keys (fnmatch patterns on the dotted path) whose change leaves the run the same run.
@@ -108,7 +109,7 @@ def _matches(key: str, patterns: Sequence[str]) -> bool:
     )
 
 
-def _horizon_follows_max_steps(config: Mapping[str, Any]) -> bool:
+def schedule_follows_max_steps(config: Mapping[str, Any]) -> bool:
     """Whether the schedule's length is ``train.max_steps`` (a cosine with ``T_max: null``)."""
     scheduler = (config.get("optim") or {}).get("scheduler") or {}
     name = str(scheduler.get("name") or "none").lower()
@@ -132,7 +133,7 @@ def compare_configs(
         if key == "train.max_steps":
             longer = now is None or (isinstance(was, int) and isinstance(now, int) and now > was)
             extended = longer and was is not None
-            if longer or not _horizon_follows_max_steps(new) or _matches(key, allow):
+            if longer or not schedule_follows_max_steps(new) or _matches(key, allow):
                 harmless.append(change)
                 continue
         if _matches(key, HARMLESS) or _matches(key, allow):
