@@ -179,8 +179,11 @@ def one_line_error(capsys) -> str:
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
-        ("entry.model=nowhere_pkg:make_model", "entry.model: cannot import module 'nowhere_pkg'"),
-        ("entry.step={name}:nope", "entry.step: module '{name}' has no attribute 'nope'"),
+        (
+            "entry.model=nowhere_pkg:make_model",
+            "entry.model='nowhere_pkg:make_model': cannot import module 'nowhere_pkg'",
+        ),
+        ("entry.step={name}:nope", "entry.step='{name}:nope': module '{name}' has no attribute"),
         ("entry.dataset=nocolon", "entry.dataset: expected 'module:callable', got 'nocolon'"),
         ("entry.model=null", "entry.model is not set: add it to the config's entry section"),
         ("entry.step={name}:step_fm", "(did you mean '{name}:step_fn'?)"),
