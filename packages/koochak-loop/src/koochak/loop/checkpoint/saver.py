@@ -29,16 +29,34 @@ from typing import Any
 import torch
 from koochak.loop import ddp, dist
 from koochak.loop.checkpoint.background import lower_this_threads_priority
-from koochak.loop.checkpoint.format import build_checkpoint, checkpoint_name
+from koochak.loop.checkpoint.format import CHECKPOINT_PATTERN, build_checkpoint, checkpoint_name
 from koochak.loop.checkpoint.host_buffers import HostBuffers, HostCopy
-from koochak.loop.checkpoint.publication import checkpoint_store, publication_path, publish
-from koochak.loop.checkpoint.serialization import SplitCheckpoint, split_checkpoint
+from koochak.loop.checkpoint.publication import (
+    checkpoint_store,
+    publication_path,
+    publish,
+    unpublish_checkpoint,
+)
+from koochak.loop.checkpoint.serialization import (
+    SplitCheckpoint,
+    read_checkpoint,
+    split_checkpoint,
+)
 from koochak.loop.config import TrainConfig
 from koochak.loop.seed import get_rng_state
 from koochak.storage import artifact
 from koochak.storage.store import Store
 
 log = logging.getLogger("koochak.loop.checkpoint")
+
+
+def _score(value: Any) -> float | None:
+    """A metric value usable for ranking: a finite real number, else None."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        return None
+    return float(value)
 
 
 class CheckpointPublishError(RuntimeError):
@@ -146,7 +164,9 @@ class Checkpointer:
         """
         path = None
         failure: Exception | None = None
-        publish = not (reason == "terminal" and is_published_terminal(self.resumed, step))
+        publish = not (
+            reason in ("terminal", "stopped") and is_published_terminal(self.resumed, step)
+        )
         try:
             checkpoint = self.capture(step, step, reason, metrics)
             if self.saver is not None and checkpoint is not None and publish:
@@ -202,6 +222,9 @@ def make_checkpointer(
             async_publish=cfg.checkpoint_async,
             parts=cfg.checkpoint_parts,
             on_checkpoint=on_checkpoint,
+            keep_best=(cfg.keep_best_k, cfg.keep_best_metric, cfg.keep_best_mode)
+            if cfg.keep_best_k
+            else None,
         )
     return Checkpointer(parts, saver, every=cfg.ckpt_every, max_steps=cfg.max_steps,
                         resumed=resumed, started=started)  # fmt: skip
@@ -213,7 +236,7 @@ def is_published_terminal(resumed: Mapping[str, Any] | None, step: int) -> bool:
         resumed is not None
         and step == int(resumed["next_step"])
         and resumed.get("step") == step
-        and resumed.get("reason") == "terminal"
+        and resumed.get("reason") in ("terminal", "stopped")
     )
 
 
@@ -238,9 +261,13 @@ class CheckpointSaver:
         async_publish: bool = False,
         parts: int | str = 1,
         on_checkpoint: Callable[[dict[str, Any]], None] | None = None,
+        keep_best: tuple[int, str, str] | None = None,
     ) -> None:
         self.location = location
         self.keep_last_k = keep_last_k
+        # (k, metric, "min"|"max"): the k best checkpoints by metric are never pruned.
+        self.keep_best = keep_best
+        self._scores: dict[str, float | None] = {}
         self.async_publish = async_publish
         self.parts = parts
         self.on_checkpoint = on_checkpoint
@@ -263,6 +290,8 @@ class CheckpointSaver:
         """Publish ``ckpt`` as ``step{N:09d}.pt``; returns its path (None while still in flight)."""
         name = checkpoint_name(int(ckpt["step"]))
         store = self.store
+        if self.keep_best is not None:
+            self._scores[name] = _score((ckpt.get("metrics") or {}).get(self.keep_best[1]))
 
         def announce(publication: artifact.Publication) -> str:
             path = publication_path(store, publication)
@@ -310,7 +339,11 @@ class CheckpointSaver:
     def _publish(
         self, name: str, data: Mapping[str, Any] | SplitCheckpoint
     ) -> artifact.Publication:
-        return publish(self.store, name, data, keep_last_k=self.keep_last_k, parts=self.parts)
+        if self.keep_best is None or self.keep_last_k is None:
+            return publish(self.store, name, data, keep_last_k=self.keep_last_k, parts=self.parts)
+        publication = publish(self.store, name, data, parts=self.parts)  # pruned below
+        self._prune_keeping_best()
+        return publication
 
     def _publish_copy(
         self, name: str, frozen: tuple[SplitCheckpoint, HostCopy]
@@ -321,6 +354,38 @@ class CheckpointSaver:
             return self._publish(name, split)
         finally:
             copy.release()
+
+    def _prune_keeping_best(self) -> None:
+        """Keep the newest ``keep_last_k`` and the ``k`` best by the metric; unpublish the rest
+        (manifest first, then the object, then any parts). A checkpoint without the metric is
+        never among the best."""
+        assert self.keep_best is not None and self.keep_last_k is not None
+        k, metric, mode = self.keep_best
+        candidates = artifact.published_candidates(self.store, CHECKPOINT_PATTERN)  # newest first
+        keep = {name for _, name in candidates[: self.keep_last_k]}
+        scored = [(self._score_of(name, metric), -number, name) for number, name in candidates]
+        ranked = sorted(
+            (t for t in scored if t[0] is not None),
+            key=lambda t: (t[0] if mode == "min" else -t[0], t[1]),  # ties: the newer
+        )
+        keep |= {name for _, _, name in ranked[:k]}
+        for _, name in candidates:
+            if name not in keep:
+                unpublish_checkpoint(self.store, name)
+                self._scores.pop(name, None)
+
+    def _score_of(self, name: str, metric: str) -> float | None:
+        """The metric of a published checkpoint: remembered from this run's saves, else read
+        once from the checkpoint (one from an earlier attempt; either layout)."""
+        if name not in self._scores:
+            try:
+                _, data = artifact.read_verified(self.store, name)
+                metrics = read_checkpoint(self.store, name, data, name).get("metrics") or {}
+                self._scores[name] = _score(metrics.get(metric))
+            except (artifact.InvalidArtifact, ValueError, OSError) as exc:
+                log.warning("keep_best_k: cannot read %s (%s); it is ranked as not best", name, exc)
+                self._scores[name] = None
+        return self._scores[name]
 
 
 class AsyncPublisher:
