@@ -34,7 +34,8 @@ from koochak.loop.config import (
     to_container,
 )
 from koochak.loop.dist import exit_distributed_process
-from koochak.loop.evacuation import make_evacuation
+from koochak.loop.evacuation import Evacuated, make_evacuation
+from koochak.loop.health import GpuUnhealthy
 from koochak.loop.logging.wandb_logger import check_restart_settings
 from koochak.loop.masking import mask_text, masked_output, masking_active
 from koochak.loop.scruffy_exit import checkpoint_exit_code
@@ -379,6 +380,20 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         training_loop(**kwargs)
+    except SystemExit as exc:
+        if isinstance(exc, (Evacuated, GpuUnhealthy)):
+            raise  # 75 and 79: the codes the launcher and the scheduler act on
+        # sys.exit() in a step_fn or hook: never a silent 0 for a run that did not finish.
+        code = exc.code if isinstance(exc.code, int) and exc.code != 0 else EXIT_TRAINING_FAILED
+        _fail(
+            "training failed: ",
+            RuntimeError(
+                f"the training code called sys.exit({exc.code!r}) before the run finished; no "
+                "terminal checkpoint was saved (raise koochak.loop.hooks.StopTraining to end a run "
+                "with one)"
+            ),
+        )
+        return code
     except ConfigError as exc:  # refused before the first update (a resume that changed the run)
         if args.debug:
             raise

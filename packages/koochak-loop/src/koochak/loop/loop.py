@@ -322,8 +322,11 @@ def training_loop(
         finished = True
         return checkpoint
     # A GPU-health stop is a failure the hooks must hear of (an evacuation already ended cleanly
-    # through on_train_end).
-    except (Exception, KeyboardInterrupt, GpuUnhealthy) as exc:
+    # through on_train_end), and so is a sys.exit() in the training code: it ends the run without
+    # a terminal checkpoint, unlike StopTraining.
+    except (Exception, KeyboardInterrupt, SystemExit) as exc:
+        if isinstance(exc, Evacuated):
+            raise
         emit(hooks, "on_exception", {"step": step, "exception": exc}, warned=warned)
         if checkpoints is not None:
             checkpoints.close()  # an in-flight publication finishes; the original error stays primary
