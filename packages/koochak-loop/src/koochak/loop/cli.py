@@ -168,7 +168,7 @@ def _check_launch(cfg: DictConfig) -> None:
     from koochak.loop.dist import check_launch_environment
 
     get_device(str(cfg.train.device))
-    if cfg.train.ddp:
+    if cfg.train.ddp or cfg.train.fsdp.enabled:
         check_launch_environment()
     checkpoint_store(str(cfg.train.checkpoint_dir or cfg.train.out_dir))
 

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from koochak.loop import ddp, dist
+from koochak.loop import ddp, dist, fsdp
 from koochak.loop.checkpoint.format import build_checkpoint, checkpoint_name
 from koochak.loop.checkpoint.publication import checkpoint_store, publication_path, publish
 from koochak.loop.checkpoint.serialization import (
@@ -56,16 +56,18 @@ def capture_checkpoint(
     wall_time: float,
     metrics: Mapping[str, Any] | None,
     ema: Any = None,
+    data: Callable[[int], Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Build the checkpoint dict; every rank must call it (it gathers per-rank RNG states).
 
     Rank 0's dict carries every rank's RNG state in ``rng_per_rank`` and is the one published;
-    the others get their own state only (what ``training_loop`` returns there).
+    the others get their own state only (what ``training_loop`` returns there). ``data`` gives
+    the elastic data cursor at ``next_step``.
     """
     own = get_rng_state()
     states = ddp.gather_rng_states(own)
     world_size = dist.get_world_size()
-    return build_checkpoint(
+    ckpt = build_checkpoint(
         step=step,
         next_step=next_step,
         reason=reason,
@@ -80,7 +82,11 @@ def capture_checkpoint(
         wall_time=wall_time,
         metrics=metrics,
         ema=ema.state_dict() if ema is not None else None,
+        data=data(next_step) if data is not None else None,
     )
+    # FSDP: gather every sharded tensor (a collective on every rank); rank 0 publishes one file.
+    # TODO(i23): replaced by every rank writing its own shards as checkpoint parts.
+    return fsdp.full(ckpt) if fsdp.has_dtensor(ckpt) else ckpt
 
 
 class Checkpointer:
