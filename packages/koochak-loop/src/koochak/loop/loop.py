@@ -183,11 +183,13 @@ def training_loop(
         else:
             batches = _on_device(dataset, device, prepare_batch_fn)
 
+        # FSDP: free the weights eval gathered (the EMA shadow's, maybe) before training resumes.
+        settle = (lambda: fsdp.reshard(raw_model)) if cfg.fsdp.enabled else None
+
         def evaluate(at: int) -> dict[str, float]:
-            out = _evaluate(eval_fn, raw_model, eval_dataset, ctx, hooks, warned, at, eval_weights)
-            if cfg.fsdp.enabled:  # gathered parameters may hold the EMA shadow: gather anew
-                fsdp.reshard(raw_model)
-            return out
+            return _evaluate(
+                eval_fn, raw_model, eval_dataset, ctx, hooks, warned, at, eval_weights, settle
+            )
 
         metrics: dict[str, float] = {}
         eval_metrics: dict[str, float] = {}
@@ -509,14 +511,21 @@ def _evaluate(
     warned: set[int],
     step: int,
     ema: ModelEma | None = None,
+    settle: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """Run ``eval_fn`` under no_grad and eval mode (with ``ema``'s shadow swapped in, if given);
-    report ``eval_``-prefixed floats."""
+    report ``eval_``-prefixed floats. ``settle`` runs right after ``eval_fn``, before the training
+    weights are swapped back (FSDP: reshard, so the swap sees the shards, and the next forward
+    gathers the training weights rather than reusing the shadow's)."""
     assert eval_fn is not None
     model.eval()
     try:
         with torch.no_grad(), ema.swapped_in() if ema is not None else _NULL:
-            raw = eval_fn(model, eval_dataset, ctx)
+            try:
+                raw = eval_fn(model, eval_dataset, ctx)
+            finally:
+                if settle is not None:
+                    settle()
     finally:
         model.train()
     if not isinstance(raw, Mapping):
