@@ -23,6 +23,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, NoReturn
 
 from koochak.loop.checkpoint import checkpoint_store, resolve_auto_resume
@@ -268,8 +269,14 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
     if checkpoint is not None and cfg.wandb.enabled and cfg.wandb.mode != "disabled":
         check_restart_settings(to_container(cfg.wandb), start_step)
     model = _build("entry.model", entry.model, make_model, cfg)
-    optimizer = build_optimizer(model.parameters(), get_section(cfg, "optim").optimizer)
-    scheduler = build_scheduler(optimizer, cfg.optim.scheduler, cfg.train)
+    optim = get_section(cfg, "optim")
+    optimizer: Any = build_optimizer(model.parameters(), optim.optimizer)
+    scheduler: Any = build_scheduler(optimizer, optim.scheduler, cfg.train)
+    if cfg.train.fsdp.enabled:
+        # Sharding replaces the parameters: training_loop builds them again once it has sharded
+        # (the ones above only proved the optim section valid, before any training).
+        optimizer = partial(_built_optimizer, options=optim.optimizer)
+        scheduler = partial(build_scheduler, cfg=optim.scheduler, train_cfg=cfg.train)
     return {
         "model": model,
         "dataset": _build(
@@ -292,6 +299,12 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
         "auto_resume_path": resume_path,
         "evacuation": evacuation,
     }
+
+
+def _built_optimizer(model: Any, options: Any) -> Any:
+    from koochak.loop.optim import build_optimizer
+
+    return build_optimizer(model.parameters(), options)
 
 
 def _fail(prefix: str, exc: BaseException, suffix: str = "", prog: str = "koochak-train") -> None:
