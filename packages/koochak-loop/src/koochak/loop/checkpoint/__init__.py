@@ -9,12 +9,14 @@
   ``koochak.storage.artifact``;
 - ``resume``: selection (``load``, ``latest``, ``best``, ``highest_valid_published``,
   ``resolve_auto_resume``);
-- ``saver``: what ``training_loop`` does to save (periodic and terminal, sync or async).
+- ``saver``: what ``training_loop`` does to save (periodic and terminal, sync or async);
+- ``export``: one consolidated weights file for inference (``export_weights``).
 
 Import the names below from ``koochak.loop.checkpoint``; see docs/checkpoints.md for how they fit
 together.
 """
 
+from koochak.loop.checkpoint.export import export_weights
 from koochak.loop.checkpoint.format import (
     CHECKPOINT_PATTERN,
     CHECKPOINT_VERSION,
@@ -49,6 +51,7 @@ __all__ = [
     "checkpoint_name",
     "checkpoint_store",
     "deserialize_checkpoint",
+    "export_weights",
     "highest_valid_published",
     "latest",
     "load",

@@ -173,7 +173,14 @@ def resume_checkpoint(
     if found is not None:
         return found
     path, step = chosen
-    _, data = artifact.read_verified(checkpoint_store(location), checkpoint_name(step))
+    return read_checkpoint(checkpoint_store(location), checkpoint_name(step))
+
+
+def read_checkpoint(store: Store, name: str) -> ResumePoint:
+    """The published checkpoint ``name`` of ``store``, read once and checked against its ready
+    manifest (size, SHA256) and format; InvalidArtifact or ValueError naming it otherwise."""
+    publication, data = artifact.read_verified(store, name)
+    path = publication_path(store, publication)
     return ResumePoint(path, deserialize_checkpoint(data, path))
 
 
