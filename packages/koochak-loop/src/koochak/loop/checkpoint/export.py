@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from koochak.loop.checkpoint.format import checkpoint_name
 from koochak.loop.checkpoint.publication import checkpoint_store, publication_path
-from koochak.loop.checkpoint.resume import read_checkpoint, resolve_auto_resume
+from koochak.loop.checkpoint.resume import read_published, resolve_auto_resume
 from koochak.storage import artifact
 from koochak.storage.store import Store
 
@@ -58,7 +58,7 @@ def export_weights(
             raise ValueError(f"{store.location}: no valid published checkpoint to export")
         path, ckpt = found
     else:
-        path, ckpt = read_checkpoint(store, checkpoint_name(step))
+        path, ckpt = read_published(store, checkpoint_name(step))
     weights = _weights(ckpt, ema, path)
     if dtype is not None:
         weights = {

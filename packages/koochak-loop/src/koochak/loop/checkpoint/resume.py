@@ -173,10 +173,10 @@ def resume_checkpoint(
     if found is not None:
         return found
     path, step = chosen
-    return read_checkpoint(checkpoint_store(location), checkpoint_name(step))
+    return read_published(checkpoint_store(location), checkpoint_name(step))
 
 
-def read_checkpoint(store: Store, name: str) -> ResumePoint:
+def read_published(store: Store, name: str) -> ResumePoint:
     """The published checkpoint ``name`` of ``store``, read once and checked against its ready
     manifest (size, SHA256) and format; InvalidArtifact or ValueError naming it otherwise."""
     publication, data = artifact.read_verified(store, name)
