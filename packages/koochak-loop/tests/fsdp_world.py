@@ -133,15 +133,16 @@ def world() -> int:
     return torch.distributed.get_world_size()
 
 
-def run(out: str, name: str, resume_from: str | None = None, **overrides) -> dict:
-    """One training_loop run named ``name``; records its sample ids and logged metrics."""
-    from koochak.loop import training_loop
-    from koochak.loop.checkpoint import load
+def run(out: str, name: str, resume_dir: str | None = None, **overrides) -> dict:
+    """One training_loop run named ``name`` (resuming from the checkpoint in ``resume_dir``);
+    records its sample ids and logged metrics, and rank 0 its final state, gathered."""
+    from koochak.loop import fsdp, training_loop
     from koochak.loop.elastic import ElasticBatches
 
     SEEN.clear()
     logs: list[dict] = []
-    ckpt = load(resume_from) if resume_from else None
+    if resume_dir is not None:
+        overrides["checkpoint_dir"] = resume_dir
     data = ElasticBatches(records(), global_batch=GLOBAL_BATCH, seed=3)
     eval_set = [records()[0:4]]
     eval_set = [{"id": torch.tensor([r["id"] for r in eval_set[0]]),
@@ -160,8 +161,7 @@ def run(out: str, name: str, resume_from: str | None = None, **overrides) -> dic
                 "on_log": [lambda info: logs.append({"step": info["step"], **info["metrics"]})],
                 "on_eval_end": [lambda info: logs.append({"eval_at": info["step"]})],
             },
-            checkpoint_dict=ckpt,
-            auto_resume_path=resume_from,
+            resume="auto" if resume_dir else None,
         )
         outcome = {"code": 0}
     except SystemExit as exc:  # an evacuation (75)
@@ -170,6 +170,8 @@ def run(out: str, name: str, resume_from: str | None = None, **overrides) -> dic
         result, outcome = None, {"code": 1, "error": f"{type(exc).__name__}: {exc}"}
     with open(os.path.join(out, f"{name}.seen.{rank()}.json"), "w") as f:
         json.dump({"seen": SEEN, "logs": logs, **outcome}, f)
+    if result is not None:
+        result = fsdp.full(result)  # this rank's shards -> global tensors (every rank at once)
     if rank() == 0 and result is not None:
         torch.save({"model": result["model"], "optimizer": result["optimizer"],
                     "ema": result["ema"], "data": result.get("data")},
@@ -177,11 +179,13 @@ def run(out: str, name: str, resume_from: str | None = None, **overrides) -> dic
     return outcome
 
 
-def restored_state(path: str, fsdp_enabled: bool = True) -> dict:
-    """Restore checkpoint ``path`` into a fresh (sharded) model, optimizer and EMA and gather
-    them back into global tensors: what a resume on this world size starts from."""
+def restored_state(location: str, fsdp_enabled: bool = True) -> dict:
+    """Restore the checkpoint at ``location`` the way a resume does (under FSDP: chosen by every
+    rank, each reading its slabs) into a fresh model, optimizer and EMA, and gather them back
+    into global tensors: what a resume on this world size starts from."""
     from koochak.loop import fsdp
-    from koochak.loop.checkpoint import load, restore_training_state
+    from koochak.loop.checkpoint import resolve_auto_resume, restore_training_state
+    from koochak.loop.checkpoint.resume import resume_checkpoint
     from koochak.loop.config import resolve_train_config
     from koochak.loop.ema import make_model_ema
 
@@ -189,19 +193,39 @@ def restored_state(path: str, fsdp_enabled: bool = True) -> dict:
     cfg = resolve_train_config(train_cfg("unused", fsdp={"enabled": fsdp_enabled}))
     if fsdp_enabled:
         fsdp.shard_model(model, cfg.fsdp, torch.device("cpu"))
+        found = resume_checkpoint("auto", location, sharded=True)
+    else:
+        found = resolve_auto_resume(location)
     opt = optimizer(model)
     ema = make_model_ema(cfg.ema, model)
-    restore_training_state(load(path), model, opt, ema=ema)
+    restore_training_state(found.checkpoint, model, opt, ema=ema)
     return fsdp.full({"model": model.state_dict(), "optimizer": opt.state_dict(),
                       "ema": ema.state_dict()})  # fmt: skip
 
 
-def compare_restore(out: str, name: str, path: str, fsdp_enabled: bool = True) -> None:
-    from koochak.loop.checkpoint import load
+def only(out: str, run_name: str, step: int, copy_name: str) -> str:
+    """A directory holding nothing but ``run_name``'s checkpoint of ``step`` (all its objects,
+    as ``checkpoint_objects`` lists them), so that resume="auto" there chooses it."""
+    import shutil
 
-    state = restored_state(path, fsdp_enabled)
+    from koochak.loop.checkpoint import checkpoint_name
+    from koochak.loop.checkpoint.publication import checkpoint_objects
+
+    source, target = os.path.join(out, run_name), os.path.join(out, copy_name)
     if rank() == 0:
-        saved = load(path)
+        os.makedirs(target, exist_ok=True)
+        for key in checkpoint_objects(source, checkpoint_name(step)):
+            shutil.copy2(os.path.join(source, key), os.path.join(target, key))
+    torch.distributed.barrier()
+    return target
+
+
+def compare_restore(out: str, name: str, location: str, fsdp_enabled: bool = True) -> None:
+    from koochak.loop.checkpoint import checkpoint_name, load
+
+    state = restored_state(location, fsdp_enabled)
+    if rank() == 0:
+        saved = load(os.path.join(location, checkpoint_name(SAVE_AT)))
         problems = diff(saved["model"], state["model"], "model")
         problems += diff(saved["optimizer"]["state"], state["optimizer"]["state"], "optimizer")
         problems += diff([s["state_dict"] for s in saved["ema"]["shadows"]],
@@ -226,10 +250,42 @@ def diff(a, b, path: str) -> list[str]:
     return [] if a == b else [f"{path}: {a!r} != {b!r}"]
 
 
-def checkpoint_of(out: str, name: str) -> str:
-    from koochak.loop.checkpoint import checkpoint_name
+def damaged(out: str) -> None:
+    """A checkpoint with a damaged part is passed over for the older one; a part that goes
+    missing after selection fails the load on every rank, naming it."""
+    import shutil
 
-    return os.path.join(out, name, checkpoint_name(SAVE_AT))
+    from koochak.loop.checkpoint import checkpoint_name, restore_training_state
+    from koochak.loop.checkpoint.resume import resume_checkpoint
+
+    location = only(out, "save2", SAVE_AT, "damaged.ckpt")
+    newest = checkpoint_name(MAX_STEPS)
+    if rank() == 0:
+        for key in os.listdir(os.path.join(out, "save2")):
+            if key.startswith(newest):
+                shutil.copy2(os.path.join(out, "save2", key), os.path.join(location, key))
+        with open(os.path.join(location, f"{newest}.part-00001-00000"), "r+b") as f:
+            first = f.read(1)
+            f.seek(0)
+            f.write(bytes([first[0] ^ 0xFF]))  # same size, another digest
+    torch.distributed.barrier()
+    chosen = resume_checkpoint("auto", location, sharded=True)
+    torch.distributed.barrier()
+    if rank() == 0:  # gone between selection and load
+        os.remove(os.path.join(location, f"{checkpoint_name(SAVE_AT)}.part-00001-00000"))
+    torch.distributed.barrier()
+    model = make_model()
+    from koochak.loop import fsdp
+    from koochak.loop.config import FsdpConfig
+
+    fsdp.shard_model(model, FsdpConfig(shard_modules=["Block"]), torch.device("cpu"))
+    try:
+        restore_training_state(chosen.checkpoint, model, optimizer(model))
+        error = None
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    with open(os.path.join(out, f"damaged.{rank()}.json"), "w") as f:
+        json.dump({"chosen": chosen.path, "error": error}, f)
 
 
 def count_reductions(out: str) -> None:
@@ -257,16 +313,40 @@ def scenario(out: str, what: str) -> None:
     w = world()
     if what == "save":  # an uninterrupted FSDP run on this world size, checkpointed after SAVE_AT
         run(out, f"save{w}")
+    elif what == "async":  # save<W> again, its periodic checkpoint written in the background
+        run(out, f"async{w}", checkpoint_async=True)
     elif what == "plain":  # the same run on one process without FSDP (today's checkpoints)
         run(out, "plain", fsdp={"enabled": False})
     elif what.startswith("resume"):  # resume<W>: continue save<W>'s checkpoint on this world
         source = what[len("resume") :]
-        path = checkpoint_of(out, f"save{source}" if source != "plain" else "plain")
-        compare_restore(out, f"resume{source}to{w}", path)
-        run(out, f"resume{source}to{w}", resume_from=path)
+        name = f"resume{source}to{w}"
+        run_name = f"save{source}" if source != "plain" else "plain"
+        location = only(out, run_name, SAVE_AT, f"{name}.ckpt")
+        compare_restore(out, name, location)
+        run(out, name, resume_dir=location)
     elif what.startswith("back"):  # back<W>: an FSDP checkpoint restored without FSDP
-        path = checkpoint_of(out, f"save{what[len('back') :]}")
-        compare_restore(out, f"back{what[len('back') :]}", path, fsdp_enabled=False)
+        source = what[len("back") :]
+        location = only(out, f"save{source}", SAVE_AT, f"back{source}.ckpt")
+        compare_restore(out, f"back{source}", location, fsdp_enabled=False)
+    elif what.startswith("cli"):  # cli<N>: koochak-train on examples/fsdp up to update N
+        from koochak.loop.cli import main as cli_main
+
+        code = cli_main(["--config", "examples/fsdp/config.yaml", f"train.out_dir={out}/cli",
+                         f"train.max_steps={what[3:]}", "train.ckpt_every=2", "train.log_every=1",
+                         "train.eval_every=2", "data.records=40", "optim.scheduler.warmup_steps=1",
+                         "logging.stdout=false",
+                         "train.progress_bar=false"])  # fmt: skip
+        if code:  # only reached on one process: on several, cli_main ends the process itself
+            raise SystemExit(f"koochak-train exited {code}")
+    elif what == "damaged":
+        damaged(out)
+    elif what == "export":  # save4's checkpoint as one weights file, read on one process
+        from koochak.loop.checkpoint import export_weights
+
+        if rank() == 0:
+            for shadow, name in ((None, "model.pt"), (0, "ema.pt")):
+                export_weights(os.path.join(out, "save4"), os.path.join(out, "export"),
+                               ema=shadow, name=name)  # fmt: skip
     elif what == "accum":
         count_reductions(out)
     elif what == "evacuate":

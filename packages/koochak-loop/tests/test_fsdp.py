@@ -32,15 +32,16 @@ import torch
 pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[2]  # the repository: examples/fsdp is run from there
 sys.path.insert(0, str(HERE))
 import fsdp_world as world  # noqa: E402
 
 LAUNCHES = [
     (1, ["save", "plain", "resume1", "resumeplain"]),
-    (2, ["save", "resume1", "resume2", "resumeplain", "accum", "evacuate", "nan", "overflow",
-         "eval", "bf16"]),
+    (2, ["save", "async", "resume1", "resume2", "resumeplain", "damaged", "accum", "evacuate",
+         "nan", "overflow", "eval", "bf16", "cli4"]),  # the CLI ends the process: last
     (4, ["save", "resume1", "resume2", "resume4"]),
-    (1, ["resume2", "resume4", "back2", "back4"]),
+    (1, ["resume2", "resume4", "back2", "back4", "export", "cli6"]),
     (2, ["resume4", "compile"]),
 ]  # fmt: skip
 PAIRS = [(w, v) for w in (1, 2, 4) for v in (1, 2, 4)]
@@ -60,7 +61,7 @@ def _launch(out: Path, size: int, scenarios: list[str]) -> None:
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}  # fmt: skip
         procs.append(subprocess.Popen(
             [sys.executable, str(HERE / "fsdp_world.py"), str(out), *scenarios], env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
         ))  # fmt: skip
     logs = [p.communicate(timeout=900)[0] for p in procs]
     if any(p.returncode for p in procs):
@@ -167,6 +168,51 @@ def test_a_single_process_checkpoint_resumes_under_fsdp(out, resumed):
 @pytest.mark.parametrize("saved", (2, 4))
 def test_an_fsdp_checkpoint_loads_without_fsdp(out, saved):
     assert json.loads((out / f"back{saved}.restore.json").read_text())["problems"] == []
+
+
+def test_a_background_save_publishes_the_state_of_its_step(out):
+    from koochak.loop.checkpoint import checkpoint_name, load
+
+    name = checkpoint_name(world.SAVE_AT)
+    sync, background = load(out / "save2" / name), load(out / "async2" / name)
+    for part in ("model", "ema"):
+        assert world.diff(sync[part], background[part], part) == []
+    assert world.diff(sync["optimizer"]["state"], background["optimizer"]["state"], "opt") == []
+    assert world.diff(_final(out, "save2")["model"], _final(out, "async2")["model"], "final") == []
+
+
+def test_a_checkpoint_with_a_damaged_part_is_never_selected(out):
+    for rank in (0, 1):
+        found = json.loads((out / f"damaged.{rank}.json").read_text())
+        assert found["chosen"].endswith(f"step{world.SAVE_AT:09d}.pt")  # not the newer, damaged one
+
+
+def test_a_load_that_cannot_complete_fails_on_every_rank_naming_the_part(out):
+    part = f"step{world.SAVE_AT:09d}.pt.part-00001-00000"
+    for rank in (0, 1):
+        error = json.loads((out / f"damaged.{rank}.json").read_text())["error"]
+        assert error.startswith("ShardedLoadError") and f"part {part} is missing" in error
+
+
+def test_an_fsdp_checkpoint_exports_to_one_weights_only_file(out):
+    final = _final(out, "save4")
+    model = torch.load(out / "export" / "model.pt", weights_only=True)
+    assert world.diff(final["model"], model, "model") == []
+    shadow = torch.load(out / "export" / "ema.pt", weights_only=True)
+    assert world.diff(final["ema"]["shadows"][0]["state_dict"], shadow, "ema") == []
+    fresh = world.make_model()
+    fresh.load_state_dict(model)
+
+
+def test_koochak_train_runs_examples_fsdp_and_resumes_it_on_another_world_size(out):
+    from koochak.loop.checkpoint import resolve_auto_resume
+    from koochak.loop.logging import read_jsonl_log
+
+    records = [r for r in read_jsonl_log(out / "cli" / "log.jsonl") if r["event"] == "log"]
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4, 5]  # 2 ranks to 4, then 1 rank on
+    _, ckpt = resolve_auto_resume(out / "cli")
+    assert (ckpt["step"], ckpt["world_size"]) == (6, 1)
+    assert ckpt["data"]["cursor"] == 6 * 2 * 16  # updates x grad_accum x data.batch_size
 
 
 def test_grad_accumulation_reduces_gradients_once_per_update(out):

@@ -235,7 +235,18 @@ def _find_resume(cfg: DictConfig, mode: str) -> tuple[str | None, dict[str, Any]
     if mode != "auto":
         return None, None
     location = str(cfg.train.checkpoint_dir or cfg.train.out_dir)
-    found = resolve_auto_resume(location)
+    if cfg.train.fsdp.enabled:
+        # Every rank verifies a share of the parts and later reads only its own shards: that
+        # needs the process group now (training_loop then uses the same one).
+        from koochak.loop.checkpoint.resume import resume_checkpoint
+        from koochak.loop.config import resolve_train_config
+        from koochak.loop.ddp import setup_ddp
+        from koochak.loop.device import get_device
+
+        setup_ddp(resolve_train_config(cfg.train), get_device(str(cfg.train.device)))
+        found = resume_checkpoint("auto", location, sharded=True)
+    else:
+        found = resolve_auto_resume(location)
     return (None, None) if found is None else (str(found[0]), found[1])
 
 

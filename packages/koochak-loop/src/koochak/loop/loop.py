@@ -118,7 +118,7 @@ def training_loop(
     device, rank, world_size = setup.device, setup.rank, setup.world_size
     location = cfg.checkpoint_dir or cfg.out_dir
     resume_path, checkpoint_dict = resume_checkpoint(
-        resume, location, checkpoint_dict, auto_resume_path
+        resume, location, checkpoint_dict, auto_resume_path, sharded=cfg.fsdp.enabled
     ) or (None, None)
     start_step = int(checkpoint_dict["next_step"]) if checkpoint_dict else 0
     if checkpoint_dict is not None:  # the same run, or refuse before anything is built

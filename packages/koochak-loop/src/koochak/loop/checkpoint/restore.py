@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from koochak.loop import dist, fsdp
+from koochak.loop.checkpoint.sharded_read import is_lazy, materialize
 from koochak.loop.dist import is_dtensor
 from koochak.loop.ema import ModelEma, restore_ema
 from koochak.loop.seed import set_rng_state
@@ -36,6 +37,8 @@ def restore_training_state(
     RNG is restored separately (``restore_rng``) right before the next step, so nothing between
     here and there can consume it.
     """
+    if is_lazy(ckpt):  # chosen by resolve_sharded: read this rank's slabs (every rank at once)
+        ckpt = materialize(ckpt, model, optimizer, ema)
     target = unwrap_model(model)
     state = match_state_dict_to_model(target, ckpt["model"])
     sharded = any(is_dtensor(p) for p in target.parameters())
