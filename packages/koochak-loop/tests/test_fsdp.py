@@ -215,6 +215,12 @@ def test_koochak_train_runs_examples_fsdp_and_resumes_it_on_another_world_size(o
     assert ckpt["data"]["cursor"] == 6 * 2 * 16  # updates x grad_accum x data.batch_size
 
 
+def test_logged_metrics_are_the_mean_over_ranks(out):
+    ranks = [[e for e in log["logs"] if "loss" in e] for log in _seen(out, "save2")]
+    assert [e["loss"] for e in ranks[0]] == [e["loss"] for e in ranks[1]]
+    assert len(ranks[0]) == world.MAX_STEPS
+
+
 def test_grad_accumulation_reduces_gradients_once_per_update(out):
     counted = json.loads((out / "accum.reductions.json").read_text())
     assert counted["calls"] == counted["updates"] * counted["groups"]
