@@ -28,8 +28,9 @@ Checks (one function each, in this order):
   hand-written CUDA loop on a small MLP, measured in the same run; reported as a ratio.
 - ``fsdp``: ``train.fsdp`` on a 1-rank NCCL world (the CPU suite uses gloo): a model of residual
   ``Block`` modules sharded per block trains like the unsharded run (grad accumulation, clipping,
-  EMA); bf16 mixed precision trains; under ``train.amp: fp16`` an injected inf loss makes the
-  ShardedGradScaler skip that update; a checkpoint resumes bit-identically to an uninterrupted run.
+  EMA), with ``cpu_offload`` too, and a CPU value reduced over NCCL comes back; bf16 mixed
+  precision trains; under ``train.amp: fp16`` an injected inf loss makes the ShardedGradScaler
+  skip that update; a checkpoint resumes bit-identically to an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -556,6 +557,17 @@ def check_fsdp(out: Path) -> dict[str, Any]:
         _expect(scaled["scaler"] is not None and scaled["scaler"]["scale"] < 65536.0,
                 "fsdp: the ShardedGradScaler did not lower its scale after an inf loss")  # fmt: skip
 
+        offloaded = run("offload", fsdp={**fsdp, "cpu_offload": True})
+        offload_diff = _max_diff(plain["model"], offloaded["model"])
+        _expect(offload_diff < 1e-5,
+                f"fsdp: cpu_offload run differs from the unsharded one by {offload_diff}")  # fmt: skip
+        from koochak.loop.fsdp import ShardReduction
+
+        # An offloaded shard's norm lives on the CPU; NCCL reduces it on the GPU and hands it back.
+        reduced = ShardReduction(device).sum(torch.tensor([2.0]))
+        _expect(reduced.device.type == "cpu" and float(reduced) == 2.0,
+                f"fsdp: a CPU value reduced over NCCL came back as {reduced}")  # fmt: skip
+
         whole = run("whole", fsdp=fsdp, ckpt_every=3)
         run("split", max_steps=3, fsdp=fsdp)
         from koochak.loop.checkpoint import resolve_auto_resume
@@ -566,7 +578,8 @@ def check_fsdp(out: Path) -> dict[str, Any]:
         resumed = run("split", fsdp=fsdp, resume=found.checkpoint)
         exact = _max_diff(whole["model"], resumed["model"])
         _expect(exact == 0.0, f"fsdp: resumed weights differ from uninterrupted by {exact}")
-        return {"max_diff_vs_unsharded": diff, "resume_diff": exact,
+        return {"max_diff_vs_unsharded": diff, "cpu_offload_diff": offload_diff,
+                "resume_diff": exact,
                 "fp16_scale_after_inf": float(scaled["scaler"]["scale"])}  # fmt: skip
     finally:
         if created:

@@ -179,3 +179,11 @@ def test_a_nan_on_another_rank_rejects_the_update_here_too():
     with pytest.raises(NonFiniteGradientError, match="step 5: .*on another rank's shard"):
         check_finite(named, 5, Across(other_bad=True))
     check_finite(named, 5, Across())
+
+
+def test_cpu_offload_on_a_cpu_device_warns_and_shards_as_usual(group):
+    with pytest.warns(UserWarning, match="cpu_offload has no effect on a CPU device"):
+        model = fsdp.shard_model(
+            _model(), FsdpConfig(shard_modules=["Block"], cpu_offload=True), torch.device("cpu")
+        )
+    assert _sharded_modules(model) == ["", "0", "2"]

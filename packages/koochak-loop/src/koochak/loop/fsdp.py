@@ -135,18 +135,24 @@ def reshard(model: torch.nn.Module) -> None:
 class ShardReduction:
     """Collectives over the default group that make a sharded gradient's statistics global.
 
-    Every rank must call each method at the same point (they are all-reduces).
+    Every rank must call each method at the same point (they are all-reduces). ``device`` is
+    where the collective runs (the training device: NCCL reduces only CUDA tensors); a value on
+    another device (a CPU-offloaded shard's norm) goes there and its result comes back.
     """
 
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device
+
+    def _all_reduce(self, value: torch.Tensor, op: Any) -> torch.Tensor:
+        out = value.detach().to(self.device or value.device, copy=True)
+        torch.distributed.all_reduce(out, op=op)
+        return out.to(value.device)
+
     def sum(self, value: torch.Tensor) -> torch.Tensor:
-        out = value.detach().clone()
-        torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.SUM)
-        return out
+        return self._all_reduce(value, torch.distributed.ReduceOp.SUM)
 
     def max(self, value: torch.Tensor) -> torch.Tensor:
-        out = value.detach().clone()
-        torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX)
-        return out
+        return self._all_reduce(value, torch.distributed.ReduceOp.MAX)
 
     def any(self, flag: bool, device: torch.device) -> bool:
         return bool(self.max(torch.tensor([int(flag)], dtype=torch.int32, device=device)).item())

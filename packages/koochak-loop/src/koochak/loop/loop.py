@@ -186,7 +186,7 @@ def training_loop(
         step_end_hooks, log_hooks = hooks.get("on_step_end"), hooks.get("on_log")
         no_sync = _no_sync(train_model, raw_model, cfg)  # skips all but the last micro-step's sync
         # Sharded gradients: norms and finite checks are taken over every rank's shards.
-        across = fsdp.ShardReduction() if cfg.fsdp.enabled and world_size > 1 else None
+        across = fsdp.ShardReduction(device) if cfg.fsdp.enabled and world_size > 1 else None
         # Logged scalars are the mean over ranks (one gather per logging step), unless opted out.
         reduce = (
             frozenset(cfg.reduce_metrics_exclude) | {"step_time_s"}
