@@ -134,3 +134,67 @@ def test_a_failed_save_leaves_nothing_committed(group, tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="step000000002.pt was not saved: OSError"):
         _save(store, 2)
     assert not list(tmp_path.glob("step*"))
+
+
+class _Stalled:
+    """A stream that delivers nothing until ``release`` is set (a hung mount)."""
+
+    def __init__(self, release):
+        self.release = release
+
+    def readinto(self, buffer):
+        self.release.wait()
+        return 0
+
+    def read(self, n=-1):
+        self.release.wait()
+        return b""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.fixture
+def stalled_part(monkeypatch):
+    """Opening a key ending in ``.part-00000-00001`` gives a stream that stalls (0.2 s is late)."""
+    import threading
+
+    import koochak.loop.checkpoint.sharded_read as sharded_read
+
+    release = threading.Event()
+    stall = {"on": False}
+    real_open = LocalStore.open
+
+    def open_(self, key):
+        if stall["on"] and key.endswith(".part-00000-00001"):
+            return _Stalled(release)
+        return real_open(self, key)
+
+    monkeypatch.setattr(LocalStore, "open", open_)
+    monkeypatch.setattr(sharded_read, "READ_STALL_SECONDS", 0.2)
+    yield stall
+    release.set()  # let the abandoned reader thread end
+
+
+def test_a_stalled_part_fails_the_load_in_bounded_time_naming_it(group, tmp_path, stalled_part):
+    store = LocalStore(str(tmp_path))
+    _save(store, 4)
+    found = resume_checkpoint("auto", tmp_path, sharded=True)
+    stalled_part["on"] = True
+    model, opt = _sharded()
+    part = f"{checkpoint_name(4)}.part-00000-00001"
+    with pytest.raises(ShardedLoadError, match=f"rank 0: TimeoutError: .*part {part} received no"):
+        materialize(found.checkpoint, model, opt)
+
+
+def test_a_stalled_part_fails_the_selection_instead_of_rolling_back(group, tmp_path, stalled_part):
+    store = LocalStore(str(tmp_path))
+    _save(store, 2)
+    _save(store, 4)
+    stalled_part["on"] = True
+    part = f"{checkpoint_name(4)}.part-00000-00001"
+    with pytest.raises(OSError, match=f"rank 0: TimeoutError: .*part {part} received no data"):
+        resume_checkpoint("auto", tmp_path, sharded=True)

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,10 @@ from koochak.storage.store import Store
 log = logging.getLogger("koochak.loop.checkpoint")
 
 _PIECE = 8 << 20  # parts are streamed and hashed in pieces of this size
+# A part read that receives no byte for this long has failed (a stalled mount or store): the rank
+# reports it naming the part, well within the process group's timeout (NCCL's default is 10
+# minutes), instead of leaving every other rank waiting in the next collective.
+READ_STALL_SECONDS = 120.0
 
 
 # ----------------------------------------------------------------------------- read
@@ -115,8 +120,8 @@ def read_slabs(
                 continue
             _add_range(targets, shard.extents, (lo - first) * row_bytes, (hi - lo) * row_bytes,
                        view[(lo - start) * row_bytes : (hi - start) * row_bytes])  # fmt: skip
-    _in_parallel([lambda p=p, t=t: _read_part(source, p, t) for p, t in sorted(targets.items())],
-                 workers)  # fmt: skip
+    _in_parallel(source, [(p, lambda tick, p=p, t=t: _read_part(source, p, t, tick))
+                          for p, t in sorted(targets.items())], workers)  # fmt: skip
     return out
 
 
@@ -137,9 +142,15 @@ def _add_range(
         cursor += extent.length
 
 
-def _read_part(source: Source, number: int, targets: Sequence[tuple[int, int, memoryview]]) -> None:
+def _read_part(
+    source: Source,
+    number: int,
+    targets: Sequence[tuple[int, int, memoryview]],
+    tick: Callable[[], None] = lambda: None,
+) -> None:
     """Stream part ``number`` whole, hash it, copy the byte ranges ``targets`` asks for; the
-    digest must match before this returns (the copies are used only then)."""
+    digest must match before this returns (the copies are used only then). ``tick`` is called
+    after every piece read (the stall watch)."""
     part = source.index.parts[number]
     pending = sorted(targets, key=lambda t: t[0])
     sha = hashlib.sha256()
@@ -157,6 +168,7 @@ def _read_part(source: Source, number: int, targets: Sequence[tuple[int, int, me
             if got == 0:
                 raise ValueError(f"{source.where}: part {part.key} ends after {pos} bytes; the "
                                  f"index says {part.size}")  # fmt: skip
+            tick()
             sha.update(piece[:got])
             end = pos + got
             for at, length, dest in pending:
@@ -174,18 +186,70 @@ def _read_part(source: Source, number: int, targets: Sequence[tuple[int, int, me
 
 def verify_parts(source: Source, numbers: Sequence[int], *, workers: int | None = None) -> None:
     """Hash parts ``numbers`` whole against the index (ValueError naming the first bad one)."""
-    _in_parallel([lambda p=p: _read_part(source, p, ()) for p in numbers], workers)
+    _in_parallel(
+        source, [(p, lambda tick, p=p: _read_part(source, p, (), tick)) for p in numbers], workers
+    )
 
 
-def _in_parallel(calls: Sequence[Callable[[], Any]], workers: int | None) -> None:
-    if len(calls) <= 1:
-        for call in calls:
-            call()
+def _in_parallel(
+    source: Source,
+    reads: Sequence[tuple[int, Callable[[Callable[[], None]], None]]],
+    workers: int | None,
+) -> None:
+    """Run part reads ``(part number, read(tick))`` on up to ``workers`` daemon threads and
+    raise the first error; a read that has not ticked for ``READ_STALL_SECONDS`` fails the
+    call with TimeoutError naming its part. Its thread is left behind: a read blocked in the
+    kernel cannot be interrupted, and a daemon thread does not hold up the process's exit."""
+    if not reads:
         return
-    with ThreadPoolExecutor(max_workers=min(len(calls), workers or 8),
-                            thread_name_prefix="koochak-shard-read") as pool:  # fmt: skip
-        for future in [pool.submit(call) for call in calls]:
-            future.result()
+    lock = threading.Lock()
+    queue = list(reads)[::-1]
+    active: dict[int, float] = {}  # part number -> when it last made progress
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        while True:
+            with lock:
+                if not queue or errors:
+                    return
+                number, read = queue.pop()
+                active[number] = time.monotonic()
+
+            def tick(number: int = number) -> None:
+                active[number] = time.monotonic()  # one dict store: atomic under the GIL
+
+            try:
+                read(tick)
+            except BaseException as exc:
+                with lock:
+                    errors.append(exc)
+            finally:
+                with lock:
+                    active.pop(number, None)
+
+    threads = [
+        threading.Thread(target=work, name="koochak-shard-read", daemon=True)
+        for _ in range(min(len(reads), workers or 8))
+    ]
+    for thread in threads:
+        thread.start()
+    stall = READ_STALL_SECONDS
+    while True:
+        for thread in threads:
+            thread.join(timeout=min(1.0, stall / 4))
+            with lock:
+                if errors:
+                    raise errors[0]
+                late = [n for n, t in active.items() if time.monotonic() - t > stall]
+            if late:
+                key = source.index.parts[min(late)].key
+                raise TimeoutError(f"{source.where}: part {key} received no data for "
+                                   f"{stall:g} s (a stalled store or mount)")  # fmt: skip
+        if not any(thread.is_alive() for thread in threads):
+            with lock:
+                if errors:
+                    raise errors[0]
+            return
 
 
 def _numel(shape: Sequence[int]) -> int:
