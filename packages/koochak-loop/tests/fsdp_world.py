@@ -71,6 +71,7 @@ def records() -> list[dict]:
 
 
 SEEN: list[list[int]] = []  # [step, micro_step, rank, *ids] per micro-batch of this process
+DTYPES: set[str] = set()  # the dtypes of the logits step_fn saw in this run
 
 
 def step_fn(model, batch, ctx):
@@ -79,6 +80,7 @@ def step_fn(model, batch, ctx):
         os.kill(os.getpid(), signal.SIGUSR1)  # only the last rank is asked to leave
     tokens = batch["tokens"]
     logits = model(tokens[:, :-1])
+    DTYPES.add(str(logits.dtype))
     loss = nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
     if os.environ.get("NAN_AT") == str(ctx.step) and ctx.rank == ctx.world_size - 1:
         loss = loss * float("nan")
@@ -140,6 +142,7 @@ def run(out: str, name: str, resume_dir: str | None = None, **overrides) -> dict
     from koochak.loop.elastic import ElasticBatches
 
     SEEN.clear()
+    DTYPES.clear()
     logs: list[dict] = []
     if resume_dir is not None:
         overrides["checkpoint_dir"] = resume_dir
@@ -169,7 +172,7 @@ def run(out: str, name: str, resume_dir: str | None = None, **overrides) -> dict
     except Exception as exc:
         result, outcome = None, {"code": 1, "error": f"{type(exc).__name__}: {exc}"}
     with open(os.path.join(out, f"{name}.seen.{rank()}.json"), "w") as f:
-        json.dump({"seen": SEEN, "logs": logs, **outcome}, f)
+        json.dump({"seen": SEEN, "logs": logs, "dtypes": sorted(DTYPES), **outcome}, f)
     if result is not None:
         result = fsdp.full(result)  # this rank's shards -> global tensors (every rank at once)
     if rank() == 0 and result is not None:
@@ -255,7 +258,7 @@ def damaged(out: str) -> None:
     missing after selection fails the load on every rank, naming it."""
     import shutil
 
-    from koochak.loop.checkpoint import checkpoint_name, restore_training_state
+    from koochak.loop.checkpoint import checkpoint_name
     from koochak.loop.checkpoint.resume import resume_checkpoint
 
     location = only(out, "save2", SAVE_AT, "damaged.ckpt")
@@ -279,13 +282,52 @@ def damaged(out: str) -> None:
     from koochak.loop.config import FsdpConfig
 
     fsdp.shard_model(model, FsdpConfig(shard_modules=["Block"]), torch.device("cpu"))
-    try:
-        restore_training_state(chosen.checkpoint, model, optimizer(model))
-        error = None
-    except Exception as exc:
-        error = f"{type(exc).__name__}: {exc}"
+    error = _restore_error(chosen.checkpoint, model)
+    stalled = _stalled_on_rank_1(out, model)
     with open(os.path.join(out, f"damaged.{rank()}.json"), "w") as f:
-        json.dump({"chosen": chosen.path, "error": error}, f)
+        json.dump({"chosen": chosen.path, "error": error, "stalled": stalled}, f)
+
+
+def _restore_error(checkpoint: dict, model: nn.Module) -> str | None:
+    from koochak.loop.checkpoint import restore_training_state
+
+    try:
+        restore_training_state(checkpoint, model, optimizer(model))
+        return None
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _stalled_on_rank_1(out: str, model: nn.Module) -> str | None:
+    """Rank 1's read of its own part (one rank 0 never reads) delivers nothing: every rank must
+    still fail, naming that part, once the stall bound passes (lowered to 1 s here)."""
+    import io
+    import threading
+
+    import koochak.loop.checkpoint.sharded_read as sharded_read
+    from koochak.loop.checkpoint.resume import resume_checkpoint
+    from koochak.storage.store import LocalStore
+
+    location = only(out, "save2", SAVE_AT, "stalled.ckpt")
+    found = resume_checkpoint("auto", location, sharded=True)
+    release, real_open = threading.Event(), LocalStore.open
+
+    class Hung(io.RawIOBase):
+        def readinto(self, buffer):
+            release.wait()
+            return 0
+
+    def open_(store, key):
+        return (
+            Hung() if rank() == 1 and key.endswith(".part-00001-00000") else real_open(store, key)
+        )
+
+    LocalStore.open, sharded_read.READ_STALL_SECONDS = open_, 1.0
+    try:
+        return _restore_error(found.checkpoint, model)
+    finally:
+        LocalStore.open, sharded_read.READ_STALL_SECONDS = real_open, 120.0
+        release.set()
 
 
 def count_reductions(out: str) -> None:
@@ -373,6 +415,8 @@ def scenario(out: str, what: str) -> None:
         run(out, "witheval", fsdp={"reshard_after_forward": False}, eval_every=2, **shared)
     elif what == "bf16":
         run(out, "bf16", ckpt_every=None, max_steps=3, fsdp={"mixed_precision": "bf16"})
+    elif what == "amp":  # train.amp under FSDP: autocast around step_fn on every rank
+        run(out, "amp", ckpt_every=None, max_steps=3, amp="bf16")
     elif what == "compile":
         run(out, "compile", ckpt_every=None, max_steps=3, compile=True)
     else:

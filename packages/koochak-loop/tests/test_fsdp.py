@@ -11,8 +11,11 @@ and runs several training_loop runs in a row; the tests below read what they wro
 - a single-process checkpoint resumes under FSDP and an FSDP one without it;
 - grad accumulation reduces gradients once per update; the gate measures the norm of all shards
   (the overflow fallback too) and every rank raises on a NaN another rank produced;
+- a damaged part is never selected; a part gone after selection, or a read stalled on one rank,
+  fails the load on every rank naming the part;
 - an evacuation asked of one rank saves once and exits 75 on every rank;
-- eval with the EMA swapped in leaves training bit-identical; bf16 mixed precision and compile run.
+- eval with the EMA swapped in leaves training bit-identical; bf16 mixed precision, train.amp
+  (autocast) and compile run.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import fsdp_world as world  # noqa: E402
 LAUNCHES = [
     (1, ["save", "plain", "resume1", "resumeplain"]),
     (2, ["save", "async", "resume1", "resume2", "resumeplain", "damaged", "accum", "evacuate",
-         "nan", "overflow", "eval", "bf16", "cli4"]),  # the CLI ends the process: last
+         "nan", "overflow", "eval", "bf16", "amp", "cli4"]),  # the CLI ends the process: last
     (4, ["save", "resume1", "resume2", "resume4"]),
     (1, ["resume2", "resume4", "back2", "back4", "export", "cli6"]),
     (2, ["resume4", "compile"]),
@@ -194,6 +197,14 @@ def test_a_load_that_cannot_complete_fails_on_every_rank_naming_the_part(out):
         assert error.startswith("ShardedLoadError") and f"part {part} is missing" in error
 
 
+def test_a_part_read_stalled_on_one_rank_fails_the_load_on_every_rank_naming_it(out):
+    part = f"step{world.SAVE_AT:09d}.pt.part-00001-00000"
+    for rank in (0, 1):  # rank 0 never reads that part, and does not wait forever either
+        error = json.loads((out / f"damaged.{rank}.json").read_text())["stalled"]
+        assert error.startswith("ShardedLoadError") and "rank 1: TimeoutError" in error
+        assert f"part {part} received no data" in error
+
+
 def test_an_fsdp_checkpoint_exports_to_one_weights_only_file(out):
     final = _final(out, "save4")
     model = torch.load(out / "export" / "model.pt", weights_only=True)
@@ -266,6 +277,14 @@ def test_bf16_mixed_precision_trains(out):
     assert [log["code"] for log in logs] == [0, 0]
     assert all(math.isfinite(entry["loss"]) for entry in logs[0]["logs"] if "loss" in entry)
     assert all(t.dtype == torch.float32 for t in _final(out, "bf16")["model"].values())
+
+
+def test_amp_autocasts_step_fn_under_fsdp(out):
+    logs = _seen(out, "amp")
+    assert [log["code"] for log in logs] == [0, 0]
+    assert all(log["dtypes"] == ["torch.bfloat16"] for log in logs)
+    assert all(math.isfinite(entry["loss"]) for entry in logs[0]["logs"] if "loss" in entry)
+    assert all(t.dtype == torch.float32 for t in _final(out, "amp")["model"].values())
 
 
 def test_compiled_fsdp_trains_like_eager(out):
