@@ -187,3 +187,31 @@ def test_cpu_offload_on_a_cpu_device_warns_and_shards_as_usual(group):
             _model(), FsdpConfig(shard_modules=["Block"], cpu_offload=True), torch.device("cpu")
         )
     assert _sharded_modules(model) == ["", "0", "2"]
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_keep_best_k_under_fsdp_never_prunes_the_best_checkpoint(group, tmp_path, background):
+    from koochak.loop import training_loop
+    from koochak.storage.artifact import published_candidates
+    from koochak.storage.store import open_store
+
+    losses = iter([5.0, 1.0, 4.0, 3.0, 6.0, 7.0])
+    batches = [{"x": torch.randn(4, 3), "y": torch.randn(4, 1)} for _ in range(6)]
+    training_loop(
+        model=_model(),
+        dataset=batches,
+        step_fn=lambda m, b, ctx: {"loss": nn.functional.mse_loss(m(b["x"]), b["y"])},
+        optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        eval_dataset=[0],
+        eval_fn=lambda model, data, ctx: {"loss": next(losses)},
+        train_cfg={"max_steps": 6, "device": "cpu", "out_dir": str(tmp_path), "eval_every": 1,
+                   "ckpt_every": 1, "keep_last_k": 2, "keep_best_k": 1, "progress_bar": False,
+                   "keep_best_metric": "eval_loss", "checkpoint_async": background,
+                   "fsdp": {"enabled": True, "shard_modules": ["Block"]}},
+    )  # fmt: skip
+    names = sorted(
+        n for _, n in published_candidates(open_store(str(tmp_path)), r"step(\d{9})\.pt")
+    )
+    # The two newest (4, and 6: the terminal one) and the best: step 1 (eval_loss 1.0).
+    assert names == ["step000000001.pt", "step000000004.pt", "step000000006.pt"]
+    assert {p.name.split(".part-")[0] for p in tmp_path.glob("step*.pt.part-*")} == set(names)

@@ -227,6 +227,9 @@ def make_checkpointer(
             parts=cfg.checkpoint_parts,
             async_publish=cfg.checkpoint_async,
             on_checkpoint=on_checkpoint if rank == 0 else None,
+            keep_best=(cfg.keep_best_k, cfg.keep_best_metric, cfg.keep_best_mode)
+            if cfg.keep_best_k
+            else None,
         )
     elif rank == 0:
         saver = CheckpointSaver(
@@ -410,7 +413,12 @@ class ShardedSaver:
     the training thread and writes them on a background thread, whose collectives run on a gloo
     group of their own (created here, so every rank must build its saver at the same point);
     results and failures come back at ``poll``/``drain``, as for ``CheckpointSaver``.
+    ``keep_best`` is ``CheckpointSaver``'s: rank 0 prunes after each commit.
     """
+
+    # The same keep_best_k pruning as one process's saver (rank 0 runs it, after the commit).
+    _prune_keeping_best = CheckpointSaver._prune_keeping_best
+    _score_of = CheckpointSaver._score_of
 
     def __init__(
         self,
@@ -420,9 +428,12 @@ class ShardedSaver:
         parts: int | str = 1,
         async_publish: bool = False,
         on_checkpoint: Callable[[dict[str, Any]], None] | None = None,
+        keep_best: tuple[int, str, str] | None = None,
     ) -> None:
         self.location = location
         self.keep_last_k = keep_last_k
+        self.keep_best = keep_best
+        self._scores: dict[str, float | None] = {}
         self.parts = parts
         self.async_publish = async_publish
         self.on_checkpoint = on_checkpoint
@@ -445,9 +456,11 @@ class ShardedSaver:
     def save(self, ckpt: Mapping[str, Any], *, sync: bool = False) -> str | None:
         """Publish ``ckpt`` (this rank's capture) as ``step{N:09d}.pt``; returns its path (None
         while a background save is still in flight)."""
-        from koochak.loop.checkpoint.sharded import freeze, save_sharded
+        from koochak.loop.checkpoint.sharded import freeze
 
         store, name = self.store, checkpoint_name(int(ckpt["step"]))
+        if self.keep_best is not None:
+            self._scores[name] = _score((ckpt.get("metrics") or {}).get(self.keep_best[1]))
 
         def announce(publication: artifact.Publication) -> str:
             path = publication_path(store, publication)
@@ -463,16 +476,22 @@ class ShardedSaver:
             self._async.submit(name, freeze(ckpt, self._buffers), announce)
             return None
         self.drain()
-        return announce(save_sharded(store, name, ckpt, parts=self.parts,
-                                     keep_last_k=self.keep_last_k))  # fmt: skip
+        return announce(self._save(name, ckpt))
 
-    def _publish_frozen(self, name: str, frozen: tuple[Any, HostCopy]) -> artifact.Publication:
+    def _save(self, name: str, ckpt: Mapping[str, Any], group: Any = None) -> artifact.Publication:
         from koochak.loop.checkpoint.sharded import save_sharded
 
+        best = self.keep_best is not None and self.keep_last_k is not None
+        publication = save_sharded(self.store, name, ckpt, parts=self.parts, group=group,
+                                   keep_last_k=None if best else self.keep_last_k)  # fmt: skip
+        if best and dist.get_rank() == 0:
+            self._prune_keeping_best()
+        return publication
+
+    def _publish_frozen(self, name: str, frozen: tuple[Any, HostCopy]) -> artifact.Publication:
         ckpt, copy = frozen
         try:
-            return save_sharded(self.store, name, ckpt, parts=self.parts,
-                                keep_last_k=self.keep_last_k, group=self._group)  # fmt: skip
+            return self._save(name, ckpt, self._group)
         finally:
             copy.release()
 
