@@ -30,7 +30,8 @@ Checks (one function each, in this order):
   ``Block`` modules sharded per block trains like the unsharded run (grad accumulation, clipping,
   EMA), with ``cpu_offload`` too, and a CPU value reduced over NCCL comes back; bf16 mixed
   precision trains; under ``train.amp: fp16`` an injected inf loss makes the ShardedGradScaler
-  skip that update; a checkpoint resumes bit-identically to an uninterrupted run.
+  skip that update; a checkpoint resumes bit-identically to an uninterrupted run, both handed
+  over as a dict and found by ``resume="auto"`` (the collective sharded read onto the GPU).
 """
 
 from __future__ import annotations
@@ -520,16 +521,25 @@ def check_fsdp(out: Path) -> dict[str, Any]:
         fsdp = {"enabled": True, "shard_modules": lambda m: isinstance(m, _Block)}
         common = {"grad_accum": 2, "grad_clip": 0.5, "ema": {"decay": 0.9}}
 
-        def run(name: str, max_steps: int = 6, resume: Any = None, **train: Any) -> dict[str, Any]:
+        def run(
+            name: str, max_steps: int = 6, resume: Any = None, start: int = 0, **train: Any
+        ) -> dict[str, Any]:
+            """``resume``: a checkpoint dict, or "auto" (the loop's collective sharded lookup
+            in ``out/name``, which reads each slab straight onto the GPU)."""
             from koochak.loop import training_loop
+            from koochak.loop.fsdp import full
 
-            return training_loop(
-                model=_blocks(1).to(device),
-                dataset=data[(resume or {}).get("next_step", 0) * 2 :],
-                step_fn=_mse_step,
-                optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
-                train_cfg=_cfg(out / name, max_steps=max_steps, **{**common, **train}),
-                checkpoint_dict=resume,
+            start = resume.get("next_step", 0) if isinstance(resume, dict) else start
+            return full(
+                training_loop(  # under FSDP it returns DTensors: gather them
+                    model=_blocks(1).to(device),
+                    dataset=data[start * 2 :],
+                    step_fn=_mse_step,
+                    optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
+                    train_cfg=_cfg(out / name, max_steps=max_steps, **{**common, **train}),
+                    checkpoint_dict=resume if isinstance(resume, dict) else None,
+                    resume=resume if isinstance(resume, str) else None,
+                )
             )
 
         plain = run("plain")
@@ -575,11 +585,18 @@ def check_fsdp(out: Path) -> dict[str, Any]:
         found = resolve_auto_resume(out / "split")
         _expect(found is not None, "fsdp: no checkpoint published")
         assert found is not None
+        import shutil
+
+        shutil.copytree(out / "split", out / "split_auto", symlinks=True)
         resumed = run("split", fsdp=fsdp, resume=found.checkpoint)
         exact = _max_diff(whole["model"], resumed["model"])
         _expect(exact == 0.0, f"fsdp: resumed weights differ from uninterrupted by {exact}")
+        auto = run("split_auto", fsdp=fsdp, resume="auto", start=found.checkpoint["next_step"])
+        auto_exact = _max_diff(whole["model"], auto["model"])
+        _expect(auto_exact == 0.0,
+                f"fsdp: resume='auto' weights differ from uninterrupted by {auto_exact}")  # fmt: skip
         return {"max_diff_vs_unsharded": diff, "cpu_offload_diff": offload_diff,
-                "resume_diff": exact,
+                "resume_diff": exact, "auto_resume_diff": auto_exact,
                 "fp16_scale_after_inf": float(scaled["scaler"]["scale"])}  # fmt: skip
     finally:
         if created:
