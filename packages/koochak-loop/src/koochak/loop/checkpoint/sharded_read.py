@@ -49,9 +49,10 @@ from koochak.storage.store import Store
 log = logging.getLogger("koochak.loop.checkpoint")
 
 _PIECE = 8 << 20  # parts are streamed and hashed in pieces of this size
-# A part read that receives no byte for this long has failed (a stalled mount or store): the rank
-# reports it naming the part, well within the process group's timeout (NCCL's default is 10
-# minutes), instead of leaving every other rank waiting in the next collective.
+# A part read that completes no piece (_PIECE bytes, or the part's end) for this long has stalled
+# (a hung mount or store): the rank reports it naming the part, well within the process group's
+# timeout (NCCL's default is 10 minutes), instead of leaving every other rank waiting in the next
+# collective.
 READ_STALL_SECONDS = 120.0
 
 
@@ -243,7 +244,7 @@ def _in_parallel(
                 late = [n for n, t in active.items() if time.monotonic() - t > stall]
             if late:
                 key = source.index.parts[min(late)].key
-                raise TimeoutError(f"{source.where}: part {key} received no data for "
+                raise TimeoutError(f"{source.where}: part {key} made no progress for "
                                    f"{stall:g} s (a stalled store or mount)")  # fmt: skip
         if not any(thread.is_alive() for thread in threads):
             with lock:
