@@ -9,12 +9,14 @@
   ``checkpoint_store``, ``checkpoint_objects``, through ``koochak.storage.artifact``;
 - ``resume``: selection (``load``, ``latest``, ``best``, ``highest_valid_published``,
   ``resolve_auto_resume``);
-- ``saver``: what ``training_loop`` does to save (periodic and terminal, sync or async).
+- ``saver``: what ``training_loop`` does to save (periodic and terminal, sync or async);
+- ``export``: one consolidated weights file for inference (``export_weights``).
 
 Import the names below from ``koochak.loop.checkpoint``; see docs/checkpoints.md for how they fit
 together.
 """
 
+from koochak.loop.checkpoint.export import export_weights
 from koochak.loop.checkpoint.format import (
     CHECKPOINT_PATTERN,
     CHECKPOINT_VERSION,
@@ -55,6 +57,7 @@ __all__ = [
     "checkpoint_objects",
     "checkpoint_store",
     "deserialize_checkpoint",
+    "export_weights",
     "highest_valid_published",
     "latest",
     "load",

@@ -140,12 +140,16 @@ def resume_checkpoint(
     location: str | os.PathLike[str] | Store | None,
     checkpoint_dict: Mapping[str, Any] | None = None,
     auto_resume_path: str | None = None,
+    *,
+    sharded: bool = False,
 ) -> ResumePoint | None:
     """The checkpoint this run continues from, or None to start fresh (``training_loop``'s lookup).
 
     A ``checkpoint_dict`` the caller already resolved (``resolve_auto_resume`` before building the
     dataset) wins. Otherwise ``resume="auto"`` selects the highest valid published checkpoint:
     rank 0 chooses, every other rank reads and verifies the same object, so all ranks agree.
+    ``sharded`` (FSDP): ``sharded.resolve_sharded`` instead, whose checkpoint holds references
+    that ``restore_training_state`` reads as this rank's slabs.
     """
     if resume is not None and resume not in RESUME_MODES:
         raise ValueError(
@@ -159,6 +163,11 @@ def resume_checkpoint(
         raise ValueError(
             "resume='auto' needs train.checkpoint_dir or train.out_dir to know where to look"
         )
+    if sharded:  # FSDP: every rank verifies a share of the parts; tensors read at restore
+        from koochak.loop.checkpoint.sharded_read import resolve_sharded
+
+        found_sharded = resolve_sharded(location)
+        return ResumePoint(*found_sharded) if found_sharded is not None else None
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return resolve_auto_resume(location)
     found, failure = None, None
@@ -181,9 +190,16 @@ def resume_checkpoint(
     if found is not None:
         return found
     path, step = chosen
-    store = checkpoint_store(location)
-    _, data = artifact.read_verified(store, checkpoint_name(step))
-    return ResumePoint(path, read_checkpoint(store, checkpoint_name(step), data, path))
+    return read_published(checkpoint_store(location), checkpoint_name(step))
+
+
+def read_published(store: Store, name: str) -> ResumePoint:
+    """The published checkpoint ``name`` of ``store`` (either layout), read once and checked
+    against its ready manifest (size, SHA256) and format; InvalidArtifact or ValueError naming
+    it otherwise."""
+    publication, data = artifact.read_verified(store, name)
+    path = publication_path(store, publication)
+    return ResumePoint(path, read_checkpoint(store, name, data, path))
 
 
 def _log_unmanifested(store: Store, chosen: int) -> None:
