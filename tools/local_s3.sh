@@ -94,6 +94,26 @@ write_configs() {
   mkdir -p "$DIR"/{log,mnt/s3fs,mnt/rclone,serve-root/$NOCOND_BUCKET,rclone-cache}
   printf '%s:%s\n' "$KEY" "$SECRET" >"$DIR/s3fs.passwd"
   chmod 600 "$DIR/s3fs.passwd"
+  # moto 5.2.5 computes an object's ETag lazily, outside the lock its value getter takes: two
+  # requests asking at once (a HEAD racing the PUT's own reply) interleave seeks on one buffer and
+  # cache a wrong ETag, which rclone then reports as "corrupted on transfer" and uploads again.
+  cat >"$DIR/moto_server.py" <<'PY'
+import sys
+
+from moto.s3 import models
+from moto.server import main
+
+_etag = models.FakeKey.etag.fget
+
+
+def etag(self):
+    with self.lock:
+        return _etag(self)
+
+
+models.FakeKey.etag = property(etag)
+sys.exit(main())
+PY
   cat >"$DIR/rclone.conf" <<EOF
 [moto]
 type = s3
@@ -122,7 +142,7 @@ start() {
   install
   write_configs
   if ! running "$DIR/moto.pid"; then
-    setsid "$VENV/bin/moto_server" -H "$HOST" -p "$PORT" >"$DIR/log/moto.log" 2>&1 &
+    setsid "$VENV/bin/python" "$DIR/moto_server.py" -H "$HOST" -p "$PORT" >"$DIR/log/moto.log" 2>&1 &
     echo $! >"$DIR/moto.pid"
   fi
   wait_port "$PORT" "$DIR/log/moto.log"
