@@ -18,7 +18,12 @@
 #                    IGNORES If-None-Match (a second conditional put overwrites): the negative
 #                    case. Bucket: koochak-nocond.
 #   s3fs-fuse        koochak-mounts mounted at $DIR/mnt/s3fs (the distribution's s3fs, fuse3).
-#   rclone mount     koochak-mounts mounted at $DIR/mnt/rclone with --vfs-cache-mode writes.
+#   rclone mount     koochak-mounts mounted at $DIR/mnt/rclone with the settings Koochak needs
+#                    (docs/storage.md): --vfs-cache-mode off, so close() returns only once the
+#                    server has the bytes (with "writes" it uploads seconds later, and reads
+#                    come from its own cache, blind to other clients' writes), and
+#                    --dir-cache-time 1s, so another client's new object shows within a second
+#                    (the default 5 minutes hides it, and stat says ENOENT meanwhile).
 # The two mounts see one bucket, so each is "another node" for the other.
 #
 # Everything (virtual environment, configs, credentials file, caches, logs, pid files) lives
@@ -160,7 +165,7 @@ start() {
   fi
   if ! mounted "$RCLONE_MNT"; then
     "$VENV/bin/rclone" mount --config "$DIR/rclone.conf" "moto:$MOUNT_BUCKET" "$RCLONE_MNT" \
-      --vfs-cache-mode writes --cache-dir "$DIR/rclone-cache" --daemon \
+      --vfs-cache-mode off --dir-cache-time 1s --cache-dir "$DIR/rclone-cache" --daemon \
       --log-file "$DIR/log/rclone-mount.log" || die "rclone mount failed; see $DIR/log/rclone-mount.log"
   fi
   local deadline=$((SECONDS + 20))
