@@ -136,7 +136,9 @@ def test_symlinks_under_dest_are_never_followed(collection, tmp_path) -> None:
 
 def _rewrite_table(coll, edit) -> None:
     """Hand-craft a manifest: edit the file table's entries and re-seal its digest."""
-    lines = [json.loads(x) for x in gzip.decompress((coll / "files.jsonl.gz").read_bytes()).splitlines()]
+    lines = [
+        json.loads(x) for x in gzip.decompress((coll / "files.jsonl.gz").read_bytes()).splitlines()
+    ]
     edit(lines)
     table = gzip.compress("".join(json.dumps(x) + "\n" for x in lines).encode())
     manifest = json.loads((coll / "manifest.json").read_text())
@@ -170,18 +172,39 @@ def test_tar_member_names_are_ignored(tmp_path) -> None:
         tar.addfile(info, io.BytesIO(payload))
     pack = buffer.getvalue()
     (coll / "packs" / "pack-000000.tar").write_bytes(pack)
-    entry = {"path": "good.txt", "size": 5, "sha256": hashlib.sha256(payload).hexdigest(),
-             "mode": 0o644, "mtime_ns": 7, "group": ".", "pack": "packs/pack-000000.tar",
-             "offset": pack.index(payload)}
+    entry = {
+        "path": "good.txt",
+        "size": 5,
+        "sha256": hashlib.sha256(payload).hexdigest(),
+        "mode": 0o644,
+        "mtime_ns": 7,
+        "group": ".",
+        "pack": "packs/pack-000000.tar",
+        "offset": pack.index(payload),
+    }
     table = gzip.compress((json.dumps(entry) + "\n").encode())
     (coll / "files.jsonl.gz").write_bytes(table)
     manifest = {
-        "version": 1, "kind": "koochak.collection", "created": "x", "files": 1, "bytes": 5,
-        "objects": 0, "metadata": {},
-        "packs": [{"key": "packs/pack-000000.tar", "size": len(pack),
-                   "sha256": hashlib.sha256(pack).hexdigest(), "files": 1}],
-        "files_table": {"key": "files.jsonl.gz", "size": len(table),
-                        "sha256": hashlib.sha256(table).hexdigest()},
+        "version": 1,
+        "kind": "koochak.collection",
+        "created": "x",
+        "files": 1,
+        "bytes": 5,
+        "objects": 0,
+        "metadata": {},
+        "packs": [
+            {
+                "key": "packs/pack-000000.tar",
+                "size": len(pack),
+                "sha256": hashlib.sha256(pack).hexdigest(),
+                "files": 1,
+            }
+        ],
+        "files_table": {
+            "key": "files.jsonl.gz",
+            "size": len(table),
+            "sha256": hashlib.sha256(table).hexdigest(),
+        },
     }
     (coll / "manifest.json").write_text(json.dumps(manifest))
     out = tmp_path / "a" / "out"
@@ -199,7 +222,10 @@ def test_corrupt_bytes_are_never_written_under_a_final_name(collection, tmp_path
     pack.unlink()
     pack.write_bytes(bytes(data))
     out = tmp_path / "out"
-    with pytest.raises(ValueError, match=rf"1 file\(s\) failed .* First: d0/f2.txt \(in {entry.pack}\): got .* not written"):
+    with pytest.raises(
+        ValueError,
+        match=rf"1 file\(s\) failed .* First: d0/f2.txt \(in {entry.pack}\): got .* not written",
+    ):
         pull_collection(coll, out, streams=1)
     assert not (out / "d0" / "f2.txt").exists()
     assert not list(out.rglob(".koochak-pull-*"))
@@ -238,16 +264,39 @@ def test_leftover_temp_file_from_a_killed_pull_is_left_alone(collection, tmp_pat
 
 
 _hostile_paths = st.one_of(
-    st.sampled_from(["../x", "/abs", "a/../../x", "..", ".", "a//b", "a/./b", "d0", "d0/f0.txt/x",
-                     "ok.txt", "d1/new.txt", "sub/dir/f.txt", ".koochak-pull-x.tmp", "a\x00b"]),
+    st.sampled_from(
+        [
+            "../x",
+            "/abs",
+            "a/../../x",
+            "..",
+            ".",
+            "a//b",
+            "a/./b",
+            "d0",
+            "d0/f0.txt/x",
+            "ok.txt",
+            "d1/new.txt",
+            "sub/dir/f.txt",
+            ".koochak-pull-x.tmp",
+            "a\x00b",
+        ]
+    ),
     st.text(alphabet="./ab", min_size=1, max_size=8),
 )
 
 
-@settings(max_examples=60, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(index=st.integers(0, 15), path=_hostile_paths, offset_delta=st.sampled_from([0, 0, 512, -512, 10**9]),
-       size_delta=st.sampled_from([0, 0, 1, -1, -(10**6)]))
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    index=st.integers(0, 15),
+    path=_hostile_paths,
+    offset_delta=st.sampled_from([0, 0, 512, -512, 10**9]),
+    size_delta=st.sampled_from([0, 0, 1, -1, -(10**6)]),
+)
 def test_fuzzed_manifests_only_fail_cleanly_and_never_escape(
     collection, index: int, path: str, offset_delta: int, size_delta: int
 ) -> None:
@@ -292,3 +341,65 @@ def test_corrupt_read_from_the_store_is_caught_and_a_rerun_completes(collection,
         pull_collection(FaultyStore(coll, [Fault("read", nth=3, mode="corrupt")]), out, streams=1)
     pull_collection(coll, out)
     _same_tree(src, out)
+
+
+@pytest.mark.parametrize("unnamed_files", [True, False])
+def test_both_ways_of_naming_a_file_restore_the_same_tree(
+    collection, tmp_path, monkeypatch, unnamed_files
+):
+    # Unnamed O_TMPFILEs linked in once whole where the kernel has them, hidden temp names
+    # renamed into place elsewhere: the result is the same tree, and no temp name stays.
+    import koochak.data.pull as pull_module
+
+    if not unnamed_files:
+        monkeypatch.setattr(pull_module, "_LINK_VIA", str(tmp_path / "no-proc"))
+    src, coll = collection
+    out = tmp_path / "out"
+    pull_collection(coll, out)
+    _same_tree(src, out)
+    assert not [p for p in out.rglob(".koochak-pull-*")]
+    pull_collection(coll, out, overwrite=True)  # everything present: nothing rewritten
+    (out / "d0" / "f1.txt").write_bytes(b"changed")
+    assert pull_collection(coll, out, overwrite=True).written == 1
+    _same_tree(src, out)
+
+
+def test_a_filesystem_without_unnamed_files_falls_back_to_temp_names(
+    collection, tmp_path, monkeypatch
+):
+    import errno as errno_module
+
+    real_open = os.open
+
+    def no_tmpfile(path, flags, *args, **kwargs):
+        if flags & os.O_TMPFILE == os.O_TMPFILE:
+            raise OSError(errno_module.EOPNOTSUPP, "Operation not supported")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", no_tmpfile)
+    src, coll = collection
+    pull_collection(coll, tmp_path / "out")
+    _same_tree(src, tmp_path / "out")
+
+
+def test_modes_the_umask_would_strip_are_restored_exactly(tmp_path) -> None:
+    src = tmp_path / "src"
+    for name, mode in (("open.sh", 0o777), ("shared.txt", 0o666), ("private", 0o600)):
+        _write(src, name, 300)
+        os.chmod(src / name, mode)
+    archive_tree(src, tmp_path / "coll")
+    previous = os.umask(0o077)
+    try:
+        pull_collection(tmp_path / "coll", tmp_path / "out")
+    finally:
+        os.umask(previous)
+    _same_tree(src, tmp_path / "out")
+
+
+def test_merge_ranges_of_many_small_neighbours_is_one_range() -> None:
+    entries = [
+        FileEntry(f"f{i}", 100, SHA, 0o644, 0, "", pack="p", offset=512 + 1024 * i)
+        for i in range(20_000)
+    ]
+    ((start, end, members),) = merge_ranges(entries, gap_bytes=1024, max_range_bytes=64 << 20)
+    assert (start, end, len(members)) == (512, 512 + 1024 * 19_999 + 100, 20_000)

@@ -109,7 +109,9 @@ def fetch_pack(store: Any, pack: PackInfo, *, retries: int, cache: PackCache | N
         if hit is not None:
             return hit
     data = _with_retries(
-        f"pack {where}", retries, lambda: _checked(store.get(pack.key), pack.size, pack.sha256, where)
+        f"pack {where}",
+        retries,
+        lambda: _checked(store.get(pack.key), pack.size, pack.sha256, where),
     )
     if cache is not None:
         cache.put(cache_key, data)
