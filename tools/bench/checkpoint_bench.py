@@ -27,8 +27,8 @@ import time
 
 import torch
 from koochak.loop.checkpoint import build_checkpoint, checkpoint_name, save, serialize_checkpoint
-from koochak.loop.checkpoint_format import serialize_checkpoint_chunks
-from koochak.loop.checkpoint_saver import CheckpointSaver
+from koochak.loop.checkpoint.saver import CheckpointSaver
+from koochak.loop.checkpoint.serialization import serialize_checkpoint_chunks
 from koochak.storage.artifact import unpublish
 from koochak.storage.store import LocalStore
 

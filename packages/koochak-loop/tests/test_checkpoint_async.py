@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from koochak.loop._async_publish import AsyncPublisher, CheckpointPublishError
+from koochak.loop.checkpoint.saver import AsyncPublisher, CheckpointPublishError
 
 
 def test_second_submit_waits_for_the_first_and_callbacks_run_on_the_caller():

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from koochak.loop.checkpoint_format import (
+from koochak.loop.checkpoint import (
     build_checkpoint,
     check_resume_cursor,
     checkpoint_name,
@@ -18,8 +18,8 @@ from koochak.loop.checkpoint_format import (
     restore_training_state,
     rng_state_for_rank,
     serialize_checkpoint,
-    serialize_checkpoint_chunks,
 )
+from koochak.loop.checkpoint.serialization import serialize_checkpoint_chunks
 from koochak.loop.seed import get_rng_state, set_rng_state
 
 
@@ -53,8 +53,15 @@ def test_round_trip_restores_model_optimizer_scheduler_and_rng():
     rng = get_rng_state()
     expected_draw = (random.random(), np.random.rand(), torch.rand(3))
     ckpt = build_checkpoint(
-        step=2, next_step=3, model=model, optimizer=opt, scheduler=sched, rng=rng,
-        config={"train": {"max_steps": 10}}, wall_time=1.5, metrics={"loss": torch.tensor(0.25)},
+        step=2,
+        next_step=3,
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        rng=rng,
+        config={"train": {"max_steps": 10}},
+        wall_time=1.5,
+        metrics={"loss": torch.tensor(0.25)},
     )
     loaded = deserialize_checkpoint(serialize_checkpoint(ckpt), "mem")
     assert loaded["metrics"] == {"loss": 0.25}
@@ -79,9 +86,7 @@ def test_round_trip_restores_model_optimizer_scheduler_and_rng():
 
 
 def test_numpy_arrays_in_rng_state_are_encoded_for_weights_only():
-    ckpt = build_checkpoint(
-        step=0, next_step=1, model=_model(), rng={"np": np.random.get_state()}
-    )
+    ckpt = build_checkpoint(step=0, next_step=1, model=_model(), rng={"np": np.random.get_state()})
     loaded = deserialize_checkpoint(serialize_checkpoint(ckpt), "mem")
     original = np.random.get_state()
     assert loaded["rng"]["np"][0] == original[0]
@@ -99,7 +104,13 @@ class _RunsCode:
 
 def test_payload_with_pickled_code_is_refused_without_running_it(tmp_path):
     marker = tmp_path / "pwned"
-    payload = {"version": 1, "step": 0, "next_step": 1, "model": {}, "metrics": _RunsCode(str(marker))}
+    payload = {
+        "version": 1,
+        "step": 0,
+        "next_step": 1,
+        "model": {},
+        "metrics": _RunsCode(str(marker)),
+    }
     buffer = io.BytesIO()
     torch.save(payload, buffer)
     with pytest.raises(ValueError, match="evil.pt: not a loadable weights-only checkpoint"):
@@ -136,7 +147,9 @@ def test_build_checkpoint_enforces_the_cursor_rule():
         build_checkpoint(step=5, next_step=5, model=_model())
     with pytest.raises(ValueError, match="must have next_step=5"):
         build_checkpoint(step=5, next_step=6, model=_model(), reason="terminal")
-    assert build_checkpoint(step=5, next_step=5, model=_model(), reason="evacuation")["next_step"] == 5
+    assert (
+        build_checkpoint(step=5, next_step=5, model=_model(), reason="evacuation")["next_step"] == 5
+    )
 
 
 def test_resume_cursor_must_match_file_name_and_reason():
@@ -175,7 +188,9 @@ def test_streamed_serialization_gives_the_same_bytes():
     big = torch.nn.Sequential(_model(), torch.nn.Linear(2, 1024), torch.nn.Linear(1024, 512))
     ckpt = build_checkpoint(step=0, next_step=1, model=big, rng=get_rng_state())  # > 1 MB tensors
     # Copy each chunk as it arrives: views are valid only until the next one is requested.
-    assert b"".join(bytes(c) for c in serialize_checkpoint_chunks(ckpt)) == serialize_checkpoint(ckpt)
+    assert b"".join(bytes(c) for c in serialize_checkpoint_chunks(ckpt)) == serialize_checkpoint(
+        ckpt
+    )
 
 
 def test_abandoned_stream_stops_the_serializer():

@@ -145,3 +145,21 @@ def test_resolve_train_config_for_plain_dicts():
     with pytest.raises(ConfigError, match="train.bogus"):
         resolve_train_config({"bogus": 1})
     assert resolve_train_config({"bogus": 1, "strict_config": False}).strict_config is False
+
+
+def test_config_records_are_frozen_and_helpers_take_them_typed_or_check_a_mapping_once():
+    import dataclasses
+
+    from koochak.loop.config import as_train_config
+    from koochak.loop.evacuation import make_evacuation
+
+    cfg = resolve_train_config({"ema": {"decay": 0.9}})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.max_steps = 5  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.ema.decay = 0.5  # type: ignore[misc]
+    assert as_train_config(cfg) is cfg  # already typed: passed on as it is
+    assert as_train_config({"max_steps": 3}) == TrainConfig(max_steps=3)
+    # A helper called with a plain train mapping checks it like the loop would, naming the key.
+    with pytest.raises(ConfigError, match="train.evacuation_enabled: expected bool, got 'yes'"):
+        make_evacuation(None, {"evacuation_enabled": "yes"})

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 from koochak.loop import training_loop
-from koochak.loop.checkpoint_format import deserialize_checkpoint, serialize_checkpoint
+from koochak.loop.checkpoint import deserialize_checkpoint, serialize_checkpoint
 from koochak.loop.config import ConfigError, load_config, resolve_train_config
 from koochak.loop.ema import (
     ModelEma,
@@ -254,6 +255,36 @@ def test_legacy_flat_keys_are_honoured_with_a_note_naming_the_nested_key(tmp_pat
 def test_bad_ema_config_fails_naming_the_key(ema, message):
     with pytest.raises(ConfigError, match=message):
         resolve_train_config({"ema": ema})
+
+
+def test_one_rule_decides_ema_combinations_for_the_config_and_for_shadow_specs():
+    from koochak.loop.config import EmaConfig, EmaDualConfig, ema_profile
+
+    # A record built by hand meets the same rule, in the same words, as a loaded config.
+    dual = EmaDualConfig(enabled=True, srel1=0.05, srel2=0.1)
+    by_hand = EmaConfig(srel=0.1, dual=dual)
+    with pytest.raises(ConfigError) as from_config:
+        resolve_train_config({"ema": {"srel": 0.1, "dual": dataclasses.asdict(dual)}})
+    with pytest.raises(ConfigError) as from_specs:
+        shadow_specs(by_hand)
+    assert str(from_specs.value) == str(from_config.value)
+    assert str(from_specs.value).startswith("train.ema.srel: with train.ema.dual.enabled")
+    assert ema_profile(EmaConfig()) is None
+    assert ema_profile(EmaConfig(decay=0.9)) == "constant"
+    assert ema_profile(EmaConfig(gamma=6.94)) == "power"
+    assert ema_profile(EmaConfig(dual=dual)) == "power"
+
+
+def test_make_model_ema_checks_a_train_ema_mapping_like_the_config():
+    model = torch.nn.Linear(2, 1)
+    section = load_config(None, ["train.ema.decay=0.9", "train.ema.update_every=2"]).train.ema
+    ema = make_model_ema(section, model)  # a DictConfig section, as docs/ema.md shows
+    assert ema is not None and ema.update_every == 2 and ema.specs[0].decay == 0.9
+    assert make_model_ema({}, model) is None and make_model_ema(None, model) is None
+    with pytest.raises(ConfigError, match="train.ema.decay: expected a number in"):
+        make_model_ema({"decay": 1.5}, model)
+    with pytest.raises(ConfigError, match="train.ema.gamma: only the power profile uses"):
+        make_model_ema({"profile": "constant", "gamma": 3.0}, model)
 
 
 def test_compensate_update_every_false_is_accepted_with_a_note():

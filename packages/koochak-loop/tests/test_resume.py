@@ -250,7 +250,8 @@ def test_disk_filling_up_mid_write_keeps_the_previous_checkpoint(tmp_path):
     assert ckpt["step"] == 0
     # Nothing of the failed step is left, not even its hidden temp file.
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "step000000000.pt", "step000000000.pt.ready.json"
+        "step000000000.pt",
+        "step000000000.pt.ready.json",
     ]
 
 
@@ -263,7 +264,9 @@ def location(request, tmp_path, monkeypatch):
     if request.param == "store":
         return LocalStore(root, publish="exclusive"), root, False
     stores = tmp_path / "stores.yaml"
-    stores.write_text(f"version: 1\nstores:\n  vault:\n    root: {tmp_path}\n    publish: exclusive\n")
+    stores.write_text(
+        f"version: 1\nstores:\n  vault:\n    root: {tmp_path}\n    publish: exclusive\n"
+    )
     monkeypatch.setenv("KOOCHAK_STORES", str(stores))
     return "vault://ckpt", root, False
 
@@ -300,3 +303,57 @@ def test_looking_in_a_missing_directory_finds_nothing_and_creates_nothing(tmp_pa
     assert resolve_auto_resume(missing) is None
     assert highest_valid_published(str(missing)) is None
     assert not (tmp_path / "not").exists()
+
+
+def test_every_resume_helper_answers_path_then_checkpoint(tmp_path):
+    from koochak.loop.checkpoint import ResumePoint
+    from koochak.loop.checkpoint.resume import resume_checkpoint
+
+    save(_ckpt(3), tmp_path)
+    found = resolve_auto_resume(tmp_path)
+    assert isinstance(found, ResumePoint) and found.path == str(tmp_path / "step000000003.pt")
+    assert found.checkpoint["step"] == 3 and tuple(found) == (found.path, found.checkpoint)
+    # training_loop's own lookup: the same record, the same order.
+    path, ckpt = resume_checkpoint("auto", tmp_path)
+    assert (path, ckpt["step"]) == (found.path, 3)
+    given = resume_checkpoint(None, tmp_path, found.checkpoint, found.path)
+    assert given.path == found.path and given.checkpoint is not found.checkpoint  # a copy
+    assert resume_checkpoint("none", tmp_path) is None
+    assert resume_checkpoint("auto", tmp_path / "empty") is None
+
+
+@pytest.mark.parametrize(
+    ("old", "names"),
+    [
+        ("checkpoint_format", ["build_checkpoint", "serialize_checkpoint_chunks", "step_of_name"]),
+        ("publish", ["publish", "save", "checkpoint_store", "publication_path"]),
+        ("resume", ["load", "latest", "best", "resolve_auto_resume"]),
+        ("checkpoint_saver", ["CheckpointSaver", "capture_checkpoint", "restore_rng"]),
+    ],
+)
+def test_old_checkpoint_module_paths_still_import_with_a_deprecation_warning(old, names):
+    import importlib
+    import sys
+
+    import koochak.loop.checkpoint as package
+
+    sys.modules.pop(f"koochak.loop.{old}", None)  # warn again even if imported before
+    with pytest.warns(DeprecationWarning, match=f"koochak.loop.{old} is deprecated"):
+        module = importlib.import_module(f"koochak.loop.{old}")
+    for name in names:
+        assert callable(getattr(module, name))
+        if name in package.__all__:
+            assert getattr(module, name) is getattr(package, name)
+
+
+def test_the_old_resume_checkpoint_keeps_its_checkpoint_then_path_order(tmp_path):
+    import importlib
+    import sys
+
+    sys.modules.pop("koochak.loop.checkpoint_saver", None)
+    with pytest.warns(DeprecationWarning):
+        checkpoint_saver = importlib.import_module("koochak.loop.checkpoint_saver")
+    save(_ckpt(2), tmp_path)
+    ckpt, path = checkpoint_saver.resume_checkpoint("auto", tmp_path)
+    assert (ckpt["step"], path) == (2, str(tmp_path / "step000000002.pt"))
+    assert checkpoint_saver.resume_checkpoint("none", tmp_path) == (None, None)

@@ -126,7 +126,7 @@ def test_every_decode_failure_is_a_value_error_naming_the_file(fields):
         assert str(exc).startswith(source)
     else:  # decodes; then the resume check (RNG states) must refuse it
         assert "rng" in fields or "rng_per_rank" in fields
-        from koochak.loop.checkpoint_format import check_rng_fields
+        from koochak.loop.checkpoint.format import check_rng_fields
 
         with pytest.raises(ValueError, match=source):
             check_rng_fields(ckpt, source)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 
 import pytest
+from koochak.storage.keys import TEMP_PREFIX
 from koochak.storage.store import SETTLING_ERRNOS
 from koochak.storage.testing import FakeClock, Fault, FaultyStore, visible_files
 
@@ -210,3 +211,66 @@ def test_a_partial_object_that_cannot_be_removed_is_reported(tmp_path, caplog):
         store.put("obj", DATA)
     assert caught.value.errno == errno.EIO
     assert "could not be removed" in caplog.text and "obj" in caplog.text
+
+
+# -- the calls outside put and the reads go through the same seam ------------------------------
+
+
+def test_a_fault_reaches_delete(tmp_path):
+    store = FaultyStore(tmp_path)
+    store.put("obj", b"payload")
+    store.set_faults([Fault("stat", errno=errno.EIO)])
+    with pytest.raises(OSError) as caught:
+        store.delete("obj")
+    assert caught.value.errno == errno.EIO
+    store.set_faults([])
+    assert store.get("obj") == b"payload"  # nothing was removed
+
+
+@pytest.mark.parametrize("op", ["stat", "unlink"])
+def test_a_fault_reaches_the_stale_temp_sweep(tmp_path, op):
+    store = FaultyStore(tmp_path, [Fault(op, errno=errno.EIO)])
+    temp = tmp_path / f"{TEMP_PREFIX}killed-writer-obj"
+    temp.write_bytes(b"half")
+    with pytest.raises(OSError) as caught:
+        store.inner.remove_stale_temps(older_than_seconds=0)
+    assert caught.value.errno == errno.EIO and temp.exists()
+    store.set_faults([])
+    assert store.inner.remove_stale_temps(older_than_seconds=0) == [str(temp)]
+
+
+def test_the_stale_temp_sweep_skips_a_directory_it_cannot_list(tmp_path):
+    # As os.walk does: the sweep does not fail, and the next sweep finds what it skipped.
+    store = FaultyStore(tmp_path, [Fault("list", nth=2)])
+    (tmp_path / "sub").mkdir()
+    top, below = tmp_path / f"{TEMP_PREFIX}a", tmp_path / "sub" / f"{TEMP_PREFIX}b"
+    top.write_bytes(b"1")
+    below.write_bytes(b"2")
+    assert store.inner.remove_stale_temps(older_than_seconds=0) == [str(top)]
+    assert below.exists()
+    assert store.inner.remove_stale_temps(older_than_seconds=0) == [str(below)]
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [Fault("stat", nth=1, errno=errno.EIO), Fault("open", nth=4, errno=errno.EIO)],
+    ids=["stat-of-a-directory", "open-of-a-directory"],
+)
+def test_a_fault_reaches_the_batch_flush_before_anything_is_linked(tmp_path, fault):
+    # Three temp files are opened first (opens 1-3); the flush then stats and opens the directory.
+    store = FaultyStore(tmp_path, [fault])
+    with pytest.raises(OSError) as caught:
+        store.inner.put_many([(f"o{i}", b"x" * (i + 1), None, None) for i in range(3)])
+    assert caught.value.errno == errno.EIO
+    assert store.calls["link"] == 0
+    assert list(tmp_path.iterdir()) == []  # no object and no temp file
+
+
+@pytest.mark.parametrize("publish", MODES)
+def test_a_fault_reaches_the_directory_sync_after_a_put(tmp_path, publish):
+    # Open 1 is the object (or its temp file), open 2 the directory whose entry makes it durable.
+    store = FaultyStore(tmp_path, [Fault("open", nth=2, errno=errno.EIO)], publish=publish)
+    with pytest.raises(OSError) as caught:
+        store.put("obj", b"payload")
+    assert caught.value.errno == errno.EIO
+    _assert_nothing_visible(store)

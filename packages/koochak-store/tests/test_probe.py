@@ -15,7 +15,7 @@ import pytest
 import yaml
 from koochak.storage import _probe_semantics as semantics
 from koochak.storage._probe_measure import Measurement, recommend_profile
-from koochak.storage.probe import REPORT_VERSION, main, probe
+from koochak.storage.probe import PROBE_MODES_GROUP, REPORT_VERSION, main, probe
 from koochak.storage.profile import StoreProfile
 from koochak.storage.store import LocalStore, register_store
 
@@ -139,6 +139,32 @@ def test_dataset_mode_without_koochak_data_says_what_to_install(tmp_path, monkey
     assert main([str(tmp_path), "--dataset-shards", "2", "--shard-bytes", "4K", *TINY_ARGS]) == 1
     assert "pip install koochak-data" in capsys.readouterr().err
     assert _leftovers(tmp_path) == []  # refused before writing anything
+
+
+def test_dataset_mode_is_found_through_its_entry_point_only(tmp_path, monkeypatch, capsys):
+    # koochak-store names no higher package: with nothing registered under koochak.probe_modes
+    # (koochak-data absent), the mode says what to install, before writing anything.
+    import importlib.metadata
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **_: [])
+    assert main([str(tmp_path), "--dataset-shards", "2", "--shard-bytes", "4K", *TINY_ARGS]) == 1
+    err = capsys.readouterr().err
+    assert "pip install koochak-data" in err and err.count("\n") == 1
+    assert _leftovers(tmp_path) == []
+
+
+def test_two_providers_of_the_dataset_mode_are_refused(tmp_path, monkeypatch, capsys):
+    import importlib.metadata
+
+    claims = [
+        importlib.metadata.EntryPoint("dataset_shards", f"{name}:measure", PROBE_MODES_GROUP)
+        for name in ("one", "two")
+    ]
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **_: claims)
+    assert main([str(tmp_path), "--dataset-shards", "2", "--shard-bytes", "4K", *TINY_ARGS]) == 1
+    err = capsys.readouterr().err
+    assert "one:measure, two:measure" in err and err.count("\n") == 1
+    assert _leftovers(tmp_path) == []
 
 
 def test_uri_location_uses_the_configured_store(tmp_path):

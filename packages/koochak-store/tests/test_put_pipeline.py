@@ -8,8 +8,9 @@ import os
 import sys
 
 import pytest
-from koochak.storage import store as store_module
-from koochak.storage.store import LocalStore, _stream_chunks
+from koochak.storage import _payload, _syscalls
+from koochak.storage._payload import _stream_chunks
+from koochak.storage.store import LocalStore
 from koochak.storage.testing import FaultyStore
 
 DATA = bytes(range(256)) * 12_000  # ~3 MB
@@ -18,9 +19,9 @@ DATA = bytes(range(256)) * 12_000  # ~3 MB
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Many chunks from little data, each hashed on the helper thread as in a large put."""
-    monkeypatch.setattr(store_module, "_READ_CHUNK", 64 << 10)
-    monkeypatch.setattr(store_module, "_CHUNK", 64 << 10)
-    monkeypatch.setattr(store_module, "_OVERLAP_MIN", 1)
+    monkeypatch.setattr(_payload, "_READ_CHUNK", 64 << 10)
+    monkeypatch.setattr(_payload, "_CHUNK", 64 << 10)
+    monkeypatch.setattr(_payload, "_OVERLAP_MIN", 1)
 
 
 class _ShortReads(io.RawIOBase):
@@ -122,7 +123,7 @@ def test_a_small_stream_never_allocates_the_read_buffers(monkeypatch):
         made.append(args)
         return real(*args)
 
-    monkeypatch.setattr(store_module, "bytearray", spy, raising=False)
+    monkeypatch.setattr(_payload, "bytearray", spy, raising=False)
     stream = io.BytesIO(b"tiny")
     assert [bytes(c) for c, _ in _stream_chunks(stream, stream.read)] == [b"tiny"]
     assert made == []
@@ -168,7 +169,7 @@ def test_small_puts_make_no_writeback_call(tmp_path):
 def test_writeback_unavailable_is_tried_once_and_the_put_still_succeeds(
     tmp_path, small_chunks, monkeypatch
 ):
-    monkeypatch.setattr(store_module, "_sync_file_range", lambda: None)
+    monkeypatch.setattr(_syscalls, "_sync_file_range", lambda: None)
     store = FaultyStore(tmp_path)
     info = store.put("obj", DATA)
     assert store.calls["writeback"] == 1  # refused once, then not asked again in this put
@@ -183,7 +184,7 @@ def test_sync_file_range_is_found_and_accepts_a_written_range_on_linux(tmp_path)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
         os.write(fd, b"x" * 8192)
-        assert store_module._Syscalls().start_writeback(fd, 0, 8192) is True
+        assert _syscalls._Syscalls().start_writeback(fd, 0, 8192) is True
     finally:
         os.close(fd)
 
@@ -208,7 +209,7 @@ def test_large_chunks_are_hashed_on_the_helper_thread_while_the_caller_writes(
         def hexdigest(self) -> str:
             return self._sha.hexdigest()
 
-    monkeypatch.setattr(store_module.hashlib, "sha256", Recording)
+    monkeypatch.setattr(_payload.hashlib, "sha256", Recording)
     info = LocalStore(tmp_path).put("obj", io.BytesIO(DATA))
     assert info.sha256 == real(DATA).hexdigest()
     assert len(threads) > 4

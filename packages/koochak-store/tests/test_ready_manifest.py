@@ -173,7 +173,7 @@ def test_the_manifest_example_in_formats_md_is_a_valid_manifest():
     import pathlib
     import re
 
-    from koochak.storage.artifact import _parse_manifest
+    from koochak.storage.ready_manifest import _parse_manifest
 
     formats = pathlib.Path(__file__).resolve().parents[3] / "docs" / "formats.md"
     section = formats.read_text().split("## Ready manifests", 1)[1].split("\n## ", 1)[0]

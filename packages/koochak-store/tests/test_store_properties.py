@@ -25,7 +25,7 @@ def test_list_matches_a_string_prefix_filter_over_all_keys(keys, prefix):
         if not any(key.startswith(k + "/") or k.startswith(key + "/") for k in chosen):
             chosen.append(key)
     try:
-        from koochak.storage.store import _validate_prefix
+        from koochak.storage.keys import _validate_prefix
 
         _validate_prefix(prefix)
     except ValueError:

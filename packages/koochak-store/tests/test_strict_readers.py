@@ -89,3 +89,16 @@ def test_version_checks():
     with pytest.raises(ValueError, match=r"field 'version' is missing"):
         require_version({}, "m.json", 1)
     assert is_exact_int(0) and not is_exact_int(False) and not is_exact_int(0.0)
+
+
+def test_check_fields_names_the_first_unknown_then_the_first_missing_field():
+    from koochak.storage.strict_json import check_fields
+
+    doc = {"a": 1, "b": 2}
+    assert check_fields(doc, "x.json", {"a"}, {"b"}) is doc
+    with pytest.raises(ValueError, match=r"^x.json: unknown field 'env.z' \(expected a, b\)$"):
+        check_fields({"a": 1, "z": 0}, "x.json", {"a"}, {"b"}, prefix="env.")
+    with pytest.raises(KeyError, match="x.json: missing field 'a'"):
+        check_fields({"b": 2}, "x.json", {"a"}, {"b"}, error=KeyError)
+    with pytest.raises(ValueError, match="x.json: expected a JSON object, got list"):
+        check_fields([], "x.json", {"a"})

@@ -636,7 +636,8 @@ def test_small_objects_are_copied_in_batches_and_resume_after_a_failure(tmp_path
 _KILLED_BATCH = textwrap.dedent(
     """
     import sys, time
-    from koochak.storage.store import LocalStore, _Syscalls
+    from koochak.storage._syscalls import _Syscalls
+    from koochak.storage.store import LocalStore
     from koochak.storage.transfer import CopyItem, copy_objects
 
     class Stall(_Syscalls):

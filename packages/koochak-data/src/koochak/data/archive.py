@@ -20,6 +20,7 @@ import csv
 import datetime
 import hashlib
 import json
+import math
 import os
 import queue
 import stat
@@ -196,8 +197,13 @@ def scan_source(
     root = os.fspath(src)
     if not os.path.isdir(root):
         raise ValueError(f"archive SRC {root!r} is not a directory")
-    if min_age_hours is not None and min_age_hours < 0:
-        raise ValueError(f"--min-age-hours {min_age_hours}: expected a number >= 0")
+    if min_age_hours is not None and not (
+        isinstance(min_age_hours, (int, float))
+        and not isinstance(min_age_hours, bool)
+        and math.isfinite(min_age_hours)
+        and min_age_hours >= 0
+    ):
+        raise ValueError(f"--min-age-hours {min_age_hours}: expected a finite number >= 0")
     now_ns = time.time_ns() if now_ns is None else now_ns
     filters = _Filters(
         include=tuple(include),

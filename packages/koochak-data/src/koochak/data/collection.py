@@ -30,7 +30,7 @@ from typing import Any
 
 from koochak.data._digest import SHA256_HEX
 from koochak.data._tar import BLOCK, END_OF_ARCHIVE, check_path, padded
-from koochak.storage.strict_json import loads_strict, require_version
+from koochak.storage.strict_json import check_fields, loads_strict, require_version
 
 __all__ = [
     "FILES_KEY",
@@ -202,18 +202,7 @@ def _sha(value: object, where: str) -> str:
 
 
 def _keys(obj: object, where: str, required: set[str], optional: set[str] = frozenset()) -> dict:
-    if not isinstance(obj, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    fields = obj.keys()
-    if required <= fields and (fields - required) <= optional:
-        return obj  # the common case: two set comparisons, once per file-table line
-    unknown = sorted(set(obj) - required - optional)
-    if unknown:
-        raise ValueError(f"{where}: unknown field {unknown[0]!r}")
-    missing = sorted(required - set(obj))
-    if missing:
-        raise ValueError(f"{where}: missing field {missing[0]!r}")
-    return obj
+    return check_fields(obj, where, required, optional)  # called once per file-table line
 
 
 # ----------------------------------------------------------------------------- manifest

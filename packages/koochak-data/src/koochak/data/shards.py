@@ -26,7 +26,7 @@ from koochak.data._shard_records import ShardEntry, ShardIndex, _join
 from koochak.data.planning import assign_shards, plan_shards, worker_coordinates
 from koochak.storage.profile import parse_size
 from koochak.storage.store import Store, open_store, validate_key
-from koochak.storage.strict_json import loads_strict, require_version
+from koochak.storage.strict_json import check_fields, loads_strict, require_version
 
 __all__ = [
     "INDEX_KIND",
@@ -96,12 +96,7 @@ def _index_bytes(format: str, metadata: Mapping[str, Any], entries: Iterable[Sha
 
 
 def _check_fields(obj: Mapping[str, Any], expected: tuple[str, ...], where: str) -> None:
-    unknown = sorted(set(obj) - set(expected))
-    if unknown:
-        raise ValueError(f"{where}: unknown field {unknown[0]!r} (expected {', '.join(expected)})")
-    missing = [name for name in expected if name not in obj]
-    if missing:
-        raise ValueError(f"{where}: missing field {missing[0]!r}")
+    check_fields(obj, where, frozenset(expected))
 
 
 def _count(value: object, where: str) -> int:

@@ -21,24 +21,25 @@ _EXPORTS = {
     "EXIT_PREFLIGHT_FAILED": "exit_codes",
     "EXIT_PUBLICATION_REJECTED": "exit_codes",
     "EXIT_USAGE": "exit_codes",
-    "Artifact": "manifest",
-    "PreparedRun": "manifest",
-    "prepare_run": "manifest",
+    "PreparedRun": "prepared",
+    "prepare_run": "prepared",
     "DeclaredOutput": "outputs",
     "validate_output": "outputs",
     "EnvironmentProfile": "profile",
     "load_environment_profile": "profile",
+    "StagedFile": "staging",
     "stage_run": "staging",
+    "stage_write_once": "staging",
     "PreparedTask": "workflow",
     "PreparedWorkflow": "workflow",
     "stage_remote": "backends",
-    "stage_write_once": "backends",
     "submit_pazuzu": "backends",
     "submit_scruffy": "backends",
     "submit_scruffy_workflow": "backends",
 }
+# Old name -> new home; each use warns (see _deprecated.py).
+_DEPRECATED = {"Artifact": "koochak.jobs.StagedFile"}
 __all__ = [
-    "Artifact",
     "ConfigPatch",
     "DeclaredOutput",
     "EXIT_CHECKPOINT_ACK_TIMEOUT",
@@ -51,6 +52,7 @@ __all__ = [
     "PreparedRun",
     "PreparedTask",
     "PreparedWorkflow",
+    "StagedFile",
     "load_environment_profile",
     "materialize_config",
     "prepare_run",
@@ -66,7 +68,6 @@ __all__ = [
 if TYPE_CHECKING:
     from koochak.jobs.backends import (
         stage_remote,
-        stage_write_once,
         submit_pazuzu,
         submit_scruffy,
         submit_scruffy_workflow,
@@ -80,14 +81,18 @@ if TYPE_CHECKING:
         EXIT_PUBLICATION_REJECTED,
         EXIT_USAGE,
     )
-    from koochak.jobs.manifest import Artifact, PreparedRun, prepare_run
     from koochak.jobs.outputs import DeclaredOutput, validate_output
+    from koochak.jobs.prepared import PreparedRun, prepare_run
     from koochak.jobs.profile import EnvironmentProfile, load_environment_profile
-    from koochak.jobs.staging import stage_run
+    from koochak.jobs.staging import StagedFile, stage_run, stage_write_once
     from koochak.jobs.workflow import PreparedTask, PreparedWorkflow
 
 
 def __getattr__(name: str) -> Any:
+    if name in _DEPRECATED:  # not cached: every use warns
+        from koochak.jobs._deprecated import moved
+
+        return moved(f"koochak.jobs.{name}", _DEPRECATED[name])
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'koochak.jobs' has no attribute {name!r}")

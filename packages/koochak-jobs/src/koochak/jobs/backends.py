@@ -2,12 +2,12 @@
 
 Every adapter stages first and submits second, and a failure while staging submits nothing:
 
-- ``submit_scruffy`` / ``submit_scruffy_workflow`` write each run's artifacts write-once on
+- ``submit_scruffy`` / ``submit_scruffy_workflow`` write each run's staged files write-once on
   the shared filesystem, then make exactly one strict Scruffy call (``submit_job`` or
   ``submit_workflow``). Gates and recovery fields are passed as given: a Scruffy that does not
   know one raises its own error, which surfaces. Repeated request ids pass unchanged, which is
   how Scruffy deduplicates a resubmission.
-- ``submit_pazuzu`` (async) stages each artifact through ``client.run(..., stdin=bytes)`` (the
+- ``submit_pazuzu`` (async) stages each file through ``client.run(..., stdin=bytes)`` (the
   bytes travel only on stdin, at most 4 MiB per call) into a write-once file on the remote
   side, then makes one ``client.submit_slurm(SlurmJob(...))`` call.
 
@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import inspect
 import shlex
-import textwrap
 from collections.abc import Sequence
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from .workflow import PreparedWorkflow, StagedFile, SubmittableRun, _needs_wire, _wait_for_wire
+from .staging import StagedFile, stage_run, stage_write_once, staging_program
+from .workflow import PreparedWorkflow, SubmittableRun, _needs_wire, _wait_for_wire
 
 __all__ = [
     "stage_remote",
@@ -42,129 +40,33 @@ PAZUZU_STDIN_LIMIT = 4 * 1024 * 1024  # bytes per client.run call (the client re
 _STAGE_TIMEOUT_S = 60.0
 
 
-def stage_write_once(path: str, data: bytes, sha256: str) -> str:
-    """Write ``data`` at absolute ``path`` exactly once; ``"written"`` or ``"unchanged"``.
-
-    The bytes must hash to ``sha256`` (else ValueError "artifact digest differs"). An existing
-    regular file with the same bytes is a no-op; different bytes, a symlink or any other
-    non-regular file raise FileExistsError ("refusing to replace different artifact"). A new
-    file goes to a temporary name in the same directory, is fsynced and made read-only (0444),
-    then hard-linked into place, which never replaces anything; a lost race re-checks.
-
-    This function is also the remote staging script: its source is shipped to the execution
-    side and run under ``python -I``, so it imports only the standard library, inside itself.
-    """
-    import hashlib
-    import os
-    import stat
-
-    actual = hashlib.sha256(data).hexdigest()
-    if actual != sha256:
-        raise ValueError(f"{path}: artifact digest differs: expected {sha256}, got {actual}")
-    if not os.path.isabs(path):
-        raise ValueError(f"{path}: artifact path must be absolute")
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-
-    def on_disk():
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:  # ELOOP: the name is a symlink
-            raise FileExistsError(
-                f"{path}: refusing to stage over a non-regular file ({exc.strerror})"
-            ) from None
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise FileExistsError(f"{path}: refusing to stage over a non-regular file")
-            chunks = []
-            while chunk := os.read(fd, 1 << 20):
-                chunks.append(chunk)
-            if info.st_mode & 0o222 and b"".join(chunks) == data:
-                os.fchmod(fd, 0o444)  # same bytes, loosened mode: harden it again
-            return b"".join(chunks)
-        finally:
-            os.close(fd)
-
-    def settle(current):
-        if current == data:
-            return "unchanged"
-        theirs = hashlib.sha256(current or b"").hexdigest()
-        raise FileExistsError(
-            f"{path}: refusing to replace different artifact (on disk sha256 {theirs}, staging {sha256})"
-        )
-
-    current = on_disk()
-    if current is not None:
-        return settle(current)
-    tmp = os.path.join(parent, f".{os.path.basename(path)}.{os.getpid()}.{os.urandom(6).hex()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-        os.fchmod(fd, 0o444)
-    finally:
-        os.close(fd)
-    try:
-        os.link(tmp, path)
-    except FileExistsError:  # another stager won: fine if it staged the same bytes
-        return settle(on_disk())
-    finally:
-        os.unlink(tmp)
-    dir_fd = os.open(parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-    return "written"
-
-
-@lru_cache(maxsize=1)
-def _staging_script() -> str:
-    """The program ``python -I -c SCRIPT PATH SHA256`` runs remotely, bytes on stdin."""
-    body = textwrap.dedent(inspect.getsource(stage_write_once))
-    return body + textwrap.dedent(
-        """
-        import sys
-        try:
-            print(stage_write_once(sys.argv[1], sys.stdin.buffer.read(), sys.argv[2]))
-        except Exception as exc:
-            print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
-            sys.exit(1)
-        """
-    )
-
-
-def _checked_artifacts(prepared: SubmittableRun, limit: int | None = None) -> list[StagedFile]:
-    """The run's artifacts after checking each one's bytes against its digest (and size)."""
-    artifacts = list(prepared.artifacts)
-    for artifact in artifacts:
-        if not isinstance(artifact.content, bytes):
+def _checked_files(prepared: SubmittableRun, limit: int | None = None) -> list[StagedFile]:
+    """The run's staged files (``artifacts``) after checking each one's bytes against its
+    digest (and size)."""
+    files = list(prepared.artifacts)
+    for staged in files:
+        if not isinstance(staged.content, bytes):
             raise TypeError(
-                f"{artifact.path}: artifact content must be bytes, got {type(artifact.content).__name__}"
+                f"{staged.path}: artifact content must be bytes, got {type(staged.content).__name__}"
             )
-        actual = hashlib.sha256(artifact.content).hexdigest()
-        if actual != artifact.sha256:
+        actual = hashlib.sha256(staged.content).hexdigest()
+        if actual != staged.sha256:
             raise ValueError(
-                f"{artifact.path}: artifact digest differs: expected {artifact.sha256}, got {actual}"
+                f"{staged.path}: artifact digest differs: expected {staged.sha256}, got {actual}"
             )
-        if limit is not None and len(artifact.content) > limit:
+        if limit is not None and len(staged.content) > limit:
             raise ValueError(
-                f"{artifact.path}: artifact is {len(artifact.content)} bytes; Pazuzu stages at most {limit} bytes per call"
+                f"{staged.path}: artifact is {len(staged.content)} bytes; Pazuzu stages at most {limit} bytes per call"
             )
-    return artifacts
+    return files
 
 
 def _stage_local(runs: Sequence[SubmittableRun]) -> None:
-    """Check every artifact of every run, then write them all write-once, in order."""
-    checked = [_checked_artifacts(run) for run in runs]
-    for artifacts in checked:
-        for artifact in artifacts:
-            stage_write_once(str(artifact.path), artifact.content, artifact.sha256)
+    """Check every staged file of every run, then write them all write-once, in order."""
+    for run in runs:
+        _checked_files(run)
+    for run in runs:
+        stage_run(run)
 
 
 _CALLER = {"submit_job": "submit_scruffy", "submit_workflow": "submit_scruffy_workflow"}
@@ -233,7 +135,7 @@ def submit_scruffy(
 def submit_scruffy_workflow(workflow: PreparedWorkflow, *, root: str | Path) -> dict[str, Any]:
     """Stage every task's run, then one ``scruffy.submit_workflow`` call: all or none.
 
-    If any artifact fails its check or its write, Scruffy is never called (files already
+    If any staged file fails its check or its write, Scruffy is never called (files already
     staged stay: they are write-once and identical on the next try).
     """
     if not isinstance(workflow, PreparedWorkflow):
@@ -253,24 +155,25 @@ def submit_scruffy_workflow(workflow: PreparedWorkflow, *, root: str | Path) -> 
 
 
 async def stage_remote(client: Any, prepared: SubmittableRun) -> None:
-    """Stage every artifact of ``prepared`` on the far side of a Pazuzu ``client``, in order.
+    """Stage every file of ``prepared`` on the far side of a Pazuzu ``client``, in order.
 
-    All artifacts are checked locally first (digest, at most 4 MiB each: one ``client.run``
-    call per artifact, bytes on stdin only). Each call runs the write-once staging program with
-    the run's own Python (``runner_argv[0]``) under ``-I``; a non-zero ``exit_code`` raises
-    ``RuntimeError("failed to stage <path>: <remote error>")`` and stages nothing further.
+    All files (``prepared.artifacts``) are checked locally first (digest, at most 4 MiB each:
+    one ``client.run`` call per file, bytes on stdin only). Each call runs the write-once
+    staging program (`staging_program`) with the run's own Python (``runner_argv[0]``) under
+    ``-I``; a non-zero ``exit_code`` raises ``RuntimeError("failed to stage <path>: <remote
+    error>")`` and stages nothing further.
     Staging the same run again is a no-op. ``submit_pazuzu`` calls this before submitting; on
     its own it prepares a run for a job script of your own (the multi-node DDP recipe).
     """
     python = prepared.runner_argv[0]
-    for artifact in _checked_artifacts(prepared, limit=PAZUZU_STDIN_LIMIT):
+    for staged in _checked_files(prepared, limit=PAZUZU_STDIN_LIMIT):
         command = shlex.join(
-            [python, "-I", "-c", _staging_script(), str(artifact.path), artifact.sha256]
+            [python, "-I", "-c", staging_program(), str(staged.path), staged.sha256]
         )
-        result = await client.run(command, stdin=artifact.content, timeout=_STAGE_TIMEOUT_S)
+        result = await client.run(command, stdin=staged.content, timeout=_STAGE_TIMEOUT_S)
         if result.exit_code != 0:  # Pazuzu's CommandResult has exit_code, not returncode
             detail = result.stderr.strip() or result.stdout.strip() or f"exit {result.exit_code}"
-            raise RuntimeError(f"failed to stage {artifact.path}: {detail}")
+            raise RuntimeError(f"failed to stage {staged.path}: {detail}")
 
 
 async def submit_pazuzu(
@@ -280,7 +183,7 @@ async def submit_pazuzu(
 
     ``resources`` is a ``pazuzu.SlurmResources``, passed through unchanged; logs land at
     ``<log_dir>/<name>-<jobid>.out|.err``. The job is built (and so validated) before anything
-    is staged; then ``stage_remote`` stages every artifact, and any failed stage raises
+    is staged; then ``stage_remote`` stages every file, and any failed stage raises
     without submitting. Returns the ``SlurmHandle``.
     """
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -58,8 +59,21 @@ class DeclaredOutput:
             object.__setattr__(self, "provenance", dict(self.provenance))
 
     @property
-    def manifest_path(self) -> str:
+    def ready_manifest_path(self) -> str:
+        """``<path>.ready.json``, the ready manifest the workload publishes for this output
+        (not the launch manifest, which is `PreparedRun.manifest_path`)."""
         return self.path + READY_SUFFIX
+
+    @property
+    def manifest_path(self) -> str:
+        """Deprecated name of `ready_manifest_path` (removed in koochak-jobs 0.4)."""
+        warnings.warn(
+            "DeclaredOutput.manifest_path is deprecated; use DeclaredOutput.ready_manifest_path "
+            "(the same path). DeclaredOutput.manifest_path will be removed in koochak-jobs 0.4.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.ready_manifest_path
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -94,7 +108,7 @@ def validate_output(output: DeclaredOutput) -> dict[str, Any]:
         doc = verify_ready(output.path)
     except FileNotFoundError:
         raise ValueError(
-            f"{where}: not published: {os.path.basename(output.manifest_path)} is missing "
+            f"{where}: not published: {os.path.basename(output.ready_manifest_path)} is missing "
             "(publish it with koochak.storage.artifact.write_ready_manifest)"
         ) from None
     except InvalidArtifact as exc:
@@ -113,5 +127,5 @@ def validate_output(output: DeclaredOutput) -> dict[str, Any]:
         "path": output.path,
         "size": doc["size"],
         "sha256": doc["sha256"],
-        "manifest_path": output.manifest_path,
+        "manifest_path": output.ready_manifest_path,  # the publication record's key
     }

@@ -21,13 +21,15 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Protocol
 
+# Once a protocol of its own here; the one record lives with the stager (importable here too).
+from koochak.jobs.staging import StagedFile
+
 __all__ = [
     "CONDITIONS",
     "RETRY_REASONS",
     "DeclaredOutputLike",
     "PreparedTask",
     "PreparedWorkflow",
-    "StagedFile",
     "SubmittableRun",
 ]
 
@@ -43,18 +45,6 @@ _MAX_ATTEMPTS = range(1, 11)
 _MAX_ARTIFACT_ID = 256
 
 
-class StagedFile(Protocol):
-    """One file a run needs on the execution side before it starts (a launch manifest, its
-    config): written write-once at ``path`` (absolute), with ``content``'s sha256 ``sha256``."""
-
-    @property
-    def path(self) -> str: ...
-    @property
-    def content(self) -> bytes: ...
-    @property
-    def sha256(self) -> str: ...
-
-
 class DeclaredOutputLike(Protocol):
     """What a workflow checks of a declared output: its id and its provenance mapping."""
 
@@ -67,7 +57,8 @@ class DeclaredOutputLike(Protocol):
 class SubmittableRun(Protocol):
     """Exactly what the backends and workflows use of a prepared run (``PreparedRun``).
 
-    ``artifacts`` are staged in order (the manifest last, so it never lands before what it
+    ``artifacts`` (`StagedFile` records, or anything with their ``path``, ``content`` and
+    ``sha256``) are staged in order (the manifest last, so it never lands before what it
     pins); ``runner_argv`` is the command the scheduler runs, its first item the absolute
     Python that also runs the remote staging step.
     """

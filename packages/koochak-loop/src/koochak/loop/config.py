@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import sys
@@ -33,7 +34,7 @@ class ConfigError(ValueError):
     """A config problem, with the file and key path in the message."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class EmaDualConfig:
     enabled: bool = False  # track two power-profile shadows (EDM2 post-hoc EMA)
     gamma1: Optional[float] = None  # first shadow's power exponent (or srel1)
@@ -42,7 +43,7 @@ class EmaDualConfig:
     srel2: Optional[float] = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class EmaConfig:
     enabled: Optional[bool] = None  # null: on when decay, profile, gamma/srel or dual is given
     decay: Optional[float] = None  # constant profile's decay per model step; null: 0.999
@@ -60,7 +61,7 @@ class EmaConfig:
     dual: EmaDualConfig = field(default_factory=EmaDualConfig)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     max_steps: Optional[int] = 1000  # null: run until the dataset is exhausted
     log_every: int = 50
@@ -99,14 +100,14 @@ class TrainConfig:
     ema: EmaConfig = field(default_factory=EmaConfig)
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     data_dir: str = "data"
     batch_size: int = 64
     num_workers: int = 0
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimizerConfig:
     name: str = "adamw"
     lr: float = 0.001
@@ -117,7 +118,7 @@ class OptimizerConfig:
     nesterov: bool = False
 
 
-@dataclass
+@dataclass(frozen=True)
 class SchedulerConfig:
     name: str = "none"  # none | cosine | step | plateau | cosine_warmup
     warmup_steps: int = 0
@@ -131,20 +132,20 @@ class SchedulerConfig:
     monitor: str = "eval_loss"
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoggingConfig:
     stdout: bool = True
     csv_path: Optional[str] = None  # null: <out_dir>/log.csv in the CLI
     jsonl_path: Optional[str] = None  # null: <out_dir>/log.jsonl in the CLI
 
 
-@dataclass
+@dataclass(frozen=True)
 class WandbConfig:
     enabled: bool = False
     project: Optional[str] = None
@@ -160,7 +161,7 @@ class WandbConfig:
     tags: list[str] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(frozen=True)
 class EntryConfig:
     model: Optional[str] = None  # module:callable returning an nn.Module
     dataset: Optional[str] = None  # module:callable returning an iterable
@@ -169,7 +170,7 @@ class EntryConfig:
     eval_fn: Optional[str] = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -180,6 +181,11 @@ class Config:
 
 
 SECTIONS = tuple(f.name for f in dataclasses.fields(Config))
+# train.ema: the shadows' averaging profiles, the constant profile's warm-up schedules, and the
+# widest power profile's relative width (gamma = 0, a uniform average: 1/sqrt(12)).
+EMA_PROFILES = ("constant", "power")
+EMA_SCHEDULES = ("constant", "linear", "cosine")
+EMA_SREL_MAX = 1.0 / math.sqrt(12.0)
 # Sections whose extra keys are the user's own (dataset builders read them).
 _FREE_FORM = frozenset({"data"})
 _CHOICES = {
@@ -343,13 +349,11 @@ def _check_values(values: Mapping[str, Any], section: str) -> None:
 
 def _check_ema(values: Mapping[str, Any], section: str) -> None:
     """Ranges of the EMA keys, then the combination (profile, gamma/srel, dual) as a whole."""
-    from koochak.loop import ema
 
     def bad(key: str, what: str) -> ConfigError:
         return ConfigError(f"{section}.{key}: expected {what}, got {values[key]!r}")
 
-    for key in ("schedule", "profile"):
-        choices = ema.SCHEDULES if key == "schedule" else ema.PROFILES
+    for key, choices in (("schedule", EMA_SCHEDULES), ("profile", EMA_PROFILES)):
         if values.get(key) is not None and values[key] not in choices:
             raise bad(key, f"one of {'|'.join(choices)}")
     for key in ("decay", "decay_init"):
@@ -359,23 +363,72 @@ def _check_ema(values: Mapping[str, Any], section: str) -> None:
         if values.get(key) is not None and not values[key] >= 0:
             raise bad(key, "a number >= 0")
     for key in ("srel", "srel1", "srel2"):
-        if values.get(key) is not None and not 0 < values[key] <= ema.SREL_MAX:
-            raise bad(key, f"a number in (0, {ema.SREL_MAX:.4f}]")
+        if values.get(key) is not None and not 0 < values[key] <= EMA_SREL_MAX:
+            raise bad(key, f"a number in (0, {EMA_SREL_MAX:.4f}]")
     if section == "train.ema":
-        profile = values.get("profile")
-        if (
-            values.get("warmup_steps")
-            and values.get("schedule", "constant") == "constant"
-            and (profile != "power")
-        ):
-            raise ConfigError(
-                "train.ema.warmup_steps: a warm-up needs train.ema.schedule linear or cosine "
-                f"(schedule is constant), got warmup_steps={values['warmup_steps']!r}"
-            )
-        try:
-            ema.shadow_specs(values)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+        ema_profile(_build(EmaConfig, _known_only(values, EmaConfig)))
+
+
+def ema_enabled(ema: EmaConfig) -> bool:
+    """``enabled`` when set; otherwise on as soon as a decay, profile, gamma/srel or dual is given."""
+    if ema.enabled is not None:
+        return ema.enabled
+    implied = (ema.decay, ema.profile, ema.gamma, ema.srel)
+    return any(value is not None for value in implied) or ema.dual.enabled
+
+
+def ema_profile(ema: EmaConfig) -> str | None:
+    """The one rule for which ``train.ema`` combinations are accepted: returns the profile the
+    shadows use (``constant`` or ``power``), None when EMA is off; a refused combination is a
+    ConfigError naming the key and the fix.
+
+    - A warm-up needs a ``linear`` or ``cosine`` schedule (unless the profile is set to power,
+      whose own message follows), whether EMA is on or not.
+    - The profile defaults to power when ``gamma``/``srel`` or ``dual`` is given, else constant.
+    - Only the constant profile has a ``decay`` and a warm-up; only the power profile uses
+      ``gamma``/``srel``, exactly one of the two.
+    - Dual EMA is two power shadows (``dual.gamma1|srel1`` and ``dual.gamma2|srel2``, exactly one
+      of each pair) and nothing else: no single ``gamma``/``srel`` beside it.
+    """
+    if ema.warmup_steps and ema.schedule == "constant" and ema.profile != "power":
+        raise ConfigError(
+            "train.ema.warmup_steps: a warm-up needs train.ema.schedule linear or cosine "
+            f"(schedule is constant), got warmup_steps={ema.warmup_steps!r}"
+        )
+    if not ema_enabled(ema):
+        return None
+    power_keys = [key for key in ("gamma", "srel") if getattr(ema, key) is not None]
+    profile = ema.profile or ("power" if ema.dual.enabled or power_keys else "constant")
+    if profile == "power" and ema.decay is not None:
+        raise ConfigError("train.ema.decay: only the constant profile has a decay (profile is "
+                          "power; its averaging length is gamma or srel)")  # fmt: skip
+    if profile == "power" and ema.warmup_steps:
+        raise ConfigError("train.ema.warmup_steps: only the constant profile warms up (the power "
+                          "profile needs no warm-up)")  # fmt: skip
+    if ema.dual.enabled:
+        if profile != "power":
+            raise ConfigError("train.ema.dual.enabled: dual EMA tracks two power profiles; "
+                              f"set train.ema.profile: power (got {profile!r})")  # fmt: skip
+        if power_keys:
+            raise ConfigError(f"train.ema.{power_keys[0]}: with train.ema.dual.enabled give "
+                              "dual.gamma1/gamma2 or dual.srel1/srel2 instead")  # fmt: skip
+        for i in (1, 2):
+            _one_of(ema.dual, f"gamma{i}", f"srel{i}", "train.ema.dual")
+    elif profile == "power":
+        _one_of(ema, "gamma", "srel", "train.ema")
+    elif power_keys:
+        raise ConfigError(f"train.ema.{power_keys[0]}: only the power profile uses gamma/srel; "
+                          "set train.ema.profile: power (profile is constant)")  # fmt: skip
+    return profile
+
+
+def _one_of(section: Any, gamma_key: str, srel_key: str, where: str) -> None:
+    gamma, srel = getattr(section, gamma_key), getattr(section, srel_key)
+    if (gamma is None) == (srel is None):
+        raise ConfigError(
+            f"{where}: a power EMA needs exactly one of {where}.{gamma_key} or "
+            f"{where}.{srel_key} (got {gamma_key}={gamma!r}, {srel_key}={srel!r})"
+        )
 
 
 def _translate_legacy_ema(train: Mapping[str, Any], source: str) -> dict[str, Any]:
@@ -694,6 +747,20 @@ def resolve_train_config(train_cfg: Mapping[str, Any] | TrainConfig | None) -> T
         raise ConfigError(_unknown_message(unknown, Config, "train_cfg"))
     checked = _check_section(_known_only(values, TrainConfig), TrainConfig, "train")
     return _build(TrainConfig, checked)
+
+
+def as_train_config(train_cfg: Mapping[str, Any] | TrainConfig | None) -> TrainConfig:
+    """``train_cfg`` as a TrainConfig: an instance as it is, anything else through
+    `resolve_train_config`. The loop's helpers take the typed config; this is where the ones a
+    user may call with a plain ``train`` mapping check it, once."""
+    return train_cfg if isinstance(train_cfg, TrainConfig) else resolve_train_config(train_cfg)
+
+
+def as_ema_config(ema_cfg: Mapping[str, Any] | EmaConfig) -> EmaConfig:
+    """``ema_cfg`` (the ``train.ema`` section) as an EmaConfig, checked like the whole config."""
+    if isinstance(ema_cfg, EmaConfig):
+        return ema_cfg
+    return resolve_train_config({"ema": to_container(ema_cfg)}).ema
 
 
 def _known_only(values: Mapping[str, Any], schema: type) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from koochak.loop import dist
+from koochak.loop.config import TrainConfig, as_train_config
 
 
 @dataclass(frozen=True)
@@ -30,14 +31,14 @@ class DdpSetup:
     device: torch.device
 
 
-def setup_ddp(train_cfg: Any, device: torch.device) -> DdpSetup:
+def setup_ddp(train_cfg: TrainConfig | Mapping[str, Any], device: torch.device) -> DdpSetup:
     """Initialize the process group if ``train.ddp`` asks for it; returns where this rank runs.
 
-    ``train_cfg`` is the train section (a mapping or TrainConfig). On CUDA, a device without an
-    index (``cuda``) becomes ``cuda:<LOCAL_RANK>`` and is made the current device, so NCCL
-    collectives and ``.cuda()`` calls land on this rank's GPU.
+    ``train_cfg`` is the train section (a TrainConfig, or a mapping checked into one). On CUDA, a
+    device without an index (``cuda``) becomes ``cuda:<LOCAL_RANK>`` and is made the current
+    device, so NCCL collectives and ``.cuda()`` calls land on this rank's GPU.
     """
-    if not _get(train_cfg, "ddp", False):
+    if not as_train_config(train_cfg).ddp:
         return DdpSetup(False, dist.get_rank(), dist.get_world_size(), 0, False, device)
     local_rank = dist.get_local_rank()
     if device.type == "cuda":
@@ -61,7 +62,9 @@ def release_after_failure(setup: DdpSetup) -> None:
         torch.distributed.destroy_process_group()
 
 
-def wrap_model(model: torch.nn.Module, setup: DdpSetup, train_cfg: Any) -> torch.nn.Module:
+def wrap_model(
+    model: torch.nn.Module, setup: DdpSetup, train_cfg: TrainConfig | Mapping[str, Any]
+) -> torch.nn.Module:
     """Wrap in DistributedDataParallel (``train.find_unused_parameters`` passed through).
 
     A single-rank "DDP" run is left unwrapped: there is nothing to all-reduce.
@@ -69,7 +72,7 @@ def wrap_model(model: torch.nn.Module, setup: DdpSetup, train_cfg: Any) -> torch
     if not setup.enabled or setup.world_size == 1:
         return model
     kwargs: dict[str, Any] = {
-        "find_unused_parameters": bool(_get(train_cfg, "find_unused_parameters", False))
+        "find_unused_parameters": as_train_config(train_cfg).find_unused_parameters
     }
     if setup.device.type == "cuda":
         kwargs["device_ids"] = [setup.device.index]
@@ -80,25 +83,25 @@ def wrap_model(model: torch.nn.Module, setup: DdpSetup, train_cfg: Any) -> torch
 def shard_datasets(
     dataset: Iterable[Any],
     eval_dataset: Iterable[Any] | None,
-    train_cfg: Any,
+    train_cfg: TrainConfig | Mapping[str, Any],
     setup: DdpSetup,
 ) -> tuple[Iterable[Any], Iterable[Any] | None]:
     """Apply the opt-in sharding; rank 0 warns about whatever DDP runs unsharded."""
     # Keyed on the world size, not train.ddp: a process group started by hand shards on request too.
     if setup.world_size == 1:
         return dataset, eval_dataset
+    cfg = as_train_config(train_cfg)
     unsharded: list[str] = []
-    if _get(train_cfg, "shard_dataset", False):
-        dataset = _shard(dataset, _get(train_cfg, "shard_dataset_mode", None) or "iterable", setup)
+    if cfg.shard_dataset:
+        dataset = _shard(dataset, cfg.shard_dataset_mode, setup)
     else:
         unsharded.append("train.shard_dataset")
     if eval_dataset is not None:
-        if _get(train_cfg, "shard_eval_dataset", False):
-            mode = _get(train_cfg, "shard_eval_dataset_mode", None) or "iterable"
-            eval_dataset = _shard(eval_dataset, mode, setup)
+        if cfg.shard_eval_dataset:
+            eval_dataset = _shard(eval_dataset, cfg.shard_eval_dataset_mode, setup)
         else:
             unsharded.append("train.shard_eval_dataset")
-    if unsharded and setup.rank == 0 and _get(train_cfg, "warn_unsharded", True):
+    if unsharded and setup.rank == 0 and cfg.warn_unsharded:
         warnings.warn(
             f"DDP with {setup.world_size} ranks but {' and '.join(unsharded)} is false: every "
             "rank sees the same data unless your dataset shards itself. Set it to true, or "
@@ -140,15 +143,7 @@ def broadcast_object(value: Any, src: int = 0) -> Any:
     return box[0]
 
 
-def _get(cfg: Any, key: str, default: Any) -> Any:
-    if isinstance(cfg, Mapping):
-        return cfg.get(key, default)
-    return getattr(cfg, key, default)
-
-
 def _shard(dataset: Iterable[Any], mode: str, setup: DdpSetup) -> Iterable[Any]:
     from koochak.loop import sharding
 
-    if mode not in ("iterable", "map"):
-        raise ValueError(f"train.shard_dataset_mode: expected iterable|map, got {mode!r}")
     return sharding.shard_dataset(dataset, mode=mode, rank=setup.rank, world_size=setup.world_size)

@@ -37,14 +37,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from koochak.loop.config import (
+    EMA_PROFILES,
+    EMA_SCHEDULES,
+    EMA_SREL_MAX,
+    EmaConfig,
+    as_ema_config,
+    ema_profile,
+)
 from koochak.loop.state_dicts import match_state_dict_to_model, unwrap_model
 
 EMA_STATE_VERSION = 1
-PROFILES = ("constant", "power")
-SCHEDULES = ("constant", "linear", "cosine")
-DEFAULT_DECAY = 0.999
+PROFILES = EMA_PROFILES
+SCHEDULES = EMA_SCHEDULES
+DEFAULT_DECAY = 0.999  # the constant profile's decay when train.ema.decay is null
 # The widest power profile: gamma = 0, a uniform average of everything seen so far.
-SREL_MAX = 1.0 / math.sqrt(12.0)
+SREL_MAX = EMA_SREL_MAX
 
 
 # ----------------------------------------------------------------------------- profiles
@@ -127,76 +135,39 @@ def scheduled_decay(spec: ShadowSpec, step: int) -> float:
     return spec.decay_init + (spec.decay - spec.decay_init) * progress
 
 
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    if isinstance(cfg, Mapping):
-        return cfg.get(key, default)
-    return getattr(cfg, key, default)
+def shadow_specs(cfg: EmaConfig) -> list[ShadowSpec]:
+    """The shadows ``train.ema`` asks for (empty when EMA is off).
 
-
-def ema_enabled(cfg: Any) -> bool:
-    """``enabled`` when set; otherwise on as soon as a decay or profile key is given."""
-    if cfg is None:
-        return False
-    enabled = _get(cfg, "enabled")
-    if enabled is not None:
-        return bool(enabled)
-    dual = _get(cfg, "dual") or {}
-    implied = (_get(cfg, k) is not None for k in ("decay", "profile", "gamma", "srel"))
-    return any(implied) or bool(_get(dual, "enabled"))
-
-
-def shadow_specs(cfg: Any) -> list[ShadowSpec]:
-    """The shadows ``train.ema`` asks for (empty when EMA is off); errors name the key.
-
-    The profile defaults to ``power`` when ``gamma``/``srel`` or ``dual`` is given, else
-    ``constant``; a key the chosen profile would ignore is an error rather than a silent no-op.
+    Which combinations are accepted is `koochak.loop.config.ema_profile`'s rule (errors name the
+    key); this only turns an accepted section into one constant or power shadow, or two dual ones.
     """
-    if not ema_enabled(cfg):
+    profile = ema_profile(cfg)
+    if profile is None:
         return []
-    dual = _get(cfg, "dual") or {}
-    power_keys = [k for k in ("gamma", "srel") if _get(cfg, k) is not None]
-    implied = "power" if _get(dual, "enabled") or power_keys else "constant"
-    profile = _get(cfg, "profile") or implied
-    if profile == "power" and _get(cfg, "decay") is not None:
-        raise ValueError("train.ema.decay: only the constant profile has a decay (profile is "
-                         "power; its averaging length is gamma or srel)")  # fmt: skip
-    if profile == "power" and _get(cfg, "warmup_steps"):
-        raise ValueError("train.ema.warmup_steps: only the constant profile warms up (the power "
-                         "profile needs no warm-up)")  # fmt: skip
-    if _get(dual, "enabled"):
-        if profile != "power":
-            raise ValueError("train.ema.dual.enabled: dual EMA tracks two power profiles; "
-                             f"set train.ema.profile: power (got {profile!r})")  # fmt: skip
-        if power_keys:
-            raise ValueError(f"train.ema.{power_keys[0]}: with train.ema.dual.enabled give "
-                             "dual.gamma1/gamma2 or dual.srel1/srel2 instead")  # fmt: skip
-        return [ShadowSpec("power", gamma=_gamma(dual, f"gamma{i}", f"srel{i}", "train.ema.dual"))
-                for i in (1, 2)]  # fmt: skip
+    if cfg.dual.enabled:
+        dual = cfg.dual
+        return [
+            ShadowSpec("power", gamma=_gamma(dual.gamma1, dual.srel1)),
+            ShadowSpec("power", gamma=_gamma(dual.gamma2, dual.srel2)),
+        ]
     if profile == "power":
-        return [ShadowSpec("power", gamma=_gamma(cfg, "gamma", "srel", "train.ema"))]
-    if power_keys:
-        raise ValueError(f"train.ema.{power_keys[0]}: only the power profile uses gamma/srel; "
-                         "set train.ema.profile: power (profile is constant)")  # fmt: skip
-    decay = _get(cfg, "decay")
+        return [ShadowSpec("power", gamma=_gamma(cfg.gamma, cfg.srel))]
     return [
         ShadowSpec(
             "constant",
-            decay=DEFAULT_DECAY if decay is None else float(decay),
-            decay_init=float(_get(cfg, "decay_init", 0.0)),
-            warmup_steps=int(_get(cfg, "warmup_steps", 0)),
-            schedule=str(_get(cfg, "schedule", "constant")),
+            decay=DEFAULT_DECAY if cfg.decay is None else float(cfg.decay),
+            decay_init=cfg.decay_init,
+            warmup_steps=cfg.warmup_steps,
+            schedule=cfg.schedule,
         )
     ]
 
 
-def _gamma(cfg: Any, gamma_key: str, srel_key: str, where: str) -> float:
-    gamma, srel = _get(cfg, gamma_key), _get(cfg, srel_key)
-    if (gamma is None) == (srel is None):
-        raise ValueError(
-            f"{where}: a power EMA needs exactly one of {where}.{gamma_key} or "
-            f"{where}.{srel_key} (got {gamma_key}={gamma!r}, {srel_key}={srel!r})"
-        )
-    return float(gamma) if gamma is not None else srel_to_gamma(float(srel))
+def _gamma(gamma: float | None, srel: float | None) -> float:
+    if gamma is not None:
+        return float(gamma)
+    assert srel is not None  # ema_profile let through exactly one of the two
+    return srel_to_gamma(float(srel))
 
 
 # ----------------------------------------------------------------------------- the shadows
@@ -420,12 +391,21 @@ def check_ema_state(state: Any, source: str) -> None:
 # ----------------------------------------------------------------------------- the loop's side
 
 
-def make_model_ema(cfg: Any, model: torch.nn.Module, start_step: int = 0) -> ModelEma | None:
-    """The shadows ``train.ema`` asks for, starting from ``model``'s weights; None when off."""
+def make_model_ema(
+    cfg: EmaConfig | Mapping[str, Any] | None, model: torch.nn.Module, start_step: int = 0
+) -> ModelEma | None:
+    """The shadows ``train.ema`` asks for, starting from ``model``'s weights; None when off.
+
+    ``cfg`` is an EmaConfig, or the ``train.ema`` section as a mapping (checked here like the
+    whole config).
+    """
+    if cfg is None:
+        return None
+    cfg = as_ema_config(cfg)
     specs = shadow_specs(cfg)
     if not specs:
         return None
-    if _get(cfg, "compensate_update_every", True) is False:
+    if cfg.compensate_update_every is False:
         warnings.warn(
             "train.ema.compensate_update_every: false has no effect; thinned EMA updates are "
             "always compensated by the model steps elapsed (decay ** update_every)",
@@ -435,9 +415,9 @@ def make_model_ema(cfg: Any, model: torch.nn.Module, start_step: int = 0) -> Mod
     return ModelEma(
         model,
         specs,
-        update_every=int(_get(cfg, "update_every", 1)),
-        offload_to_cpu=bool(_get(cfg, "offload_to_cpu", False)),
-        pin_memory=bool(_get(cfg, "pin_memory", True)),
+        update_every=cfg.update_every,
+        offload_to_cpu=cfg.offload_to_cpu,
+        pin_memory=cfg.pin_memory,
         start_step=start_step,
     )
 

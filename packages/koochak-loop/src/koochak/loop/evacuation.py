@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from koochak.loop import ddp, dist
+from koochak.loop.config import TrainConfig, as_train_config
 
 # Reserved exit code: "left on request after publishing a resumable checkpoint".
 EVACUATION_EXIT_CODE = 75
@@ -86,16 +87,20 @@ class EvacuationController:
 
 
 def make_evacuation(
-    evacuation: bool | EvacuationController | None, train_cfg: Mapping[str, Any]
+    evacuation: bool | EvacuationController | None, train_cfg: TrainConfig | Mapping[str, Any]
 ) -> EvacuationController | None:
-    """The controller the loop uses: the argument wins, else ``train.evacuation_enabled``."""
+    """The controller the loop uses: the argument wins, else ``train.evacuation_enabled``.
+
+    ``train_cfg`` is the train section: a TrainConfig, or a mapping checked into one.
+    """
     if isinstance(evacuation, EvacuationController):
         return evacuation
+    cfg = as_train_config(train_cfg)
     if evacuation is None:
-        evacuation = bool(train_cfg.get("evacuation_enabled", False))
+        evacuation = cfg.evacuation_enabled
     if not evacuation:
         return None
-    return EvacuationController(signal=train_cfg.get("evacuation_signal") or "USR1")
+    return EvacuationController(signal=cfg.evacuation_signal)
 
 
 def _signal_number(signal: str | int) -> int:

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from koochak.loop.config import TrainConfig, as_train_config
+from koochak.loop.masking import mask_text
 
 # Distinct from 75 (evacuation) and 76 (checkpoint acknowledgement timeout): "device unhealthy,
 # a resumable checkpoint was published, run me elsewhere".
@@ -47,12 +49,12 @@ class GpuReading:
 
 @dataclass(frozen=True)
 class HealthPolicy:
-    """Limits beyond which a device counts as bad."""
+    """Limits beyond which a device counts as bad (defaults: the ``train.gpu_health_max_*`` keys')."""
 
-    max_temperature_c: float = 90.0
-    max_kernel_seconds: float = 10.0
+    max_temperature_c: float = TrainConfig.gpu_health_max_temperature_c
+    max_kernel_seconds: float = TrainConfig.gpu_health_max_kernel_seconds
     # New uncorrectable ECC errors since the first reading; any is too many.
-    max_new_ecc_uncorrected: int = 0
+    max_new_ecc_uncorrected: int = TrainConfig.gpu_health_max_new_ecc_uncorrected
 
 
 DEFAULT_POLICY = HealthPolicy()
@@ -166,43 +168,46 @@ class GpuHealthWatchdog:
             "time": time.time(),
             "step": step,
             "healthy": verdict.healthy,
-            "reasons": list(verdict.reasons),
+            "reasons": [mask_text(reason) for reason in verdict.reasons],
             # Recorded so an operator sees why nothing was requeued: Koochak only exits.
             "under_scruffy": self.under_scruffy,
             "action": "continue" if verdict.healthy else f"checkpoint+exit {GPU_HEALTH_EXIT_CODE}",
             "reading": dataclasses.asdict(reading),
         }
+        if reading.kernel_error:  # a CUDA error's text: foreign, so the run's secrets are masked
+            line["reading"]["kernel_error"] = mask_text(reading.kernel_error)
         with open(self.out_dir / HEALTH_SUMMARY_NAME, "a", encoding="utf-8") as f:
             f.write(json.dumps(line, sort_keys=True) + "\n")
 
 
 def make_gpu_health(
-    train_cfg: Mapping[str, Any],
+    train_cfg: TrainConfig | Mapping[str, Any],
     device: torch.device,
     out_dir: str | os.PathLike[str] | None,
     watchdog: GpuHealthWatchdog | None = None,
 ) -> GpuHealthWatchdog | None:
     """The loop's watchdog: the argument wins; else ``train.gpu_health_every`` (> 0, CUDA only).
 
-    The limits come from ``train.gpu_health_max_temperature_c``, ``..._max_kernel_seconds`` and
-    ``..._max_new_ecc_uncorrected`` (``HealthPolicy``'s defaults where a key is absent).
+    ``train_cfg`` is the train section: a TrainConfig, or a mapping checked into one. The limits
+    come from ``train.gpu_health_max_temperature_c``, ``..._max_kernel_seconds`` and
+    ``..._max_new_ecc_uncorrected``.
     """
     if watchdog is not None:
         return watchdog
-    every = int(train_cfg.get("gpu_health_every") or 0)
-    if every <= 0 or device.type != "cuda":
+    cfg = as_train_config(train_cfg)
+    if not cfg.gpu_health_every or device.type != "cuda":
         return None
-    return GpuHealthWatchdog(every, device, out_dir, policy=health_policy(train_cfg))
+    return GpuHealthWatchdog(cfg.gpu_health_every, device, out_dir, policy=health_policy(cfg))
 
 
-def health_policy(train_cfg: Mapping[str, Any]) -> HealthPolicy:
+def health_policy(train_cfg: TrainConfig | Mapping[str, Any]) -> HealthPolicy:
     """The ``HealthPolicy`` the ``train.gpu_health_max_*`` keys describe."""
-    limits = {
-        field.name: train_cfg[f"gpu_health_{field.name}"]
-        for field in dataclasses.fields(HealthPolicy)
-        if train_cfg.get(f"gpu_health_{field.name}") is not None
-    }
-    return HealthPolicy(**limits)
+    cfg = as_train_config(train_cfg)
+    return HealthPolicy(
+        max_temperature_c=cfg.gpu_health_max_temperature_c,
+        max_kernel_seconds=cfg.gpu_health_max_kernel_seconds,
+        max_new_ecc_uncorrected=cfg.gpu_health_max_new_ecc_uncorrected,
+    )
 
 
 def under_scruffy(env: Mapping[str, str]) -> bool:

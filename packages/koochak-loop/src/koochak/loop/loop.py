@@ -4,8 +4,9 @@ It reads in the order it runs. Setup once: device -> [resume lookup] -> [shard] 
 compile -> [DDP] -> [restore]. Then, per update: batch -> micro-steps x grad_accum -> gradient gate
 -> update (optimizer -> scaler -> [EMA] -> scheduler) -> observe (hooks, log) -> [GPU health] ->
 maybe eval -> maybe save -> [evacuate]. Finally the terminal state is packed into a resume-ready
-checkpoint, saved, and returned. Checkpoint mechanics live in ``checkpoint_saver`` (capture,
-publish sync/async, resume), ``evacuation``, ``health`` and ``ddp``.
+checkpoint, saved, and returned. Checkpoint mechanics live in the ``checkpoint`` subpackage
+(``resume`` finds the checkpoint to continue from, ``restore`` puts it back, ``saver`` captures and
+publishes, sync or async); the rest in ``evacuation``, ``health`` and ``ddp``.
 
 The user's ``step_fn(model, batch, ctx) -> {"loss": Tensor, ...}`` owns the model semantics.
 Every optional behaviour is a helper call or a hook. On the ordinary path the loop adds no
@@ -27,13 +28,9 @@ from typing import Any
 import torch
 from koochak.loop import ddp, dist
 from koochak.loop.batch import to_device
-from koochak.loop.checkpoint_format import restore_training_state
-from koochak.loop.checkpoint_saver import (
-    CheckpointSaver,
-    capture_checkpoint,
-    restore_rng,
-    resume_checkpoint,
-)
+from koochak.loop.checkpoint.restore import restore_rng, restore_training_state
+from koochak.loop.checkpoint.resume import resume_checkpoint
+from koochak.loop.checkpoint.saver import Checkpointer, make_checkpointer
 from koochak.loop.config import TrainConfig, resolve_train_config
 from koochak.loop.device import get_device, get_lr
 from koochak.loop.ema import ModelEma, make_model_ema
@@ -102,16 +99,16 @@ def training_loop(
     hooks = merge(hooks)
     warned: set[int] = set()  # hooks that already warned once
     started = time.perf_counter()
-    location = cfg.checkpoint_dir or cfg.out_dir
-    train_dict = dataclasses.asdict(cfg)
+    train_dict = dataclasses.asdict(cfg)  # what leaves the loop (ctx, hooks): plain data
 
     # ---- setup once: device -> [resume lookup] -> [shard] -> start hook -> compile -> [DDP]
+    #      -> [EMA] -> [restore] -> checkpoints, [GPU health]
     setup = ddp.setup_ddp(cfg, get_device(cfg.device))  # process group; device from LOCAL_RANK
     device, rank, world_size = setup.device, setup.rank, setup.world_size
-    checkpoint_dict, auto_resume_path = resume_checkpoint(
+    location = cfg.checkpoint_dir or cfg.out_dir
+    resume_path, checkpoint_dict = resume_checkpoint(
         resume, location, checkpoint_dict, auto_resume_path
-    )
-    prior_wall_time = float(checkpoint_dict.get("wall_time") or 0.0) if checkpoint_dict else 0.0
+    ) or (None, None)
     start_step = int(checkpoint_dict["next_step"]) if checkpoint_dict else 0
     raw_model = model.to(device)
     dataset, eval_dataset = ddp.shard_datasets(dataset, eval_dataset, cfg, setup)
@@ -130,19 +127,19 @@ def training_loop(
     if rank == 0:
         print(_param_banner(raw_model, num_params), flush=True)
     step = start_step
-    saver: CheckpointSaver | None = None
+    checkpoints: Checkpointer | None = None
     evac: EvacuationController | None = None
     finished = False
     try:
         # Record a request from here on: the signal's default action would kill the process
         # during the slow parts of setup (hooks, compile, restore); it is honoured after update 0.
-        evac = make_evacuation(evacuation, train_dict)
+        evac = make_evacuation(evacuation, cfg)
         if evac is not None:
             evac.install()
         start_info = {"step": start_step, "max_steps": cfg.max_steps, "train_cfg": train_dict,
                       "config_json": config_json, "model": raw_model, "num_params": num_params,
                       "rank": rank, "world_size": world_size, "out_dir": cfg.out_dir,
-                      "resumed": checkpoint_dict is not None, "resume_path": auto_resume_path}  # fmt: skip
+                      "resumed": checkpoint_dict is not None, "resume_path": resume_path}  # fmt: skip
         emit(hooks, "on_train_start", start_info)
         # Compile the bare module first so DDP wraps the compiled graph (torch's recommended order).
         train_model = torch.compile(raw_model) if cfg.compile else raw_model
@@ -151,18 +148,14 @@ def training_loop(
         if checkpoint_dict is not None:
             restore_training_state(checkpoint_dict, raw_model, optimizer, scheduler, scaler, ema)
         raw_model.train()
-        if rank == 0:  # only rank 0 publishes; every rank takes part in capturing (RNG gather)
-            saver = CheckpointSaver(
-                location,
-                keep_last_k=cfg.keep_last_k or None,
-                async_publish=cfg.checkpoint_async,
-                on_checkpoint=lambda info: emit(hooks, "on_checkpoint", info, warned=warned),
-            )
         # What every checkpoint is captured from (live objects: each capture reads them anew).
         parts = {"model": raw_model, "optimizer": optimizer, "scheduler": scheduler,
                  "scaler": scaler, "ema": ema, "config": _config_of(config_json, cfg)}  # fmt: skip
-        persist = _Persist(saver, parts, prior_wall_time, started)
-        health = make_gpu_health(train_dict, device, cfg.out_dir, gpu_health)
+        checkpoints = make_checkpointer(
+            cfg, parts, rank=rank, resumed=checkpoint_dict, started=started,
+            on_checkpoint=lambda info: emit(hooks, "on_checkpoint", info, warned=warned),
+        )  # fmt: skip
+        health = make_gpu_health(cfg, device, cfg.out_dir, gpu_health)
 
         # Everything the per-step code needs, looked up once.
         named_params = [(n, p) for n, p in raw_model.named_parameters() if p.requires_grad]
@@ -195,8 +188,7 @@ def training_loop(
             restore_rng(checkpoint_dict)  # last thing before the first step: nothing draws after
         while max_steps is None or step < max_steps:
             ctx.step = step
-            if saver is not None:
-                saver.poll()  # deliver a finished async publication; raise if it failed
+            checkpoints.poll()  # deliver a finished async publication; raise if it failed
 
             # ---- micro-steps: autocast -> step_fn -> scaled backward, grad_accum times
             pending, batch = _micro_steps(
@@ -239,7 +231,7 @@ def training_loop(
 
             # ---- protect: GPU health (every rank checks its device; one bad device stops all)
             if health is not None and health.due(step):
-                _check_health(health, step, device, persist, {**metrics, **eval_metrics})
+                _check_health(health, step, device, checkpoints, {**metrics, **eval_metrics})
 
             # ---- maybe eval
             if eval_fn is not None and cfg.eval_every and (step + 1) % cfg.eval_every == 0:
@@ -247,16 +239,15 @@ def training_loop(
                 if scheduler is not None and cfg.scheduler_step == "eval":
                     _step_scheduler(scheduler, eval_metrics)
 
-            # ---- maybe save (periodic: keeps its zero-based index, resumes at step + 1). Not after
-            # the update that reaches max_steps: the terminal save of the same state follows.
-            if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 != max_steps:
-                persist.periodic(step, {**metrics, **eval_metrics})
+            # ---- maybe save (periodic: keeps its zero-based index, resumes at step + 1)
+            if checkpoints.due(step):
+                checkpoints.periodic(step, {**metrics, **eval_metrics})
             step += 1
 
             # ---- evacuate: all ranks agree at the end of a completed update, then leave (75)
             if evac is not None and evac.should_evacuate():
                 final_metrics = {**metrics, **eval_metrics}
-                checkpoint, path = persist.terminal("evacuation", step, final_metrics)
+                path, checkpoint = checkpoints.terminal("evacuation", step, final_metrics)
                 end = {"step": step, "checkpoint": checkpoint, "metrics": final_metrics}
                 emit(hooks, "on_train_end", {**end, "reason": "evacuation"}, warned=warned)
                 raise Evacuated(step, checkpoint, path)
@@ -268,15 +259,7 @@ def training_loop(
             _add_rate(metrics, last_batch, window_steps, grad_accum, world_size)
             emit(hooks, "on_log", {"step": step - 1, "metrics": metrics}, warned=warned)
         final_metrics = {**metrics, **eval_metrics}
-        # A resumed run with nothing left to do already has this exact terminal checkpoint
-        # published; re-publishing would only open a window in which it is un-committed.
-        republish = not (
-            checkpoint_dict is not None
-            and step == start_step
-            and checkpoint_dict.get("step") == step
-            and checkpoint_dict.get("reason") == "terminal"
-        )
-        checkpoint, _ = persist.terminal("terminal", step, final_metrics, publish=republish)
+        _, checkpoint = checkpoints.terminal("terminal", step, final_metrics)
         end = {"step": step, "checkpoint": checkpoint, "metrics": final_metrics}
         emit(hooks, "on_train_end", end, warned=warned)
         # Ranks leave together: one that ends its process (or group) while a peer still finishes
@@ -289,8 +272,8 @@ def training_loop(
     # through on_train_end).
     except (Exception, KeyboardInterrupt, GpuUnhealthy) as exc:
         emit(hooks, "on_exception", {"step": step, "exception": exc}, warned=warned)
-        if saver is not None:
-            saver.close()  # an in-flight publication finishes; the original error stays primary
+        if checkpoints is not None:
+            checkpoints.close()  # an in-flight publication finishes; the original error stays primary
         raise
     finally:
         if evac is not None:
@@ -299,7 +282,7 @@ def training_loop(
             ddp.release_after_failure(setup)
 
 
-# ----------------------------------------------------------------------------- per-step helpers
+# ------------------------------------------------------------------ per-step helpers, in run order
 
 
 def _on_device(
@@ -343,37 +326,6 @@ def _micro_steps(
     return pending, batch
 
 
-def _gradient_gate(
-    named_params: list[tuple[str, torch.nn.Parameter]],
-    scaler: Scaler,
-    optimizer: torch.optim.Optimizer,
-    outputs: Mapping[str, Any],
-    clip: float | None,
-    is_log: bool,
-    is_check: bool,
-    step: int,
-) -> tuple[dict[str, float] | None, dict[str, float] | None]:
-    """Unscale -> finite check -> clip, when anything needs the gradients' norm.
-
-    Returns the gate's metrics and, on logging steps, every logged scalar on the host (read
-    together with the norm, in one device sync).
-    """
-    if clip is None and not is_log and not is_check:
-        return None, None
-    scaler.unscale_(optimizer)
-    if is_check and not scaler.enabled:  # under a GradScaler, overflow is a skip
-        check_finite(named_params, step)
-    norm = total_norm(grads_of(named_params))
-    host: dict[str, float] | None = None
-    if is_log:
-        host = _to_host(outputs, norm)
-        norm_value = host.pop("grad_norm")
-    else:
-        norm_value = norm.item()
-    gate = apply_gate(named_params, norm_value, max_norm=clip, step=step, allow_skip=scaler.enabled)
-    return gate, host
-
-
 def _micro_step(
     step_fn: Callable[..., Mapping[str, Any]],
     model: torch.nn.Module,
@@ -412,6 +364,37 @@ def _accumulate(
     return total
 
 
+def _gradient_gate(
+    named_params: list[tuple[str, torch.nn.Parameter]],
+    scaler: Scaler,
+    optimizer: torch.optim.Optimizer,
+    outputs: Mapping[str, Any],
+    clip: float | None,
+    is_log: bool,
+    is_check: bool,
+    step: int,
+) -> tuple[dict[str, float] | None, dict[str, float] | None]:
+    """Unscale -> finite check -> clip, when anything needs the gradients' norm.
+
+    Returns the gate's metrics and, on logging steps, every logged scalar on the host (read
+    together with the norm, in one device sync).
+    """
+    if clip is None and not is_log and not is_check:
+        return None, None
+    scaler.unscale_(optimizer)
+    if is_check and not scaler.enabled:  # under a GradScaler, overflow is a skip
+        check_finite(named_params, step)
+    norm = total_norm(grads_of(named_params))
+    host: dict[str, float] | None = None
+    if is_log:
+        host = _to_host(outputs, norm)
+        norm_value = host.pop("grad_norm")
+    else:
+        norm_value = norm.item()
+    gate = apply_gate(named_params, norm_value, max_norm=clip, step=step, allow_skip=scaler.enabled)
+    return gate, host
+
+
 def _to_host(outputs: Mapping[str, Any], norm: torch.Tensor | None) -> dict[str, float]:
     """Every scalar of ``outputs`` (and the grad norm) as floats, with a single device read."""
     names, tensors, host = [], [], {}
@@ -430,6 +413,18 @@ def _to_host(outputs: Mapping[str, Any], norm: torch.Tensor | None) -> dict[str,
         values = torch.stack([t.to(device) for t in tensors]).tolist()
         host.update(zip(names, values))
     return host
+
+
+def _step_scheduler(scheduler: Any, metrics: Mapping[str, Any]) -> None:
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        # Plateau needs a number: the monitored eval metric, or the step's loss (one sync).
+        key = getattr(scheduler, "monitor", "eval_loss")
+        value = metrics.get(key, metrics.get("loss"))
+        if value is None:
+            raise KeyError(f"plateau scheduler: metric {key!r} not found in {sorted(metrics)}")
+        scheduler.step(float(value))
+    else:
+        scheduler.step()
 
 
 def _log_metrics(
@@ -472,16 +467,18 @@ def _batch_size(batch: Any) -> int | None:
     return None
 
 
-def _step_scheduler(scheduler: Any, metrics: Mapping[str, Any]) -> None:
-    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-        # Plateau needs a number: the monitored eval metric, or the step's loss (one sync).
-        key = getattr(scheduler, "monitor", "eval_loss")
-        value = metrics.get(key, metrics.get("loss"))
-        if value is None:
-            raise KeyError(f"plateau scheduler: metric {key!r} not found in {sorted(metrics)}")
-        scheduler.step(float(value))
-    else:
-        scheduler.step()
+def _check_health(
+    health: GpuHealthWatchdog,
+    step: int,
+    device: torch.device,
+    checkpoints: Checkpointer,
+    metrics: Any,
+) -> None:
+    """Every rank checks its device; one bad device makes all save a terminal checkpoint, exit 79."""
+    verdict = health.check(step)
+    if ddp.any_rank(not verdict.healthy, device):
+        path, _ = checkpoints.terminal("gpu_health", step + 1, metrics, best_effort=True)
+        raise GpuUnhealthy(step + 1, verdict, path)
 
 
 def _evaluate(
@@ -528,78 +525,5 @@ def _human(n: int) -> str:
     return str(n)
 
 
-# ----------------------------------------------------------------------------- checkpoints
-
-
 def _config_of(config_json: Mapping[str, Any] | None, cfg: TrainConfig) -> dict[str, Any]:
     return dict(config_json) if config_json is not None else {"train": dataclasses.asdict(cfg)}
-
-
-@dataclass
-class _Persist:
-    """Captures this run's checkpoints (every rank: RNG gather) and has rank 0's saver publish."""
-
-    saver: CheckpointSaver | None
-    parts: Mapping[str, Any]  # model, optimizer, scheduler, scaler, ema, config (live objects)
-    prior_wall_time: float
-    started: float
-
-    def capture(self, step: int, next_step: int, reason: str, metrics: Mapping[str, float]) -> Any:
-        wall_time = self.prior_wall_time + time.perf_counter() - self.started
-        return capture_checkpoint(step=step, next_step=next_step, reason=reason, **self.parts,
-                                  wall_time=wall_time, metrics=metrics)  # fmt: skip
-
-    def periodic(self, step: int, metrics: Mapping[str, float]) -> None:
-        checkpoint = self.capture(step, step + 1, "periodic", metrics)
-        if self.saver is not None:
-            self.saver.save(checkpoint)
-
-    def terminal(
-        self,
-        reason: str,
-        step: int,
-        metrics: Mapping[str, float],
-        publish: bool = True,
-        best_effort: bool = False,
-    ) -> tuple[dict[str, Any] | None, str | None]:
-        """Capture a terminal-kind checkpoint (``next_step == step``) and publish it synchronously.
-
-        Rank 0 drains any async publication first, then publishes; all ranks wait for its
-        outcome, so no rank exits (and no launcher tears rank 0 down) mid-publication, and a
-        failed save stops every rank instead of leaving the others waiting. ``best_effort`` (a
-        failing GPU): a failed save is logged and the caller still exits.
-        """
-        path = None
-        failure: Exception | None = None
-        try:
-            checkpoint = self.capture(step, step, reason, metrics)
-            if self.saver is not None and checkpoint is not None and publish:
-                path = self.saver.save(checkpoint, sync=True)
-        except Exception as exc:
-            if not best_effort:
-                failure = exc  # raised below, once the other ranks know
-            else:
-                warnings.warn(
-                    f"{reason} checkpoint at step {step} could not be saved: {exc}", stacklevel=3
-                )
-            checkpoint = None
-        rank0_failure = ddp.broadcast_object(
-            None if failure is None else f"{type(failure).__name__}: {failure}", src=0
-        )
-        if failure is not None:
-            raise failure
-        if rank0_failure is not None:
-            raise RuntimeError(
-                f"rank 0 could not save the {reason} checkpoint at step {step}: {rank0_failure}"
-            )
-        return checkpoint, path
-
-
-def _check_health(
-    health: GpuHealthWatchdog, step: int, device: torch.device, persist: _Persist, metrics: Any
-) -> None:
-    """Every rank checks its device; one bad device makes all save a terminal checkpoint, exit 79."""
-    verdict = health.check(step)
-    if ddp.any_rank(not verdict.healthy, device):
-        _, path = persist.terminal("gpu_health", step + 1, metrics, best_effort=True)
-        raise GpuUnhealthy(step + 1, verdict, path)

@@ -1,146 +1,26 @@
-"""Choosing and reading checkpoints: load, latest, best, highest valid, auto-resume.
+"""Deprecated alias of checkpoint selection's old module; kept for one minor version.
 
-Resume evidence is only a numbered checkpoint whose exact ready manifest, size, SHA256 and resume
-cursor validate, all checked on ONE read of the payload: the bytes that were verified are the bytes
-that get loaded. ``latest.pt`` and unmanifested files never count. An invalid candidate is skipped
-with a logged reason; any other I/O error (EIO on the newest) propagates, because silently rolling
-a run back to an older checkpoint would waste the work since.
+Import from ``koochak.loop.checkpoint`` (``load``, ``latest``, ``best``,
+``highest_valid_published``, ``resolve_auto_resume``); the module behind them is
+``koochak.loop.checkpoint.resume``.
 """
 
-from __future__ import annotations
+import warnings
 
-import logging
-import math
-import os
-from typing import Any
-
-from koochak.loop.checkpoint_format import (
-    CHECKPOINT_PATTERN,
-    LATEST_NAME,
-    check_resume_cursor,
-    check_rng_fields,
-    deserialize_checkpoint,
-    step_of_name,
+from koochak.loop.checkpoint.resume import (
+    best,
+    highest_valid_published,
+    latest,
+    load,
+    resolve_auto_resume,
 )
-from koochak.loop.publish import checkpoint_store, publication_path
-from koochak.storage import artifact
-from koochak.storage.store import Store, open_store
 
-log = logging.getLogger("koochak.loop.checkpoint")
+__all__ = ["best", "highest_valid_published", "latest", "load", "resolve_auto_resume"]
 
-
-def load(path: str | os.PathLike[str] | Store, name: str | None = None) -> dict[str, Any]:
-    """Load a checkpoint onto the CPU (weights-only; no code runs).
-
-    ``path`` is a checkpoint file (local path or ``scheme://.../step000000100.pt``), or, with
-    ``name``, a location (directory, URI, Store) holding the object ``name``. This does not require
-    a ready manifest; use ``resolve_auto_resume`` for resume decisions.
-    """
-    if name is not None:
-        store = open_store(path)
-        return deserialize_checkpoint(store.get(name), f"{store.location}/{name}")
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"load({path!r}): a Store needs the object's name, e.g. load(store, name)")
-    text = os.fspath(path)
-    if "://" in text and not text.startswith("file://"):
-        parent, _, key = text.rstrip("/").rpartition("/")
-        store = open_store(parent)
-        return deserialize_checkpoint(store.get(key), text)
-    if text.startswith("file://"):
-        text = text[len("file://") :]
-    with open(text, "rb") as f:
-        return deserialize_checkpoint(f.read(), text)
-
-
-def latest(location: str | os.PathLike[str] | Store) -> str | None:
-    """``latest.pt`` if the location has one, else the highest published numbered checkpoint.
-
-    A convenience for people; resume uses ``highest_valid_published``.
-    """
-    store = checkpoint_store(location)
-    local = store.local_path(LATEST_NAME)
-    if local is not None and os.path.lexists(local) and os.path.exists(local):
-        return local
-    candidates = artifact.published_candidates(store, CHECKPOINT_PATTERN)
-    if not candidates:
-        return None
-    return _key_path(store, candidates[0][1])
-
-
-def best(location: str | os.PathLike[str] | Store, key: str) -> str | None:
-    """The published checkpoint with the lowest ``metrics[key]`` (verified reads); None if none.
-
-    Checkpoints that fail verification, or lack the metric, are skipped with a logged reason.
-    """
-    store = checkpoint_store(location)
-    best_value: float | None = None
-    best_path: str | None = None
-    for _, name in artifact.published_candidates(store, CHECKPOINT_PATTERN):
-        try:
-            publication, data = artifact.read_verified(store, name)
-            ckpt = deserialize_checkpoint(data, _key_path(store, name))
-        except (artifact.InvalidArtifact, ValueError) as exc:
-            log.warning("best(): skipping %s: %s", name, exc)
-            continue
-        value = (ckpt.get("metrics") or {}).get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-            log.info("best(): %s has no numeric metric %r (%r)", name, key, value)
-            continue
-        if best_value is None or float(value) < best_value:
-            best_value = float(value)
-            best_path = publication_path(store, publication)
-    return best_path
-
-
-def highest_valid_published(location: str | os.PathLike[str] | Store) -> str | None:
-    """Path of the highest numbered checkpoint whose manifest, size, SHA256 and cursor validate."""
-    found = resolve_auto_resume(location)
-    return found[0] if found is not None else None
-
-
-def resolve_auto_resume(
-    location: str | os.PathLike[str] | Store,
-) -> tuple[str, dict[str, Any]] | None:
-    """``(path, checkpoint)`` of the highest valid published checkpoint, or None to start fresh.
-
-    The checkpoint comes from the same single read whose manifest, size, SHA256 and resume cursor
-    were validated. Invalid candidates are skipped (reason logged); any other OSError propagates.
-    """
-    store = checkpoint_store(location)
-    found = artifact.highest_valid(store, CHECKPOINT_PATTERN, check=_validated_checkpoint(store))
-    _log_unmanifested(store, found[1]["step"] if found is not None else -1)
-    if found is None:
-        return None
-    publication, ckpt = found
-    return publication_path(store, publication), ckpt
-
-
-def _log_unmanifested(store: Store, chosen: int) -> None:
-    """Say why newer-looking files were passed over: they were never committed by a manifest."""
-    keys = {info.key for info in store.list("step")}
-    for key in sorted(keys):
-        number = step_of_name(key)
-        if number is not None and number > chosen and key + artifact.READY_SUFFIX not in keys:
-            log.warning(
-                "ignoring %s: no ready manifest (an incomplete or interrupted publication)",
-                _key_path(store, key),
-            )
-
-
-def _validated_checkpoint(store: Store):
-    def check(publication: artifact.Publication, data: bytes) -> dict[str, Any]:
-        source = _key_path(store, publication.key)
-        try:
-            ckpt = deserialize_checkpoint(data, source)
-            check_resume_cursor(ckpt, publication.key)
-            check_rng_fields(ckpt, source)
-        except ValueError as exc:
-            raise artifact.InvalidArtifact(str(exc)) from exc
-        return ckpt
-
-    return check
-
-
-def _key_path(store: Store, key: str) -> str:
-    local = store.local_path(key)
-    return local if local is not None else f"{store.location.rstrip('/')}/{key}"
+warnings.warn(
+    "koochak.loop.resume is deprecated and will be removed in the next minor version; "
+    "import load, latest, best, highest_valid_published and resolve_auto_resume from "
+    "koochak.loop.checkpoint",
+    DeprecationWarning,
+    stacklevel=2,
+)

@@ -12,7 +12,8 @@ directory it creates under the location and removes afterwards, even on Ctrl-C:
 2. measurements through the Store API: small-object latency, listing, cold and cached single
    stream, concurrent objects, parallel ranges of one object -> a recommended StoreProfile;
 3. optionally a checkpoint-sized write in 1..N parts, and a synthetic sharded dataset read by
-   N spawned processes (that mode needs ``koochak-data``).
+   N spawned processes (that mode is ``koochak.data.probe_shards``, found through the
+   ``koochak.probe_modes`` entry point: it needs ``koochak-data`` installed).
 
 Run it on a compute node, against the storage the jobs will use.
 """
@@ -45,10 +46,20 @@ from koochak.storage._probe_semantics import Check, recommend_settings, run_chec
 from koochak.storage.profile import StoreProfile, parse_size
 from koochak.storage.store import LocalStore, Store, open_store
 
-__all__ = ["ProbeReport", "probe", "main", "REPORT_VERSION"]
+__all__ = [
+    "ProbeReport",
+    "Measurement",
+    "probe",
+    "main",
+    "human_size",
+    "REPORT_VERSION",
+    "PROBE_MODES_GROUP",
+]
 
 REPORT_VERSION = 1
 SCRATCH_PREFIX = "koochak-probe-"
+# Entry points that measure what koochak-store cannot import: "dataset_shards" (koochak-data).
+PROBE_MODES_GROUP = "koochak.probe_modes"
 
 
 @dataclass(frozen=True)
@@ -120,7 +131,7 @@ def probe(
     )
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"probe: rounds must be an int >= 1, got {rounds!r}")
-    dataset = _dataset_module() if dataset_shards else None  # fail before writing anything
+    dataset = _dataset_mode() if dataset_shards else None  # fail before writing anything
     say = stage or (lambda _message: None)
     store, root = _resolve(location)
     name = f"{SCRATCH_PREFIX}{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
@@ -179,11 +190,14 @@ def probe(
                     work, dropper, checkpoint_bytes, checkpoint_parts
                 )
             if dataset is not None and dataset_shards:
-                from koochak.storage._probe_dataset import measure_dataset
-
                 say(f"building {dataset_shards} shards of {human_size(shard_bytes)}")
-                measurements += measure_dataset(
-                    dataset, work, dropper, dataset_shards, shard_bytes, readers, notes
+                measurements += dataset(
+                    work,
+                    shards=dataset_shards,
+                    shard_bytes=shard_bytes,
+                    readers=readers,
+                    drop_cache=dropper.drop,
+                    notes=notes,
                 )
         return ProbeReport(
             location=str(location),
@@ -303,22 +317,38 @@ def _check_arguments(
             raise ValueError(f"probe: {name} must be a non-empty list of ints >= 1, got {values!r}")
 
 
-def _dataset_module():
-    """koochak.data.shards, loaded only for --dataset-shards.
+def _dataset_mode() -> Callable[..., list[Measurement]]:
+    """The --dataset-shards measurement, ``koochak.data.probe_shards.measure_dataset``.
 
-    koochak-data sits above koochak-store, so the store never depends on it: this optional mode
-    loads it by name at run time, like an optional extra, and says what to install without it.
+    koochak-data sits above koochak-store, so the store never imports it: koochak-data registers
+    the measurement as ``dataset_shards`` in the ``koochak.probe_modes`` entry-point group, and
+    the probe loads whatever is registered there, only for this mode. It is called as
+    ``measure(store, shards=, shard_bytes=, readers=, drop_cache=, notes=)`` and returns
+    Measurement rows. Without koochak-data the probe says what to install.
     """
     import importlib
+    from importlib.metadata import entry_points
 
+    missing = ModuleNotFoundError(
+        "the dataset-shard mode (--dataset-shards) needs koochak-data: pip install koochak-data"
+    )
+    values = {ep.value: ep for ep in entry_points(group=PROBE_MODES_GROUP)
+              if ep.name == "dataset_shards"}  # fmt: skip
+    if not values:
+        raise missing
+    if len(values) > 1:
+        raise ValueError(
+            f"several {PROBE_MODES_GROUP!r} entry points claim 'dataset_shards': "
+            f"{', '.join(sorted(values))}; uninstall all but one"
+        )
+    (entry,) = values.values()
     try:
-        return importlib.import_module("koochak.data.shards")
+        module = importlib.import_module(entry.module)
     except ModuleNotFoundError as exc:
         if exc.name and not exc.name.startswith("koochak"):
             raise
-        raise ModuleNotFoundError(
-            "the dataset-shard mode (--dataset-shards) needs koochak-data: pip install koochak-data"
-        ) from None
+        raise missing from None
+    return getattr(module, entry.attr)
 
 
 def _resolve(location: str | os.PathLike[str]) -> tuple[Store | None, Path | None]:

@@ -67,3 +67,29 @@ def require_version(
         readable = ", ".join(str(v) for v in versions)
         raise ValueError(f"{where}: {field}={value}; this Koochak reads version {readable}")
     return value
+
+
+def check_fields(
+    doc: Any,
+    where: str,
+    required: frozenset[str] | set[str],
+    optional: frozenset[str] | set[str] = frozenset(),
+    *,
+    prefix: str = "",
+    error: type[Exception] = ValueError,
+) -> dict[str, Any]:
+    """Return ``doc`` if it is a JSON object holding every ``required`` field and nothing beyond
+    ``required | optional``; else ``error`` naming ``where`` and the first unknown (then
+    missing) field, spelled ``prefix + name`` (``"runner.python"``). The common case costs two
+    set comparisons, so a reader may call it once per line of a large table."""
+    if not isinstance(doc, dict):
+        raise error(f"{where}: expected a JSON object, got {type(doc).__name__}")
+    fields = doc.keys()
+    if required <= fields and (fields - required) <= optional:
+        return doc
+    unknown = sorted(set(fields) - set(required) - set(optional), key=str)
+    if unknown:
+        expected = ", ".join(sorted(set(required) | set(optional)))
+        raise error(f"{where}: unknown field '{prefix}{unknown[0]}' (expected {expected})")
+    missing = sorted(set(required) - set(fields))
+    raise error(f"{where}: missing field '{prefix}{missing[0]}'")

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import pytest
-from koochak.storage.store import TEMP_PREFIX, LocalStore, ObjectInfo, Store, _Syscalls
+from koochak.storage._syscalls import _Syscalls
+from koochak.storage.store import TEMP_PREFIX, LocalStore, ObjectInfo, Store
 
 __all__ = ["StoreConformance", "Fault", "FaultyStore", "FakeClock", "FAULT_OPS", "visible_files"]
 
@@ -147,9 +148,9 @@ class _FaultySyscalls(_Syscalls):
         self._fault("stat")
         return super().fstat(fd)
 
-    def stat(self, path: str) -> os.stat_result:
+    def stat(self, path: str, *, follow_symlinks: bool = False) -> os.stat_result:
         self._fault("stat")
-        return super().stat(path)
+        return super().stat(path, follow_symlinks=follow_symlinks)
 
     def link(self, src: str, dst: str) -> None:
         self._fault("link")
@@ -162,6 +163,17 @@ class _FaultySyscalls(_Syscalls):
     def scandir(self, path: str) -> list[os.DirEntry[str]]:
         self._fault("list")
         return super().scandir(path)
+
+    def walk(self, path: str) -> Iterator[tuple[str, list[str], list[str]]]:
+        # Each directory is one "list"; a failing one is skipped with everything below it,
+        # as os.walk skips a directory it cannot list.
+        for dirpath, dirnames, filenames in super().walk(path):
+            try:
+                self._fault("list")
+            except OSError:
+                dirnames.clear()
+                continue
+            yield dirpath, dirnames, filenames
 
 
 class FaultyStore:

@@ -1,23 +1,26 @@
-"""The probe's dataset-shard mode: build a synthetic dataset and read it with N processes.
+"""``koochak-probe --dataset-shards``: build a synthetic dataset and read it with N processes.
 
-``koochak.data`` sits above ``koochak.storage``, so this module never imports it: the probe
-loads ``koochak.data.shards`` by name (only for ``--dataset-shards``) and passes the module in,
-and each spawned reader loads it the same way. Readers are separate processes, as DataLoader
-workers are, each reading the shards ``assign_shards`` gives it, verified like training reads.
+The storage probe lives in koochak-store, which sits below koochak-data and never imports it.
+This module registers ``measure_dataset`` in the ``koochak.probe_modes`` entry-point group
+(``dataset_shards``), and the probe finds it there only when ``--dataset-shards`` is given. The
+readers are spawned processes, as DataLoader workers are, each reading the shards
+``assign_shards`` gives it and verifying them as training reads do.
 """
 
 from __future__ import annotations
 
-import importlib
 import multiprocessing
 import threading
 import time
-from collections.abc import Sequence
-from types import ModuleType
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from koochak.storage._probe_measure import CacheDropper, Measurement, human_size
+from koochak.data.planning import assign_shards
+from koochak.data.shards import ShardWriter, load_index, read_shard
+from koochak.storage.probe import Measurement, human_size
 from koochak.storage.store import Store
+
+__all__ = ["measure_dataset"]
 
 _PREFIX = "dataset"
 _TAR_BLOCK = 512
@@ -26,24 +29,29 @@ _MAX_RECORD = 1 << 20
 
 
 def measure_dataset(
-    shards: ModuleType,
     store: Store,
-    dropper: CacheDropper,
-    count: int,
+    *,
+    shards: int,
     shard_bytes: int,
     readers: Sequence[int],
+    drop_cache: Callable[[Sequence[str]], None],
     notes: list[str],
 ) -> list[Measurement]:
-    """Build ``count`` shards of ~``shard_bytes`` with ShardWriter, then read them cold and warm."""
+    """Build ``shards`` shards of ~``shard_bytes`` with ShardWriter, then read them cold and warm.
+
+    One ``dataset_build`` row, then ``dataset_read_cold`` and ``dataset_read_warm`` for each
+    reader count in ``readers`` (``drop_cache(keys)`` runs before each cold read). A reader
+    count above the number of shards built is skipped with a line added to ``notes``.
+    """
     record = max(1, min(_MAX_RECORD, shard_bytes // 8))
     # One tar header plus the payload padded to whole blocks per record; the writer starts a new
-    # shard when the next record would not fit, so this many records fill `count` shards.
+    # shard when the next record would not fit, so this many records fill `shards` shards.
     per_record = _TAR_BLOCK + -(-record // _TAR_BLOCK) * _TAR_BLOCK
     per_shard = max(1, (shard_bytes - _END_OF_ARCHIVE) // per_record)
     payload = bytearray(record)
     start = time.perf_counter()
-    with shards.ShardWriter(store, _PREFIX, target_bytes=shard_bytes) as writer:
-        for i in range(count * per_shard):
+    with ShardWriter(store, _PREFIX, target_bytes=shard_bytes) as writer:
+        for i in range(shards * per_shard):
             payload[:8] = i.to_bytes(8, "little")  # distinct records, cheap to make
             writer.write({"__key__": f"{i:09d}", "bin": bytes(payload)})
     index = writer.close()
@@ -58,7 +66,7 @@ def measure_dataset(
             continue
         for metric in ("dataset_read_cold", "dataset_read_warm"):
             if metric == "dataset_read_cold":
-                dropper.drop(keys)
+                drop_cache(keys)
             got, seconds = _read_with_processes(store, n)
             rows.append(
                 Measurement(metric, n, got / seconds, "B/s", f"{n} spawned reader(s), verified")
@@ -100,9 +108,8 @@ def _read_with_processes(store: Store, n: int) -> tuple[int, float]:
 
 def _reader(store: Store, prefix: str, worker: int, num: int, barrier: Any, results: Any) -> None:
     try:
-        shards = importlib.import_module("koochak.data.shards")
-        index = shards.load_index(store, prefix)
-        mine = shards.assign_shards(index, worker, num)
+        index = load_index(store, prefix)
+        mine = assign_shards(index, worker, num)
     except BaseException as exc:
         barrier.abort()
         results.put(f"worker {worker}: {type(exc).__name__}: {exc}")
@@ -110,7 +117,7 @@ def _reader(store: Store, prefix: str, worker: int, num: int, barrier: Any, resu
     barrier.wait(timeout=300)
     try:
         for entry in mine:
-            for _sample in shards.read_shard(store, index, entry, verify=True):
+            for _sample in read_shard(store, index, entry, verify=True):
                 pass  # read_shard has read and verified the whole shard before yielding
         results.put(sum(entry.size for entry in mine))
     except BaseException as exc:

@@ -1,0 +1,63 @@
+"""Checkpoints that cannot lie: koochak.loop's checkpoint helpers, one module per concern.
+
+- ``format``: the checkpoint dict (``build_checkpoint``, ``checkpoint_name``, version and field
+  checks, the resume cursor);
+- ``serialization``: the dict as stored bytes and back (weights-only ``serialize_checkpoint`` /
+  ``deserialize_checkpoint``, streamed for synchronous saves);
+- ``restore``: putting it back (``restore_training_state``, RNG last);
+- ``publication``: ``publish``, ``save``, ``checkpoint_store``, through
+  ``koochak.storage.artifact``;
+- ``resume``: selection (``load``, ``latest``, ``best``, ``highest_valid_published``,
+  ``resolve_auto_resume``);
+- ``saver``: what ``training_loop`` does to save (periodic and terminal, sync or async).
+
+Import the names below from ``koochak.loop.checkpoint``; see docs/checkpoints.md for how they fit
+together.
+"""
+
+from koochak.loop.checkpoint.format import (
+    CHECKPOINT_PATTERN,
+    CHECKPOINT_VERSION,
+    LATEST_NAME,
+    build_checkpoint,
+    check_resume_cursor,
+    checkpoint_name,
+)
+from koochak.loop.checkpoint.publication import checkpoint_store, publish, save
+from koochak.loop.checkpoint.restore import restore_training_state, rng_state_for_rank
+from koochak.loop.checkpoint.resume import (
+    ResumePoint,
+    best,
+    highest_valid_published,
+    latest,
+    load,
+    resolve_auto_resume,
+)
+from koochak.loop.checkpoint.saver import CheckpointPublishError
+from koochak.loop.checkpoint.serialization import deserialize_checkpoint, serialize_checkpoint
+from koochak.loop.state_dicts import match_state_dict_to_model, unwrap_model
+
+__all__ = [
+    "CHECKPOINT_PATTERN",
+    "CHECKPOINT_VERSION",
+    "LATEST_NAME",
+    "CheckpointPublishError",
+    "ResumePoint",
+    "best",
+    "build_checkpoint",
+    "check_resume_cursor",
+    "checkpoint_name",
+    "checkpoint_store",
+    "deserialize_checkpoint",
+    "highest_valid_published",
+    "latest",
+    "load",
+    "match_state_dict_to_model",
+    "publish",
+    "resolve_auto_resume",
+    "restore_training_state",
+    "rng_state_for_rank",
+    "save",
+    "serialize_checkpoint",
+    "unwrap_model",
+]

@@ -1,0 +1,80 @@
+"""Putting a checkpoint back: weights, optimizer, scheduler, scaler and EMA, then RNG last.
+
+``restore_training_state`` loads everything but the RNG; ``restore_rng`` puts this rank's RNG
+back right before the first resumed step, so nothing in between can draw from it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from koochak.loop import dist
+from koochak.loop.ema import ModelEma, restore_ema
+from koochak.loop.seed import set_rng_state
+from koochak.loop.state_dicts import match_state_dict_to_model, unwrap_model
+
+log = logging.getLogger("koochak.loop.checkpoint")
+
+
+def restore_training_state(
+    ckpt: Mapping[str, Any],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    scaler: Any = None,
+    ema: ModelEma | None = None,
+) -> int:
+    """Load weights, optimizer, scheduler, scaler and EMA state from ``ckpt``; return ``next_step``.
+
+    The model may be wrapped (DDP, compile) or not; the optimizer moves its state onto the
+    parameters' devices itself. RNG is restored separately (``restore_rng``) right before the next
+    step, so nothing between here and there can consume it.
+    """
+    target = unwrap_model(model)
+    target.load_state_dict(match_state_dict_to_model(target, ckpt["model"]))
+    if optimizer is not None:
+        if ckpt.get("optimizer") is None:
+            raise ValueError("checkpoint has no 'optimizer' state but an optimizer was given")
+        optimizer.load_state_dict(ckpt["optimizer"])
+    if scheduler is not None and ckpt.get("scheduler") is not None:
+        scheduler.load_state_dict(ckpt["scheduler"])
+    if scaler is not None and ckpt.get("scaler") is not None and hasattr(scaler, "load_state_dict"):
+        scaler.load_state_dict(ckpt["scaler"])
+    restore_ema(ema, ckpt)  # the shadows continue, or (none saved) start from these weights
+    return int(ckpt["next_step"])
+
+
+def rng_state_for_rank(ckpt: Mapping[str, Any], rank: int) -> Any | None:
+    """The RNG state this rank should restore, or None when the checkpoint holds none for it.
+
+    Checkpoints written under DDP keep every rank's state in ``rng_per_rank`` (gathered by rank
+    0); a single-process checkpoint keeps one in ``rng``, which belongs to rank 0.
+    """
+    per_rank = ckpt.get("rng_per_rank")
+    if per_rank is not None:
+        return per_rank[rank] if rank < len(per_rank) else None
+    return ckpt.get("rng") if rank == 0 else None
+
+
+def restore_rng(ckpt: Mapping[str, Any]) -> None:
+    """Put this rank's RNG back as it was when ``ckpt`` was captured (call right before a step).
+
+    A rank the checkpoint holds no state for (resuming on more ranks than it was written with)
+    keeps its seeded RNG; rank 0 warns once, because those ranks' randomness will differ.
+    """
+    rank = dist.get_rank()
+    state = rng_state_for_rank(ckpt, rank)
+    if state is not None:
+        set_rng_state(state)
+    if rank == 0:
+        saved = ckpt.get("world_size") or 1
+        if saved != dist.get_world_size():
+            log.warning(
+                "checkpoint was written by %d rank(s), resuming on %d: ranks without a saved RNG "
+                "state keep their seeded one",
+                saved,
+                dist.get_world_size(),
+            )

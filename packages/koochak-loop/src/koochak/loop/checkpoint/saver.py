@@ -1,0 +1,362 @@
+"""Saving a run's checkpoints: when, how (sync or async), and which rank does what.
+
+``training_loop`` holds one ``Checkpointer``. Every rank captures each checkpoint
+(``capture_checkpoint`` gathers the per-rank RNG states); only rank 0's ``CheckpointSaver``
+publishes. Periodic saves come every ``train.ckpt_every`` updates; terminal ones (the end, an
+evacuation, a GPU-health stop) are synchronous, and every rank learns rank 0's outcome.
+
+With ``train.checkpoint_async`` periodic saves go through ``AsyncPublisher``: the training thread
+serializes the checkpoint (so the bytes are frozen at the step they describe) and one worker thread
+writes them, at most one publication in flight. Results come back to the training thread, never
+the other way round: ``on_checkpoint`` callbacks and failures are delivered by ``poll``/``drain``,
+which the loop calls at step boundaries, so hooks never run concurrently with training and a
+failed publication fails the next step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from koochak.loop import ddp, dist
+from koochak.loop.checkpoint.format import build_checkpoint, checkpoint_name
+from koochak.loop.checkpoint.publication import checkpoint_store, publication_path, publish
+from koochak.loop.checkpoint.serialization import (
+    serialize_checkpoint_buffer,
+    serialize_checkpoint_chunks,
+)
+from koochak.loop.config import TrainConfig
+from koochak.loop.seed import get_rng_state
+from koochak.storage import artifact
+from koochak.storage.store import Store
+
+log = logging.getLogger("koochak.loop.checkpoint")
+
+
+class CheckpointPublishError(RuntimeError):
+    """A background checkpoint publication failed; training stops at its next step."""
+
+
+def capture_checkpoint(
+    *,
+    step: int,
+    next_step: int,
+    reason: str,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    scaler: Any,
+    config: Mapping[str, Any] | None,
+    wall_time: float,
+    metrics: Mapping[str, Any] | None,
+    ema: Any = None,
+) -> dict[str, Any]:
+    """Build the checkpoint dict; every rank must call it (it gathers per-rank RNG states).
+
+    Rank 0's dict carries every rank's RNG state in ``rng_per_rank`` and is the one published;
+    the others get their own state only (what ``training_loop`` returns there).
+    """
+    own = get_rng_state()
+    states = ddp.gather_rng_states(own)
+    world_size = dist.get_world_size()
+    return build_checkpoint(
+        step=step,
+        next_step=next_step,
+        reason=reason,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=scaler,
+        config=config,
+        rng=own,
+        rng_per_rank=states if world_size > 1 and states is not None else None,
+        world_size=world_size,
+        wall_time=wall_time,
+        metrics=metrics,
+        ema=ema.state_dict() if ema is not None else None,
+    )
+
+
+class Checkpointer:
+    """This run's checkpoints: every rank captures them, rank 0's ``saver`` publishes them.
+
+    ``parts`` are the live objects each capture reads anew (``model``, ``optimizer``,
+    ``scheduler``, ``scaler``, ``ema``, ``config``). ``saver`` is None on the other ranks.
+    ``resumed`` is the checkpoint this run continues from (its wall time carries on), if any.
+    """
+
+    def __init__(
+        self,
+        parts: Mapping[str, Any],
+        saver: CheckpointSaver | None,
+        *,
+        every: int | None,
+        max_steps: int | None,
+        resumed: Mapping[str, Any] | None,
+        started: float,
+    ) -> None:
+        self.parts = parts
+        self.saver = saver
+        self.every = every
+        self.max_steps = max_steps
+        self.resumed = resumed
+        self.prior_wall_time = float(resumed.get("wall_time") or 0.0) if resumed else 0.0
+        self.started = started  # perf_counter() when this attempt began
+
+    def due(self, step: int) -> bool:
+        """Whether the update with zero-based index ``step`` ends with a periodic save. Not the
+        one that reaches ``max_steps``: the terminal save of the same state follows it."""
+        return bool(self.every) and (step + 1) % self.every == 0 and step + 1 != self.max_steps
+
+    def capture(self, step: int, next_step: int, reason: str, metrics: Mapping[str, float]) -> Any:
+        wall_time = self.prior_wall_time + time.perf_counter() - self.started
+        return capture_checkpoint(step=step, next_step=next_step, reason=reason, **self.parts,
+                                  wall_time=wall_time, metrics=metrics)  # fmt: skip
+
+    def periodic(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Save after update ``step`` (resumes at ``step + 1``); async when the saver is."""
+        checkpoint = self.capture(step, step + 1, "periodic", metrics)
+        if self.saver is not None:
+            self.saver.save(checkpoint)
+
+    def terminal(
+        self,
+        reason: str,
+        step: int,
+        metrics: Mapping[str, float],
+        best_effort: bool = False,
+    ) -> tuple[str | None, dict[str, Any] | None]:
+        """Capture a terminal-kind checkpoint (``next_step == step``) and publish it synchronously;
+        returns ``(path, checkpoint)`` (path None where nothing was published).
+
+        Rank 0 drains any async publication first, then publishes; all ranks wait for its
+        outcome, so no rank exits (and no launcher tears rank 0 down) mid-publication, and a
+        failed save stops every rank instead of leaving the others waiting. ``best_effort`` (a
+        failing GPU): a failed save is logged and the caller still exits. A resumed run that had
+        nothing left to do does not publish its terminal checkpoint again: it already is
+        published, and re-publishing would only open a window in which it is un-committed.
+        """
+        path = None
+        failure: Exception | None = None
+        publish = not (reason == "terminal" and is_published_terminal(self.resumed, step))
+        try:
+            checkpoint = self.capture(step, step, reason, metrics)
+            if self.saver is not None and checkpoint is not None and publish:
+                path = self.saver.save(checkpoint, sync=True)
+        except Exception as exc:
+            if not best_effort:
+                failure = exc  # raised below, once the other ranks know
+            else:
+                warnings.warn(
+                    f"{reason} checkpoint at step {step} could not be saved: {exc}", stacklevel=3
+                )
+            checkpoint = None
+        rank0_failure = ddp.broadcast_object(
+            None if failure is None else f"{type(failure).__name__}: {failure}", src=0
+        )
+        if failure is not None:
+            raise failure
+        if rank0_failure is not None:
+            raise RuntimeError(
+                f"rank 0 could not save the {reason} checkpoint at step {step}: {rank0_failure}"
+            )
+        return path, checkpoint
+
+    def poll(self) -> None:
+        """Deliver a finished background publication (call at a step boundary); raises if it
+        failed."""
+        if self.saver is not None:
+            self.saver.poll()
+
+    def close(self) -> None:
+        """On an error path: let an in-flight publication finish without masking the error."""
+        if self.saver is not None:
+            self.saver.close()
+
+
+def make_checkpointer(
+    cfg: TrainConfig,
+    parts: Mapping[str, Any],
+    *,
+    rank: int,
+    resumed: Mapping[str, Any] | None,
+    started: float,
+    on_checkpoint: Callable[[dict[str, Any]], None] | None,
+) -> Checkpointer:
+    """The loop's Checkpointer: saves every ``train.ckpt_every`` updates to
+    ``train.checkpoint_dir`` (else ``out_dir``), keeping ``keep_last_k``, async with
+    ``checkpoint_async``; only rank 0 publishes, every rank takes part in capturing."""
+    saver = None
+    if rank == 0:
+        saver = CheckpointSaver(
+            cfg.checkpoint_dir or cfg.out_dir,
+            keep_last_k=cfg.keep_last_k or None,
+            async_publish=cfg.checkpoint_async,
+            on_checkpoint=on_checkpoint,
+        )
+    return Checkpointer(parts, saver, every=cfg.ckpt_every, max_steps=cfg.max_steps,
+                        resumed=resumed, started=started)  # fmt: skip
+
+
+def is_published_terminal(resumed: Mapping[str, Any] | None, step: int) -> bool:
+    """Whether ``resumed`` already is the terminal checkpoint of ``step`` completed updates."""
+    return (
+        resumed is not None
+        and step == int(resumed["next_step"])
+        and resumed.get("step") == step
+        and resumed.get("reason") == "terminal"
+    )
+
+
+class CheckpointSaver:
+    """Publishes checkpoints to the checkpoint store and announces each one after it commits.
+
+    ``on_checkpoint(info)`` receives ``step``, ``path``, ``checkpoint`` and ``publication``. With
+    ``async_publish`` periodic saves go through one background thread; ``sync=True`` saves
+    (terminal, evacuation, GPU health) drain it first and publish on the calling thread.
+    """
+
+    def __init__(
+        self,
+        location: str | os.PathLike[str] | Store | None,
+        *,
+        keep_last_k: int | None = None,
+        async_publish: bool = False,
+        on_checkpoint: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.location = location
+        self.keep_last_k = keep_last_k
+        self.async_publish = async_publish
+        self.on_checkpoint = on_checkpoint
+        self._store: Store | None = None
+        self._async: AsyncPublisher | None = None
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            if self.location is None:
+                raise ValueError(
+                    "cannot save a checkpoint: train.checkpoint_dir and train.out_dir are both "
+                    "unset; set one of them"
+                )
+            self._store = checkpoint_store(self.location)
+        return self._store
+
+    def save(self, ckpt: Mapping[str, Any], *, sync: bool = False) -> str | None:
+        """Publish ``ckpt`` as ``step{N:09d}.pt``; returns its path (None while still in flight)."""
+        name = checkpoint_name(int(ckpt["step"]))
+        store = self.store
+
+        def announce(publication: artifact.Publication) -> str:
+            path = publication_path(store, publication)
+            if self.on_checkpoint is not None:
+                self.on_checkpoint(
+                    {
+                        "step": int(ckpt["step"]),
+                        "path": path,
+                        "checkpoint": ckpt,
+                        "publication": publication,
+                    }
+                )
+            return path
+
+        if self.async_publish and not sync:
+            # Serialize now, on this thread: the bytes must describe this step although training
+            # moves on (and mutates the tensors) while they are published.
+            data = serialize_checkpoint_buffer(ckpt)
+            if self._async is None:
+                self._async = AsyncPublisher(self._publish)
+            self._async.submit(name, data, announce)
+            return None
+        self.drain()
+        # Training waits here, so the tensors cannot change: stream straight into the store.
+        return announce(self._publish(name, serialize_checkpoint_chunks(ckpt)))
+
+    def poll(self) -> None:
+        """Deliver a finished background publication; raises if it failed."""
+        if self._async is not None:
+            self._async.poll()
+
+    def drain(self) -> None:
+        """Wait for the background publication in flight (if any) and deliver it."""
+        if self._async is not None:
+            self._async.drain()
+
+    def close(self) -> None:
+        """On an error path: let an in-flight publication finish without masking the error."""
+        if self._async is not None:
+            self._async.close()
+
+    def _publish(self, name: str, data: Any) -> artifact.Publication:
+        return publish(self.store, name, data, keep_last_k=self.keep_last_k)
+
+
+class AsyncPublisher:
+    """One background publication at a time; a second ``submit`` waits for the first."""
+
+    def __init__(self, publish: Callable[[str, Any], Any]) -> None:
+        self._publish = publish
+        self._thread: threading.Thread | None = None
+        self._name: str | None = None
+        self._on_commit: Callable[[Any], None] | None = None
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a publication was handed off and its outcome not yet delivered."""
+        return self._thread is not None
+
+    def submit(self, name: str, data: Any, on_commit: Callable[[Any], None]) -> None:
+        """Publish ``data`` as ``name`` in the background; waits for the previous one first."""
+        self.drain()
+        self._name, self._on_commit = name, on_commit
+        self._result, self._error = None, None
+        self._thread = threading.Thread(
+            target=self._run, args=(name, data), name=f"koochak-publish-{name}", daemon=True
+        )
+        self._thread.start()
+
+    def poll(self) -> None:
+        """Deliver a finished publication (run its callback or raise its error); never blocks."""
+        if self._thread is not None and not self._thread.is_alive():
+            self._deliver()
+
+    def drain(self) -> None:
+        """Wait for the publication in flight, then deliver it."""
+        if self._thread is not None:
+            self._thread.join()
+            self._deliver()
+
+    def close(self) -> None:
+        """Wait for the thread on an error path without masking the error being raised."""
+        if self._thread is not None:
+            self._thread.join()
+            try:
+                self._deliver()
+            except Exception as exc:  # the caller is already failing; keep its exception primary
+                log.error("checkpoint publication also failed: %s", exc)
+
+    def _run(self, name: str, data: Any) -> None:
+        try:
+            self._result = self._publish(name, data)
+        except BaseException as exc:  # delivered to the training thread by poll/drain
+            self._error = exc
+
+    def _deliver(self) -> None:
+        name, on_commit, result, error = self._name, self._on_commit, self._result, self._error
+        self._thread, self._name, self._on_commit = None, None, None
+        self._result, self._error = None, None
+        if error is not None:
+            raise CheckpointPublishError(
+                f"background publication of checkpoint {name} failed: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+        if on_commit is not None:
+            on_commit(result)

@@ -1,0 +1,240 @@
+"""A checkpoint dict as stored bytes, and back: ``torch.save`` out, weights-only ``torch.load`` in.
+
+Everything that turns a checkpoint into the bytes a Store holds (and those bytes back into a
+dict) is here, so another layout (several part objects plus an index) has one place to go. The
+payload is loaded with ``torch.load(weights_only=True)``, so an untrusted checkpoint cannot run
+code: it holds only tensors, containers and primitive values. Anything that is not (NumPy arrays
+inside RNG states) is encoded into that vocabulary here and decoded on the way back.
+"""
+
+from __future__ import annotations
+
+import io
+import queue
+import re
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from koochak.loop.checkpoint.format import check_checkpoint_format
+
+_NDARRAY_TAG = "__koochak_ndarray__"
+
+
+def serialize_checkpoint(ckpt: Mapping[str, Any]) -> bytes:
+    """The checkpoint as ``torch.save`` bytes, with RNG states encoded for weights-only loading."""
+    return bytes(serialize_checkpoint_buffer(ckpt))
+
+
+def serialize_checkpoint_buffer(ckpt: Mapping[str, Any]) -> memoryview:
+    """Like ``serialize_checkpoint`` without the final copy: a view of the serialized buffer."""
+    buffer = io.BytesIO()
+    with _no_zip_crc():
+        torch.save(_payload(ckpt), buffer)
+    return buffer.getbuffer()
+
+
+def _no_zip_crc() -> Any:
+    # Every published byte is covered by the manifest's SHA256, checked on every resume read;
+    # the zip container's own CRC32 would cost about a third of serialization time on top.
+    # torch.load reads files without it. (The switch is process-wide while a save runs.)
+    from torch.utils.serialization import config
+
+    return config.patch({"save.compute_crc32": False})
+
+
+def serialize_checkpoint_chunks(ckpt: Mapping[str, Any]) -> Iterator[bytes | memoryview]:
+    """The same bytes as ``serialize_checkpoint``, streamed while ``torch.save`` produces them.
+
+    ``torch.save`` runs on a helper thread; large writes (tensor storages) are handed over as
+    views without copying, and the helper waits until the consumer asks for the next chunk, which
+    a Store does only once it has written and hashed the previous one. Small writes (headers,
+    the pickle) are batched into copies. So the payload is never held whole in memory and tensor
+    bytes are never copied on the way to the store. Each chunk is valid only until the next one is
+    requested (copy it to keep it). Use it only while nothing mutates the tensors (a synchronous
+    save); stopping early (a failed write) cancels the serialization.
+    """
+    payload = _payload(ckpt)  # format errors surface here, on the caller's thread
+    return _stream(payload)
+
+
+# Writes at least this large go over as views; smaller ones are copied into batches this large.
+_ZERO_COPY_BYTES = 1 << 20
+
+
+def _stream(payload: dict[str, Any]) -> Iterator[bytes | memoryview]:
+    handoff: queue.Queue[Any] = queue.Queue()
+    done = object()
+    state: dict[str, Any] = {"error": None, "cancel": False}
+
+    class _Writer:
+        def __init__(self) -> None:
+            self.pending = bytearray()
+
+        def write(self, data: Any) -> int:
+            if state["cancel"]:
+                raise _SerializationCancelled
+            view = memoryview(data).cast("B")
+            if view.nbytes < _ZERO_COPY_BYTES:
+                self.pending += view
+                if len(self.pending) >= _ZERO_COPY_BYTES:
+                    self.flush()
+                return view.nbytes
+            self.flush()
+            consumed = threading.Event()
+            handoff.put((view, consumed))
+            consumed.wait()  # torch may free or reuse the buffer once write() returns
+            if state["cancel"]:
+                raise _SerializationCancelled
+            return view.nbytes
+
+        def flush(self) -> None:
+            if self.pending:
+                handoff.put((bytes(self.pending), None))
+                self.pending.clear()
+
+    def produce() -> None:
+        try:
+            writer = _Writer()
+            with _no_zip_crc():
+                torch.save(payload, writer)
+            writer.flush()
+        except _SerializationCancelled:
+            pass
+        except BaseException as exc:  # re-raised on the consuming thread
+            state["error"] = exc
+        finally:
+            handoff.put(done)
+
+    thread = threading.Thread(target=produce, name="koochak-serialize", daemon=True)
+    thread.start()
+    finished = False
+    try:
+        while True:
+            item = handoff.get()
+            if item is done:
+                finished = True
+                break
+            chunk, consumed = item
+            try:
+                yield chunk
+            finally:  # resumed (or closed): the consumer is done with this chunk
+                if consumed is not None:
+                    consumed.set()
+    finally:
+        if not finished:  # the consumer stopped early: release and stop the producer
+            state["cancel"] = True
+            while True:
+                item = handoff.get()
+                if item is done:
+                    break
+                if item[1] is not None:
+                    item[1].set()
+        thread.join()
+    if state["error"] is not None:
+        raise state["error"]
+
+
+class _SerializationCancelled(Exception):
+    pass
+
+
+def _payload(ckpt: Mapping[str, Any]) -> dict[str, Any]:
+    check_checkpoint_format(ckpt, "checkpoint to save")
+    payload = dict(ckpt)
+    for key in ("rng", "rng_per_rank"):
+        if payload.get(key) is not None:
+            payload[key] = _encode(payload[key])
+    return payload
+
+
+def deserialize_checkpoint(data: bytes | bytearray | memoryview, source: str) -> dict[str, Any]:
+    """Load checkpoint bytes onto the CPU with ``weights_only=True`` and check the format.
+
+    ``source`` names the file in errors. Every way the payload can fail to decode is a
+    ValueError naming ``source``: bytes torch cannot load, a payload that needs arbitrary
+    unpickling (a code object, a class), a dict of an unknown version or with unknown keys, a
+    field of the wrong type, an array record that does not decode. (Resume relies on this: a
+    candidate that raises ValueError is skipped, never a crash.)
+    """
+    try:
+        ckpt = torch.load(io.BytesIO(bytes(data)), map_location="cpu", weights_only=True)
+    except (MemoryError, OSError):
+        raise
+    except Exception as exc:  # torch raises many types for hostile bytes; all mean "not loadable"
+        raise ValueError(
+            f"{source}: not a loadable weights-only checkpoint ({_first_line(exc)})"
+        ) from exc
+    check_checkpoint_format(ckpt, source)
+    for key in ("rng", "rng_per_rank"):
+        if ckpt.get(key) is not None:
+            try:
+                ckpt[key] = _decode(ckpt[key])
+            except (MemoryError, RecursionError):
+                raise
+            except Exception as exc:
+                raise ValueError(
+                    f"{source}: field {key!r} does not decode ({_first_line(exc)})"
+                ) from exc
+    return ckpt
+
+
+def _first_line(exc: BaseException) -> str:
+    # torch's messages carry terminal escapes (bold); a log line should not.
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _encode(value: Any) -> Any:
+    """NumPy arrays become tagged tuples of bytes; everything else is walked as is."""
+    return _walk(value, _tag_ndarray)
+
+
+def _decode(value: Any) -> Any:
+    return _walk(value, _untag_ndarray)
+
+
+def _walk(value: Any, leaf: Any) -> Any:
+    """Rebuild dicts, lists and tuples, replacing whatever ``leaf`` turns into something else."""
+    replaced = leaf(value)
+    if replaced is not value:
+        return replaced
+    if isinstance(value, Mapping):
+        return {k: _walk(v, leaf) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_walk(v, leaf) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_walk(v, leaf) for v in value)
+    return value
+
+
+def _tag_ndarray(value: Any) -> Any:
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        return value
+    if isinstance(value, np.ndarray):
+        return (_NDARRAY_TAG, value.dtype.str, list(value.shape), value.tobytes())
+    return value
+
+
+def _untag_ndarray(value: Any) -> Any:
+    if isinstance(value, tuple) and len(value) == 4 and value[0] == _NDARRAY_TAG:
+        import numpy as np
+
+        _, dtype, shape, raw = value
+        if not isinstance(dtype, str) or not isinstance(raw, bytes):
+            raise ValueError(f"array record: dtype must be a str and data bytes, got {dtype!r}")
+        if not isinstance(shape, (list, tuple)) or not all(
+            type(n) is int and n >= 0 for n in shape
+        ):
+            raise ValueError(f"array record: shape must be non-negative ints, got {shape!r}")
+        try:
+            kind = np.dtype(dtype)
+        except TypeError as exc:
+            raise ValueError(f"array record: dtype {dtype!r} is not a NumPy dtype") from exc
+        if kind.hasobject:  # would need unpickling; an RNG state never holds objects
+            raise ValueError(f"array record: dtype {dtype!r} holds Python objects")
+        return np.frombuffer(raw, dtype=kind).reshape(shape).copy()
+    return value

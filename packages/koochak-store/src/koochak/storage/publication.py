@@ -1,0 +1,394 @@
+"""Numbered publication in a Store: an object counts only once its ready manifest exists.
+
+``publish`` puts the object create-only (durable when put returns), then commits it with
+``<name>.ready.json``; ``unpublish`` and pruning remove the manifest first, so a reader never
+trusts an object that is going away. ``read_verified`` checks one publication against its
+manifest; ``highest_valid`` finds the newest one that validates, skipping invalid candidates and
+raising every other error. Used by checkpoints; works on every Store.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import os
+import re
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, BinaryIO, TypeVar
+
+from koochak.storage.fsutil import fsync_dir
+from koochak.storage.keys import TEMP_PREFIX, validate_key
+from koochak.storage.ready_manifest import (
+    MANIFEST_VERSION,
+    READY_SUFFIX,
+    InvalidArtifact,
+    _manifest_bytes,
+    _parse_manifest,
+)
+from koochak.storage.store import LocalStore, Store, open_store
+
+__all__ = [
+    "Publication",
+    "publish",
+    "unpublish",
+    "read_verified",
+    "published_candidates",
+    "highest_valid",
+    "numbered_pattern",
+    "prune_keep_last_k",
+]
+
+# Named for koochak.storage.artifact, where publication lived before it had its own module.
+_log = logging.getLogger("koochak.storage.artifact")
+_T = TypeVar("_T")
+_CHUNK = 8 << 20
+_KIND = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
+
+
+@dataclass(frozen=True)
+class Publication:
+    """A committed object and its ready manifest."""
+
+    artifact_id: str  # f"{kind}/{name}", e.g. "checkpoint/step000000100.pt"
+    key: str  # object key in the store
+    size: int
+    sha256: str
+    manifest_key: str  # key + READY_SUFFIX
+    path: str | None  # absolute local path when the store has one
+
+
+def _check_name(name: str) -> str:
+    validate_key(name)
+    if name.endswith(READY_SUFFIX):
+        raise ValueError(f"artifact name {name!r} ends in {READY_SUFFIX!r}, which marks manifests")
+    return name
+
+
+def publish(
+    store: Store,
+    name: str,
+    data: bytes | bytearray | memoryview | BinaryIO | Iterable[bytes],
+    *,
+    kind: str = "checkpoint",
+    keep_last_k: int | None = None,
+    pattern: str | None = None,
+    latest: str | bool | None = True,
+    provenance: dict[str, Any] | None = None,
+) -> Publication:
+    """Publish ``data`` as ``name`` and commit it with ``name + READY_SUFFIX``.
+
+    The object is put create-only and is durable before its manifest is written, so a reader
+    that finds the manifest finds the whole object. If ``name`` already exists it is first
+    un-committed (manifest, then object). ``keep_last_k`` prunes older publications whose keys
+    fully match ``pattern`` (group 1 = the number), manifest before object; without
+    ``pattern`` it is derived from a numbered ``name`` (``numbered_pattern``:
+    ``step000000100.pt`` -> ``step(\\d+)\\.pt``). ``latest`` names a symlink to the new
+    object; the default (True) is ``latest<suffix>`` beside a numbered name (``latest.pt``),
+    False or None keeps none. It is kept only on ``LocalStore(publish="link")`` stores:
+    write-once stores cannot replace it atomically, so they never get one.
+    """
+    _check_name(name)
+    if not isinstance(kind, str) or not _KIND.fullmatch(kind):
+        raise ValueError(f"publish: kind={kind!r}; expected a word such as 'checkpoint'")
+    regex = None
+    if keep_last_k is not None:
+        if isinstance(keep_last_k, bool) or not isinstance(keep_last_k, int) or keep_last_k < 1:
+            raise ValueError(f"publish: keep_last_k={keep_last_k!r}; expected an int >= 1 or None")
+        if pattern is None:
+            pattern = numbered_pattern(name)
+        regex = _compile(pattern)
+        if regex.fullmatch(name) is None:
+            raise ValueError(f"publish: name {name!r} does not fully match pattern {pattern!r}")
+    derived_latest = latest is True
+    latest = _latest_name(name, latest)
+    if provenance is not None and not isinstance(provenance, dict):
+        raise ValueError(
+            f"publish: provenance must be a dict or None, got {type(provenance).__name__}"
+        )
+    manifest_key = name + READY_SUFFIX
+
+    if _exists(store, manifest_key) or _exists(store, name):
+        unpublish(store, name)
+    info = store.put(name, data)
+    sha256 = info.sha256 if info.sha256 is not None else _sha_of_object(store, name)
+    doc = {
+        "version": MANIFEST_VERSION,
+        "artifact_id": f"{kind}/{name}",
+        "key": name,
+        "type": "file",
+        "size": info.size,
+        "sha256": sha256,
+        "file_count": 1,
+        "provenance": provenance,
+    }
+    try:
+        store.put(manifest_key, _manifest_bytes(doc))
+    except BaseException:
+        # Without its manifest the object is invisible to readers; remove it so a failed publish
+        # leaves no stray bytes, then report the original error.
+        try:
+            store.delete(name)
+        except OSError:
+            pass
+        raise
+    publication = Publication(
+        artifact_id=doc["artifact_id"],
+        key=name,
+        size=info.size,
+        sha256=sha256,
+        manifest_key=manifest_key,
+        path=store.local_path(name),
+    )
+    if latest is not None and isinstance(store, LocalStore) and store.publish == "link":
+        try:
+            _point_latest(store, latest, name)
+        except FileExistsError:
+            if not derived_latest:
+                raise
+            # Only the default pointer: a real file of that name (an older tool's copy) is the
+            # user's; the publication stands, and the file is neither replaced nor an error.
+            _log.warning("%s/%s is a real file, not a symlink; not pointing it at %s",
+                         store.location, latest, name)  # fmt: skip
+    if regex is not None:
+        _prune(store, regex, pattern, keep_last_k)  # type: ignore[arg-type]
+    return publication
+
+
+# The last run of digits in a key's final segment is its number: step000000100.pt -> 100.
+_NUMBERED = re.compile(r"(?P<head>(?:.*/)?[^/]*?)(?P<number>[0-9]+)(?P<tail>[^/0-9]*)")
+
+
+def numbered_pattern(name: str) -> str:
+    """The pattern matching every sibling of a numbered ``name``, group 1 being the number.
+
+    The number is the last run of digits in the final path segment; the text around it is
+    kept literally: ``"runs/a/step000000100.pt"`` -> ``r"runs/a/step(\\d+)\\.pt"``. ValueError
+    when the final segment has no digits (pass ``pattern=`` for such names).
+    """
+    match = _NUMBERED.fullmatch(name)
+    if match is None:
+        raise ValueError(
+            f"publish: name {name!r} has no number in its last segment to prune by; pass "
+            "pattern=, a regex whose group 1 is the number (e.g. r'model-(\\d+)\\.bin')"
+        )
+    return re.escape(match["head"]) + r"(\d+)" + re.escape(match["tail"])
+
+
+def _latest_name(name: str, latest: str | bool | None) -> str | None:
+    """The ``latest`` symlink's key for ``publish``: derived (True), none, or given."""
+    if latest is None or latest is False:
+        return None
+    if latest is True:
+        match = _NUMBERED.fullmatch(name)
+        if match is None:
+            return None  # an unnumbered name is already stable; nothing to point at it
+        latest = f"{match['head'].rpartition('/')[0]}/latest{match['tail']}".lstrip("/")
+        if latest == name:
+            return None
+        return latest
+    if not isinstance(latest, str):
+        raise ValueError(f"publish: latest={latest!r}; expected a name, True or False")
+    _check_name(latest)
+    if latest == name:
+        raise ValueError(f"publish: latest={latest!r} is the artifact's own name")
+    return latest
+
+
+def prune_keep_last_k(directory: str | os.PathLike[str] | Store, pattern: str, k: int) -> list[str]:
+    """Keep the ``k`` highest-numbered publications under ``directory``; return removed keys.
+
+    ``directory`` is a directory, a ``scheme://`` location or a Store; ``pattern`` is a regex
+    whose group 1 is the number and which must match a whole key (``r"step(\\d+)\\.pt"``).
+    Only committed pairs (an object with its ready manifest) are counted and removed, each
+    manifest before its object, so an object still being published is never touched.
+    """
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"prune_keep_last_k: k={k!r}; expected an int >= 0")
+    store = open_store(directory)
+    regex = _compile(pattern)
+    return _prune(store, regex, pattern, k)
+
+
+def unpublish(store: Store, name: str) -> None:
+    """Un-commit ``name``: delete its manifest, then the object. Missing parts are fine."""
+    _check_name(name)
+    for key in (name + READY_SUFFIX, name):
+        try:
+            store.delete(key)
+        except FileNotFoundError:
+            pass
+
+
+def read_verified(store: Store, name: str) -> tuple[Publication, bytes]:
+    """Read ``name`` once and check it against its ready manifest.
+
+    Raises InvalidArtifact when the manifest is missing, malformed or of an unknown version, or
+    when the object is missing or its size or SHA256 differ. Any other OSError propagates: an
+    unreadable object is not evidence that it is invalid.
+    """
+    _check_name(name)
+    manifest_key = name + READY_SUFFIX
+    where = f"{store.location}/{manifest_key}"
+    try:
+        raw = store.get(manifest_key)
+    except FileNotFoundError:
+        raise InvalidArtifact(f"{where}: no ready manifest; {name!r} is not committed") from None
+    doc = _parse_manifest(raw, where)
+    if doc["key"] != name or doc["type"] != "file":
+        raise InvalidArtifact(
+            f"{where}: manifest describes {doc['key']!r} ({doc['type']}), not {name!r}"
+        )
+    try:
+        data = store.get(name)
+    except FileNotFoundError:
+        raise InvalidArtifact(
+            f"{store.location}/{name}: object missing although its manifest exists"
+        ) from None
+    if len(data) != doc["size"]:
+        raise InvalidArtifact(
+            f"{store.location}/{name}: {len(data)} bytes, manifest says {doc['size']}"
+        )
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != doc["sha256"]:
+        raise InvalidArtifact(
+            f"{store.location}/{name}: SHA256 {digest}, manifest says {doc['sha256']}"
+        )
+    publication = Publication(
+        artifact_id=doc["artifact_id"],
+        key=name,
+        size=doc["size"],
+        sha256=digest,
+        manifest_key=manifest_key,
+        path=store.local_path(name),
+    )
+    return publication, data
+
+
+def published_candidates(store: Store, pattern: str) -> list[tuple[int, str]]:
+    """``(number, key)`` for every key fully matching ``pattern`` that has a manifest, highest first."""
+    return _candidates(store, _compile(pattern), pattern)
+
+
+def highest_valid(
+    store: Store,
+    pattern: str,
+    *,
+    check: Callable[[Publication, bytes], _T] | None = None,
+) -> tuple[Publication, _T | bytes] | None:
+    """The highest-numbered publication that validates, or None when there is none.
+
+    Candidates are tried in descending order; one whose manifest, size or SHA256 is wrong (or
+    for which ``check`` raises InvalidArtifact) is logged and skipped. Every other error is
+    raised, so an unreadable newest artifact never silently rolls back to an older one.
+    """
+    for number, key in published_candidates(store, pattern):
+        try:
+            publication, data = read_verified(store, key)
+            if check is None:
+                return publication, data
+            return publication, check(publication, data)
+        except InvalidArtifact as exc:
+            _log.warning("skipping %s #%d (%s): %s", key, number, store.location, exc)
+    return None
+
+
+def _compile(pattern: str) -> re.Pattern[str]:
+    try:
+        regex = re.compile(pattern)
+    except re.error as exc:
+        raise ValueError(f"pattern {pattern!r} is not a regular expression: {exc}") from None
+    if regex.groups < 1:
+        raise ValueError(
+            f"pattern {pattern!r} needs a group capturing the number, e.g. r'step(\\d+)\\.pt'"
+        )
+    return regex
+
+
+def _literal_prefix(pattern: str) -> str:
+    """Plain text every match of ``pattern`` starts with, so listing can be narrowed to it.
+
+    Conservative: stops at the first metacharacter, drops a character a quantifier makes
+    optional, and gives up on alternation (a prefix that is too short only costs listing time).
+    """
+    body = pattern[1:] if pattern.startswith("^") else pattern
+    if "|" in body:
+        return ""
+    prefix = []
+    for index, char in enumerate(body):
+        if char in ".^$*+?{}[]\\|()":
+            break
+        following = body[index + 1 : index + 2]
+        if following in ("?", "*", "{"):
+            break
+        prefix.append(char)
+        if following == "+":
+            break
+    return "".join(prefix)
+
+
+def _candidates(store: Store, regex: re.Pattern[str], pattern: str) -> list[tuple[int, str]]:
+    listed = {info.key for info in store.list(_literal_prefix(pattern))}
+    found = []
+    for key in listed:
+        if key.endswith(READY_SUFFIX) or key + READY_SUFFIX not in listed:
+            continue
+        match = regex.fullmatch(key)
+        if match is None:
+            continue
+        try:
+            number = int(match.group(1))
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"pattern {pattern!r}: group 1 matched {match.group(1)!r} in {key!r}, not a number"
+            ) from None
+        found.append((number, key))
+    found.sort(reverse=True)
+    return found
+
+
+def _prune(store: Store, regex: re.Pattern[str], pattern: str, keep: int) -> list[str]:
+    removed = []
+    for _, key in _candidates(store, regex, pattern)[keep:]:
+        unpublish(store, key)
+        removed.append(key)
+    return removed
+
+
+def _exists(store: Store, key: str) -> bool:
+    try:
+        store.stat(key)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _sha_of_object(store: Store, key: str) -> str:
+    """For third-party stores whose put() does not report a digest: hash what was stored."""
+    sha = hashlib.sha256()
+    with store.open(key) as stream:
+        while block := stream.read(_CHUNK):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+def _point_latest(store: LocalStore, latest: str, name: str) -> None:
+    """Swing the ``latest`` symlink to ``name`` atomically (symlink under a temp name, rename)."""
+    link_path = store.root / latest
+    target = os.path.relpath(store.root / name, link_path.parent)
+    link_path.parent.mkdir(parents=True, exist_ok=True)
+    if link_path.exists() and not link_path.is_symlink():
+        raise FileExistsError(
+            errno.EEXIST, "latest= names a real object, not a symlink", str(link_path)
+        )
+    temp = link_path.parent / f"{TEMP_PREFIX}{uuid.uuid4().hex}-{link_path.name[:120]}"
+    os.symlink(target, temp)
+    try:
+        os.replace(temp, link_path)  # the alias is the one thing meant to change
+    except BaseException:
+        os.unlink(temp)
+        raise
+    if store.fsync:
+        fsync_dir(link_path.parent)
