@@ -15,9 +15,7 @@ import pytest
 from koochak.storage.artifact import highest_valid, publish, read_verified
 from koochak.storage.store import LocalStore
 
-# Until LocalStore publishes through a temp name (issue 20) a killed writer leaves a partial
-# object under the final name: kept as expected failures so the fix shows when it lands.
-pytestmark = [pytest.mark.slow, pytest.mark.xfail(reason="issue 20: fixed by LocalStore's publish")]
+pytestmark = pytest.mark.slow
 
 MIB = 1 << 20
 
