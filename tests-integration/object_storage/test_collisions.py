@@ -14,9 +14,7 @@ import pytest
 from koochak.storage.artifact import publish, read_verified
 from koochak.storage.store import LocalStore
 
-# Until LocalStore publishes through a temp name renamed under a lock, with a read-back after the
-# settle time, these fail (issue 20): kept as expected failures so the fix shows when it lands.
-pytestmark = [pytest.mark.slow, pytest.mark.xfail(reason="issue 20: fixed by LocalStore's publish")]
+pytestmark = pytest.mark.slow
 
 MIB = 1 << 20
 

@@ -14,11 +14,14 @@ import hashlib
 import logging
 import os
 import re
+import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, BinaryIO, TypeVar
 
+from koochak.storage import _publish_intent
+from koochak.storage._publish_intent import INTENT_SUFFIX
 from koochak.storage.fsutil import fsync_dir
 from koochak.storage.keys import TEMP_PREFIX, validate_key
 from koochak.storage.ready_manifest import (
@@ -62,8 +65,9 @@ class Publication:
 
 def _check_name(name: str) -> str:
     validate_key(name)
-    if name.endswith(READY_SUFFIX):
-        raise ValueError(f"artifact name {name!r} ends in {READY_SUFFIX!r}, which marks manifests")
+    for suffix, marks in ((READY_SUFFIX, "manifests"), (INTENT_SUFFIX, "intent records")):
+        if name.endswith(suffix):
+            raise ValueError(f"artifact name {name!r} ends in {suffix!r}, which marks {marks}")
     return name
 
 
@@ -81,10 +85,16 @@ def publish(
     """Publish ``data`` as ``name`` and commit it with ``name + READY_SUFFIX``.
 
     The object is put create-only and is durable before its manifest is written, so a reader
-    that finds the manifest finds the whole object. If ``name`` already exists it is first
-    un-committed (manifest, then object). ``keep_last_k`` prunes older publications whose keys
-    fully match ``pattern`` (group 1 = the number), manifest before object; without
-    ``pattern`` it is derived from a numbered ``name`` (``numbered_pattern``:
+    that finds the manifest finds the whole object. Before the object, ``publish`` puts an intent
+    record ``name + ".publishing.json"`` (who is publishing, and by when it commits or gives
+    up) and it deletes it after the manifest. A publisher never deletes an object it did not
+    create: a committed ``name`` (object and manifest) is a finished publication and is replaced
+    (manifest first); an object without its manifest is removed only when its intent proves its
+    publisher dead (same host: that process is gone; any host: its deadline passed), else
+    FileExistsError names the publisher. Losing a race for the name to another publisher is a
+    FileExistsError too, and removes nothing of theirs. ``keep_last_k`` prunes older
+    publications whose keys fully match ``pattern`` (group 1 = the number), manifest before
+    object; without ``pattern`` it is derived from a numbered ``name`` (``numbered_pattern``:
     ``step000000100.pt`` -> ``step(\\d+)\\.pt``). ``latest`` names a symlink to the new
     object; the default (True) is ``latest<suffix>`` beside a numbered name (``latest.pt``),
     False or None keeps none. It is kept only on ``LocalStore(publish="link")`` stores:
@@ -110,9 +120,16 @@ def publish(
         )
     manifest_key = name + READY_SUFFIX
 
-    if _exists(store, manifest_key) or _exists(store, name):
-        unpublish(store, name)
-    info = store.put(name, data)
+    if _exists(store, manifest_key):
+        unpublish(store, name)  # a finished publication: replaced, manifest first
+    elif _exists(store, name) or _exists(store, name + INTENT_SUFFIX):
+        _clear_abandoned(store, name)
+    intent = _claim(store, name)
+    try:
+        info = store.put(name, data)
+    except BaseException:
+        _drop(store, intent)
+        raise
     sha256 = info.sha256 if info.sha256 is not None else _sha_of_object(store, name)
     doc = {
         "version": MANIFEST_VERSION,
@@ -125,15 +142,28 @@ def publish(
         "provenance": provenance,
     }
     try:
+        if time.time() > intent.deadline:
+            # Past its deadline another publisher may already have proven this one dead and
+            # taken the name: committing now could pair this manifest with its object.
+            raise TimeoutError(
+                f"publish({name!r}): the object took past the intent's deadline "
+                f"({_publish_intent.LEASE_SECONDS:.0f} s); not committed"
+            )
         store.put(manifest_key, _manifest_bytes(doc))
+    except FileExistsError:
+        # Another publisher committed the name: the object may be theirs now. Leave both.
+        _drop(store, intent)
+        raise
     except BaseException:
-        # Without its manifest the object is invisible to readers; remove it so a failed publish
-        # leaves no stray bytes, then report the original error.
+        # Without its manifest the object is invisible to readers; remove it (this put made it)
+        # so a failed publish leaves no stray bytes, then report the original error.
         try:
             store.delete(name)
         except OSError:
             pass
+        _drop(store, intent)
         raise
+    _drop(store, intent)
     publication = Publication(
         artifact_id=doc["artifact_id"],
         key=name,
@@ -210,6 +240,64 @@ def prune_keep_last_k(directory: str | os.PathLike[str] | Store, pattern: str, k
     store = open_store(directory)
     regex = _compile(pattern)
     return _prune(store, regex, pattern, k)
+
+
+def _claim(store: Store, name: str) -> _publish_intent.Intent:
+    """Put this process's intent to publish ``name``; FileExistsError when another publisher
+    (one not provably dead) holds it."""
+    intent = _publish_intent.ours(name)
+    key = name + INTENT_SUFFIX
+    try:
+        store.put(key, intent.to_bytes())
+    except FileExistsError:
+        _clear_abandoned(store, name)  # raises unless the holder is provably dead
+        store.put(key, intent.to_bytes())
+    return intent
+
+
+def _drop(store: Store, intent: _publish_intent.Intent) -> None:
+    try:
+        store.delete(intent.key + INTENT_SUFFIX)
+    except OSError as exc:
+        _log.warning("could not remove the intent record %s%s: %s", intent.key, INTENT_SUFFIX, exc)
+
+
+def _clear_abandoned(store: Store, name: str) -> None:
+    """Remove an uncommitted ``name`` (and its intent) whose publisher is provably dead.
+
+    FileExistsError, removing nothing, while its publisher may be alive. An object with no
+    intent at all was not put by a publish in flight (publish writes its intent first): a
+    leftover of a plain put or an older version, and it is replaced.
+    """
+    key = name + INTENT_SUFFIX
+    where = f"{store.location}/{key}"
+    try:
+        intent = _publish_intent.parse(store.get(key), where)
+    except FileNotFoundError:
+        intent = None
+    except ValueError as exc:
+        raise FileExistsError(
+            errno.EEXIST, f"{name} is being published, and its intent record is unreadable "
+            f"({exc}); remove {key} once no publisher of it runs", where,
+        ) from None  # fmt: skip
+    if intent is not None:
+        why = _publish_intent.why_dead(intent)
+        if why is None:
+            raise FileExistsError(
+                errno.EEXIST,
+                f"{name} is being published by {intent.describe()}; not replaced",
+                f"{store.location}/{name}",
+            )
+        _log.warning("removing %s/%s left uncommitted by %s: %s", store.location, name,
+                     intent.describe(), why)  # fmt: skip
+    else:
+        _log.warning("replacing %s/%s: an object without a ready manifest or a publisher",
+                     store.location, name)  # fmt: skip
+    for leftover in (name, key):
+        try:
+            store.delete(leftover)
+        except FileNotFoundError:
+            pass
 
 
 def unpublish(store: Store, name: str) -> None:
