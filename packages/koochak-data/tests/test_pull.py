@@ -403,3 +403,18 @@ def test_merge_ranges_of_many_small_neighbours_is_one_range() -> None:
     ]
     ((start, end, members),) = merge_ranges(entries, gap_bytes=1024, max_range_bytes=64 << 20)
     assert (start, end, len(members)) == (512, 512 + 1024 * 19_999 + 100, 20_000)
+
+
+def test_a_pack_the_file_table_names_is_waited_for_not_skipped(collection, tmp_path) -> None:
+    # Through a mount another client may see manifest.json and files.jsonl.gz before a pack.
+    import threading
+
+    from koochak.storage.store import LocalStore
+
+    src, coll = collection
+    pack = sorted((coll / "packs").iterdir())[0]
+    hidden = tmp_path / "hidden-pack"
+    pack.rename(hidden)
+    threading.Timer(0.3, lambda: hidden.rename(pack)).start()
+    pull_collection(LocalStore(coll, read_settle_seconds=5), tmp_path / "out")
+    _same_tree(src, tmp_path / "out")

@@ -30,6 +30,7 @@ from typing import Any
 
 from koochak.data._digest import SHA256_HEX
 from koochak.data._tar import BLOCK, END_OF_ARCHIVE, check_path, padded
+from koochak.storage.named import get_named
 from koochak.storage.strict_json import check_fields, loads_strict, require_version
 
 __all__ = [
@@ -508,7 +509,7 @@ def load_collection(store: Any) -> Collection:
         ) from None
     manifest = parse_manifest(data)
     try:
-        table = store.get(FILES_KEY)
+        table = get_named(store, FILES_KEY, named_by=MANIFEST_KEY)
     except FileNotFoundError:
         raise ValueError(
             f"{store.location}: manifest.json is committed but {FILES_KEY} is missing"

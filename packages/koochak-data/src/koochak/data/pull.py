@@ -34,7 +34,8 @@ from typing import Any
 from koochak.data._concurrent import wait_all
 from koochak.data._dest_lock import LOCK_NAME, DestLock
 from koochak.data._digest import CHUNK, sha256_stream
-from koochak.data.collection import FileEntry, load_collection
+from koochak.data.collection import FILES_KEY, FileEntry, load_collection
+from koochak.storage.named import get_named, open_named
 
 __all__ = ["LOCK_NAME", "PullReport", "merge_ranges", "pull_collection"]
 
@@ -485,7 +486,7 @@ def pull_collection(
 
             def fetch_range(job: tuple[str, tuple[int, int, list[FileEntry]]]) -> None:
                 key, (start, end, entries) = job
-                data = store.get(key, start, end)
+                data = get_named(store, key, start, end, named_by=FILES_KEY)
                 if len(data) != end - start:
                     raise ValueError(
                         f"{store.location}/{key}: bytes [{start}, {end}) requested, "
@@ -497,7 +498,7 @@ def pull_collection(
                     restore(e, [view[e.offset - start : e.offset - start + e.size]])
 
             def fetch_object(e: FileEntry) -> None:
-                with store.open(e.key) as handle:
+                with open_named(store, e.key, named_by=FILES_KEY) as handle:
                     restore(e, iter(lambda: handle.read(CHUNK), b""))
 
             def restore(e: FileEntry, chunks: Iterable[bytes | memoryview]) -> None:

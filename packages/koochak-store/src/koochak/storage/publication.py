@@ -24,6 +24,7 @@ from koochak.storage import _publish_intent
 from koochak.storage._publish_intent import INTENT_SUFFIX
 from koochak.storage.fsutil import fsync_dir
 from koochak.storage.keys import TEMP_PREFIX, validate_key
+from koochak.storage.named import get_named
 from koochak.storage.ready_manifest import (
     MANIFEST_VERSION,
     READY_SUFFIX,
@@ -314,8 +315,10 @@ def read_verified(store: Store, name: str) -> tuple[Publication, bytes]:
     """Read ``name`` once and check it against its ready manifest.
 
     Raises InvalidArtifact when the manifest is missing, malformed or of an unknown version, or
-    when the object is missing or its size or SHA256 differ. Any other OSError propagates: an
-    unreadable object is not evidence that it is invalid.
+    when the object's size or SHA256 differ. An object the manifest names but this client does
+    not see is waited for (the store's ``read_settle_seconds``, ``koochak.storage.named``) and
+    then raises FileNotFoundError, never InvalidArtifact: a late object is not an invalid one.
+    Any other OSError propagates: an unreadable object is not evidence that it is invalid.
     """
     _check_name(name)
     manifest_key = name + READY_SUFFIX
@@ -330,11 +333,12 @@ def read_verified(store: Store, name: str) -> tuple[Publication, bytes]:
             f"{where}: manifest describes {doc['key']!r} ({doc['type']}), not {name!r}"
         )
     try:
-        data = store.get(name)
+        # Missing here may only mean not visible yet on this client: wait read_settle_seconds.
+        data = get_named(store, name, named_by=manifest_key)
     except FileNotFoundError:
-        raise InvalidArtifact(
-            f"{store.location}/{name}: object missing although its manifest exists"
-        ) from None
+        if not _exists(store, manifest_key):  # unpublished meanwhile (pruned): skip it
+            raise InvalidArtifact(f"{where}: unpublished while it was read") from None
+        raise  # named by a manifest that is still there: never "absent"
     if len(data) != doc["size"]:
         raise InvalidArtifact(
             f"{store.location}/{name}: {len(data)} bytes, manifest says {doc['size']}"
@@ -418,11 +422,15 @@ def _literal_prefix(pattern: str) -> str:
 
 
 def _candidates(store: Store, regex: re.Pattern[str], pattern: str) -> list[tuple[int, str]]:
+    # A manifest makes a candidate, whether or not this client lists its object yet: through a
+    # mount the object may show later (read_verified waits for it), and skipping it would roll
+    # resume back to an older checkpoint. An object without its manifest is not committed.
     listed = {info.key for info in store.list(_literal_prefix(pattern))}
     found = []
-    for key in listed:
-        if key.endswith(READY_SUFFIX) or key + READY_SUFFIX not in listed:
+    for manifest in listed:
+        if not manifest.endswith(READY_SUFFIX):
             continue
+        key = manifest[: -len(READY_SUFFIX)]
         match = regex.fullmatch(key)
         if match is None:
             continue
