@@ -34,8 +34,11 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def dist_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dist")
-    subprocess.run([UV, "build", "--quiet", "--all-packages", "--project", str(ROOT),
-                    "--out-dir", str(out)], check=True, cwd=ROOT)
+    subprocess.run(
+        [UV, "build", "--quiet", "--all-packages", "--project", str(ROOT), "--out-dir", str(out)],
+        check=True,
+        cwd=ROOT,
+    )
     return out
 
 
@@ -64,13 +67,29 @@ def test_wheel_installs_alone(dist, dist_dir, tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([UV, "venv", "--quiet", "--python", sys.executable, str(venv)], check=True)
     python = venv / "bin" / "python"
-    subprocess.run([UV, "pip", "install", "--quiet", "--python", str(python),
-                    "--find-links", str(dist_dir), dist], check=True)
-    probe = (f"import sys, {module}; "
-             f"print('torch' in sys.modules); "
-             f"print(sorted(m for m in ('koochak.storage','koochak.data','koochak.events','koochak.loop','koochak.jobs') "
-             f"if __import__('importlib.util').util.find_spec(m)))")
-    out = subprocess.run([str(python), "-c", probe], check=True, capture_output=True, text=True).stdout
+    subprocess.run(
+        [
+            UV,
+            "pip",
+            "install",
+            "--quiet",
+            "--python",
+            str(python),
+            "--find-links",
+            str(dist_dir),
+            dist,
+        ],
+        check=True,
+    )
+    probe = (
+        f"import sys, {module}; "
+        f"print('torch' in sys.modules); "
+        f"print(sorted(m for m in ('koochak.storage','koochak.data','koochak.events','koochak.loop','koochak.jobs') "
+        f"if __import__('importlib.util').util.find_spec(m)))"
+    )
+    out = subprocess.run(
+        [str(python), "-c", probe], check=True, capture_output=True, text=True
+    ).stdout
     torch_loaded, present = out.splitlines()
     if torch_free:
         assert torch_loaded == "False", f"import {module} pulled torch in"

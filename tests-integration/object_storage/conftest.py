@@ -31,14 +31,14 @@ MOUNT_SETTINGS: dict[str, dict[str, Any]] = {
         "fsync": True,
         "verify_readback": True,
         "settle_seconds": 2.0,
-        "read_settle_seconds": 30.0,
+        "read_settle_seconds": 5.0,
     },
     "rclone": {
         "publish": "exclusive",
         "fsync": True,
         "verify_readback": True,
         "settle_seconds": 2.0,
-        "read_settle_seconds": 30.0,
+        "read_settle_seconds": 5.0,
     },
 }
 

@@ -30,9 +30,11 @@ class Measurement:
 
     metric: str
     streams: int
-    value: float
+    value: float  # the median of the rounds
     unit: str
     note: str = ""
+    low: float | None = None  # the lowest and highest of the rounds, where there were several
+    high: float | None = None
 
 
 class CacheDropper:
@@ -209,7 +211,7 @@ def measure_reads(
                 ranged[n].append(got / (time.perf_counter() - start))
     for n in levels:
         note = f"{n} range(s) of one object" + _of(rounds)
-        rows.append(Measurement("range_parallel_cold", n, _mid(ranged[n]), "B/s", note))
+        rows.append(_row("range_parallel_cold", n, ranged[n], note))
     store.delete(big)
 
     # The same bytes as many objects, read by N streams at once: how much concurrency helps.
@@ -227,7 +229,7 @@ def measure_reads(
                 concurrent[n].append(got / (time.perf_counter() - start))
     for n in levels:
         note = f"{count} objects of {_size(size)}" + _of(rounds)
-        rows.append(Measurement("concurrent_cold", n, _mid(concurrent[n]), "B/s", note))
+        rows.append(_row("concurrent_cold", n, concurrent[n], note))
     for key in keys:
         store.delete(key)
     return rows
@@ -235,6 +237,10 @@ def measure_reads(
 
 def _mid(values: list[float]) -> float:
     return statistics.median(values)
+
+
+def _row(metric: str, streams: int, values: list[float], note: str) -> Measurement:
+    return Measurement(metric, streams, _mid(values), "B/s", note, min(values), max(values))
 
 
 def _of(rounds: int) -> str:
@@ -288,8 +294,8 @@ def measure_checkpoint(
     return rows
 
 
-# A step up in streams must buy at least this much of the best throughput; with medians this
-# keeps the recommended concurrency from wandering between runs on a flat curve.
+# More streams are worth it only when the fewer reach at most this share of what they give (a
+# third more throughput), in every round; so the advice does not wander on a flat curve.
 _ENOUGH_OF_BEST = 0.75
 
 
@@ -303,21 +309,37 @@ def on_125_grid(value: float) -> float:
     return float(f"{best:.3g}")
 
 
+def _lowest(row: Measurement) -> float:
+    return row.value if row.low is None else row.low
+
+
+def _highest(row: Measurement) -> float:
+    return row.value if row.high is None else row.high
+
+
 def recommend_profile(rows: list[Measurement]) -> StoreProfile:
     """A StoreProfile from the measurements of :func:`measure_small_objects` and :func:`measure_reads`.
 
-    The request cost and stream bandwidth are rounded to a 1-2-5 grid and the concurrency is the
-    fewest streams reaching 75% of the best median, so that reruns on the same mount agree.
+    The request cost and stream bandwidth are rounded to a 1-2-5 grid; more streams (and
+    parallel ranges) are recommended only where the worst of the rounds with them beats the best
+    without them by a margin, so that reruns on the same mount agree.
     """
-    by = {(row.metric, row.streams): row.value for row in rows}
-    request = on_125_grid(by[("small_get_cold", 1)])
-    stream = on_125_grid(by[("single_stream_cold", 1)])
-    concurrent = {n: v for (m, n), v in by.items() if m == "concurrent_cold"}
-    ranged = {n: v for (m, n), v in by.items() if m == "range_parallel_cold"}
-    best = max(concurrent.values())
-    # The fewest streams that come close to the best aggregate: more only costs memory.
-    concurrency = min(n for n, v in concurrent.items() if v >= _ENOUGH_OF_BEST * best)
-    range_reads_scale = bool(ranged) and max(ranged.values()) >= 1.5 * ranged.get(1, stream)
+    by = {(row.metric, row.streams): row for row in rows}
+    request = on_125_grid(by[("small_get_cold", 1)].value)
+    stream = on_125_grid(by[("single_stream_cold", 1)].value)
+    concurrent = sorted((n, row) for (m, n), row in by.items() if m == "concurrent_cold")
+    ranged = {n: row for (m, n), row in by.items() if m == "range_parallel_cold"}
+    # More streams only where every round says they pay: the worst round with n streams beats
+    # the best round with fewer by the margin. A flat or noisy curve keeps the fewer streams.
+    concurrency = concurrent[0][0]
+    chosen = concurrent[0][1]
+    for n, row in concurrent[1:]:
+        if _lowest(row) >= _highest(chosen) / _ENOUGH_OF_BEST:
+            concurrency, chosen = n, row
+    one = ranged.get(1)
+    range_reads_scale = one is not None and any(
+        _lowest(row) >= 1.5 * _highest(one) for n, row in ranged.items() if n > 1
+    )
     # A part big enough that the per-request cost is under ~5% of streaming it, as a power of
     # two between 8 MiB and 256 MiB.
     want = 20 * request * stream

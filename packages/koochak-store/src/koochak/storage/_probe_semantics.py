@@ -343,7 +343,7 @@ def recommend_settings(checks: list[Check]) -> dict[str, object]:
       not hold between clients: then reading the object back once another client could have
       replaced it is how a collision is caught.
     * ``settle_seconds``: the longest delay measured before an object is seen (here after close,
-      by the peer, or here for the peer's objects), with a 1.5x margin, rounded up to a grid.
+      by the peer, or here for the peer's objects), with a 1.25x margin, rounded up to a grid.
     * ``read_settle_seconds``: 300 where settling errnos were met; else three times the longest
       cross-client delay, on the grid: how long a missing object a manifest names is waited for.
     """
@@ -383,7 +383,7 @@ def recommend_settings(checks: list[Check]) -> dict[str, object]:
     # proof that an object holds what was written is reading it back.
     verify_readback = not fsync or settling or collisions
     delay = max([local_delay, *peer_delays])
-    settle_seconds = wait_on_grid(1.5 * delay) if delay > _AT_ONCE else 0.0
+    settle_seconds = wait_on_grid(1.25 * delay) if delay > _AT_ONCE else 0.0
     # Errnos while reading back mean readers on other nodes will see them too: retry reads for
     # minutes, as the spec describes for object-storage mounts. A reader on another client waits
     # for an object its manifest names as long as that client may take to see it.
