@@ -64,8 +64,9 @@ def test_moto_refuses_a_second_conditional_put_and_rclone_serve_does_not(local_s
 
 
 def test_both_mounts_show_the_bucket_the_servers_hold(local_s3):
-    """s3fs uploads on close; rclone uploads a few seconds after close (write-back). How stale
-    each mount's view of the other's writes is belongs to the mount tests, not to this one."""
+    """Both mounts upload by the time close() returns (rclone with --vfs-cache-mode off). How
+    stale each mount's view of the other's writes is belongs to the mount tests, not to this
+    one."""
     s3 = _client(local_s3.endpoint, local_s3)
     for mount in (local_s3.s3fs_mount, local_s3.rclone_mount):
         name = f"tools-test-{uuid.uuid4().hex}.txt"
@@ -81,3 +82,45 @@ def test_both_mounts_show_the_bucket_the_servers_hold(local_s3):
                 time.sleep(0.5)
         assert body == b"through a mount"
         (mount / name).unlink()
+
+
+def test_close_on_either_mount_returns_once_the_server_has_the_bytes(local_s3):
+    s3 = _client(local_s3.endpoint, local_s3)
+    for mount in (local_s3.s3fs_mount, local_s3.rclone_mount):
+        name = f"tools-test-{uuid.uuid4().hex}.bin"
+        data = os.urandom(3 << 20)
+        (mount / name).write_bytes(data)  # returns after close()
+        assert s3.get_object(Bucket=local_s3.mount_bucket, Key=name)["Body"].read() == data
+        s3.delete_object(Bucket=local_s3.mount_bucket, Key=name)
+
+
+def test_etags_stay_right_when_heads_race_a_put(local_s3):
+    """moto computes an ETag lazily; the script makes it do so under the object's lock, or a HEAD
+    racing the PUT's reply caches a wrong one (and rclone mount re-uploads "corrupted" files)."""
+    import hashlib
+    import threading
+
+    s3 = _client(local_s3.endpoint, local_s3)
+    key = f"tools-test/etag-{uuid.uuid4().hex}"
+    data = os.urandom(32 << 20)
+    done = threading.Event()
+
+    def heads():
+        while not done.is_set():
+            try:
+                s3.head_object(Bucket=local_s3.native_bucket, Key=key)
+            except s3.exceptions.ClientError:
+                pass
+
+    watchers = [threading.Thread(target=heads) for _ in range(2)]
+    for watcher in watchers:
+        watcher.start()
+    try:
+        s3.put_object(Bucket=local_s3.native_bucket, Key=key, Body=data)
+    finally:
+        done.set()
+        for watcher in watchers:
+            watcher.join()
+    etag = s3.head_object(Bucket=local_s3.native_bucket, Key=key)["ETag"].strip('"')
+    assert etag == hashlib.md5(data).hexdigest()
+    s3.delete_object(Bucket=local_s3.native_bucket, Key=key)
