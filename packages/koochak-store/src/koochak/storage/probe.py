@@ -56,7 +56,7 @@ __all__ = [
     "PROBE_MODES_GROUP",
 ]
 
-REPORT_VERSION = 1
+REPORT_VERSION = 2
 SCRATCH_PREFIX = "koochak-probe-"
 # Entry points that measure what koochak-store cannot import: "dataset_shards" (koochak-data).
 PROBE_MODES_GROUP = "koochak.probe_modes"
