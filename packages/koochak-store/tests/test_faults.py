@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import errno
+import os
 
 import pytest
 from koochak.storage.keys import TEMP_PREFIX
-from koochak.storage.store import SETTLING_ERRNOS
+from koochak.storage.store import SETTLING_ERRNOS, ObjectCollision
 from koochak.storage.testing import FakeClock, Fault, FaultyStore, visible_files
 
 MODES = ["link", "exclusive"]
@@ -273,3 +274,39 @@ def test_a_fault_reaches_the_directory_sync_after_a_put(tmp_path, publish):
         store.put("obj", b"payload")
     assert caught.value.errno == errno.EIO
     _assert_nothing_visible(store)
+
+
+class _ReplacingClock(FakeClock):
+    """A fake clock whose first sleep is when another client replaces the object."""
+
+    def __init__(self, path) -> None:
+        super().__init__()
+        self.path = path
+
+    def sleep(self, seconds: float) -> None:
+        if not self.sleeps:
+            other = self.path.with_name(".other-client")
+            other.write_bytes(b"the other client's bytes")
+            os.replace(other, self.path)
+        super().sleep(seconds)
+
+
+def test_an_object_replaced_before_the_read_back_is_a_collision_and_stays(tmp_path):
+    clock = _ReplacingClock(tmp_path / "obj")
+    store = FaultyStore(tmp_path, [], clock=clock, publish="exclusive", verify_readback=True,
+                        settle_seconds=2)  # fmt: skip
+    with pytest.raises(ObjectCollision, match="another client published the same key") as lost:
+        store.put("obj", DATA)
+    assert isinstance(lost.value, FileExistsError)
+    assert sum(clock.sleeps) == pytest.approx(2)  # read back once settle_seconds had passed
+    assert store.get("obj") == b"the other client's bytes"  # nothing of theirs removed
+
+
+def test_an_exclusive_put_renames_under_the_directory_lock_once_the_name_is_free(tmp_path):
+    store = FaultyStore(tmp_path, [], publish="exclusive")
+    store.put("a/obj", b"first")
+    with pytest.raises(FileExistsError):
+        store.put("a/obj", b"second")  # refused before a byte is written
+    assert store.calls["lock"] == 1 and store.calls["rename"] == 1
+    assert store.get("a/obj") == b"first"
+    assert [p.name for p in (tmp_path / "a").iterdir()] == ["obj"]  # no temp left
