@@ -17,7 +17,10 @@
 #   rclone serve s3  S3 on $KOOCHAK_S3_NOCOND_PORT (default 5301) over a local directory. It
 #                    IGNORES If-None-Match (a second conditional put overwrites): the negative
 #                    case. Bucket: koochak-nocond.
-#   s3fs-fuse        koochak-mounts mounted at $DIR/mnt/s3fs (the distribution's s3fs, fuse3).
+#   s3fs-fuse        koochak-mounts mounted at $DIR/mnt/s3fs (the distribution's s3fs, fuse3),
+#                    with -o multipart_threshold=512: objects up to 512 MB are one PUT and are
+#                    renamed with one server-side copy (above 25 MB s3fs otherwise copies them
+#                    part by part, which made the rename that publishes an object cost ~2x).
 #   rclone mount     koochak-mounts mounted at $DIR/mnt/rclone with the settings Koochak needs
 #                    (docs/storage.md): --vfs-cache-mode off, so close() returns only once the
 #                    server has the bytes (with "writes" it uploads seconds later, and reads
@@ -160,7 +163,7 @@ start() {
   make_buckets
   if ! mounted "$S3FS_MNT"; then
     s3fs "$MOUNT_BUCKET" "$S3FS_MNT" -o passwd_file="$DIR/s3fs.passwd" -o url="$ENDPOINT" \
-      -o use_path_request_style -o endpoint="$REGION" -o dbglevel=warn \
+      -o use_path_request_style -o endpoint="$REGION" -o multipart_threshold=512 -o dbglevel=warn \
       -o logfile="$DIR/log/s3fs.log" || die "s3fs mount failed; see $DIR/log/s3fs.log"
   fi
   if ! mounted "$RCLONE_MNT"; then
