@@ -76,9 +76,8 @@ def _generate(
 
 def _cpu() -> float:
     """CPU seconds used so far by this process (all threads) and its finished children."""
-    me, children = (
-        resource.getrusage(resource.RUSAGE_SELF),
-        resource.getrusage(resource.RUSAGE_CHILDREN),
+    me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
+        resource.RUSAGE_CHILDREN
     )
     return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
 
@@ -132,14 +131,10 @@ def _tar_create(src: Path, out: Path, fsync: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--files", type=int, default=int(os.environ.get("KOOCHAK_BENCH_COLLECTION_FILES", 2000))
-    )
-    parser.add_argument(
-        "--big",
-        default=os.environ.get("KOOCHAK_BENCH_COLLECTION_BIG", "8M"),
-        help="size of each big file (default 8M; the issue uses 64M)",
-    )
+    parser.add_argument("--files", type=int,
+                        default=int(os.environ.get("KOOCHAK_BENCH_COLLECTION_FILES", 2000)))
+    parser.add_argument("--big", default=os.environ.get("KOOCHAK_BENCH_COLLECTION_BIG", "8M"),
+                        help="size of each big file (default 8M; the issue uses 64M)")
     parser.add_argument("--big-count", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
@@ -151,11 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         src = scratch / "src"
         total = _generate(src, args.files, big, args.big_count, seed=0)
-        print(
-            f"tree: {args.files} files of 1-64 KiB + {args.big_count} x {big >> 20} MiB = "
-            f"{total / 2**20:.1f} MiB in {scratch}",
-            flush=True,
-        )
+        print(f"tree: {args.files} files of 1-64 KiB + {args.big_count} x {big >> 20} MiB = "
+              f"{total / 2**20:.1f} MiB in {scratch}", flush=True)
         tar_file, untar = scratch / "tree.tar", scratch / "untar"
         coll, coll_nofsync, pulled = scratch / "coll", scratch / "coll-nofsync", scratch / "pulled"
         times: dict[str, list[float]] = {}
@@ -168,59 +160,27 @@ def main(argv: list[str] | None = None) -> int:
 
         for _ in range(args.repeat):
             # Interleaved, so a noisy neighbour slows both sides of a pair alike.
-            record(
-                "tar -cf + fsync",
-                _timed(_clear(tar_file), lambda: _tar_create(src, tar_file, True)),
-            )
-            record(
-                "archive",
-                _timed(_clear(coll), lambda: archive_tree(src, coll, show_progress=False)),
-            )
+            record("tar -cf + fsync", _timed(_clear(tar_file), lambda: _tar_create(src, tar_file, True)))
+            record("archive", _timed(_clear(coll), lambda: archive_tree(src, coll, show_progress=False)))
             record("tar -cf", _timed(_clear(tar_file), lambda: _tar_create(src, tar_file, False)))
-            record(
-                "archive (fsync=False)",
-                _timed(
-                    _clear(coll_nofsync),
-                    lambda: archive_tree(
-                        src, LocalStore(coll_nofsync, fsync=False), show_progress=False
-                    ),
-                ),
-            )
+            record("archive (fsync=False)", _timed(
+                _clear(coll_nofsync),
+                lambda: archive_tree(src, LocalStore(coll_nofsync, fsync=False), show_progress=False),
+            ))
 
             def untar_setup() -> None:
                 _clear(untar)()
                 untar.mkdir()
 
-            record(
-                "tar -xf",
-                _timed(
-                    untar_setup,
-                    lambda: subprocess.run(
-                        ["tar", "-xf", str(tar_file), "-C", str(untar)], check=True
-                    ),
-                ),
-            )
-            record(
-                "pull",
-                _timed(_clear(pulled), lambda: pull_collection(coll, pulled, show_progress=False)),
-            )
-            record(
-                "sha256sum",
-                _timed(
-                    lambda: None,
-                    lambda: subprocess.run(
-                        f"find {src} -type f -print0 | xargs -0 sha256sum > /dev/null",
-                        shell=True,
-                        check=True,
-                    ),
-                ),
-            )
-            record(
-                "verify --deep",
-                _timed(
-                    lambda: None, lambda: verify_collection(coll, deep=True, show_progress=False)
-                ),
-            )
+            record("tar -xf", _timed(untar_setup, lambda: subprocess.run(
+                ["tar", "-xf", str(tar_file), "-C", str(untar)], check=True)))
+            record("pull", _timed(_clear(pulled), lambda: pull_collection(coll, pulled, show_progress=False)))
+            record("sha256sum", _timed(lambda: None, lambda: subprocess.run(
+                f"find {src} -type f -print0 | xargs -0 sha256sum > /dev/null",
+                shell=True, check=True)))
+            record("verify --deep", _timed(
+                lambda: None, lambda: verify_collection(coll, deep=True, show_progress=False)
+            ))
         medians = {name: statistics.median(values) for name, values in times.items()}
         cpu_medians = {name: statistics.median(values) for name, values in cpu.items()}
         pairs = [
@@ -229,56 +189,31 @@ def main(argv: list[str] | None = None) -> int:
             ("pull", "tar -xf", 1.5),
             ("verify --deep", "sha256sum", None),
         ]
-        print(
-            f"{'measured':<24}{'seconds':>9}  {'baseline':<18}{'seconds':>9}  {'ratio':>6}  "
-            f"{'target':<15}{'cpu ratio':>9}"
-        )
+        print(f"{'measured':<24}{'seconds':>9}  {'baseline':<18}{'seconds':>9}  {'ratio':>6}  "
+              f"{'target':<15}{'cpu ratio':>9}")
         results = []
         for name, base, target in pairs:
             ratio = medians[name] / medians[base]
             cpu_ratio = cpu_medians[name] / max(cpu_medians[base], 1e-9)
             verdict = "-" if target is None else ("ok" if ratio <= target else "MISSED")
             goal = "" if target is None else f"<= {target}x "
-            print(
-                f"{name:<24}{medians[name]:>9.3f}  {base:<18}{medians[base]:>9.3f}  "
-                f"{ratio:>5.2f}x  {goal + verdict:<15}{cpu_ratio:>8.2f}x"
-            )
-            results.append(
-                {
-                    "measured": name,
-                    "baseline": base,
-                    "seconds": medians[name],
-                    "baseline_seconds": medians[base],
-                    "ratio": ratio,
-                    "target": target,
-                    "cpu_seconds": cpu_medians[name],
-                    "baseline_cpu_seconds": cpu_medians[base],
-                    "cpu_ratio": cpu_ratio,
-                }
-            )
+            print(f"{name:<24}{medians[name]:>9.3f}  {base:<18}{medians[base]:>9.3f}  "
+                  f"{ratio:>5.2f}x  {goal + verdict:<15}{cpu_ratio:>8.2f}x")
+            results.append({"measured": name, "baseline": base, "seconds": medians[name],
+                            "baseline_seconds": medians[base], "ratio": ratio, "target": target,
+                            "cpu_seconds": cpu_medians[name],
+                            "baseline_cpu_seconds": cpu_medians[base], "cpu_ratio": cpu_ratio})
         # The format needs every archived byte hashed twice (file digests for files.jsonl.gz,
         # pack and object digests for the manifest). On one core that alone costs:
         hash_seconds = 2 * total / _sha256_rate()
         floor = cpu_medians["tar -cf"] + hash_seconds
-        print(
-            f"one-core floor for archive: tar -cf's CPU {cpu_medians['tar -cf']:.3f} s + two "
-            f"SHA256 passes {hash_seconds:.3f} s = {floor:.3f} s, "
-            f"{floor / medians['tar -cf']:.2f}x tar -cf without free cores to overlap them"
-        )
+        print(f"one-core floor for archive: tar -cf's CPU {cpu_medians['tar -cf']:.3f} s + two "
+              f"SHA256 passes {hash_seconds:.3f} s = {floor:.3f} s, "
+              f"{floor / medians['tar -cf']:.2f}x tar -cf without free cores to overlap them")
         if args.json:
-            print(
-                json.dumps(
-                    {
-                        "files": args.files,
-                        "big": big,
-                        "big_count": args.big_count,
-                        "bytes": total,
-                        "results": results,
-                        "archive_one_core_floor_seconds": floor,
-                    },
-                    indent=1,
-                )
-            )
+            print(json.dumps({"files": args.files, "big": big, "big_count": args.big_count,
+                              "bytes": total, "results": results,
+                              "archive_one_core_floor_seconds": floor}, indent=1))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return 0

@@ -139,19 +139,10 @@ def main() -> None:
     parser.add_argument("--pick", type=int, default=2_000, help="scattered files to read")
     parser.add_argument("--pack-bytes", type=int, default=4 << 20, help="archive pack size")
     parser.add_argument("--streams", type=int, default=32)
-    parser.add_argument(
-        "--request-ms",
-        type=float,
-        nargs="*",
-        default=[0.0, 5.0],
-        help="extra cost per open/get, one pass per value (default: 0 5)",
-    )
-    parser.add_argument(
-        "--mount-slots",
-        type=int,
-        default=4,
-        help="requests in flight at once when --request-ms > 0 (0: no limit)",
-    )
+    parser.add_argument("--request-ms", type=float, nargs="*", default=[0.0, 5.0],
+                        help="extra cost per open/get, one pass per value (default: 0 5)")
+    parser.add_argument("--mount-slots", type=int, default=4,
+                        help="requests in flight at once when --request-ms > 0 (0: no limit)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
@@ -170,15 +161,8 @@ def main() -> None:
                              min(args.pick, len(packed.files)))  # fmt: skip
         packs = len({e.pack for e in entries})
         rows = [
-            _measure(
-                store,
-                packed,
-                entries,
-                streams=args.streams,
-                request_s=ms / 1000,
-                slots=args.mount_slots,
-                repeat=args.repeat,
-            )  # fmt: skip
+            _measure(store, packed, entries, streams=args.streams, request_s=ms / 1000,
+                     slots=args.mount_slots, repeat=args.repeat)  # fmt: skip
             for ms in args.request_ms
         ]
     if args.json:

@@ -68,10 +68,8 @@ def test_groups_are_contiguous_in_one_pack_in_order(tmp_path) -> None:
         _write(src, f"x/{i:02d}.bin", 1000, seed=i)
     groups = tmp_path / "groups.csv"
     # g1 takes files out of path order; g2 has no order column values beyond the row order.
-    groups.write_text(
-        "path,group,order\nx/05.bin,g1,2\nx/01.bin,g1,1\nx/09.bin,g1,3\n"
-        "x/02.bin,g2,1\nx/03.bin,g2,2\nmissing.bin,g3,1\n"
-    )
+    groups.write_text("path,group,order\nx/05.bin,g1,2\nx/01.bin,g1,1\nx/09.bin,g1,3\n"
+                      "x/02.bin,g2,1\nx/03.bin,g2,2\nmissing.bin,g3,1\n")
     dest = tmp_path / "dest"
     report = archive_tree(src, dest, groups=groups, pack_bytes=6 * 1536, object_bytes=1 << 20)
     assert report.unmatched_group_rows == 1
@@ -119,14 +117,8 @@ def test_object_bytes_default_comes_from_the_targets_profile(tree, tmp_path) -> 
 
     # request_seconds * bandwidth = 8 KiB: files at least that large become objects. (Without
     # a profile the conservative default puts the threshold far above this tree's 40 KB file.)
-    profile = StoreProfile(
-        request_seconds=0.001,
-        stream_bytes_per_second=8.192e6,
-        concurrency=2,
-        range_reads_scale=False,
-        part_bytes=8 << 20,
-        listing_cheap=True,
-    )
+    profile = StoreProfile(request_seconds=0.001, stream_bytes_per_second=8.192e6, concurrency=2,
+                           range_reads_scale=False, part_bytes=8 << 20, listing_cheap=True)
     assert min_object_bytes(profile) == 8192
     report = archive_tree(tree, LocalStore(tmp_path / "dest", profile=profile))
     collection = load_collection(tmp_path / "dest")
@@ -186,14 +178,9 @@ def test_files_from_takes_exactly_the_listed_paths(tree, tmp_path) -> None:
     listed.write_text("d0/f0.bin\n./big/huge.bin\n\n")
     report = archive_tree(tree, tmp_path / "dest", files_from=listed)
     assert report.files == 2
-    for bad, message in (
-        ("linked/f0.bin", "not a plain directory"),
-        ("nope", "does not exist"),
-        ("nodir/x.bin", "nodir does not exist"),
-        ("../x", "segment"),
-        ("d0", "directory"),
-        ("d0/f0.bin\nd0/f0.bin", "twice"),
-    ):
+    for bad, message in (("linked/f0.bin", "not a plain directory"), ("nope", "does not exist"),
+                         ("nodir/x.bin", "nodir does not exist"),
+                         ("../x", "segment"), ("d0", "directory"), ("d0/f0.bin\nd0/f0.bin", "twice")):
         listed.write_text(bad + "\n")
         # Errors name the list file and its line, so a long list is easy to fix.
         with pytest.raises(ValueError, match=f"--files-from {listed} line [12]: .*{message}"):
@@ -308,9 +295,8 @@ def test_delete_source_moves_unchanged_files_and_keeps_changed_ones(tree, tmp_pa
         if seen == total:  # every byte is archived; the file changes before deletion
             os.utime(tree / "d1" / "f2.bin", ns=(1, 1))
 
-    report = archive_tree(
-        tree, dest, object_bytes=20_000, delete_source=True, progress=touch_when_all_read
-    )
+    report = archive_tree(tree, dest, object_bytes=20_000, delete_source=True,
+                     progress=touch_when_all_read)
     assert report.verified is True
     assert report.kept_changed == ["d1/f2.bin"]
     assert report.deleted == 13

@@ -58,27 +58,15 @@ def test_archive_verify_ls_pull_round_trip(src, tmp_path, capsys) -> None:
 
 def test_dry_run_reports_and_writes_nothing(src, tmp_path, capsys) -> None:
     dest = tmp_path / "coll"
-    code, text, _ = _run(
-        capsys,
-        "archive",
-        str(src),
-        str(dest),
-        "--dry-run",
-        "--json",
-        "--pack-bytes",
-        "8K",
-        "--object-bytes",
-        "20K",
-    )
+    code, text, _ = _run(capsys, "archive", str(src), str(dest), "--dry-run", "--json",
+                         "--pack-bytes", "8K", "--object-bytes", "20K")
     report = json.loads(text)
     assert code == 0 and report["dry_run"] and report["files"] == 21 and report["objects"] == 1
     assert report["packs"] > 1 and report["requests"]["target_puts"] > report["packs"]
     assert not dest.exists()
     groups = tmp_path / "groups.csv"
     groups.write_text("path,group\npart0/file000.dat,g\npart0/typo.dat,g\n")
-    code, text, _ = _run(
-        capsys, "archive", str(src), str(dest), "--dry-run", "--groups", str(groups)
-    )
+    code, text, _ = _run(capsys, "archive", str(src), str(dest), "--dry-run", "--groups", str(groups))
     assert code == 0 and "dry run (nothing written)" in text and "reused" not in text
     assert "skipped           none" in text and "puts to write it" in text
     assert "1 row(s) of --groups name no archived file" in text and "part0/typo.dat" in text
@@ -132,25 +120,14 @@ def test_delete_source_cli(src, tmp_path, capsys) -> None:
 def test_console_script_and_module_entry_point(src, tmp_path) -> None:
     exe = Path(sys.executable).with_name("koochak-data")
     dest = tmp_path / "coll"
-    done = subprocess.run(
-        [str(exe), "archive", str(src), str(dest), "--json"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    done = subprocess.run([str(exe), "archive", str(src), str(dest), "--json"],
+                          capture_output=True, text=True, check=True)
     assert json.loads(done.stdout)["files"] == 21 and done.stderr == ""  # no bar off a TTY
-    listed = subprocess.run(
-        [sys.executable, "-m", "koochak.data", "ls", str(dest)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    listed = subprocess.run([sys.executable, "-m", "koochak.data", "ls", str(dest)],
+                            capture_output=True, text=True, check=True)
     assert len(listed.stdout.split()) == 21
-    bad = subprocess.run(
-        [sys.executable, "-m", "koochak.data", "pull", str(tmp_path / "no"), str(tmp_path / "o")],
-        capture_output=True,
-        text=True,
-    )
+    bad = subprocess.run([sys.executable, "-m", "koochak.data", "pull", str(tmp_path / "no"),
+                          str(tmp_path / "o")], capture_output=True, text=True)
     assert bad.returncode == 1 and "Traceback" not in bad.stderr
 
 
@@ -175,10 +152,7 @@ def _seconds(argv: list[str]) -> float:
 
 
 def _kill_at_random_points(
-    argv: list[str],
-    seconds: float,
-    seed: int,
-    reset: Callable[[], None],
+    argv: list[str], seconds: float, seed: int, reset: Callable[[], None],
     after_kill: Callable[[], None] = lambda: None,
 ) -> int:
     """Start the command and SIGKILL it at random moments inside its run; returns the kills.
@@ -220,9 +194,8 @@ def test_archive_killed_at_random_points_resumes_and_verifies(tmp_path) -> None:
     )
     assert kills >= 1
     subprocess.run(argv, check=True, capture_output=True)
-    verified = subprocess.run(
-        _cli("verify", str(dest), "--deep", "--json"), capture_output=True, text=True
-    )
+    verified = subprocess.run(_cli("verify", str(dest), "--deep", "--json"),
+                              capture_output=True, text=True)
     assert verified.returncode == 0, verified.stdout
     assert json.loads(verified.stdout)["files"] == 603
 
@@ -231,11 +204,8 @@ def test_archive_killed_at_random_points_resumes_and_verifies(tmp_path) -> None:
 def test_pull_killed_at_random_points_leaves_no_partial_file(tmp_path) -> None:
     src, dest, out = tmp_path / "src", tmp_path / "coll", tmp_path / "out"
     _big_tree(src)
-    subprocess.run(
-        _cli("archive", str(src), str(dest), "--pack-bytes", "256K", "--object-bytes", "1M"),
-        check=True,
-        capture_output=True,
-    )
+    subprocess.run(_cli("archive", str(src), str(dest), "--pack-bytes", "256K",
+                        "--object-bytes", "1M"), check=True, capture_output=True)
     argv = _cli("pull", str(dest), str(out), "--streams", "1")
     seconds = _seconds(_cli("pull", str(dest), str(tmp_path / "timing"), "--streams", "1"))
 
@@ -246,10 +216,7 @@ def test_pull_killed_at_random_points_leaves_no_partial_file(tmp_path) -> None:
                 assert path.read_bytes() == (src / rel).read_bytes(), rel
 
     kills = _kill_at_random_points(
-        argv,
-        seconds,
-        seed=2,
-        reset=lambda: shutil.rmtree(out, ignore_errors=True),
+        argv, seconds, seed=2, reset=lambda: shutil.rmtree(out, ignore_errors=True),
         after_kill=only_complete_files,
     )
     assert kills >= 1
@@ -291,11 +258,9 @@ def test_progress_bar_shows_on_a_terminal_by_default(src, tmp_path, monkeypatch)
         def isatty(self) -> bool:
             return True
 
-    for argv in (
-        ["archive", str(src), str(tmp_path / "c")],
-        ["verify", str(tmp_path / "c"), "--deep"],
-        ["pull", str(tmp_path / "c"), str(tmp_path / "out")],
-    ):
+    for argv in (["archive", str(src), str(tmp_path / "c")],
+                 ["verify", str(tmp_path / "c"), "--deep"],
+                 ["pull", str(tmp_path / "c"), str(tmp_path / "out")]):
         terminal = Terminal()
         monkeypatch.setattr(sys, "stderr", terminal)
         assert main(argv) == 0
@@ -314,14 +279,10 @@ def test_no_command_ever_lists_storage(src, tmp_path, capsys) -> None:
 
     register_store("nolist", lambda rest: NoListing(tmp_path / "tier" / rest))
     dest = "nolist://sets/c"
-    for argv in (
-        ["archive", str(src), dest, "--object-bytes", "20K"],
-        ["archive", str(src), dest, "--object-bytes", "20K"],  # rerun: committed
-        ["ls", dest, "--long"],
-        ["verify", dest, "--deep"],
-        ["pull", dest, str(tmp_path / "out")],
-        ["pull", dest, str(tmp_path / "out")],
-    ):
+    for argv in (["archive", str(src), dest, "--object-bytes", "20K"],
+                 ["archive", str(src), dest, "--object-bytes", "20K"],  # rerun: committed
+                 ["ls", dest, "--long"], ["verify", dest, "--deep"],
+                 ["pull", dest, str(tmp_path / "out")], ["pull", dest, str(tmp_path / "out")]):
         code, _, err = _run(capsys, *argv)
         assert code == 0, (argv, err)
     store = NoListing(tmp_path / "tier" / "shards")

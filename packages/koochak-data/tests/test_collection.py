@@ -29,16 +29,7 @@ SHA = "ab" * 32
 
 def _entries() -> list[FileEntry]:
     return [
-        FileEntry(
-            "a/one.txt",
-            10,
-            SHA,
-            0o644,
-            1_700_000_000_123_456_789,
-            "a",
-            "packs/pack-000000.tar",
-            512,
-        ),
+        FileEntry("a/one.txt", 10, SHA, 0o644, 1_700_000_000_123_456_789, "a", "packs/pack-000000.tar", 512),
         FileEntry("a/two.txt", 600, SHA, 0o600, 5, "a", "packs/pack-000000.tar", 1536),
         FileEntry("big.bin", 10_000, SHA, 0o755, -3, ".", object="objects/big.bin"),
     ]
@@ -46,13 +37,9 @@ def _entries() -> list[FileEntry]:
 
 def _manifest(entries: list[FileEntry], table: bytes, pack_size: int = 4096) -> Manifest:
     return Manifest(
-        version=1,
-        kind="koochak.collection",
-        created="2026-01-01T00:00:00+00:00",
-        files=len(entries),
-        bytes=sum(e.size for e in entries),
-        objects=sum(1 for e in entries if e.object),
-        packs=(PackInfo("packs/pack-000000.tar", pack_size, SHA, 2),),
+        version=1, kind="koochak.collection", created="2026-01-01T00:00:00+00:00",
+        files=len(entries), bytes=sum(e.size for e in entries),
+        objects=sum(1 for e in entries if e.object), packs=(PackInfo("packs/pack-000000.tar", pack_size, SHA, 2),),
         files_table=FilesTable("files.jsonl.gz", len(table), hashlib.sha256(table).hexdigest()),
         metadata={"source": "/data/x"},
     )
@@ -71,9 +58,7 @@ def _parse(manifest: dict, lines: list[dict]) -> tuple[FileEntry, ...]:
     table = gzip.compress("".join(json.dumps(x) + "\n" for x in lines).encode())
     manifest = dict(manifest)
     manifest["files_table"] = {
-        "key": "files.jsonl.gz",
-        "size": len(table),
-        "sha256": hashlib.sha256(table).hexdigest(),
+        "key": "files.jsonl.gz", "size": len(table), "sha256": hashlib.sha256(table).hexdigest()
     }
     return parse_files_table(table, parse_manifest(json.dumps(manifest)))
 
@@ -201,14 +186,9 @@ def test_glob_matches_path_or_base_name() -> None:
 # ------------------------------------------------------------------------------------ fuzzing
 
 _json = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers(-(2**70), 2**70)
-    | st.floats(allow_nan=False)
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False)
     | st.text(max_size=20),
-    lambda children: (
-        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
-    ),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
     max_leaves=12,
 )
 
@@ -223,23 +203,8 @@ def test_fuzz_manifest_bytes_give_only_value_errors(data: bytes) -> None:
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    key=st.sampled_from(
-        [
-            "version",
-            "kind",
-            "created",
-            "files",
-            "bytes",
-            "objects",
-            "packs",
-            "files_table",
-            "metadata",
-            "extra",
-        ]
-    ),
-    value=_json,
-)
+@given(key=st.sampled_from(["version", "kind", "created", "files", "bytes", "objects", "packs",
+                            "files_table", "metadata", "extra"]), value=_json)
 def test_fuzz_manifest_fields_give_only_value_errors(key: str, value: object) -> None:
     manifest, _ = _docs()
     manifest[key] = value
@@ -252,9 +217,8 @@ def test_fuzz_manifest_fields_give_only_value_errors(key: str, value: object) ->
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     index=st.integers(0, 2),
-    key=st.sampled_from(
-        ["path", "size", "sha256", "mode", "mtime_ns", "group", "pack", "offset", "object", "x"]
-    ),
+    key=st.sampled_from(["path", "size", "sha256", "mode", "mtime_ns", "group", "pack", "offset",
+                         "object", "x"]),
     value=_json | st.text(alphabet="./a\x00", max_size=8),
 )
 def test_fuzz_entries_give_only_value_errors(index: int, key: str, value: object) -> None:
@@ -298,9 +262,7 @@ def test_duplicate_fields_and_nan_are_refused_not_last_one_wins() -> None:
     table = table.replace('{"path": "a/one.txt"', '{"path": "../escape", "path": "a/one.txt"', 1)
     data = gzip.compress(table.encode())
     manifest["files_table"] = {
-        "key": "files.jsonl.gz",
-        "size": len(data),
-        "sha256": hashlib.sha256(data).hexdigest(),
+        "key": "files.jsonl.gz", "size": len(data), "sha256": hashlib.sha256(data).hexdigest()
     }
     with pytest.raises(ValueError, match="files.jsonl.gz line 1: .*'path' appears twice"):
         parse_files_table(data, parse_manifest(json.dumps(manifest)))

@@ -12,9 +12,7 @@ from koochak.data.shards import ShardEntry
 
 
 def _shards(records: list[int]) -> list[ShardEntry]:
-    return [
-        ShardEntry(f"shard-{i:06d}.tar", 1024 * (r + 1), "0" * 64, r) for i, r in enumerate(records)
-    ]
+    return [ShardEntry(f"shard-{i:06d}.tar", 1024 * (r + 1), "0" * 64, r) for i, r in enumerate(records)]
 
 
 def _flat(plan: list[list[ShardEntry]]) -> list[str]:

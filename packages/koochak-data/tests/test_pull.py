@@ -136,9 +136,7 @@ def test_symlinks_under_dest_are_never_followed(collection, tmp_path) -> None:
 
 def _rewrite_table(coll, edit) -> None:
     """Hand-craft a manifest: edit the file table's entries and re-seal its digest."""
-    lines = [
-        json.loads(x) for x in gzip.decompress((coll / "files.jsonl.gz").read_bytes()).splitlines()
-    ]
+    lines = [json.loads(x) for x in gzip.decompress((coll / "files.jsonl.gz").read_bytes()).splitlines()]
     edit(lines)
     table = gzip.compress("".join(json.dumps(x) + "\n" for x in lines).encode())
     manifest = json.loads((coll / "manifest.json").read_text())
@@ -172,39 +170,18 @@ def test_tar_member_names_are_ignored(tmp_path) -> None:
         tar.addfile(info, io.BytesIO(payload))
     pack = buffer.getvalue()
     (coll / "packs" / "pack-000000.tar").write_bytes(pack)
-    entry = {
-        "path": "good.txt",
-        "size": 5,
-        "sha256": hashlib.sha256(payload).hexdigest(),
-        "mode": 0o644,
-        "mtime_ns": 7,
-        "group": ".",
-        "pack": "packs/pack-000000.tar",
-        "offset": pack.index(payload),
-    }
+    entry = {"path": "good.txt", "size": 5, "sha256": hashlib.sha256(payload).hexdigest(),
+             "mode": 0o644, "mtime_ns": 7, "group": ".", "pack": "packs/pack-000000.tar",
+             "offset": pack.index(payload)}
     table = gzip.compress((json.dumps(entry) + "\n").encode())
     (coll / "files.jsonl.gz").write_bytes(table)
     manifest = {
-        "version": 1,
-        "kind": "koochak.collection",
-        "created": "x",
-        "files": 1,
-        "bytes": 5,
-        "objects": 0,
-        "metadata": {},
-        "packs": [
-            {
-                "key": "packs/pack-000000.tar",
-                "size": len(pack),
-                "sha256": hashlib.sha256(pack).hexdigest(),
-                "files": 1,
-            }
-        ],
-        "files_table": {
-            "key": "files.jsonl.gz",
-            "size": len(table),
-            "sha256": hashlib.sha256(table).hexdigest(),
-        },
+        "version": 1, "kind": "koochak.collection", "created": "x", "files": 1, "bytes": 5,
+        "objects": 0, "metadata": {},
+        "packs": [{"key": "packs/pack-000000.tar", "size": len(pack),
+                   "sha256": hashlib.sha256(pack).hexdigest(), "files": 1}],
+        "files_table": {"key": "files.jsonl.gz", "size": len(table),
+                        "sha256": hashlib.sha256(table).hexdigest()},
     }
     (coll / "manifest.json").write_text(json.dumps(manifest))
     out = tmp_path / "a" / "out"
@@ -222,10 +199,7 @@ def test_corrupt_bytes_are_never_written_under_a_final_name(collection, tmp_path
     pack.unlink()
     pack.write_bytes(bytes(data))
     out = tmp_path / "out"
-    with pytest.raises(
-        ValueError,
-        match=rf"1 file\(s\) failed .* First: d0/f2.txt \(in {entry.pack}\): got .* not written",
-    ):
+    with pytest.raises(ValueError, match=rf"1 file\(s\) failed .* First: d0/f2.txt \(in {entry.pack}\): got .* not written"):
         pull_collection(coll, out, streams=1)
     assert not (out / "d0" / "f2.txt").exists()
     assert not list(out.rglob(".koochak-pull-*"))
@@ -264,39 +238,16 @@ def test_leftover_temp_file_from_a_killed_pull_is_left_alone(collection, tmp_pat
 
 
 _hostile_paths = st.one_of(
-    st.sampled_from(
-        [
-            "../x",
-            "/abs",
-            "a/../../x",
-            "..",
-            ".",
-            "a//b",
-            "a/./b",
-            "d0",
-            "d0/f0.txt/x",
-            "ok.txt",
-            "d1/new.txt",
-            "sub/dir/f.txt",
-            ".koochak-pull-x.tmp",
-            "a\x00b",
-        ]
-    ),
+    st.sampled_from(["../x", "/abs", "a/../../x", "..", ".", "a//b", "a/./b", "d0", "d0/f0.txt/x",
+                     "ok.txt", "d1/new.txt", "sub/dir/f.txt", ".koochak-pull-x.tmp", "a\x00b"]),
     st.text(alphabet="./ab", min_size=1, max_size=8),
 )
 
 
-@settings(
-    max_examples=60,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
-@given(
-    index=st.integers(0, 15),
-    path=_hostile_paths,
-    offset_delta=st.sampled_from([0, 0, 512, -512, 10**9]),
-    size_delta=st.sampled_from([0, 0, 1, -1, -(10**6)]),
-)
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(index=st.integers(0, 15), path=_hostile_paths, offset_delta=st.sampled_from([0, 0, 512, -512, 10**9]),
+       size_delta=st.sampled_from([0, 0, 1, -1, -(10**6)]))
 def test_fuzzed_manifests_only_fail_cleanly_and_never_escape(
     collection, index: int, path: str, offset_delta: int, size_delta: int
 ) -> None:

@@ -72,12 +72,7 @@ def test_index_is_written_last_and_its_hash_is_the_version(store) -> None:
     assert document["kind"] == "koochak.shards" and document["version"] == 1
     assert document["format"] == "tar"
     for entry, listed in zip(index.shards, document["shards"]):
-        assert listed == {
-            "key": entry.key,
-            "size": entry.size,
-            "sha256": entry.sha256,
-            "records": entry.records,
-        }
+        assert listed == {"key": entry.key, "size": entry.size, "sha256": entry.sha256, "records": entry.records}
         assert store.stat(f"{PREFIX}/{entry.key}").size == entry.size
 
 
@@ -106,10 +101,7 @@ def test_same_records_give_the_same_dataset_version(tmp_path) -> None:
 
 def test_interrupted_build_commits_nothing_and_rerun_reuses_shards(store) -> None:
     samples = _samples(30)
-    with (
-        pytest.raises(RuntimeError, match="boom"),
-        ShardWriter(store, PREFIX, target_bytes=4096) as writer,
-    ):
+    with pytest.raises(RuntimeError, match="boom"), ShardWriter(store, PREFIX, target_bytes=4096) as writer:
         for i, sample in enumerate(samples):
             if i == 20:
                 raise RuntimeError("boom")
@@ -172,9 +164,7 @@ def test_rerun_with_different_records_is_refused(store) -> None:
         raise RuntimeError("interrupted")
     changed = _samples(20)
     changed[0]["cls"] = b"changed"
-    with pytest.raises(
-        FileExistsError, match=r"shard-000000.tar already exists with different content"
-    ):
+    with pytest.raises(FileExistsError, match=r"shard-000000.tar already exists with different content"):
         _build(store, changed)
     writer = ShardWriter(store, PREFIX, target_bytes=4096)
     with pytest.raises(FileExistsError):
@@ -220,10 +210,9 @@ def test_describe_and_write_index_cover_pre_existing_files(store) -> None:
     for entry in built.shards:
         store.put(f"copied/part/{entry.key}", store.get(f"built/{entry.key}"))
     described = describe_shard(store, "copied/part/shard-000000.tar")
-    assert described == ShardEntry(
-        "copied/part/shard-000000.tar",
-        *[getattr(built.shards[0], f) for f in ("size", "sha256", "records")],
-    )
+    assert described == ShardEntry("copied/part/shard-000000.tar", *[
+        getattr(built.shards[0], f) for f in ("size", "sha256", "records")
+    ])
     index = write_index(store, "copied", [f"part/{e.key}" for e in built.shards], metadata={"m": 1})
     assert [e.sha256 for e in index.shards] == [e.sha256 for e in built.shards]
     assert _read_all(store, load_index(store, "copied")) == _samples(15)
@@ -253,13 +242,8 @@ def test_shards_written_by_webdataset_can_be_indexed_and_read(store) -> None:
             for i in range(5):
                 sample = {"__key__": f"p{part}/s{i}", "txt": f"hello {part} {i}", "cls": i}
                 sink.write(sample)
-                expected.append(
-                    {
-                        "__key__": f"p{part}/s{i}",
-                        "cls": str(i).encode(),
-                        "txt": f"hello {part} {i}".encode(),
-                    }
-                )
+                expected.append({"__key__": f"p{part}/s{i}", "cls": str(i).encode(),
+                                 "txt": f"hello {part} {i}".encode()})
     index = write_index(store, "wds", ["part-0.tar", "part-1.tar"])
     assert [e.records for e in index.shards] == [5, 5]
     assert list(read_shards(store, load_index(store, "wds"))) == expected
@@ -348,9 +332,7 @@ def test_tampered_shard_fails_naming_the_field_and_yields_nothing(store) -> None
 def test_index_with_wrong_record_count_is_caught_before_any_sample(store) -> None:
     index = _build(store, _samples(10))
     lying = parse_index(
-        sh._index_bytes(
-            "tar", {}, [ShardEntry(e.key, e.size, e.sha256, e.records + 1) for e in index.shards]
-        ),
+        sh._index_bytes("tar", {}, [ShardEntry(e.key, e.size, e.sha256, e.records + 1) for e in index.shards]),
         prefix=PREFIX,
     )
     with pytest.raises(ValueError, match="records mismatch: index says"):
@@ -366,8 +348,7 @@ def test_read_shards_yields_everything_in_order(store, prefetch) -> None:
     assert list(read_shards(store, index, prefetch=prefetch)) == samples
     subset = [index.shards[2].key, index.shards[0]]
     assert list(read_shards(store, index, subset, prefetch=prefetch)) == (
-        list(read_shard(store, index, index.shards[2]))
-        + list(read_shard(store, index, index.shards[0]))
+        list(read_shard(store, index, index.shards[2])) + list(read_shard(store, index, index.shards[0]))
     )
 
 
@@ -462,9 +443,7 @@ def test_tampered_index_on_disk_is_rejected(store) -> None:
 
 _json = st.recursive(
     st.none() | st.booleans() | st.integers(-5, 5000) | st.text(max_size=12),
-    lambda children: (
-        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=4)
-    ),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=4),
     max_leaves=12,
 )
 
@@ -480,9 +459,7 @@ def test_fuzz_parse_index_only_raises_value_error(data) -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(
-    st.sampled_from(
-        ["kind", "version", "format", "metadata", "shards", "key", "size", "sha256", "records"]
-    ),
+    st.sampled_from(["kind", "version", "format", "metadata", "shards", "key", "size", "sha256", "records"]),
     _json,
 )
 def test_fuzz_one_field_of_a_good_index_only_raises_value_error(field, value) -> None:

@@ -169,11 +169,7 @@ def test_member_without_extension_is_refused() -> None:
 def test_non_contiguous_key_and_repeated_field_are_refused() -> None:
     split = _tarfile_archive(
         tarfile.USTAR_FORMAT,
-        [
-            ("a.cls", b"1", tarfile.REGTYPE),
-            ("b.cls", b"2", tarfile.REGTYPE),
-            ("a.jpg", b"3", tarfile.REGTYPE),
-        ],
+        [("a.cls", b"1", tarfile.REGTYPE), ("b.cls", b"2", tarfile.REGTYPE), ("a.jpg", b"3", tarfile.REGTYPE)],
     )
     with pytest.raises(ValueError, match="appears twice"):
         _read(split)

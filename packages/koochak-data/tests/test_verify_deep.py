@@ -38,9 +38,7 @@ def _damage(store, offset_of, flip_at) -> tuple[str, str]:
 
 def test_an_intact_collection_verifies_deep(collection) -> None:
     report = verify_collection(collection, deep=True, show_progress=False)
-    assert report.ok and report.bytes_read == sum(
-        p.size for p in load_collection(collection).manifest.packs
-    )
+    assert report.ok and report.bytes_read == sum(p.size for p in load_collection(collection).manifest.packs)
 
 
 def test_damage_in_a_tar_header_is_caught_by_the_pack_digest_alone(collection) -> None:

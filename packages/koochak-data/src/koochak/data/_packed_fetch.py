@@ -110,11 +110,7 @@ def fetch_pack(store: Any, pack: PackInfo, *, retries: int, cache: PackCache | N
         if hit is not None:
             return hit
     data = _with_retries(
-        f"pack {where}",
-        retries,
-        lambda: _checked(
-            get_named(store, pack.key, named_by=FILES_KEY), pack.size, pack.sha256, where
-        ),
+        f"pack {where}", retries, lambda: _checked(get_named(store, pack.key, named_by=FILES_KEY), pack.size, pack.sha256, where)
     )
     if cache is not None:
         cache.put(cache_key, data)

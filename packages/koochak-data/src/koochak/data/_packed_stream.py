@@ -189,14 +189,10 @@ class _Feed:
         units = [self.units[i] for i in order]
         return [units[i : i + self.window] for i in range(0, len(units), self.window)]
 
-    def window_order(
-        self, pass_index: int, window_index: int, units: Sequence[PackUnit]
-    ) -> list[str]:
+    def window_order(self, pass_index: int, window_index: int, units: Sequence[PackUnit]) -> list[str]:
         """The order in which a window's groups are yielded."""
         names = [g for u in units for g in u.groups]
-        return sorted(
-            names, key=lambda g: seeded_key(self.seed, "window", pass_index, window_index, g)
-        )
+        return sorted(names, key=lambda g: seeded_key(self.seed, "window", pass_index, window_index, g))
 
     def _schedule(self) -> Iterator[tuple[int, int, list[PackUnit], int]]:
         """(pass, window index, units, groups to skip) from ``start`` on, endlessly."""

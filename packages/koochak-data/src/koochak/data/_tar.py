@@ -81,9 +81,7 @@ def check_sample_key(key: object) -> str:
 def encode_sample(sample: Mapping[str, object]) -> list[bytes]:
     """Return the tar blocks of one sample (headers, data, padding) as a list of chunks."""
     if not isinstance(sample, Mapping):
-        raise ValueError(
-            f"a sample must be a mapping of field -> bytes, got {type(sample).__name__}"
-        )
+        raise ValueError(f"a sample must be a mapping of field -> bytes, got {type(sample).__name__}")
     if "__key__" not in sample:
         raise ValueError("sample has no '__key__' field")
     key = check_sample_key(sample["__key__"])
@@ -133,11 +131,7 @@ def member_header(name: str, size: int, *, mode: int = 0o644, mtime: int = 0) ->
     prefix = b""
     if len(raw) > 100:
         # ustar stores long names as prefix + "/" + name: split at a slash where both parts fit.
-        cuts = [
-            i
-            for i in range(1, min(len(raw) - 1, 156))
-            if raw[i] == 0x2F and len(raw) - i - 1 <= 100
-        ]
+        cuts = [i for i in range(1, min(len(raw) - 1, 156)) if raw[i] == 0x2F and len(raw) - i - 1 <= 100]
         if not cuts:
             raise ValueError(
                 f"tar member name {name!r} is too long for a ustar header "
@@ -145,13 +139,9 @@ def member_header(name: str, size: int, *, mode: int = 0o644, mtime: int = 0) ->
             )
         prefix, raw = raw[: cuts[0]], raw[cuts[0] + 1 :]
     if size > _MAX_SIZE:
-        raise ValueError(
-            f"tar member {name!r} is {size} bytes; a ustar member holds at most {_MAX_SIZE}"
-        )
+        raise ValueError(f"tar member {name!r} is {size} bytes; a ustar member holds at most {_MAX_SIZE}")
     if not 0 <= mtime <= _MAX_SIZE or not 0 <= mode <= 0o7777:
-        raise ValueError(
-            f"tar member {name!r}: mtime {mtime} or mode {mode:#o} does not fit a ustar header"
-        )
+        raise ValueError(f"tar member {name!r}: mtime {mtime} or mode {mode:#o} does not fit a ustar header")
     # Built as one join with the checksum summed arithmetically: headers are written for every
     # small file of an archive, and formatting a 512-byte bytearray field by field (then summing
     # it) cost several times more than the join.
@@ -287,9 +277,7 @@ def parse_members(
                     f"{source}: non-zero data after the end-of-archive marker at byte {pos}"
                 )
             if long_name is not None or pax:
-                raise ValueError(
-                    f"{_where(source, pos)}: archive ends after a long-name/pax header"
-                )
+                raise ValueError(f"{_where(source, pos)}: archive ends after a long-name/pax header")
             return
         if checksums:
             header = bytes(data[pos : pos + BLOCK])
@@ -353,9 +341,7 @@ def parse_members(
             continue  # directory entries carry no sample data
         if typeflag not in _REGULAR:
             kind = _LINK_KINDS.get(typeflag, f"type {typeflag!r}")
-            raise ValueError(
-                f"{source}: tar member {name!r} is a {kind}; shards hold regular files only"
-            )
+            raise ValueError(f"{source}: tar member {name!r} is a {kind}; shards hold regular files only")
         check_path(name, f"{source}: tar member name")
         yield name, member
 
@@ -384,9 +370,7 @@ def iter_samples(
             if sample is not None:
                 yield sample
             if key in seen:
-                raise ValueError(
-                    f"{source}: sample key {key!r} appears twice (members are not contiguous)"
-                )
+                raise ValueError(f"{source}: sample key {key!r} appears twice (members are not contiguous)")
             seen.add(key)
             sample = {"__key__": key}
         if ext in sample:

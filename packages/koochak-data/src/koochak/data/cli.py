@@ -43,13 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--json", action="store_true", help="print the result as JSON")
     common.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     bar = common.add_mutually_exclusive_group()
-    bar.add_argument(
-        "--progress",
-        dest="progress",
-        action="store_true",
-        default=None,
-        help="always show a progress bar (default: only on a terminal)",
-    )
+    bar.add_argument("--progress", dest="progress", action="store_true", default=None,
+                     help="always show a progress bar (default: only on a terminal)")
     bar.add_argument("--no-progress", dest="progress", action="store_false")
 
     parser = argparse.ArgumentParser(
@@ -63,74 +58,33 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("src", metavar="SRC", help="local directory to archive")
     a.add_argument("dest", metavar="DEST", help="collection location: a path or scheme://path")
     a.add_argument("--groups", metavar="CSV", help="groups table: path,group[,order]")
-    a.add_argument(
-        "--pack-bytes",
-        type=_size,
-        default=None,
-        metavar="SIZE",
-        help="target pack size (default 64M)",
-    )
-    a.add_argument(
-        "--object-bytes",
-        type=_size,
-        default=None,
-        metavar="SIZE",
-        help="files at least this large become objects (default: from DEST's profile)",
-    )
-    a.add_argument(
-        "--layout",
-        choices=("packs", "objects"),
-        default="packs",
-        help="'objects' stores every file as-is",
-    )
-    a.add_argument(
-        "--include",
-        action="append",
-        default=[],
-        metavar="GLOB",
-        help="archive only matching files (repeatable)",
-    )
-    a.add_argument(
-        "--exclude",
-        action="append",
-        default=[],
-        metavar="GLOB",
-        help="skip matching files; matching directories are pruned (repeatable)",
-    )
+    a.add_argument("--pack-bytes", type=_size, default=None, metavar="SIZE",
+                   help="target pack size (default 64M)")
+    a.add_argument("--object-bytes", type=_size, default=None, metavar="SIZE",
+                   help="files at least this large become objects (default: from DEST's profile)")
+    a.add_argument("--layout", choices=("packs", "objects"), default="packs",
+                   help="'objects' stores every file as-is")
+    a.add_argument("--include", action="append", default=[], metavar="GLOB",
+                   help="archive only matching files (repeatable)")
+    a.add_argument("--exclude", action="append", default=[], metavar="GLOB",
+                   help="skip matching files; matching directories are pruned (repeatable)")
     a.add_argument("--skip-symlinks", action="store_true", help="skip symlinks instead of failing")
-    a.add_argument(
-        "--min-age-hours",
-        type=float,
-        default=None,
-        metavar="H",
-        help="skip files modified in the last H hours",
-    )
-    a.add_argument(
-        "--files-from",
-        metavar="LIST",
-        help="archive exactly the paths listed (one per line, relative to SRC)",
-    )
-    a.add_argument(
-        "--delete-source",
-        action="store_true",
-        help="after a deep verify of the committed collection, delete unchanged sources",
-    )
+    a.add_argument("--min-age-hours", type=float, default=None, metavar="H",
+                   help="skip files modified in the last H hours")
+    a.add_argument("--files-from", metavar="LIST",
+                   help="archive exactly the paths listed (one per line, relative to SRC)")
+    a.add_argument("--delete-source", action="store_true",
+                   help="after a deep verify of the committed collection, delete unchanged sources")
     a.add_argument("--dry-run", action="store_true", help="plan and report; write nothing")
     a.add_argument("--streams", type=_positive, default=None, help="packs written at once")
 
     p = sub.add_parser("pull", parents=[common], help="restore files from a collection")
     p.add_argument("src", metavar="SRC", help="collection location")
     p.add_argument("dest", metavar="DEST", help="local directory to restore into")
-    p.add_argument(
-        "--include",
-        action="append",
-        default=[],
-        metavar="GLOB",
-        help="restore only matching files (repeatable)",
-    )
-    p.add_argument(
-        "--overwrite", action="store_true", help="replace existing files whose content differs"
-    )
+    p.add_argument("--include", action="append", default=[], metavar="GLOB",
+                   help="restore only matching files (repeatable)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace existing files whose content differs")
     p.add_argument("--fsync", action="store_true", help="fsync every file before its rename")
     p.add_argument("--streams", type=_positive, default=None, help="requests in flight")
 
@@ -141,13 +95,8 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("ls", parents=[common], help="list files from the manifest")
     s.add_argument("src", metavar="SRC", help="collection location")
-    s.add_argument(
-        "--include",
-        action="append",
-        default=[],
-        metavar="GLOB",
-        help="list only matching files (repeatable)",
-    )
+    s.add_argument("--include", action="append", default=[], metavar="GLOB",
+                   help="list only matching files (repeatable)")
     s.add_argument("--long", action="store_true", help="mode, size, mtime and location too")
     return parser
 
@@ -198,26 +147,16 @@ def _archive(args: argparse.Namespace) -> tuple[dict[str, Any], str, int]:
     from koochak.data.archive import DEFAULT_PACK_BYTES, archive_tree
 
     report = archive_tree(
-        args.src,
-        args.dest,
-        groups=args.groups,
+        args.src, args.dest, groups=args.groups,
         pack_bytes=DEFAULT_PACK_BYTES if args.pack_bytes is None else args.pack_bytes,
         object_bytes=args.object_bytes,
-        layout=args.layout,
-        include=args.include,
-        exclude=args.exclude,
-        skip_symlinks=args.skip_symlinks,
-        min_age_hours=args.min_age_hours,
-        files_from=args.files_from,
-        delete_source=args.delete_source,
-        dry_run=args.dry_run,
-        streams=args.streams,
-        show_progress=args.progress,
+        layout=args.layout, include=args.include, exclude=args.exclude,
+        skip_symlinks=args.skip_symlinks, min_age_hours=args.min_age_hours,
+        files_from=args.files_from, delete_source=args.delete_source, dry_run=args.dry_run,
+        streams=args.streams, show_progress=args.progress,
     )
-    state = (
-        "dry run (nothing written)"
-        if report.dry_run
-        else ("already committed" if report.already_committed else "committed")
+    state = "dry run (nothing written)" if report.dry_run else (
+        "already committed" if report.already_committed else "committed"
     )
     # Reuse is only news for a run that wrote (or resumed writing) the collection.
     quiet = report.dry_run or report.already_committed
@@ -232,28 +171,17 @@ def _archive(args: argparse.Namespace) -> tuple[dict[str, Any], str, int]:
         ("packs", f"{report.packs} ({_human(report.pack_bytes)}){reused_packs}"),
         ("objects", f"{report.objects} ({_human(report.object_bytes)}){reused_objects}"),
         ("skipped", ", ".join(skipped) or "none"),
-        (
-            "requests",
-            f"{req['target_puts']} puts to write it; a full pull takes "
-            f"{req['pull_gets']} gets ({req['pull_gets_unpacked']} if unpacked)",
-        ),
+        ("requests", f"{req['target_puts']} puts to write it; a full pull takes "
+                     f"{req['pull_gets']} gets ({req['pull_gets_unpacked']} if unpacked)"),
     ]
     if report.unmatched_group_rows:
-        rows.append(
-            (
-                "groups unmatched",
-                f"{report.unmatched_group_rows} row(s) of --groups name no archived file",
-            )
-        )
+        rows.append(("groups unmatched",
+                     f"{report.unmatched_group_rows} row(s) of --groups name no archived file"))
         rows += [("  unmatched", path) for path in report.unmatched_group_paths[:5]]
     code = 0
     if args.delete_source and report.dry_run:
-        rows.append(
-            (
-                "sources",
-                "kept: a dry run deletes nothing (a real run deletes them after a deep verify)",
-            )
-        )
+        rows.append(("sources", "kept: a dry run deletes nothing (a real run deletes them "
+                                "after a deep verify)"))
     elif args.delete_source:
         rows.append(("deep verify", "ok" if report.verified else "FAILED: nothing deleted"))
         rows.append(("sources deleted", report.deleted))
@@ -268,13 +196,8 @@ def _pull(args: argparse.Namespace) -> tuple[dict[str, Any], str, int]:
     from koochak.data.pull import pull_collection
 
     report = pull_collection(
-        args.src,
-        args.dest,
-        include=args.include,
-        overwrite=args.overwrite,
-        fsync=args.fsync,
-        streams=args.streams,
-        show_progress=args.progress,
+        args.src, args.dest, include=args.include, overwrite=args.overwrite, fsync=args.fsync,
+        streams=args.streams, show_progress=args.progress,
     )
     rows = [
         ("collection", report.source),
@@ -313,16 +236,8 @@ def _ls(args: argparse.Namespace) -> tuple[Any, str, int]:
 
     entries = load_collection(args.src).select(args.include)
     docs = [
-        {
-            "path": e.path,
-            "size": e.size,
-            "sha256": e.sha256,
-            "mode": e.mode,
-            "mtime_ns": e.mtime_ns,
-            "group": e.group,
-            "key": e.key,
-            "offset": e.offset,
-        }
+        {"path": e.path, "size": e.size, "sha256": e.sha256, "mode": e.mode,
+         "mtime_ns": e.mtime_ns, "group": e.group, "key": e.key, "offset": e.offset}
         for e in entries
     ]
     if not args.long:

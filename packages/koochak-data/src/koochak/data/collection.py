@@ -209,15 +209,7 @@ def _keys(obj: object, where: str, required: set[str], optional: set[str] = froz
 # ----------------------------------------------------------------------------- manifest
 
 _MANIFEST_FIELDS = {
-    "version",
-    "kind",
-    "created",
-    "files",
-    "bytes",
-    "objects",
-    "packs",
-    "files_table",
-    "metadata",
+    "version", "kind", "created", "files", "bytes", "objects", "packs", "files_table", "metadata",
 }
 
 
@@ -390,9 +382,7 @@ def parse_files_table(data: bytes, manifest: Manifest) -> tuple[FileEntry, ...]:
         size = _int(raw["size"], f"{w}: field 'size'", minimum=0)
         mode = _int(raw["mode"], f"{w}: field 'mode'", minimum=0)
         if mode > 0o7777:
-            raise ValueError(
-                f"{w}: field 'mode': expected permission bits <= 0o7777, got {mode:#o}"
-            )
+            raise ValueError(f"{w}: field 'mode': expected permission bits <= 0o7777, got {mode:#o}")
         entry_kw = {
             "path": path,
             "size": size,
@@ -403,16 +393,12 @@ def parse_files_table(data: bytes, manifest: Manifest) -> tuple[FileEntry, ...]:
         }
         if "pack" in raw:
             if "object" in raw:
-                raise ValueError(
-                    f"{w}: field 'object': a file has either pack+offset or object, not both"
-                )
+                raise ValueError(f"{w}: field 'object': a file has either pack+offset or object, not both")
             if "offset" not in raw:
                 raise ValueError(f"{w}: missing field 'offset' (required with 'pack')")
             pack = raw["pack"]
             if not isinstance(pack, str) or pack not in packs:
-                raise ValueError(
-                    f"{w}: field 'pack': {pack!r} is not a pack listed in manifest.json"
-                )
+                raise ValueError(f"{w}: field 'pack': {pack!r} is not a pack listed in manifest.json")
             offset = _int(raw["offset"], f"{w}: field 'offset'", minimum=TAR_BLOCK)
             if offset % TAR_BLOCK:
                 raise ValueError(f"{w}: field 'offset': {offset} is not a multiple of {TAR_BLOCK}")
@@ -427,9 +413,7 @@ def parse_files_table(data: bytes, manifest: Manifest) -> tuple[FileEntry, ...]:
                 raise ValueError(f"{w}: field 'offset': only packed files have an offset")
             key = _check_key(raw["object"], f"{w}: field 'object'")
             if not key.startswith(OBJECT_PREFIX):
-                raise ValueError(
-                    f"{w}: field 'object': expected a key under {OBJECT_PREFIX!r}, got {key!r}"
-                )
+                raise ValueError(f"{w}: field 'object': expected a key under {OBJECT_PREFIX!r}, got {key!r}")
             if key in objects:
                 raise ValueError(f"{w}: field 'object': duplicate object key {key!r}")
             objects.add(key)
@@ -449,9 +433,7 @@ def _check_nesting(paths: set[str]) -> None:
         for i in range(1, len(parts)):
             parent = "/".join(parts[:i])
             if parent in paths:
-                raise ValueError(
-                    f"{FILES_KEY}: field 'path': {path!r} lies under the file {parent!r}"
-                )
+                raise ValueError(f"{FILES_KEY}: field 'path': {path!r} lies under the file {parent!r}")
 
 
 def _check_pack_members(entries: list[FileEntry], packs: dict[str, PackInfo]) -> None:
@@ -486,9 +468,7 @@ def _check_totals(entries: list[FileEntry], manifest: Manifest) -> None:
         ("objects", manifest.objects, objects),
     ):
         if said != found:
-            raise ValueError(
-                f"{MANIFEST_KEY}: field {name!r}: says {said}, {FILES_KEY} has {found}"
-            )
+            raise ValueError(f"{MANIFEST_KEY}: field {name!r}: says {said}, {FILES_KEY} has {found}")
 
 
 def load_collection(store: Any) -> Collection:

@@ -44,17 +44,8 @@ class PackedGroups:
             members.setdefault(e.group, []).append(e)
         # Files of a group in storage order: packs as the manifest lists them, then offsets.
         self.groups: dict[str, tuple[FileEntry, ...]] = {
-            name: tuple(
-                sorted(
-                    es,
-                    key=lambda e: (
-                        e.pack is None,
-                        order.get(e.pack or "", 0),
-                        e.offset or 0,
-                        e.path,
-                    ),
-                )
-            )  # fmt: skip
+            name: tuple(sorted(es, key=lambda e: (e.pack is None, order.get(e.pack or "", 0),
+                                                  e.offset or 0, e.path)))  # fmt: skip
             for name, es in members.items()
         }
         self.units: tuple[PackUnit, ...] = self._units(packs, order)
@@ -133,14 +124,10 @@ class PackedGroups:
         for unit in self.units:
             groups = tuple(g for g in unit.groups if keep(g))
             if groups:
-                units.append(
-                    unit if len(groups) == len(unit.groups) else PackUnit(unit.packs, groups)
-                )
+                units.append(unit if len(groups) == len(unit.groups) else PackUnit(unit.packs, groups))
         return units
 
-    def plan(
-        self, num_owners: int, *, seed: int = 0, select: Select = None
-    ) -> list[list[PackUnit]]:
+    def plan(self, num_owners: int, *, seed: int = 0, select: Select = None) -> list[list[PackUnit]]:
         """Deal whole units to ``num_owners`` owners (every DDP rank x DataLoader worker),
         balanced by group count; each unit to exactly one owner, identical on every process for
         the same ``seed``. Raises ValueError (the same on every owner) when an owner would get
@@ -189,9 +176,7 @@ class PackedGroups:
 
         chosen = as_entries(self.files, entries)
         kwargs = {} if max_range_bytes is None else {"max_range_bytes": max_range_bytes}
-        return _read_files(
-            open_store(store), chosen, streams=streams, gap_bytes=gap_bytes, **kwargs
-        )
+        return _read_files(open_store(store), chosen, streams=streams, gap_bytes=gap_bytes, **kwargs)
 
 
 def combine_plans(*plans: Sequence[Sequence[PackUnit]]) -> list[list[PackUnit]]:

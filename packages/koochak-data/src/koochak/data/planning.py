@@ -102,12 +102,7 @@ def _balanced_cuts(weights: list[int], parts: int) -> list[int]:
 
 
 def assign_shards(
-    index: ShardIndex | Sequence[ShardEntry],
-    worker_id: int,
-    num_workers: int,
-    *,
-    epoch: int = 0,
-    seed: int = 0,
+    index: ShardIndex | Sequence[ShardEntry], worker_id: int, num_workers: int, *, epoch: int = 0, seed: int = 0
 ) -> list[ShardEntry]:
     """The shards worker ``worker_id`` of ``num_workers`` reads this epoch (see plan_shards)."""
     num_workers = _check_int(num_workers, "num_workers", 1)

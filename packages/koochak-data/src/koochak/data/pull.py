@@ -452,12 +452,8 @@ def pull_collection(
             tree.probe_mtimes(min(e.mtime_ns for e in selected), max(e.mtime_ns for e in selected))
         existing = [e for e in selected if e.path not in new]
         with ThreadPoolExecutor(max_workers=streams) as pool:
-            there = dict(
-                zip(
-                    (e.path for e in existing),
-                    pool.map(lambda e: tree.present(e, overwrite), existing),
-                )
-            )
+            there = dict(zip((e.path for e in existing),
+                             pool.map(lambda e: tree.present(e, overwrite), existing)))
         todo = [e for e in selected if not there.get(e.path, False)]
         report.present = len(selected) - len(todo)
         by_pack: dict[str, list[FileEntry]] = {}

@@ -88,8 +88,7 @@ def _index_bytes(format: str, metadata: Mapping[str, Any], entries: Iterable[Sha
         "format": format,
         "metadata": dict(metadata),
         "shards": [
-            {"key": e.key, "size": e.size, "sha256": e.sha256, "records": e.records}
-            for e in entries
+            {"key": e.key, "size": e.size, "sha256": e.sha256, "records": e.records} for e in entries
         ],
     }
     # sort_keys and a fixed layout: the same dataset always gets the same bytes, hence version.
@@ -121,9 +120,7 @@ def parse_index(data: bytes, *, source: str = INDEX_NAME, prefix: str = "") -> S
         raise ValueError(f"{source}: field 'kind' must be {INDEX_KIND!r}, got {document['kind']!r}")
     require_version(document, source, INDEX_VERSION)  # exact int: true and 1.0 are refused
     if document["format"] not in FORMATS:
-        raise ValueError(
-            f"{source}: field 'format' must be one of {FORMATS}, got {document['format']!r}"
-        )
+        raise ValueError(f"{source}: field 'format' must be one of {FORMATS}, got {document['format']!r}")
     if not isinstance(document["metadata"], dict):
         raise ValueError(f"{source}: field 'metadata' must be a JSON object")
     shards = document["shards"]
@@ -181,9 +178,7 @@ def _publish_index(
     store: Store, prefix: str, format: str, metadata: Mapping[str, Any], entries: list[ShardEntry]
 ) -> ShardIndex:
     if not entries:
-        raise ValueError(
-            f"{store.location}/{_join(prefix, INDEX_NAME)}: no shards; nothing committed"
-        )
+        raise ValueError(f"{store.location}/{_join(prefix, INDEX_NAME)}: no shards; nothing committed")
     data = _index_bytes(format, metadata, entries)
     key = _join(prefix, INDEX_NAME)
     source = f"{store.location}/{key}"

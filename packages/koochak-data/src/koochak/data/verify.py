@@ -96,7 +96,6 @@ def verify_collection(
     # Only a deep verify moves bytes; a size check is one stat per key and needs no bar.
     enabled = show_progress if deep else False
     with progress_bar(total, "verify", enabled=enabled, also=progress) as advance:
-
         def check_pack(pack: PackInfo) -> tuple[list[Problem], int]:
             return _check_pack(store, pack, members[pack.key], deep, advance)
 
@@ -115,14 +114,8 @@ def _report(
 ) -> VerifyReport:
     m = collection.manifest
     return VerifyReport(
-        location=location,
-        deep=deep,
-        files=m.files,
-        bytes=m.bytes,
-        packs=len(m.packs),
-        objects=m.objects,
-        bytes_read=read,
-        problems=tuple(problems),
+        location=location, deep=deep, files=m.files, bytes=m.bytes, packs=len(m.packs),
+        objects=m.objects, bytes_read=read, problems=tuple(problems),
     )
 
 
@@ -179,9 +172,7 @@ def _check_pack(
     finally:
         pack_sha.close()
     if position != pack.size:
-        problems.append(
-            Problem(pack.key, None, f"read {position} bytes, manifest says {pack.size}")
-        )
+        problems.append(Problem(pack.key, None, f"read {position} bytes, manifest says {pack.size}"))
     elif pack_digest != pack.sha256:
         problems.append(Problem(pack.key, None, "pack SHA256 differs from the manifest"))
     return problems, position

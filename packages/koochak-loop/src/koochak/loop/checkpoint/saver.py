@@ -25,9 +25,10 @@ from typing import Any
 
 import torch
 from koochak.loop import ddp, dist
-from koochak.loop.checkpoint.format import build_checkpoint, checkpoint_name
+from koochak.loop.checkpoint.format import CHECKPOINT_PATTERN, build_checkpoint, checkpoint_name
 from koochak.loop.checkpoint.publication import checkpoint_store, publication_path, publish
 from koochak.loop.checkpoint.serialization import (
+    deserialize_checkpoint,
     serialize_checkpoint_buffer,
     serialize_checkpoint_chunks,
 )
@@ -37,6 +38,15 @@ from koochak.storage import artifact
 from koochak.storage.store import Store
 
 log = logging.getLogger("koochak.loop.checkpoint")
+
+
+def _score(value: Any) -> float | None:
+    """A metric value usable for ranking: a finite real number, else None."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        return None
+    return float(value)
 
 
 class CheckpointPublishError(RuntimeError):
@@ -144,7 +154,9 @@ class Checkpointer:
         """
         path = None
         failure: Exception | None = None
-        publish = not (reason == "terminal" and is_published_terminal(self.resumed, step))
+        publish = not (
+            reason in ("terminal", "stopped") and is_published_terminal(self.resumed, step)
+        )
         try:
             checkpoint = self.capture(step, step, reason, metrics)
             if self.saver is not None and checkpoint is not None and publish:
@@ -199,6 +211,9 @@ def make_checkpointer(
             keep_last_k=cfg.keep_last_k or None,
             async_publish=cfg.checkpoint_async,
             on_checkpoint=on_checkpoint,
+            keep_best=(cfg.keep_best_k, cfg.keep_best_metric, cfg.keep_best_mode)
+            if cfg.keep_best_k
+            else None,
         )
     return Checkpointer(parts, saver, every=cfg.ckpt_every, max_steps=cfg.max_steps,
                         resumed=resumed, started=started)  # fmt: skip
@@ -210,7 +225,7 @@ def is_published_terminal(resumed: Mapping[str, Any] | None, step: int) -> bool:
         resumed is not None
         and step == int(resumed["next_step"])
         and resumed.get("step") == step
-        and resumed.get("reason") == "terminal"
+        and resumed.get("reason") in ("terminal", "stopped")
     )
 
 
@@ -229,9 +244,13 @@ class CheckpointSaver:
         keep_last_k: int | None = None,
         async_publish: bool = False,
         on_checkpoint: Callable[[dict[str, Any]], None] | None = None,
+        keep_best: tuple[int, str, str] | None = None,
     ) -> None:
         self.location = location
         self.keep_last_k = keep_last_k
+        # (k, metric, "min"|"max"): the k best checkpoints by metric are never pruned.
+        self.keep_best = keep_best
+        self._scores: dict[str, float | None] = {}
         self.async_publish = async_publish
         self.on_checkpoint = on_checkpoint
         self._store: Store | None = None
@@ -252,6 +271,8 @@ class CheckpointSaver:
         """Publish ``ckpt`` as ``step{N:09d}.pt``; returns its path (None while still in flight)."""
         name = checkpoint_name(int(ckpt["step"]))
         store = self.store
+        if self.keep_best is not None:
+            self._scores[name] = _score((ckpt.get("metrics") or {}).get(self.keep_best[1]))
 
         def announce(publication: artifact.Publication) -> str:
             path = publication_path(store, publication)
@@ -294,7 +315,42 @@ class CheckpointSaver:
             self._async.close()
 
     def _publish(self, name: str, data: Any) -> artifact.Publication:
-        return publish(self.store, name, data, keep_last_k=self.keep_last_k)
+        if self.keep_best is None or self.keep_last_k is None:
+            return publish(self.store, name, data, keep_last_k=self.keep_last_k)
+        publication = publish(self.store, name, data)  # pruned below, sparing the best
+        self._prune_keeping_best()
+        return publication
+
+    def _prune_keeping_best(self) -> None:
+        """Keep the newest ``keep_last_k`` and the ``k`` best by the metric; unpublish the rest
+        (manifest first). A checkpoint without the metric is never among the best."""
+        assert self.keep_best is not None and self.keep_last_k is not None
+        k, metric, mode = self.keep_best
+        candidates = artifact.published_candidates(self.store, CHECKPOINT_PATTERN)  # newest first
+        keep = {name for _, name in candidates[: self.keep_last_k]}
+        scored = [(self._score_of(name, metric), -number, name) for number, name in candidates]
+        ranked = sorted(
+            (t for t in scored if t[0] is not None),
+            key=lambda t: (t[0] if mode == "min" else -t[0], t[1]),  # ties: the newer
+        )
+        keep |= {name for _, _, name in ranked[:k]}
+        for _, name in candidates:
+            if name not in keep:
+                artifact.unpublish(self.store, name)
+                self._scores.pop(name, None)
+
+    def _score_of(self, name: str, metric: str) -> float | None:
+        """The metric of a published checkpoint: remembered from this run's saves, else read
+        once from the checkpoint (one from an earlier attempt)."""
+        if name not in self._scores:
+            try:
+                _, data = artifact.read_verified(self.store, name)
+                metrics = deserialize_checkpoint(data, name).get("metrics") or {}
+                self._scores[name] = _score(metrics.get(metric))
+            except (artifact.InvalidArtifact, ValueError, OSError) as exc:
+                log.warning("keep_best_k: cannot read %s (%s); it is ranked as not best", name, exc)
+                self._scores[name] = None
+        return self._scores[name]
 
 
 class AsyncPublisher:
