@@ -188,6 +188,9 @@ stop() {
     if running "$DIR/$name.pid"; then
       kill "$(cat "$DIR/$name.pid")"
       for _ in $(seq 50); do running "$DIR/$name.pid" || break; sleep 0.1; done
+      # A moto holding gigabytes takes its time to exit; a start right after must find the port.
+      if running "$DIR/$name.pid"; then kill -9 "$(cat "$DIR/$name.pid")" 2>/dev/null || true; fi
+      for _ in $(seq 50); do running "$DIR/$name.pid" || break; sleep 0.1; done
     fi
   done
   say "stopped"
