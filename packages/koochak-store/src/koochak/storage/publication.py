@@ -89,10 +89,11 @@ def publish(
     that finds the manifest finds the whole object. Before the object, ``publish`` puts an intent
     record ``name + ".publishing.json"`` (who is publishing, and by when it commits or gives
     up) and it deletes it after the manifest. A publisher never deletes an object it did not
-    create: a committed ``name`` (object and manifest) is a finished publication and is replaced
-    (manifest first); an object without its manifest is removed only when its intent proves its
-    publisher dead (same host: that process is gone; any host: its deadline passed), else
-    FileExistsError names the publisher. Losing a race for the name to another publisher is a
+    create: the intent goes first, and while another publisher's intent stands (one not proven
+    dead: same host, that process is gone; any host, its deadline passed) publish raises
+    FileExistsError naming it and touches nothing. Holding the intent, a committed ``name``
+    (object and manifest) is a finished publication and is replaced (manifest first), and an
+    object without its manifest is a dead publisher's (or a plain put's) leftover, replaced. Losing a race for the name to another publisher is a
     FileExistsError too, and removes nothing of theirs. ``keep_last_k`` prunes older
     publications whose keys fully match ``pattern`` (group 1 = the number), manifest before
     object; without ``pattern`` it is derived from a numbered ``name`` (``numbered_pattern``:
@@ -121,12 +122,18 @@ def publish(
         )
     manifest_key = name + READY_SUFFIX
 
-    if _exists(store, manifest_key):
-        unpublish(store, name)  # a finished publication: replaced, manifest first
-    elif _exists(store, name) or _exists(store, name + INTENT_SUFFIX):
-        _clear_abandoned(store, name)
+    # The intent first: while it stands no other publisher (one that honours intents) touches
+    # the name, so what is found under it below is a finished publication or a dead one's.
     intent = _claim(store, name)
     try:
+        if _exists(store, manifest_key):
+            unpublish(store, name)  # a finished publication: replaced, manifest first
+        elif _exists(store, name):
+            # Uncommitted, and no live publisher holds the name: the leftover of one that died
+            # (its intent proved it, in _claim) or of a plain put.
+            _log.warning("replacing %s/%s: an object without its ready manifest, whose publisher "
+                         "is gone", store.location, name)  # fmt: skip
+            store.delete(name)
         info = store.put(name, data)
     except BaseException:
         _drop(store, intent)
@@ -244,14 +251,14 @@ def prune_keep_last_k(directory: str | os.PathLike[str] | Store, pattern: str, k
 
 
 def _claim(store: Store, name: str) -> _publish_intent.Intent:
-    """Put this process's intent to publish ``name``; FileExistsError when another publisher
-    (one not provably dead) holds it."""
+    """Put this process's intent to publish ``name``; FileExistsError while another publisher
+    (one not provably dead) holds it. A dead publisher's intent is removed first."""
     intent = _publish_intent.ours(name)
     key = name + INTENT_SUFFIX
     try:
         store.put(key, intent.to_bytes())
     except FileExistsError:
-        _clear_abandoned(store, name)  # raises unless the holder is provably dead
+        _clear_dead_intent(store, name)  # raises unless its publisher is provably dead
         store.put(key, intent.to_bytes())
     return intent
 
@@ -263,42 +270,33 @@ def _drop(store: Store, intent: _publish_intent.Intent) -> None:
         _log.warning("could not remove the intent record %s%s: %s", intent.key, INTENT_SUFFIX, exc)
 
 
-def _clear_abandoned(store: Store, name: str) -> None:
-    """Remove an uncommitted ``name`` (and its intent) whose publisher is provably dead.
-
-    FileExistsError, removing nothing, while its publisher may be alive. An object with no
-    intent at all was not put by a publish in flight (publish writes its intent first): a
-    leftover of a plain put or an older version, and it is replaced.
-    """
+def _clear_dead_intent(store: Store, name: str) -> None:
+    """Remove the intent record of ``name`` if it proves its publisher dead; else FileExistsError
+    naming that publisher, removing nothing."""
     key = name + INTENT_SUFFIX
     where = f"{store.location}/{key}"
     try:
         intent = _publish_intent.parse(store.get(key), where)
     except FileNotFoundError:
-        intent = None
+        return  # its publisher finished meanwhile: try again
     except ValueError as exc:
         raise FileExistsError(
             errno.EEXIST, f"{name} is being published, and its intent record is unreadable "
             f"({exc}); remove {key} once no publisher of it runs", where,
         ) from None  # fmt: skip
-    if intent is not None:
-        why = _publish_intent.why_dead(intent)
-        if why is None:
-            raise FileExistsError(
-                errno.EEXIST,
-                f"{name} is being published by {intent.describe()}; not replaced",
-                f"{store.location}/{name}",
-            )
-        _log.warning("removing %s/%s left uncommitted by %s: %s", store.location, name,
-                     intent.describe(), why)  # fmt: skip
-    else:
-        _log.warning("replacing %s/%s: an object without a ready manifest or a publisher",
-                     store.location, name)  # fmt: skip
-    for leftover in (name, key):
-        try:
-            store.delete(leftover)
-        except FileNotFoundError:
-            pass
+    why = _publish_intent.why_dead(intent)
+    if why is None:
+        raise FileExistsError(
+            errno.EEXIST,
+            f"{name} is being published by {intent.describe()}; not replaced",
+            f"{store.location}/{name}",
+        )
+    _log.warning("%s/%s: its publisher, %s, is gone (%s); taking the name over",
+                 store.location, name, intent.describe(), why)  # fmt: skip
+    try:
+        store.delete(key)
+    except FileNotFoundError:
+        pass
 
 
 def unpublish(store: Store, name: str) -> None:
