@@ -6,7 +6,7 @@ works in a directory of its own (``t-<uuid>``), so xdist workers and other suite
 servers never meet, and removes it through the S3 API when it ends.
 
 ``MOUNT_SETTINGS`` are the LocalStore settings each mount needs: the ones ``koochak-probe --peer``
-recommends for these mounts (tests/test_probe_on_mounts.py checks that it does).
+recommends for these mounts (test_probe_on_mounts.py checks that it does).
 """
 
 from __future__ import annotations
