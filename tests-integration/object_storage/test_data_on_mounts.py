@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 
 import pytest
 import yaml
@@ -29,6 +30,9 @@ def _writer(mount_dir, sub: str) -> LocalStore:
 
 
 def _reader(mount_dir, sub: str) -> LocalStore:
+    """The other client, once ``settle_seconds`` have passed: how long the settings say another
+    client may take to see a new object (rclone lists s3fs's new objects after up to ~1 s)."""
+    time.sleep(mount_dir.settings["settle_seconds"])
     return LocalStore(mount_dir.peer / sub, **{**mount_dir.settings, "settle_seconds": 0})
 
 
@@ -102,10 +106,11 @@ def test_checkpoints_published_on_one_mount_resume_through_the_other(mount_dir):
     writer = _writer(mount_dir, "ckpt")
     for step in (1, 2, 3):
         publish(writer, f"step{step:09d}.pt", f"state {step}".encode() * 1000, keep_last_k=2)
-    found = highest_valid(_reader(mount_dir, "ckpt"), r"step(\d+)\.pt")
+    reader = _reader(mount_dir, "ckpt")
+    found = highest_valid(reader, r"step(\d+)\.pt")
     assert found is not None and found[0].key == "step000000003.pt"
     assert found[1] == b"state 3" * 1000
-    assert {i.key for i in _reader(mount_dir, "ckpt").list()} == {
+    assert {i.key for i in reader.list()} == {
         f"step{s:09d}.pt{sfx}" for s in (2, 3) for sfx in ("", ".ready.json")
     }
 
@@ -160,6 +165,7 @@ def test_training_on_a_mount_resumes_through_the_other(mount_dir, tmp_path, monk
         )
 
     run("here://run", 4)
+    time.sleep(mount_dir.settings["settle_seconds"])  # another node starts later than that
     path, checkpoint = resolve_auto_resume("there://run")
     assert checkpoint["step"] == 4 and path.endswith("step000000004.pt")
     final = run("there://run", 6, checkpoint, path)
