@@ -63,8 +63,11 @@ MOTO_LAUNCHER=moto_server.py  # moto with the ETag fix below
 say() { echo "local_s3: $*" >&2; }
 die() { say "$*"; exit 1; }
 
-running() {  # running <pidfile>: the pid in it is alive
-  [[ -s "$1" ]] && kill -0 "$(cat "$1")" 2>/dev/null
+running() {  # running <pidfile>: the pid in it is alive and still one of ours (a pid file left
+  # by a killed run may name a pid the system has since given to something else)
+  local pid
+  [[ -s "$1" ]] && pid="$(cat "$1")" && kill -0 "$pid" 2>/dev/null &&
+    tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qE 'moto_server|rclone serve s3'
 }
 
 mounted() {  # mounted <dir>: a FUSE file system is mounted exactly there
@@ -79,6 +82,25 @@ current() {  # current <name> <settings...>: what runs as <name> was started wit
 
 stale_moto() {  # a moto running without this script's launcher (an older script started it)
   running "$DIR/moto.pid" && ! grep -qsF "$MOTO_LAUNCHER" "/proc/$(cat "$DIR/moto.pid")/cmdline"
+}
+
+answering() {  # answering <dir>: mounted, and its daemon answers (a killed daemon leaves a mount
+  # whose every access fails with "Transport endpoint is not connected")
+  mounted "$1" && timeout 10 stat -- "$1" >/dev/null 2>&1
+}
+
+unmount() {  # unmount <dir>: detach the mount there, even a dead one
+  fusermount3 -uz "$1" 2>/dev/null || fusermount -uz "$1" 2>/dev/null || umount -l "$1"
+}
+
+clear_dead_mounts() {  # a previous run's daemons may be gone while their mounts remain
+  local mnt
+  for mnt in "$S3FS_MNT" "$RCLONE_MNT"; do
+    if mounted "$mnt" && ! answering "$mnt"; then
+      say "detaching $mnt: its daemon is gone"
+      unmount "$mnt" || die "cannot detach the dead mount at $mnt"
+    fi
+  done
 }
 
 install() {
@@ -166,6 +188,7 @@ EOF
 
 start() {
   install
+  clear_dead_mounts
   write_configs
   if stale_moto; then
     say "restarting moto: it runs without the ETag fix"
@@ -185,7 +208,7 @@ start() {
   make_buckets
   if mounted "$S3FS_MNT" && ! current s3fs "${S3FS_OPTS[@]}"; then
     say "remounting s3fs with ${S3FS_OPTS[*]}"
-    unmount "$S3FS_MNT"
+    unmount "$S3FS_MNT" || die "cannot detach $S3FS_MNT to remount it"
   fi
   if ! mounted "$S3FS_MNT"; then
     s3fs "$MOUNT_BUCKET" "$S3FS_MNT" -o passwd_file="$DIR/s3fs.passwd" -o url="$ENDPOINT" \
@@ -195,7 +218,7 @@ start() {
   fi
   if mounted "$RCLONE_MNT" && ! current rclone "${RCLONE_OPTS[@]}"; then
     say "remounting rclone with ${RCLONE_OPTS[*]}"
-    unmount "$RCLONE_MNT"
+    unmount "$RCLONE_MNT" || die "cannot detach $RCLONE_MNT to remount it"
   fi
   if ! mounted "$RCLONE_MNT"; then
     "$VENV/bin/rclone" mount --config "$DIR/rclone.conf" "moto:$MOUNT_BUCKET" "$RCLONE_MNT" \
@@ -205,15 +228,11 @@ start() {
     echo "${RCLONE_OPTS[*]}" >"$DIR/rclone.settings"
   fi
   local deadline=$((SECONDS + 20))
-  until mounted "$S3FS_MNT" && mounted "$RCLONE_MNT"; do
+  until answering "$S3FS_MNT" && answering "$RCLONE_MNT"; do
     ((SECONDS < deadline)) || die "the mounts did not appear; see $DIR/log/"
     sleep 0.2
   done
   say "running (moto $ENDPOINT, rclone serve s3 $NOCOND_ENDPOINT, mounts under $DIR/mnt)"
-}
-
-unmount() {  # unmount <dir>
-  fusermount3 -u "$1" 2>/dev/null || umount -l "$1" || true
 }
 
 stop_server() {  # stop_server <name>: the server whose pid is in $DIR/<name>.pid
@@ -230,7 +249,7 @@ stop_server() {  # stop_server <name>: the server whose pid is in $DIR/<name>.pi
 stop() {
   local mnt name
   for mnt in "$S3FS_MNT" "$RCLONE_MNT"; do
-    if mounted "$mnt"; then unmount "$mnt"; fi
+    if mounted "$mnt"; then unmount "$mnt" || true; fi
   done
   for name in nocond moto; do stop_server "$name"; done
   say "stopped"
@@ -242,10 +261,10 @@ status() {  # exit 0 only when both servers run and both mounts are up
   elif running "$DIR/moto.pid"; then echo "moto: running on $ENDPOINT"; else echo "moto: stopped"; ok=1; fi
   if running "$DIR/nocond.pid"; then echo "rclone serve s3: running on $NOCOND_ENDPOINT"
   else echo "rclone serve s3: stopped"; ok=1; fi
-  if ! mounted "$S3FS_MNT"; then echo "s3fs: not mounted"; ok=1
+  if ! answering "$S3FS_MNT"; then echo "s3fs: not mounted"; ok=1
   elif ! current s3fs "${S3FS_OPTS[@]}"; then echo "s3fs: mounted with other settings (start remounts it)"; ok=1
   else echo "s3fs: mounted at $S3FS_MNT"; fi
-  if ! mounted "$RCLONE_MNT"; then echo "rclone mount: not mounted"; ok=1
+  if ! answering "$RCLONE_MNT"; then echo "rclone mount: not mounted"; ok=1
   elif ! current rclone "${RCLONE_OPTS[@]}"; then echo "rclone mount: mounted with other settings (start remounts it)"; ok=1
   else echo "rclone mount: mounted at $RCLONE_MNT"; fi
   return "$ok"

@@ -91,6 +91,7 @@ class TrainConfig:
     shard_eval_dataset_mode: str = "iterable"
     warn_unsharded: bool = True
     checkpoint_async: bool = False
+    checkpoint_parts: Union[int, str] = 1  # 1: one file; N >= 2 or auto: N parts in parallel
     evacuation_enabled: bool = False
     evacuation_signal: str = "USR1"
     gpu_health_every: Optional[int] = None  # CUDA only; null or 0: no GPU health checks
@@ -331,7 +332,10 @@ def _check_type(path: str, value: Any, tp: Any) -> Any:
 
 def _type_name(tp: Any) -> str:
     base = _base_type(tp)
-    name = getattr(base, "__name__", str(base))
+    if typing.get_origin(base) in (Union, types.UnionType):  # e.g. train.checkpoint_parts
+        name = " or ".join(getattr(a, "__name__", str(a)) for a in typing.get_args(base))
+    else:
+        name = getattr(base, "__name__", str(base))
     return f"{name} or null" if _is_optional(tp) else name
 
 
@@ -362,6 +366,12 @@ def _check_values(values: Mapping[str, Any], section: str) -> None:
     for key in ("gpu_health_max_temperature_c", "gpu_health_max_kernel_seconds"):
         if section == "train" and key in values and values[key] <= 0:
             raise ConfigError(f"train.{key}: expected a positive number, got {values[key]!r}")
+    parts = values.get("checkpoint_parts", 1) if section == "train" else 1
+    if parts != "auto" and (type(parts) is not int or parts < 1):
+        raise ConfigError(
+            f"train.checkpoint_parts: expected an integer >= 1 (1 = one file) or 'auto', "
+            f"got {parts!r}"
+        )
     if section == "train" and values.get("grad_clip") is not None and values["grad_clip"] <= 0:
         raise ConfigError(
             f"train.grad_clip: expected a positive number or null, got {values['grad_clip']!r}"

@@ -1,5 +1,9 @@
 """Choosing and reading checkpoints: load, latest, best, highest valid, auto-resume.
 
+Both layouts (one file, or parts plus an index) are read through
+``serialization.read_checkpoint``: for one in parts the manifest verifies the index and the
+index verifies every part, each before any of its tensors is used.
+
 Every selection is here, so a checkpoint layout with several objects per checkpoint changes one
 module. Resume evidence is only a numbered checkpoint whose exact ready manifest, size, SHA256 and resume
 cursor validate, all checked on ONE read of the payload: the bytes that were verified are the bytes
@@ -26,7 +30,7 @@ from koochak.loop.checkpoint.format import (
     step_of_name,
 )
 from koochak.loop.checkpoint.publication import checkpoint_store, publication_path
-from koochak.loop.checkpoint.serialization import deserialize_checkpoint
+from koochak.loop.checkpoint.serialization import read_checkpoint
 from koochak.storage import artifact
 from koochak.storage.store import Store, open_store
 
@@ -52,18 +56,22 @@ def load(path: str | os.PathLike[str] | Store, name: str | None = None) -> dict[
     """
     if name is not None:
         store = open_store(path)
-        return deserialize_checkpoint(store.get(name), f"{store.location}/{name}")
+        return read_checkpoint(store, name, store.get(name), f"{store.location}/{name}")
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"load({path!r}): a Store needs the object's name, e.g. load(store, name)")
     text = os.fspath(path)
     if "://" in text and not text.startswith("file://"):
         parent, _, key = text.rstrip("/").rpartition("/")
         store = open_store(parent)
-        return deserialize_checkpoint(store.get(key), text)
+        return read_checkpoint(store, key, store.get(key), text)
     if text.startswith("file://"):
         text = text[len("file://") :]
     with open(text, "rb") as f:
-        return deserialize_checkpoint(f.read(), text)
+        data = f.read()
+    # An index's parts lie beside the file it really is (latest.pt is a link to it).
+    real = os.path.realpath(text)
+    store = open_store(os.path.dirname(real))
+    return read_checkpoint(store, os.path.basename(real), data, text)
 
 
 def latest(location: str | os.PathLike[str] | Store) -> str | None:
@@ -92,7 +100,7 @@ def best(location: str | os.PathLike[str] | Store, key: str) -> str | None:
     for _, name in artifact.published_candidates(store, CHECKPOINT_PATTERN):
         try:
             publication, data = artifact.read_verified(store, name)
-            ckpt = deserialize_checkpoint(data, _key_path(store, name))
+            ckpt = read_checkpoint(store, name, data, _key_path(store, name))
         except (artifact.InvalidArtifact, ValueError) as exc:
             log.warning("best(): skipping %s: %s", name, exc)
             continue
@@ -173,8 +181,9 @@ def resume_checkpoint(
     if found is not None:
         return found
     path, step = chosen
-    _, data = artifact.read_verified(checkpoint_store(location), checkpoint_name(step))
-    return ResumePoint(path, deserialize_checkpoint(data, path))
+    store = checkpoint_store(location)
+    _, data = artifact.read_verified(store, checkpoint_name(step))
+    return ResumePoint(path, read_checkpoint(store, checkpoint_name(step), data, path))
 
 
 def _log_unmanifested(store: Store, chosen: int) -> None:
@@ -193,7 +202,7 @@ def _validated_checkpoint(store: Store):
     def check(publication: artifact.Publication, data: bytes) -> dict[str, Any]:
         source = _key_path(store, publication.key)
         try:
-            ckpt = deserialize_checkpoint(data, source)
+            ckpt = read_checkpoint(store, publication.key, data, source)
             check_resume_cursor(ckpt, publication.key)
             check_rng_fields(ckpt, source)
         except ValueError as exc:
