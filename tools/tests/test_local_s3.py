@@ -124,3 +124,85 @@ def test_etags_stay_right_when_heads_race_a_put(local_s3):
     etag = s3.head_object(Bucket=local_s3.native_bucket, Key=key)["ETag"].strip('"')
     assert etag == hashlib.md5(data).hexdigest()
     s3.delete_object(Bucket=local_s3.native_bucket, Key=key)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _daemon_of(mount: Path) -> int:
+    """The pid of the FUSE daemon serving ``mount`` (one this test's script started)."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                args = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if args and Path(os.fsdecode(args[0])).name == "s3fs" and os.fsencode(mount) in args:
+                return int(entry.name)
+    raise AssertionError(f"no s3fs daemon serves {mount}")
+
+
+@pytest.mark.slow
+def test_start_recovers_what_a_killed_or_older_run_left(local_s3, tmp_path):
+    """CI machines keep what killed runs left: a pid file naming an older moto (without the ETag
+    fix), a mount made with other settings, a mount whose daemon died. status says so and fails;
+    start replaces each, without touching the shared stack (its own state dir and ports)."""
+    import signal
+    import sys
+
+    state = tmp_path / "s3"
+    state.mkdir()
+    (state / "venv").symlink_to(Path(local_s3.env["KOOCHAK_S3_RCLONE"]).parents[1])
+    env = {
+        **os.environ,
+        "KOOCHAK_S3_DIR": str(state),
+        "KOOCHAK_S3_PORT": str(_free_port()),
+        "KOOCHAK_S3_NOCOND_PORT": str(_free_port()),
+    }
+
+    def tool(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(TOOL), *args], capture_output=True, text=True, env=env, timeout=120
+        )
+
+    older_moto = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(300)", "moto_server"]
+    )
+    try:
+        (state / "moto.pid").write_text(f"{older_moto.pid}\n")
+        assert "moto: running without the ETag fix" in tool("status").stdout
+        started = tool("start")
+        assert started.returncode == 0, started.stderr
+        assert "restarting moto" in started.stderr
+        assert older_moto.wait(timeout=10) is not None
+        assert tool("status").returncode == 0
+
+        (state / "s3fs.settings").write_text("-o some -o other settings\n")
+        status = tool("status")
+        assert status.returncode == 1 and "s3fs: mounted with other settings" in status.stdout
+        started = tool("start")
+        assert started.returncode == 0 and "remounting s3fs" in started.stderr, started.stderr
+        assert tool("status").returncode == 0
+
+        daemon = _daemon_of(state / "mnt" / "s3fs")
+        os.kill(daemon, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{daemon}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        status = tool("status")
+        assert status.returncode == 1 and "s3fs: not mounted" in status.stdout
+        started = tool("start")
+        assert started.returncode == 0 and "its daemon is gone" in started.stderr, started.stderr
+        assert tool("status").returncode == 0
+        (state / "mnt" / "s3fs" / "through-the-new-mount").write_bytes(b"ok")
+    finally:
+        tool("stop")
+        if older_moto.poll() is None:
+            older_moto.kill()
+            older_moto.wait()
+    assert "s3fs: not mounted" in tool("status").stdout
