@@ -199,36 +199,47 @@ def _size_here(path: Path) -> int | None:
         return None
 
 
-def check_exclusive_across_clients(work: Path, peer: PeerView, rel_dir: str) -> Check:
-    """Right after one side created a name, may the other side still create it too?"""
+def check_exclusive_across_clients(work: Path, peer: PeerView, rel_dir: str, rounds: int) -> Check:
+    """Right after one side created a name, may the other side still create it too?
+
+    Both sides first look the name up, as two writers that both found it free a moment ago
+    would: a mount that answers from a directory cache it refreshed then (rclone's
+    ``--dir-cache-time``) creates the name again, one that asks the server each time refuses it.
+    Without the look-up the outcome hung on whether that cache had just expired, so reruns
+    disagreed. Every round tries both orders; one double create in any round is the answer.
+    """
     outcomes = []
-    for first in ("here", "peer"):
-        name = f"exclusive-{first}-first"
-        try:
-            if first == "here":
-                _write_closed(work / name, b"here")
-                peer.create(f"{rel_dir}/{name}", b"peer")
-            else:
-                peer.create(f"{rel_dir}/{name}", b"peer")
-                fd = os.open(work / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-                os.close(fd)
-            outcomes.append(f"created by {first} and then by the other side too")
-        except FileExistsError:
-            continue
-        except OSError as exc:
-            return Check(
-                "exclusive_create_across_clients", None, f"could not try: {errno_text(exc)}"
-            )
+    for round_ in range(rounds):
+        for first in ("here", "peer"):
+            name = f"exclusive-{first}-first-{round_}"
+            os.path.lexists(work / name)  # both writers check that the name is free
+            peer.size(f"{rel_dir}/{name}")
+            try:
+                if first == "here":
+                    _write_closed(work / name, b"here")
+                    peer.create(f"{rel_dir}/{name}", b"peer")
+                else:
+                    peer.create(f"{rel_dir}/{name}", b"peer")
+                    fd = os.open(work / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                    os.close(fd)
+                outcomes.append(f"created by {first} and then by the other side too")
+            except FileExistsError:
+                continue
+            except OSError as exc:
+                return Check(
+                    "exclusive_create_across_clients", None, f"could not try: {errno_text(exc)}"
+                )
     if outcomes:
         return Check(
             "exclusive_create_across_clients",
             False,
-            "; ".join(outcomes) + ": create-only does not hold between clients",
+            f"{outcomes[0]} ({len(outcomes)} of {2 * rounds} tries): create-only does not hold "
+            "between clients",
         )
     return Check(
         "exclusive_create_across_clients",
         True,
-        "a name just created on one side is refused on the other",
+        f"a name just created on one side is refused on the other ({2 * rounds} tries)",
     )
 
 
@@ -323,7 +334,7 @@ def run_peer_checks(
     """Every cross-client check; ``work`` is ``rel_dir`` of the scratch directory seen here."""
     stat, listing = check_visibility(work, peer, rel_dir, rounds, timeout)
     checks = [stat, listing, check_reverse_visibility(work, peer, rel_dir, rounds, timeout)]
-    checks.append(check_exclusive_across_clients(work, peer, rel_dir))
+    checks.append(check_exclusive_across_clients(work, peer, rel_dir, rounds))
     # Long enough that a peer which caches still sees an fsynced object before close.
     wait = (stat.seconds or 0.0) + 1.0
     checks.append(check_fsync_reaches_server(work, peer, rel_dir, wait, timeout))
