@@ -75,3 +75,28 @@ def test_two_writers_through_the_two_mounts(bucket_dir):
         assert s3fs.server.get(key) == payloads[index]
         for store in stores:
             assert store.get(key) == payloads[index]
+
+
+def test_two_publishers_of_one_name_through_the_two_mounts(bucket_dir):
+    """Two clients publish one checkpoint name at once: one publication, verified through both
+    mounts and on the server; the other publisher fails loudly and deletes nothing of it."""
+    s3fs, rclone = bucket_dir("s3fs"), bucket_dir("rclone")
+    stores = [LocalStore(d.path, **d.settings) for d in (s3fs, rclone)]
+    payloads = _payloads(2, 2 * MIB)
+    for round_ in range(2):
+        name = f"run/step{round_:09d}.pt"
+        winners, errors = _race(
+            [lambda s=s, p=p, n=name: publish(s, n, p) for s, p in zip(stores, payloads)]
+        )
+        assert len(winners) == 1, (winners, errors)
+        assert len(errors) == 1 and isinstance(errors[0], FileExistsError), errors
+        index, publication = winners[0]
+        assert s3fs.server.get(name) == payloads[index]
+        for store in stores:  # the same publication, whichever mount reads it
+            seen, data = read_verified(store, name)
+            assert (seen.artifact_id, seen.sha256, data) == (
+                publication.artifact_id,
+                publication.sha256,
+                payloads[index],
+            )
+        assert not [key for key in s3fs.server.objects("run/") if key.endswith(".publishing.json")]
