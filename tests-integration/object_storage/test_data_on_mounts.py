@@ -118,8 +118,8 @@ def test_checkpoints_published_on_one_mount_resume_through_the_other(mount_dir):
 @pytest.mark.slow
 def test_training_on_a_mount_resumes_through_the_other(mount_dir, tmp_path, monkeypatch):
     """koochak-train's loop with checkpoint_dir on a mount (a stores-file scheme carrying the
-    mount's settings), then a second run that resumes from the newest checkpoint through the
-    other mount."""
+    mount's settings), saving checkpoints in three parts, then a second run that resumes from
+    the newest checkpoint through the other mount."""
     torch = pytest.importorskip("torch")
     from koochak.loop import training_loop
     from koochak.loop.checkpoint import resolve_auto_resume
@@ -157,6 +157,7 @@ def test_training_on_a_mount_resumes_through_the_other(mount_dir, tmp_path, monk
                 "device": "cpu",
                 "out_dir": str(tmp_path / "out"),
                 "checkpoint_dir": location,
+                "checkpoint_parts": 3,
                 "progress_bar": False,
             },  # fmt: skip
             resume="auto" if checkpoint else "none",
@@ -165,8 +166,10 @@ def test_training_on_a_mount_resumes_through_the_other(mount_dir, tmp_path, monk
         )
 
     run("here://run", 4)
+    assert any(".pt.part-" in name for name in mount_dir.server.objects("run/"))
     time.sleep(mount_dir.settings["settle_seconds"])  # another node starts later than that
     path, checkpoint = resolve_auto_resume("there://run")
     assert checkpoint["step"] == 4 and path.endswith("step000000004.pt")
     final = run("there://run", 6, checkpoint, path)
     assert final["step"] == 6
+    assert resolve_auto_resume("here://run")[1]["step"] == 6
