@@ -148,16 +148,20 @@ def _daemon_of(mount: Path) -> int:
 
 
 @pytest.mark.slow
-def test_start_recovers_what_a_killed_or_older_run_left(local_s3, tmp_path):
+def test_start_recovers_what_a_killed_or_older_run_left(local_s3):
     """CI machines keep what killed runs left: a pid file naming an older moto (without the ETag
     fix), a mount made with other settings, a mount whose daemon died. status says so and fails;
     start replaces each, without touching the shared stack (its own state dir and ports)."""
+    import hashlib
+    import shutil
     import signal
     import sys
+    import tempfile
 
-    state = tmp_path / "s3"
-    state.mkdir()
-    (state / "venv").symlink_to(Path(local_s3.env["KOOCHAK_S3_RCLONE"]).parents[1])
+    # One state dir per checkout, so a run of this test that was killed is cleaned up by the next
+    # (its mounts detached and its servers stopped by the script's own stop), never leaked.
+    checkout = hashlib.sha256(os.fsencode(TOOL)).hexdigest()[:8]
+    state = Path(tempfile.gettempdir(), f"koochak-s3-selftest-{checkout}")
     env = {
         **os.environ,
         "KOOCHAK_S3_DIR": str(state),
@@ -169,6 +173,13 @@ def test_start_recovers_what_a_killed_or_older_run_left(local_s3, tmp_path):
         return subprocess.run(
             [str(TOOL), *args], capture_output=True, text=True, env=env, timeout=120
         )
+
+    if state.exists():
+        tool("stop")
+        shutil.rmtree(state, ignore_errors=True)
+    state.mkdir(exist_ok=True)
+    (state / "venv").unlink(missing_ok=True)
+    (state / "venv").symlink_to(Path(local_s3.env["KOOCHAK_S3_RCLONE"]).parents[1])
 
     older_moto = subprocess.Popen(
         [sys.executable, "-c", "import time; time.sleep(300)", "moto_server"]
@@ -206,3 +217,4 @@ def test_start_recovers_what_a_killed_or_older_run_left(local_s3, tmp_path):
             older_moto.kill()
             older_moto.wait()
     assert "s3fs: not mounted" in tool("status").stdout
+    shutil.rmtree(state, ignore_errors=True)
