@@ -6,7 +6,9 @@
 #   tools/local_s3.sh start     install if needed, start the servers, create the buckets, mount
 #                               (idempotent: what already runs with this script's settings is
 #                               left alone; a server or mount that an older version of the
-#                               script started with other settings is restarted)
+#                               script started with other settings is restarted; a mount
+#                               whose daemon died is detached first; a port that a process
+#                               this script did not start holds is an error naming it)
 #   tools/local_s3.sh stop      unmount and stop what this script started
 #   tools/local_s3.sh status    say what runs; exit 0 only when everything does, with these
 #                               settings
@@ -138,6 +140,18 @@ EOF
   die "nothing answered on port $1; see $2"
 }
 
+listening() {  # listening <port>: something accepts TCP connections on it
+  (exec 3<>"/dev/tcp/$HOST/$1") 2>/dev/null
+}
+
+free_port() {  # free_port <port> <name>: die unless nothing listens there (called before
+  # starting <name> there: a server that a killed run left without its pid file, or another
+  # program, would otherwise answer the tests in its place while ours fails to bind)
+  if listening "$1"; then
+    die "port $1 is taken, but not by a $2 this script started (a server of a killed run whose pid file is gone, or another program): stop it, or choose other ports with KOOCHAK_S3_PORT and KOOCHAK_S3_NOCOND_PORT"
+  fi
+}
+
 write_configs() {
   mkdir -p "$DIR"/{log,mnt/s3fs,mnt/rclone,serve-root/$NOCOND_BUCKET,rclone-cache}
   printf '%s:%s\n' "$KEY" "$SECRET" >"$DIR/s3fs.passwd"
@@ -195,11 +209,13 @@ start() {
     stop_server moto
   fi
   if ! running "$DIR/moto.pid"; then
+    free_port "$PORT" moto
     setsid "$VENV/bin/python" "$DIR/$MOTO_LAUNCHER" -H "$HOST" -p "$PORT" </dev/null >"$DIR/log/moto.log" 2>&1 &
     echo $! >"$DIR/moto.pid"
   fi
   wait_port "$PORT" "$DIR/log/moto.log"
   if ! running "$DIR/nocond.pid"; then
+    free_port "$NOCOND_PORT" "rclone serve s3"
     setsid "$VENV/bin/rclone" serve s3 --config /dev/null --auth-key "$KEY,$SECRET" \
       --addr "$HOST:$NOCOND_PORT" "$DIR/serve-root" </dev/null >"$DIR/log/nocond.log" 2>&1 &
     echo $! >"$DIR/nocond.pid"

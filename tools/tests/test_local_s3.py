@@ -218,3 +218,27 @@ def test_start_recovers_what_a_killed_or_older_run_left(local_s3):
             older_moto.wait()
     assert "s3fs: not mounted" in tool("status").stdout
     shutil.rmtree(state, ignore_errors=True)
+
+
+def test_start_refuses_a_port_that_something_else_holds(local_s3, tmp_path):
+    """A server a killed run left without its pid file would answer the tests in place of the one
+    start launches (which then fails to bind): start says so instead."""
+    import socket
+
+    (tmp_path / "venv").symlink_to(Path(local_s3.env["KOOCHAK_S3_RCLONE"]).parents[1])
+    with socket.socket() as orphan:
+        orphan.bind(("127.0.0.1", 0))
+        orphan.listen()
+        env = {
+            **os.environ,
+            "KOOCHAK_S3_DIR": str(tmp_path),
+            "KOOCHAK_S3_PORT": str(orphan.getsockname()[1]),
+            "KOOCHAK_S3_NOCOND_PORT": str(_free_port()),
+        }
+        done = subprocess.run(
+            [str(TOOL), "start"], capture_output=True, text=True, env=env, timeout=60
+        )
+    assert done.returncode == 1
+    assert f"port {env['KOOCHAK_S3_PORT']} is taken" in done.stderr
+    assert "not by a moto this script started" in done.stderr
+    assert not (tmp_path / "moto.pid").exists()
