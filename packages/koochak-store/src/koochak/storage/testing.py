@@ -35,7 +35,8 @@ from koochak.storage.store import TEMP_PREFIX, LocalStore, ObjectInfo, Store
 __all__ = ["StoreConformance", "Fault", "FaultyStore", "FakeClock", "FAULT_OPS", "visible_files"]
 
 FAULT_OPS = (
-    "open", "read", "write", "fsync", "syncfs", "close", "stat", "link", "unlink", "list"
+    "open", "read", "write", "fsync", "syncfs", "close", "stat", "link", "rename", "lock",
+    "unlink", "list",
 )  # fmt: skip
 
 
@@ -155,6 +156,14 @@ class _FaultySyscalls(_Syscalls):
     def link(self, src: str, dst: str) -> None:
         self._fault("link")
         super().link(src, dst)
+
+    def rename(self, src: str, dst: str) -> None:
+        self._fault("rename")
+        super().rename(src, dst)
+
+    def lock(self, fd: int) -> bool:
+        self._fault("lock")
+        return super().lock(fd)
 
     def unlink(self, path: str) -> None:
         self._fault("unlink")
