@@ -76,10 +76,17 @@ mounted() {  # mounted <dir>: a FUSE file system is mounted exactly there
   grep -qsF " $1 fuse." /proc/mounts
 }
 
-current() {  # current <name> <settings...>: what runs as <name> was started with these settings
-  local name=$1
+current() {  # current <mount dir> <settings...>: the daemon serving that mount runs with these
+  # settings, read from its own command line (another checkout's older script may have mounted
+  # it with others, whatever a settings file says)
+  local mnt=$1 cmdline proc
   shift
-  [[ -s "$DIR/$name.settings" && "$(cat "$DIR/$name.settings")" == "$*" ]]
+  for proc in /proc/[0-9]*/cmdline; do
+    cmdline="$(tr '\0' ' ' <"$proc" 2>/dev/null)" || continue
+    [[ " $cmdline " == *" $mnt "* && "$cmdline" =~ (^|/)(s3fs|rclone)\  ]] || continue
+    [[ " $cmdline " == *" $* "* ]] && return 0
+  done
+  return 1
 }
 
 stale_moto() {  # a moto running without this script's launcher (an older script started it)
@@ -222,7 +229,7 @@ start() {
   fi
   wait_port "$NOCOND_PORT" "$DIR/log/nocond.log"
   make_buckets
-  if mounted "$S3FS_MNT" && ! current s3fs "${S3FS_OPTS[@]}"; then
+  if mounted "$S3FS_MNT" && ! current "$S3FS_MNT" "${S3FS_OPTS[@]}"; then
     say "remounting s3fs with ${S3FS_OPTS[*]}"
     unmount "$S3FS_MNT" || die "cannot detach $S3FS_MNT to remount it"
   fi
@@ -230,9 +237,8 @@ start() {
     s3fs "$MOUNT_BUCKET" "$S3FS_MNT" -o passwd_file="$DIR/s3fs.passwd" -o url="$ENDPOINT" \
       "${S3FS_OPTS[@]}" -o dbglevel=warn -o logfile="$DIR/log/s3fs.log" \
       </dev/null >>"$DIR/log/s3fs.log" 2>&1 || die "s3fs mount failed; see $DIR/log/s3fs.log"
-    echo "${S3FS_OPTS[*]}" >"$DIR/s3fs.settings"
   fi
-  if mounted "$RCLONE_MNT" && ! current rclone "${RCLONE_OPTS[@]}"; then
+  if mounted "$RCLONE_MNT" && ! current "$RCLONE_MNT" "${RCLONE_OPTS[@]}"; then
     say "remounting rclone with ${RCLONE_OPTS[*]}"
     unmount "$RCLONE_MNT" || die "cannot detach $RCLONE_MNT to remount it"
   fi
@@ -241,7 +247,6 @@ start() {
       "${RCLONE_OPTS[@]}" --cache-dir "$DIR/rclone-cache" --daemon \
       --log-file "$DIR/log/rclone-mount.log" </dev/null >>"$DIR/log/rclone-mount.log" 2>&1 \
       || die "rclone mount failed; see $DIR/log/rclone-mount.log"
-    echo "${RCLONE_OPTS[*]}" >"$DIR/rclone.settings"
   fi
   local deadline=$((SECONDS + 20))
   until answering "$S3FS_MNT" && answering "$RCLONE_MNT"; do
@@ -278,10 +283,10 @@ status() {  # exit 0 only when both servers run and both mounts are up
   if running "$DIR/nocond.pid"; then echo "rclone serve s3: running on $NOCOND_ENDPOINT"
   else echo "rclone serve s3: stopped"; ok=1; fi
   if ! answering "$S3FS_MNT"; then echo "s3fs: not mounted"; ok=1
-  elif ! current s3fs "${S3FS_OPTS[@]}"; then echo "s3fs: mounted with other settings (start remounts it)"; ok=1
+  elif ! current "$S3FS_MNT" "${S3FS_OPTS[@]}"; then echo "s3fs: mounted with other settings (start remounts it)"; ok=1
   else echo "s3fs: mounted at $S3FS_MNT"; fi
   if ! answering "$RCLONE_MNT"; then echo "rclone mount: not mounted"; ok=1
-  elif ! current rclone "${RCLONE_OPTS[@]}"; then echo "rclone mount: mounted with other settings (start remounts it)"; ok=1
+  elif ! current "$RCLONE_MNT" "${RCLONE_OPTS[@]}"; then echo "rclone mount: mounted with other settings (start remounts it)"; ok=1
   else echo "rclone mount: mounted at $RCLONE_MNT"; fi
   return "$ok"
 }

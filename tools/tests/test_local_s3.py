@@ -193,7 +193,15 @@ def test_start_recovers_what_a_killed_or_older_run_left(local_s3):
         assert older_moto.wait(timeout=10) is not None
         assert tool("status").returncode == 0
 
-        (state / "s3fs.settings").write_text("-o some -o other settings\n")
+        # An older script's mount: the same bucket, without the settings Koochak needs.
+        mnt = state / "mnt" / "s3fs"
+        subprocess.run(["fusermount3", "-uz", str(mnt)], check=True)
+        url = f"url=http://127.0.0.1:{env['KOOCHAK_S3_PORT']}"
+        subprocess.run(["s3fs", "koochak-mounts", str(mnt), "-o", f"passwd_file={state / 's3fs.passwd'}",
+                        "-o", url, "-o", "use_path_request_style"], check=True)  # fmt: skip
+        deadline = time.monotonic() + 10
+        while not os.path.ismount(mnt) and time.monotonic() < deadline:
+            time.sleep(0.05)
         status = tool("status")
         assert status.returncode == 1 and "s3fs: mounted with other settings" in status.stdout
         started = tool("start")
