@@ -34,6 +34,7 @@ __all__ = [
     "Publication",
     "publish",
     "unpublish",
+    "read_manifest",
     "read_verified",
     "published_candidates",
     "highest_valid",
@@ -222,12 +223,14 @@ def unpublish(store: Store, name: str) -> None:
             pass
 
 
-def read_verified(store: Store, name: str) -> tuple[Publication, bytes]:
-    """Read ``name`` once and check it against its ready manifest.
+def read_manifest(store: Store, name: str) -> tuple[Publication, bytes]:
+    """The publication ``name`` as its ready manifest describes it, and the manifest's bytes.
 
-    Raises InvalidArtifact when the manifest is missing, malformed or of an unknown version, or
-    when the object is missing or its size or SHA256 differ. Any other OSError propagates: an
-    unreadable object is not evidence that it is invalid.
+    Only the manifest is read, not the object: this says what was committed, not that the
+    object is still intact (``read_verified`` checks that). Raises InvalidArtifact when the
+    manifest is missing, malformed, of an unknown version or describes another key; any other
+    OSError propagates. The bytes let a caller copy the manifest unchanged (a replica commits
+    with the very document its source committed with).
     """
     _check_name(name)
     manifest_key = name + READY_SUFFIX
@@ -241,30 +244,41 @@ def read_verified(store: Store, name: str) -> tuple[Publication, bytes]:
         raise InvalidArtifact(
             f"{where}: manifest describes {doc['key']!r} ({doc['type']}), not {name!r}"
         )
+    publication = Publication(
+        artifact_id=doc["artifact_id"],
+        key=name,
+        size=doc["size"],
+        sha256=doc["sha256"],
+        manifest_key=manifest_key,
+        path=store.local_path(name),
+    )
+    return publication, raw
+
+
+def read_verified(store: Store, name: str) -> tuple[Publication, bytes]:
+    """Read ``name`` once and check it against its ready manifest.
+
+    Raises InvalidArtifact when the manifest is missing, malformed or of an unknown version, or
+    when the object is missing or its size or SHA256 differ. Any other OSError propagates: an
+    unreadable object is not evidence that it is invalid.
+    """
+    committed, _ = read_manifest(store, name)
     try:
         data = store.get(name)
     except FileNotFoundError:
         raise InvalidArtifact(
             f"{store.location}/{name}: object missing although its manifest exists"
         ) from None
-    if len(data) != doc["size"]:
+    if len(data) != committed.size:
         raise InvalidArtifact(
-            f"{store.location}/{name}: {len(data)} bytes, manifest says {doc['size']}"
+            f"{store.location}/{name}: {len(data)} bytes, manifest says {committed.size}"
         )
     digest = hashlib.sha256(data).hexdigest()
-    if digest != doc["sha256"]:
+    if digest != committed.sha256:
         raise InvalidArtifact(
-            f"{store.location}/{name}: SHA256 {digest}, manifest says {doc['sha256']}"
+            f"{store.location}/{name}: SHA256 {digest}, manifest says {committed.sha256}"
         )
-    publication = Publication(
-        artifact_id=doc["artifact_id"],
-        key=name,
-        size=doc["size"],
-        sha256=digest,
-        manifest_key=manifest_key,
-        path=store.local_path(name),
-    )
-    return publication, data
+    return committed, data
 
 
 def published_candidates(store: Store, pattern: str) -> list[tuple[int, str]]:
