@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from koochak.loop.checkpoint import checkpoint_store, resolve_auto_resume
+from koochak.loop.checkpoint.tiers import checkpoint_locations
 from koochak.loop.config import (
     ConfigError,
     format_summary,
@@ -156,8 +157,7 @@ def _scruffy_hooks() -> dict[str, list[Callable[[dict[str, Any]], None]]]:
 def _find_resume(cfg: DictConfig, mode: str) -> tuple[str | None, dict[str, Any] | None]:
     if mode != "auto":
         return None, None
-    location = str(cfg.train.checkpoint_dir or cfg.train.out_dir)
-    found = resolve_auto_resume(location)
+    found = resolve_auto_resume(checkpoint_locations(cfg.train))  # every tier
     return (None, None) if found is None else (str(found[0]), found[1])
 
 
@@ -170,7 +170,8 @@ def _check_launch(cfg: DictConfig) -> None:
     get_device(str(cfg.train.device))
     if cfg.train.ddp:
         check_launch_environment()
-    checkpoint_store(str(cfg.train.checkpoint_dir or cfg.train.out_dir))
+    for location in checkpoint_locations(cfg.train):
+        checkpoint_store(location)
 
 
 def _prepare(args: argparse.Namespace) -> dict[str, Any]:

@@ -29,8 +29,9 @@ import torch
 from koochak.loop import ddp, dist
 from koochak.loop.batch import to_device
 from koochak.loop.checkpoint.restore import restore_rng, restore_training_state
-from koochak.loop.checkpoint.resume import resume_checkpoint
+from koochak.loop.checkpoint.resume import resume_checkpoint, resume_publication_path
 from koochak.loop.checkpoint.saver import Checkpointer, make_checkpointer
+from koochak.loop.checkpoint.tiers import checkpoint_locations
 from koochak.loop.config import TrainConfig, resolve_train_config
 from koochak.loop.device import get_device, get_lr
 from koochak.loop.ema import ModelEma, make_model_ema
@@ -105,9 +106,9 @@ def training_loop(
     #      -> [EMA] -> [restore] -> checkpoints, [GPU health]
     setup = ddp.setup_ddp(cfg, get_device(cfg.device))  # process group; device from LOCAL_RANK
     device, rank, world_size = setup.device, setup.rank, setup.world_size
-    location = cfg.checkpoint_dir or cfg.out_dir
+    tiers = checkpoint_locations(cfg)  # checkpoint_dir (else out_dir), then any replicas
     resume_path, checkpoint_dict = resume_checkpoint(
-        resume, location, checkpoint_dict, auto_resume_path
+        resume, tiers, checkpoint_dict, auto_resume_path
     ) or (None, None)
     start_step = int(checkpoint_dict["next_step"]) if checkpoint_dict else 0
     raw_model = model.to(device)
@@ -140,6 +141,10 @@ def training_loop(
                       "config_json": config_json, "model": raw_model, "num_params": num_params,
                       "rank": rank, "world_size": world_size, "out_dir": cfg.out_dir,
                       "resumed": checkpoint_dict is not None, "resume_path": resume_path}  # fmt: skip
+        if len(tiers) > 1 and rank == 0:  # the path others read it from, once it is announced
+            start_info["resume_publication_path"] = resume_publication_path(
+                tiers, resume_path, checkpoint_dict
+            )
         emit(hooks, "on_train_start", start_info)
         # Compile the bare module first so DDP wraps the compiled graph (torch's recommended order).
         train_model = torch.compile(raw_model) if cfg.compile else raw_model
@@ -154,6 +159,7 @@ def training_loop(
         checkpoints = make_checkpointer(
             cfg, parts, rank=rank, resumed=checkpoint_dict, started=started,
             on_checkpoint=lambda info: emit(hooks, "on_checkpoint", info, warned=warned),
+            on_replication=lambda info: emit(hooks, "on_replication", info, warned=warned),
         )  # fmt: skip
         health = make_gpu_health(cfg, device, cfg.out_dir, gpu_health)
 

@@ -11,6 +11,11 @@ writes them, at most one publication in flight. Results come back to the trainin
 the other way round: ``on_checkpoint`` callbacks and failures are delivered by ``poll``/``drain``,
 which the loop calls at step boundaries, so hooks never run concurrently with training and a
 failed publication fails the next step.
+
+With ``train.checkpoint_replicas`` the saver commits in the first tier and hands each checkpoint
+to a ``Replicator`` (``replication``), which copies it to the durable tiers in the background;
+``on_checkpoint`` then names the first replica tier, once the checkpoint commits there, and the
+last save of a run waits for a durable commit.
 """
 
 from __future__ import annotations
@@ -27,10 +32,12 @@ import torch
 from koochak.loop import ddp, dist
 from koochak.loop.checkpoint.format import build_checkpoint, checkpoint_name
 from koochak.loop.checkpoint.publication import checkpoint_store, publication_path, publish
+from koochak.loop.checkpoint.replication import ReplicaTier, ReplicationEvent, Replicator
 from koochak.loop.checkpoint.serialization import (
     serialize_checkpoint_buffer,
     serialize_checkpoint_chunks,
 )
+from koochak.loop.checkpoint.tiers import ReplicationSettings, replication_settings
 from koochak.loop.config import TrainConfig
 from koochak.loop.seed import get_rng_state
 from koochak.storage import artifact
@@ -149,6 +156,8 @@ class Checkpointer:
             checkpoint = self.capture(step, step, reason, metrics)
             if self.saver is not None and checkpoint is not None and publish:
                 path = self.saver.save(checkpoint, sync=True)
+            elif self.saver is not None and checkpoint is not None:
+                path = self.saver.settle(checkpoint_name(step), reason)  # durable before exit
         except Exception as exc:
             if not best_effort:
                 failure = exc  # raised below, once the other ranks know
@@ -188,10 +197,12 @@ def make_checkpointer(
     resumed: Mapping[str, Any] | None,
     started: float,
     on_checkpoint: Callable[[dict[str, Any]], None] | None,
+    on_replication: Callable[[dict[str, Any]], None] | None = None,
 ) -> Checkpointer:
     """The loop's Checkpointer: saves every ``train.ckpt_every`` updates to
     ``train.checkpoint_dir`` (else ``out_dir``), keeping ``keep_last_k``, async with
-    ``checkpoint_async``; only rank 0 publishes, every rank takes part in capturing."""
+    ``checkpoint_async``, replicated to ``checkpoint_replicas``; only rank 0 publishes, every
+    rank takes part in capturing."""
     saver = None
     if rank == 0:
         saver = CheckpointSaver(
@@ -199,6 +210,9 @@ def make_checkpointer(
             keep_last_k=cfg.keep_last_k or None,
             async_publish=cfg.checkpoint_async,
             on_checkpoint=on_checkpoint,
+            replication=replication_settings(cfg),
+            on_replication=on_replication,
+            resumed=checkpoint_name(int(resumed["step"])) if resumed else None,
         )
     return Checkpointer(parts, saver, every=cfg.ckpt_every, max_steps=cfg.max_steps,
                         resumed=resumed, started=started)  # fmt: skip
@@ -220,6 +234,13 @@ class CheckpointSaver:
     ``on_checkpoint(info)`` receives ``step``, ``path``, ``checkpoint`` and ``publication``. With
     ``async_publish`` periodic saves go through one background thread; ``sync=True`` saves
     (terminal, evacuation, GPU health) drain it first and publish on the calling thread.
+
+    With ``replication`` (``train.checkpoint_replicas``) ``location`` is the first tier: each
+    commit there is replicated in the background, ``on_checkpoint`` fires (with ``tier`` and
+    ``location`` added) once the checkpoint commits in the first replica tier, and
+    ``on_replication(info)`` hears of every commit, failure and drop in every replica tier. A
+    ``sync`` save waits for a durable commit. ``resumed`` names the checkpoint the run continues
+    from: pulled back into the first tier if only a replica holds it.
     """
 
     def __init__(
@@ -229,13 +250,32 @@ class CheckpointSaver:
         keep_last_k: int | None = None,
         async_publish: bool = False,
         on_checkpoint: Callable[[dict[str, Any]], None] | None = None,
+        replication: ReplicationSettings | None = None,
+        on_replication: Callable[[dict[str, Any]], None] | None = None,
+        resumed: str | None = None,
     ) -> None:
         self.location = location
         self.keep_last_k = keep_last_k
         self.async_publish = async_publish
         self.on_checkpoint = on_checkpoint
+        self.on_replication = on_replication
         self._store: Store | None = None
         self._async: AsyncPublisher | None = None
+        self._replicator: Replicator | None = None
+        self._held: dict[str, Mapping[str, Any]] = {}  # saved, not yet announced
+        if replication is not None:
+            self._replicator = Replicator(
+                self.store,
+                [
+                    ReplicaTier(tier.index, checkpoint_store(tier.location), tier.keep_last_k)
+                    for tier in replication.replicas
+                ],
+                first_keep_last_k=keep_last_k,
+                max_lag=replication.max_lag,
+                retry_s=replication.retry_s,
+                prune_unreplicated=replication.prune_unreplicated,
+                pull=resumed,
+            )
 
     @property
     def store(self) -> Store:
@@ -249,13 +289,20 @@ class CheckpointSaver:
         return self._store
 
     def save(self, ckpt: Mapping[str, Any], *, sync: bool = False) -> str | None:
-        """Publish ``ckpt`` as ``step{N:09d}.pt``; returns its path (None while still in flight)."""
+        """Publish ``ckpt`` as ``step{N:09d}.pt``; returns its path (None while still in flight).
+
+        Replicated: a ``sync`` save returns once a durable tier holds it, and the path there.
+        """
         name = checkpoint_name(int(ckpt["step"]))
         store = self.store
+        replicator = self._replicator
+        if replicator is not None:
+            replicator.wait_for_room()  # the lag bound: the run slows rather than piling up
+            self._hold(name, ckpt)
 
         def announce(publication: artifact.Publication) -> str:
             path = publication_path(store, publication)
-            if self.on_checkpoint is not None:
+            if self.on_checkpoint is not None and replicator is None:
                 self.on_checkpoint(
                     {
                         "step": int(ckpt["step"]),
@@ -276,12 +323,37 @@ class CheckpointSaver:
             return None
         self.drain()
         # Training waits here, so the tensors cannot change: stream straight into the store.
-        return announce(self._publish(name, serialize_checkpoint_chunks(ckpt)))
+        path = announce(self._publish(name, serialize_checkpoint_chunks(ckpt)))
+        if sync and replicator is not None:
+            return self.settle(name, str(ckpt.get("reason", "terminal")))
+        return path
+
+    def settle(self, name: str, reason: str) -> str | None:
+        """At the end of a run: wait until ``name`` is committed in a durable tier (for a
+        ``terminal`` save in every replica tier that does not give up), deliver what happened,
+        stop replicating; return its path in the first replica tier holding it. Raises
+        CheckpointReplicationError when none does. Without replicas: nothing to wait for, None.
+        """
+        replicator = self._replicator
+        if replicator is None:
+            return None
+        try:
+            held = replicator.settle(name, everywhere=reason == "terminal")
+        finally:
+            self.poll()
+        replicator.close()
+        where = held[0].store
+        local = where.local_path(name)
+        return local if local is not None else f"{where.location.rstrip('/')}/{name}"
 
     def poll(self) -> None:
-        """Deliver a finished background publication; raises if it failed."""
+        """Deliver a finished background publication (raises if it failed) and what replication
+        did since the last call."""
         if self._async is not None:
             self._async.poll()
+        if self._replicator is not None:
+            for event in self._replicator.take_events():
+                self._deliver(event)
 
     def drain(self) -> None:
         """Wait for the background publication in flight (if any) and deliver it."""
@@ -289,12 +361,65 @@ class CheckpointSaver:
             self._async.drain()
 
     def close(self) -> None:
-        """On an error path: let an in-flight publication finish without masking the error."""
+        """On an error path: let an in-flight publication finish without masking the error;
+        stop replicating after the copies in flight."""
         if self._async is not None:
             self._async.close()
+        if self._replicator is not None:
+            self._replicator.close()
 
     def _publish(self, name: str, data: Any) -> artifact.Publication:
-        return publish(self.store, name, data, keep_last_k=self.keep_last_k)
+        replicator = self._replicator
+        if replicator is None:
+            return publish(self.store, name, data, keep_last_k=self.keep_last_k)
+        replicator.before_publish(name)
+        # The first tier prunes through the replicator: never a checkpoint no replica holds yet.
+        publication = publish(self.store, name, data)
+        replicator.submit(name)
+        return publication
+
+    def _hold(self, name: str, ckpt: Mapping[str, Any]) -> None:
+        """Keep the dict for ``on_checkpoint`` until the first replica commits it (the newest
+        few only: one that is never replicated there is not announced)."""
+        self._held[name] = ckpt
+        while len(self._held) > _HELD_CHECKPOINTS:
+            del self._held[next(iter(self._held))]
+
+    def _deliver(self, event: ReplicationEvent) -> None:
+        info = {
+            "status": event.status,
+            "step": event.step,
+            "name": event.name,
+            "tier": event.tier,
+            "location": event.location,
+            "path": event.path,
+            "publication": event.publication,
+            "seconds": event.seconds,
+            "bytes": event.bytes_copied,
+            "lag": event.lag,
+            "behind_s": event.behind_s,
+            "error": event.error,
+            "retry_in_s": event.retry_in_s,
+        }
+        if self.on_replication is not None:
+            self.on_replication(info)
+        # One tier is named for every checkpoint, so its artifact event always carries the same
+        # path: the first replica, where a consumer on another node can read it.
+        if event.status == "committed" and event.tier == 1 and self.on_checkpoint is not None:
+            self.on_checkpoint(
+                {
+                    "step": event.step,
+                    "path": event.path,
+                    "checkpoint": self._held.pop(event.name, None),
+                    "publication": event.publication,
+                    "tier": event.tier,
+                    "location": event.location,
+                }
+            )
+
+
+# Checkpoint dicts kept for their on_checkpoint (a checkpoint's tensors are the live ones).
+_HELD_CHECKPOINTS = 8
 
 
 class AsyncPublisher:
