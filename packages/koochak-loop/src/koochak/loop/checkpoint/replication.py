@@ -344,7 +344,8 @@ class Replicator:
                 break
             if key in here:
                 # The newest step may have been re-saved in the first tier since it was copied.
-                if artifact.read_manifest(self.first, key)[1] == artifact.read_manifest(store, key)[1]:
+                _, ours = artifact.read_manifest(self.first, key)
+                if ours == artifact.read_manifest(store, key)[1]:
                     continue
                 here.discard(key)
             missing.append(key)
@@ -439,12 +440,11 @@ class Replicator:
             lane.retry_at = self._clock() + delay
             what = name or "(comparing with the first tier)"
             error = f"{type(exc).__name__}: {exc}"
-            self._events.append(
-                ReplicationEvent(
-                    "failed", what, step_of_name(what), lane.tier.index, store.location,
-                    lag=len(lane.queue), error=error, retry_in_s=delay,
-                )  # fmt: skip
-            )
+            event = ReplicationEvent(
+                "failed", what, step_of_name(what), lane.tier.index, store.location,
+                lag=len(lane.queue), error=error, retry_in_s=delay,
+            )  # fmt: skip
+            self._events.append(event)
             self._cond.notify_all()
         log.error("replicating %s to %s failed (attempt %d): %s; retrying in %.0f s, training "
                   "goes on", what, describe_tier(lane.tier.index, store), lane.failures, error,
@@ -466,13 +466,12 @@ class Replicator:
                         "(keep_last_k=%d newer ones are waiting)",
                         describe_tier(lane.tier.index, lane.tier.store), len(lane.queue) + 1,
                         dropped, keep)  # fmt: skip
-            self._events.append(
-                ReplicationEvent(
-                    "dropped", dropped, step_of_name(dropped), lane.tier.index,
-                    lane.tier.store.location, lag=len(lane.queue),
-                    error=f"superseded: keep_last_k={keep} newer checkpoints wait",
-                )  # fmt: skip
-            )
+            event = ReplicationEvent(
+                "dropped", dropped, step_of_name(dropped), lane.tier.index,
+                lane.tier.store.location, lag=len(lane.queue),
+                error=f"superseded: keep_last_k={keep} newer checkpoints wait",
+            )  # fmt: skip
+            self._events.append(event)
 
     def _prune_tier(self, lane: _Lane) -> None:
         keep = lane.tier.keep_last_k
