@@ -125,6 +125,18 @@ def artifact_events(root, job_id):
     return [r for r in journal_of(root, job_id) if r["kind"] == "workload.artifact"]
 
 
+def workload_view(scruffy, root, job_id, status, seconds=30.0):
+    """The job's ``workload`` projection once it shows ``status`` (its last reports may still
+    sit in the inbox for a tick after the job ended); fails with the view it last saw."""
+    deadline = time.monotonic() + seconds
+    while True:
+        view = scruffy.status(root, job_id)["workload"]
+        if view["status"] == status or time.monotonic() > deadline:
+            assert view["status"] == status, view
+            return view
+        time.sleep(0.1)
+
+
 def exit_record(root, job):
     lines = [ln for ln in (root / job["stderr"]).read_text().splitlines() if ln.startswith("{")]
     return json.loads(lines[-1])
@@ -161,9 +173,12 @@ def test_events_reach_the_controller_and_the_gate_opens_on_the_checkpoint(setup)
         "workload.artifact",
     } <= kinds
     phases = [
-        e["data"]["phase"] for e in seen if e["kind"] == "workload.phase" and e["job_id"] == train
+        (e["data"]["phase"], e["data"]["status"])
+        for e in seen
+        if e["kind"] == "workload.phase" and e["job_id"] == train
     ]
-    assert phases[0] == "starting" and phases[-1] == "finished"
+    assert phases == [("training", "started"), ("training", "completed")]
+    assert workload_view(scruffy, root, train, "completed")["phase"] == "training"
     (nine,) = [
         e
         for e in artifact_events(root, train)
@@ -343,5 +358,138 @@ def test_newer_evacuation_publishes_without_waiting_and_the_retry_resumes(tmp_pa
         if e["source_event_id"] == evacuation["artifact_event_id"]
     ]
     assert len(same) == 1 and same[0]["data"]["publication"] == pub  # the republish deduplicated
-    phases = [e["data"]["phase"] for e in events if e["kind"] == "workload.phase"]
-    assert "evacuated" in phases and phases[-1] == "finished"
+    statuses = [e["data"]["status"] for e in events if e["kind"] == "workload.phase"]
+    assert statuses == ["started", "evacuated", "started", "completed"]
+    assert workload_view(scruffy, root, train, "completed")["phase"] == "training"
+
+
+FAILING_STEP = """
+
+def failing_step(model, batch, ctx):
+    if ctx.step >= 3:
+        raise RuntimeError("loss diverged at update 3")
+    return step_fn(model, batch, ctx)
+"""
+
+
+def test_a_failed_run_shows_status_failed(setup):
+    scruffy, controller, project = setup
+    root = controller.root
+    with open(project / "e2e_user.py", "a") as f:
+        f.write(FAILING_STEP)
+    task = train_task(project, 60)
+    task["argv"] = [*task["argv"], "entry.step=e2e_user:failing_step"]
+    sub = scruffy.submit_workflow(root, request_id="e2e-fail", workflow_id="wf", tasks=[task])
+    train = sub["tasks"][0]["job_id"]
+    done = scruffy.wait_for_job(root, train, timeout=240)
+    assert (done["state"], done["exit_code"]) == ("failed", 1), (root / done["stderr"]).read_text()
+    view = workload_view(scruffy, root, train, "failed")
+    assert view["phase"] == "training"
+    (failed,) = [
+        e["data"]
+        for e in journal_of(root, train)
+        if e["kind"] == "workload.phase" and e["data"]["status"] == "failed"
+    ]
+    assert failed["error_type"] == "RuntimeError" and failed["step"] == 3
+    assert failed["message"] == "loss diverged at update 3"
+
+
+def test_newer_an_evacuation_that_is_not_retried_shows_status_evacuated(tmp_path, monkeypatch):
+    scruffy = stub_harness.load_client("newer", monkeypatch)
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "e2e_user.py").write_text(USER_CODE + SLOW_DATA)
+    (project / "cfg.yaml").write_text(
+        textwrap.dedent(f"""
+        train: {{max_steps: 1500, log_every: 10, device: cpu, out_dir: {project / "run"},
+                 progress_bar: false, evacuation_enabled: true}}
+        optim: {{optimizer: {{name: sgd, lr: 0.01}}}}
+        logging: {{stdout: false}}
+        entry: {{model: "e2e_user:make_model", dataset: "e2e_user:slow_dataset",
+                 step: "e2e_user:step_fn"}}
+    """)
+    )
+    recovery = {
+        "max_attempts": 1,
+        "retry_on": [],
+        "evacuation": {"signal": "USR1", "grace_seconds": 30},
+    }
+    with stub_harness.StubController(tmp_path / "root", "newer") as controller:
+        root = controller.root
+        sub = scruffy.submit_workflow(
+            root,
+            request_id="e2e-75-once",
+            workflow_id="wf",
+            tasks=[train_task(project, 60, recovery=recovery)],
+        )
+        train = sub["tasks"][0]["job_id"]
+        deadline = time.monotonic() + 120
+        while not (project / "run" / "log.csv").exists():  # training has started
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        controller.control(evacuate=[train])
+        done = scruffy.wait_for_job(root, train, timeout=240)
+        assert (done["state"], done["reason"], done["exit_code"]) == ("failed", "evacuated", 75)
+        view = workload_view(scruffy, root, train, "evacuated")
+    assert view["phase"] == "training"
+    assert view["last_milestone"]["milestone"] == "evacuation"
+    assert view["last_milestone"]["status"] == "checkpointed"
+
+
+def _upstream_hook_table() -> dict[str, str]:
+    """hook name -> its data-fields cell, from shared/contracts/koochak-jobs-upstream.md."""
+    paths = [p.parent / "koochak-jobs-upstream.md" for p in stub_harness.CONTRACT_CANDIDATES]
+    found = [p for p in paths if p.is_file()]
+    if not found:
+        pytest.skip("shared/contracts/koochak-jobs-upstream.md is not next to this checkout")
+    rows = {}
+    for line in found[0].read_text(encoding="utf-8").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`on_"):
+            rows[cells[0].strip("`").split("(")[0]] = cells[2]
+    return rows
+
+
+def test_phase_and_status_are_the_upstream_hook_tables():
+    """What the loop's hooks publish for each lifecycle hook, against the table's values."""
+    from koochak.events import make_event_hooks
+
+    table = _upstream_hook_table()
+    assert 'phase:"training"' in table["on_train_start"]
+    assert 'status:"started"' in table["on_train_start"]
+    assert '"evacuated"' in table["on_train_end"] and '"completed"' in table["on_train_end"]
+    assert 'status:"failed"' in table["on_exception"]
+    assert 'phase:"evaluation"' in table["on_eval_end"]
+
+    def run(*calls):
+        events = []
+        hooks = make_event_hooks(lambda event: events.append(event))
+        for name, info in calls:
+            for fn in hooks[name]:
+                fn(info)
+        return [(e.kind, dict(e.payload)) for e in events]
+
+    start = ("on_train_start", {"step": 0, "rank": 0, "world_size": 1, "max_steps": 3})
+    phases = [
+        (p["phase"], p["status"])
+        for runs in (
+            run(start, ("on_train_end", {"step": 3})),
+            run(start, ("on_train_end", {"step": 3, "reason": "evacuation"})),
+            run(start, ("on_exception", {"step": 1, "exception": ValueError("x")})),
+        )
+        for kind, p in runs
+        if kind == "workload.phase"
+    ]
+    assert phases == [
+        ("training", "started"),
+        ("training", "completed"),
+        ("training", "started"),
+        ("training", "evacuated"),
+        ("training", "started"),
+        ("training", "failed"),
+    ]
+    failed = run(start, ("on_exception", {"step": 1, "exception": ValueError("x")}))[-1][1]
+    for field in ("error_type", "message", "step"):
+        assert f"`{field}`" in table["on_exception"] and field in failed
+    (evaluation,) = run(start, ("on_eval_end", {"step": 2, "metrics": {"loss": 1.0}}))[1:]
+    assert evaluation[1]["phase"] == "evaluation"

@@ -36,7 +36,13 @@ _DROP = object()
 
 def test_every_kind_round_trips_through_json():
     payloads = {
-        "workload.phase": {"phase": "starting", "step": 0, "max_steps": 10, "resumed": False},
+        "workload.phase": {
+            "phase": "training",
+            "status": "started",
+            "step": 0,
+            "max_steps": 10,
+            "resumed": False,
+        },
         "workload.progress": {"completed_steps": 3, "total_steps": None, "metrics": {"loss": 1.5}},
         "workload.milestone": {"milestone": "eval", "step": 4, "metrics": {"eval_acc": 0.9}},
         "workload.artifact": artifact_payload(),
@@ -51,7 +57,9 @@ def test_every_kind_round_trips_through_json():
 
 def test_to_json_is_canonical():
     event = make_event(
-        "workload.phase", {"step": 1, "phase": "training"}, time="2026-01-01T00:00:00Z"
+        "workload.phase",
+        {"step": 1, "phase": "training", "status": "started"},
+        time="2026-01-01T00:00:00Z",
     )
     text = event.to_json()
     assert text == json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"))
@@ -96,7 +104,8 @@ def test_parse_rejects_a_tampered_artifact_id():
 
 
 def _doc(**changes):
-    doc = json.loads(make_event("workload.phase", {"phase": "starting"}, job_id="j").to_json())
+    started = {"phase": "training", "status": "started"}
+    doc = json.loads(make_event("workload.phase", started, job_id="j").to_json())
     doc.update(changes)
     return doc
 
@@ -112,11 +121,14 @@ def _doc(**changes):
         (_doc(id=""), "'id'"),
         (_doc(job_id=5), "'job_id'"),
         (_doc(payload=[]), "'payload'"),
-        (_doc(payload={"phase": "starting", "config": {}}), "'config'"),
-        (_doc(payload={"phase": "napping"}), "'phase'"),
-        (_doc(payload={"step": 1}), "'phase'"),
-        (_doc(payload={"phase": "starting", "step": -1}), "'step'"),
-        (_doc(payload={"phase": "starting", "step": True}), "'step'"),
+        (_doc(payload={"phase": "training", "status": "started", "config": {}}), "'config'"),
+        (_doc(payload={"phase": "napping", "status": "started"}), "'phase'"),
+        (_doc(payload={"phase": "starting", "status": "started"}), "'phase'"),
+        (_doc(payload={"phase": "training", "status": "finished"}), "'status'"),
+        (_doc(payload={"phase": "training"}), "'status'"),
+        (_doc(payload={"step": 1, "status": "started"}), "'phase'"),
+        (_doc(payload={"phase": "training", "status": "started", "step": -1}), "'step'"),
+        (_doc(payload={"phase": "training", "status": "started", "step": True}), "'step'"),
     ],
 )
 def test_parse_rejects_and_names_the_field(doc, field):

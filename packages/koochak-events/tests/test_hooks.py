@@ -45,18 +45,23 @@ def test_a_whole_run_publishes_phases_progress_eval_artifact_and_finish(
     fire(hooks, "on_exception", {"step": 100, "exception": RuntimeError("late")})
 
     kinds = publisher.kinds()
-    assert kinds[:2] == ["workload.phase", "workload.phase"]
-    phases = [e.payload["phase"] for e in publisher.of("workload.phase")]
-    assert phases == ["starting", "training", "finished"]  # nothing after the end
+    assert kinds[:2] == ["workload.phase", "workload.progress"]
+    # Scruffy shows phase = data.phase, status = data.status of the newest phase event.
+    states = [(e.payload["phase"], e.payload["status"]) for e in publisher.of("workload.phase")]
+    assert states == [("training", "started"), ("training", "completed")]  # nothing after the end
     assert publisher.of("workload.phase")[0].payload == {
-        "phase": "starting",
+        "phase": "training",
+        "status": "started",
         "step": 0,
         "max_steps": 100,
         "world_size": 2,
         "resumed": False,
     }
-    assert publisher.of("workload.phase")[1].payload == {"phase": "training", "step": 1}
-    assert publisher.of("workload.phase")[-1].payload == {"phase": "finished", "step": 100}
+    assert publisher.of("workload.phase")[-1].payload == {
+        "phase": "training",
+        "status": "completed",
+        "step": 100,
+    }
     progress = publisher.of("workload.progress")
     # 100 steps of 1 s with a 30 s interval: the first update, then updates 31, 61 and 91.
     assert [p.payload["completed_steps"] for p in progress] == [1, 31, 61, 91]
@@ -64,7 +69,12 @@ def test_a_whole_run_publishes_phases_progress_eval_artifact_and_finish(
     assert "metrics" not in progress[0].payload  # nothing logged before the first update
     assert progress[1].payload["metrics"] == {"loss": 0.5, "lr": 0.1}
     (milestone,) = publisher.of("workload.milestone")
-    assert milestone.payload == {"milestone": "eval", "step": 9, "metrics": {"eval_acc": 0.75}}
+    assert milestone.payload == {
+        "milestone": "eval",
+        "phase": "evaluation",
+        "step": 9,
+        "metrics": {"eval_acc": 0.75},
+    }
     (artifact,) = publisher.of("workload.artifact")
     assert artifact.job_id == "job-7"
     # Every event is a valid envelope on the wire.
@@ -273,10 +283,13 @@ def test_then_the_failure_is_reported_with_its_reason(publisher, train_start):
     fire(hooks, "on_exception", {"step": 4, "exception": ArtifactAckTimeout("no ack in 300 s")})
     failed = publisher.of("workload.phase")[-1].payload
     assert failed == {
-        "phase": "failed",
+        "phase": "training",
+        "status": "failed",
         "step": 4,
         "reason": "checkpoint_ack_timeout",
         "error": "ArtifactAckTimeout: no ack in 300 s",
+        "error_type": "ArtifactAckTimeout",
+        "message": "no ack in 300 s",
     }
 
 
@@ -353,14 +366,13 @@ def test_evacuation_sends_milestone_and_phase_and_swallows_the_exit_exception(
         pass
 
     fire(hooks, "on_exception", {"step": 1, "exception": Evacuated("exit 75")})
-    tail = [
-        (e.kind, e.payload.get("phase") or e.payload.get("milestone")) for e in publisher.events
-    ]
+    tail = [(e.kind, e.payload.get("milestone"), e.payload.get("status")) for e in publisher.events]
     assert tail[-3:] == [
-        ("workload.artifact", None),
-        ("workload.milestone", "evacuation"),
-        ("workload.phase", "evacuated"),
+        ("workload.artifact", None, None),
+        ("workload.milestone", "evacuation", "checkpointed"),
+        ("workload.phase", None, "evacuated"),
     ]
+    assert publisher.events[-1].payload == {"phase": "training", "status": "evacuated", "step": 1}
     # Nothing waits during the grace period, not even the terminal checkpoint's artifact.
     assert publisher.waits[-3:] == [False, False, False]
     artifact, milestone = publisher.events[-3:-1]
@@ -373,10 +385,12 @@ def test_a_failure_publishes_failed_with_a_truncated_message(publisher, train_st
     hooks = make_event_hooks(publisher)
     fire(hooks, "on_train_start", train_start())
     fire(hooks, "on_exception", {"step": 7, "exception": ValueError("boom " * 10_000)})
-    (failed,) = [e for e in publisher.of("workload.phase") if e.payload["phase"] == "failed"]
-    assert failed.payload["reason"] == "ValueError"
+    (failed,) = [e for e in publisher.of("workload.phase") if e.payload["status"] == "failed"]
+    assert failed.payload["reason"] == failed.payload["error_type"] == "ValueError"
     assert failed.payload["error"].startswith("ValueError: boom")
     assert failed.payload["error"].endswith("...[truncated]")
+    # The upstream table's message is shorter: at most 512 characters.
+    assert len(failed.payload["message"]) == 512 and failed.payload["message"].startswith("boom")
 
 
 def test_payloads_never_carry_configs_models_or_tensors(

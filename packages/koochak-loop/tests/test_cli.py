@@ -117,8 +117,11 @@ def one_line_error(capsys) -> str:
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
-        ("entry.model=nowhere_pkg:make_model", "entry.model: cannot import module 'nowhere_pkg'"),
-        ("entry.step={name}:nope", "entry.step: module '{name}' has no attribute 'nope'"),
+        (
+            "entry.model=nowhere_pkg:make_model",
+            "entry.model='nowhere_pkg:make_model': cannot import module 'nowhere_pkg'",
+        ),
+        ("entry.step={name}:nope", "entry.step='{name}:nope': module '{name}' has no attribute"),
         ("entry.dataset=nocolon", "entry.dataset: expected 'module:callable', got 'nocolon'"),
         ("entry.model=null", "entry.model is not set: add it to the config's entry section"),
         ("entry.step={name}:step_fm", "(did you mean '{name}:step_fn'?)"),
@@ -304,12 +307,26 @@ class _FakeScruffyClient:
         self.events: list[dict] = []
 
     def publish_event(
-        self, root, *, job_id, kind, data, event_id=None, occurred_at=None, source=None,
-        wait=False, timeout=None,
+        self,
+        root,
+        *,
+        job_id,
+        kind,
+        data,
+        event_id=None,
+        occurred_at=None,
+        source=None,
+        wait=False,
+        timeout=None,
     ):
         self.events.append({"kind": kind, "data": data, "event_id": event_id})
-        return {"event_id": event_id, "job_id": job_id, "deduplicated": False,
-                "state": "accepted" if wait else "spooled", "acknowledged": wait}
+        return {
+            "event_id": event_id,
+            "job_id": job_id,
+            "deduplicated": False,
+            "state": "accepted" if wait else "spooled",
+            "acknowledged": wait,
+        }
 
 
 def test_scruffy_worker_variables_attach_event_hooks(project, monkeypatch, capsys):

@@ -123,7 +123,8 @@ def test_an_unacknowledged_checkpoint_exits_76_and_stays_resumable(run, capsys):
     assert not (run_dir / "step000000006.pt").exists()
     failed = [e for e in client.published if e["kind"] == "workload.phase"][-1]
     assert (
-        failed["data"]["phase"] == "failed" and failed["data"]["reason"] == "checkpoint_ack_timeout"
+        failed["data"]["status"] == "failed"
+        and failed["data"]["reason"] == "checkpoint_ack_timeout"
     )
 
     # The retry resumes from step 2 and first republishes that checkpoint under the same id.

@@ -29,7 +29,9 @@ def installed_plugin(tmp_path, monkeypatch):
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: koochak-plugtest\nVersion: 1.0\n")
     (dist / "entry_points.txt").write_text(
         "[koochak.stores]\nplugtest = koochak_plugtest:make\nplugbroken = koochak_plugtest:broken\n"
+        "plugcrash = koochak_plugcrash:make\n"
     )
+    (site / "koochak_plugcrash.py").write_text("raise RuntimeError('no credentials here')\n")
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.setenv("KOOCHAK_STORES", str(tmp_path / "no-stores-file.yaml"))
     return tmp_path / "plugin-root"
@@ -45,3 +47,10 @@ def test_entry_point_factory_receives_the_path_after_the_scheme(installed_plugin
 def test_entry_point_returning_a_non_store_is_an_error(installed_plugin):
     with pytest.raises(TypeError, match="plugbroken"):
         open_store("plugbroken://x")
+
+
+def test_entry_point_that_fails_to_import_is_named_in_one_error(installed_plugin):
+    with pytest.raises(
+        ImportError, match=r"'plugcrash' = 'koochak_plugcrash:make'.*no credentials"
+    ):
+        open_store("plugcrash://x")

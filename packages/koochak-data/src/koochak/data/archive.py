@@ -20,6 +20,7 @@ import csv
 import datetime
 import hashlib
 import json
+import math
 import os
 import queue
 import stat
@@ -196,8 +197,13 @@ def scan_source(
     root = os.fspath(src)
     if not os.path.isdir(root):
         raise ValueError(f"archive SRC {root!r} is not a directory")
-    if min_age_hours is not None and min_age_hours < 0:
-        raise ValueError(f"--min-age-hours {min_age_hours}: expected a number >= 0")
+    if min_age_hours is not None and not (
+        isinstance(min_age_hours, (int, float))
+        and not isinstance(min_age_hours, bool)
+        and math.isfinite(min_age_hours)
+        and min_age_hours >= 0
+    ):
+        raise ValueError(f"--min-age-hours {min_age_hours}: expected a finite number >= 0")
     now_ns = time.time_ns() if now_ns is None else now_ns
     filters = _Filters(
         include=tuple(include),
@@ -243,7 +249,11 @@ def _consider(
         skipped["too_new"] += 1
         return None
     return SourceFile(
-        rel, st.st_size, st.st_mtime_ns, stat.S_IMODE(st.st_mode), st.st_ctime_ns,
+        rel,
+        st.st_size,
+        st.st_mtime_ns,
+        stat.S_IMODE(st.st_mode),
+        st.st_ctime_ns,
         (st.st_dev, st.st_ino),
     )
 
@@ -300,13 +310,9 @@ def _scan_listed(
         try:
             st = os.lstat(os.path.join(root, rel))
         except FileNotFoundError:
-            raise ValueError(
-                f"{where}: {os.path.join(root, rel)} does not exist"
-            ) from None
+            raise ValueError(f"{where}: {os.path.join(root, rel)} does not exist") from None
         if stat.S_ISDIR(st.st_mode):
-            raise ValueError(
-                f"{where}: {rel!r} is a directory; list files, not directories"
-            )
+            raise ValueError(f"{where}: {rel!r} is a directory; list files, not directories")
         found = _consider(root, rel, st, filters, skipped)
         if found is not None:
             files.append(found)
@@ -455,8 +461,7 @@ def plan_archive(
 
     for group in sorted(grouped):
         items = [
-            (f, _header_size(f))
-            for _, _, f in sorted(grouped[group], key=lambda t: (t[0], t[1]))
+            (f, _header_size(f)) for _, _, f in sorted(grouped[group], key=lambda t: (t[0], t[1]))
         ]
         need = sum(header + padded(f.size) for f, header in items)
         if current and used + need + TAR_END > pack_bytes:
@@ -682,15 +687,23 @@ def _parse_record(data: bytes, pack: PackPlan, where: str) -> tuple[str, dict[st
     if set(doc) != {"version", "kind", "pack", "size", "sha256", "members"}:
         raise ValueError(f"{where}: unexpected fields {sorted(doc)}")
     planned = [
-        {"path": m.file.path, "size": m.file.size, "mtime_ns": m.file.mtime_ns,
-         "mode": m.file.mode, "offset": m.offset}
+        {
+            "path": m.file.path,
+            "size": m.file.size,
+            "mtime_ns": m.file.mtime_ns,
+            "mode": m.file.mode,
+            "offset": m.offset,
+        }
         for m in pack.members
     ]
     members = doc["members"]
     if not isinstance(members, list) or not all(isinstance(x, dict) for x in members):
         raise ValueError(f"{where}: field 'members' is not a list of objects")
     # 1.0 == 1 and True == 1 in Python: numbers must be exact ints before comparing to the plan.
-    numbers = [doc["size"], *(x.get(k) for x in members for k in ("size", "mtime_ns", "mode", "offset"))]
+    numbers = [
+        doc["size"],
+        *(x.get(k) for x in members for k in ("size", "mtime_ns", "mode", "offset")),
+    ]
     if not all(is_exact_int(n) for n in numbers):
         raise ValueError(f"{where}: sizes, offsets, modes and mtime_ns must be integers")
     found = [{k: v for k, v in x.items() if k != "sha256"} for x in members]
@@ -846,21 +859,30 @@ def _copy_objects(
 # ----------------------------------------------------------------------------- the run
 
 
-def _entries(
-    plan: ArchivePlan, digests: dict[str, str]
-) -> list[FileEntry]:
+def _entries(plan: ArchivePlan, digests: dict[str, str]) -> list[FileEntry]:
     entries = [
         FileEntry(
-            path=m.file.path, size=m.file.size, sha256=digests[m.file.path], mode=m.file.mode,
-            mtime_ns=m.file.mtime_ns, group=m.group, pack=p.key, offset=m.offset,
+            path=m.file.path,
+            size=m.file.size,
+            sha256=digests[m.file.path],
+            mode=m.file.mode,
+            mtime_ns=m.file.mtime_ns,
+            group=m.group,
+            pack=p.key,
+            offset=m.offset,
         )
         for p in plan.packs
         for m in p.members
     ]
     entries += [
         FileEntry(
-            path=o.file.path, size=o.file.size, sha256=digests[o.file.path], mode=o.file.mode,
-            mtime_ns=o.file.mtime_ns, group=o.group, object=o.key,
+            path=o.file.path,
+            size=o.file.size,
+            sha256=digests[o.file.path],
+            mode=o.file.mode,
+            mtime_ns=o.file.mtime_ns,
+            group=o.group,
+            object=o.key,
         )
         for o in plan.objects
     ]
@@ -868,7 +890,11 @@ def _entries(
 
 
 def _same_files(collection: Collection, plan: ArchivePlan) -> bool:
-    planned = {(m.file.path, m.file.size, m.file.mtime_ns, m.file.mode) for p in plan.packs for m in p.members}
+    planned = {
+        (m.file.path, m.file.size, m.file.mtime_ns, m.file.mode)
+        for p in plan.packs
+        for m in p.members
+    }
     planned |= {(o.file.path, o.file.size, o.file.mtime_ns, o.file.mode) for o in plan.objects}
     found = {(e.path, e.size, e.mtime_ns, e.mode) for e in collection.entries}
     return planned == found
@@ -942,8 +968,13 @@ def archive_tree(
         with open(files_from, encoding="utf-8-sig") as handle:
             listed = handle.read().split("\n")
     files, skipped = scan_source(
-        root, include=include, exclude=exclude, skip_symlinks=skip_symlinks,
-        min_age_hours=min_age_hours, files_from=listed, listed_in=f"--files-from {files_from}",
+        root,
+        include=include,
+        exclude=exclude,
+        skip_symlinks=skip_symlinks,
+        min_age_hours=min_age_hours,
+        files_from=listed,
+        listed_in=f"--files-from {files_from}",
     )
     table = read_groups(groups) if groups is not None else None
     plan = plan_archive(

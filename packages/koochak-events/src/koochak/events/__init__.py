@@ -17,10 +17,17 @@ from koochak.events.errors import (
 )
 from koochak.events.hooks import Publisher, make_event_hooks
 from koochak.events.scruffy import ScruffyPublisher, make_scruffy_hooks, make_scruffy_publisher
+from koochak.events.secrets import (
+    SECRET_NAMES_VARIABLE,
+    mask_secrets,
+    mask_strings,
+    secrets_from_environment,
+)
 
 __all__ = [
     "EXIT_CHECKPOINT_ACK_TIMEOUT",
     "EXIT_PUBLICATION_REJECTED",
+    "SECRET_NAMES_VARIABLE",
     "ArtifactAckTimeout",
     "ArtifactNotAccepted",
     "ArtifactRejected",
@@ -33,6 +40,9 @@ __all__ = [
     "make_event_hooks",
     "make_scruffy_hooks",
     "make_scruffy_publisher",
+    "mask_secrets",
+    "mask_strings",
     "parse_event",
     "publication_record",
+    "secrets_from_environment",
 ]

@@ -36,7 +36,10 @@ KINDS = (
     "workload.artifact",
     "workload.notice",
 )
-PHASES = ("starting", "training", "finished", "failed", "evacuated")
+# Scruffy projects a job's ``phase = data.phase`` and ``status = data.status`` from its newest
+# workload.phase report; the upstream hook table names these values.
+PHASES = ("training", "evaluation")
+STATUSES = ("started", "completed", "evacuated", "failed")
 
 MAX_PAYLOAD_BYTES = 8192  # encoded payload, ASCII-escaped (as Scruffy measures its envelope)
 MAX_EVENT_BYTES = 16384  # a whole envelope as parse_event accepts it
@@ -58,12 +61,15 @@ _METRICS = (dict,)
 _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "workload.phase": {
         "phase": (_STR, True),
+        "status": (_STR, True),
         "step": (_OPT_INT, False),
         "max_steps": (_OPT_INT, False),
         "world_size": (_INT, False),
         "resumed": ((bool,), False),
         "reason": (_STR, False),
         "error": (_STR, False),
+        "error_type": (_STR, False),
+        "message": (_STR, False),
     },
     "workload.progress": {
         "completed_steps": (_INT, True),
@@ -72,6 +78,8 @@ _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     },
     "workload.milestone": {
         "milestone": (_STR, True),
+        "phase": (_STR, False),
+        "status": (_STR, False),
         "step": (_OPT_INT, False),
         "metrics": (_METRICS, False),
         "artifact_id": (_STR, False),
@@ -297,11 +305,13 @@ def _check_payload(kind: str, payload: Mapping[str, Any], where: str) -> None:
             raise ValueError(
                 f"{where}: {kind} payload field {key!r} must be {names}, got {type(value).__name__}"
             )
-    if kind == "workload.phase" and payload["phase"] not in PHASES:
-        raise ValueError(
-            f"{where}: workload.phase payload field 'phase' must be one of {', '.join(PHASES)}, "
-            f"got {payload['phase']!r}"
-        )
+    if kind == "workload.phase":
+        for key, allowed in (("phase", PHASES), ("status", STATUSES)):
+            if payload[key] not in allowed:
+                raise ValueError(
+                    f"{where}: workload.phase payload field {key!r} must be one of "
+                    f"{', '.join(allowed)}, got {payload[key]!r}"
+                )
     if kind == "workload.notice" and payload.get("level", "info") not in _NOTICE_LEVELS:
         raise ValueError(
             f"{where}: workload.notice payload field 'level' must be one of "

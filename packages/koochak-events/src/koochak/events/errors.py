@@ -15,6 +15,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from koochak.events.secrets import mask_secrets, secrets_from_environment
+
 EXIT_CHECKPOINT_ACK_TIMEOUT = 76
 EXIT_PUBLICATION_REJECTED = 77
 
@@ -55,7 +57,12 @@ class ArtifactNotAccepted(RuntimeError):
         }
 
     def exit_line(self) -> str:
-        return json.dumps(self.exit_record(), sort_keys=True, separators=(",", ":"))
+        """`exit_record` as one compact JSON line; ``detail`` (the coordinator's reason or an
+        error's text: foreign output) has the run's named secrets masked."""
+        record = self.exit_record()
+        if isinstance(record["detail"], str):
+            record["detail"] = mask_secrets(record["detail"], secrets_from_environment())
+        return json.dumps(record, sort_keys=True, separators=(",", ":"))
 
 
 class ArtifactRejected(ArtifactNotAccepted):

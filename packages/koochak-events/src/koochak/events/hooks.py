@@ -22,8 +22,15 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from koochak.events import publication as _publication
-from koochak.events.envelope import MAX_ITEMS, Event, artifact_event_id, make_event
+from koochak.events.envelope import (
+    MAX_ITEMS,
+    TRUNCATION_MARKER,
+    Event,
+    artifact_event_id,
+    make_event,
+)
 from koochak.events.errors import ArtifactNotAccepted
+from koochak.events.secrets import mask_secrets, secrets_from_environment
 
 Hook = Callable[[dict[str, Any]], None]
 
@@ -51,22 +58,30 @@ def make_event_hooks(
 ) -> dict[str, list[Hook]]:
     """Loop hooks that publish phase, progress, milestone and artifact events from rank 0.
 
-    - ``on_train_start``: phase ``starting`` (on other ranks every hook turns itself off); on
-      an automatic resume also the selected checkpoint's artifact event again (same event id,
-      so a coordinator deduplicates it, and a consumer gated on it is released even if the
-      first publication was lost) and a ``resume_selected`` milestone naming it;
-    - first ``on_step_end``: phase ``training`` and a ``workload.progress`` event; then one at the
-      first completed update at least ``progress_every_s`` (by ``clock``) after the previous one;
-    - ``on_eval_end``: milestone ``eval`` with its metrics;
+    Every ``workload.phase`` event carries ``phase`` and ``status`` as the upstream hook table
+    names them, because Scruffy shows a job's ``phase = data.phase`` and ``status =
+    data.status`` from its newest one:
+
+    - ``on_train_start``: phase ``training``, status ``started`` (on other ranks every hook
+      turns itself off); on an automatic resume also the selected checkpoint's artifact event
+      again (same event id, so a coordinator deduplicates it, and a consumer gated on it is
+      released even if the first publication was lost) and a ``resume_selected`` milestone;
+    - ``on_step_end``: a ``workload.progress`` event at the first completed update, then one at
+      the first completed update at least ``progress_every_s`` (by ``clock``) after the previous;
+    - ``on_eval_end``: milestone ``eval`` with ``phase: "evaluation"`` and its metrics;
     - ``on_checkpoint``: a strict ``workload.artifact`` event (``data.publication``) for a
       numbered checkpoint with a local absolute path, published with ``wait=True`` except for
       the evacuation checkpoint (the grace period is short); else a milestone ``checkpoint``;
     - ``on_replication`` (tiered checkpoints): milestone ``checkpoint_replicated`` with the
       tier and the lag for a commit in a replica tier; a warning notice for a failed copy
       (retried) or a checkpoint a tier will not get;
-    - ``on_train_end``: phase ``finished``, or for an evacuation milestone ``evacuation`` (with
-      the terminal checkpoint's publication) and phase ``evacuated``; neither waits;
-    - ``on_exception``: phase ``failed`` with the error's type and (truncated) message.
+    - ``on_train_end``: status ``completed``, or for an evacuation milestone ``evacuation``
+      (status ``checkpointed``, with the terminal checkpoint's publication) and status
+      ``evacuated``; neither waits;
+    - ``on_exception``: status ``failed`` with the error's type and (truncated) message.
+
+    Free text that can hold foreign output (an exception's message, a reason) has the values of
+    the run's named secrets masked (`koochak.events.secrets`) before it is published.
 
     ``publish=None`` returns ``{}``: no hooks, nothing published.
     """
@@ -101,7 +116,9 @@ def _fail_closed(fn: Hook) -> Hook:
     return on_checkpoint
 
 
-def _accepts_wait(publish: Callable[..., Any]) -> bool:
+def _publisher_takes_wait(publish: Callable[..., Any]) -> bool:
+    """True when the hooks' ``publish`` callable can be passed ``wait=`` (a keyword ``wait`` or
+    ``**kwargs``): checkpoint events then ask it to wait for the acknowledgement."""
     try:
         params = inspect.signature(publish).parameters.values()
     except (TypeError, ValueError):  # some builtins have no signature: call them plainly
@@ -125,7 +142,7 @@ class _Emitter:
         source: str,
     ) -> None:
         self.publish = publish
-        self.wait_ok = _accepts_wait(publish)
+        self.publisher_takes_wait = _publisher_takes_wait(publish)
         self.progress_every_s = progress_every_s
         self.clock = clock
         self.job_id = job_id
@@ -139,6 +156,8 @@ class _Emitter:
         self.metrics: Mapping[str, Any] | None = None
         self.last_publication: dict[str, Any] | None = None
         self.warned = False
+        # Named by the runner that started this process (koochak-jobs), values from the env.
+        self.secrets = secrets_from_environment()
 
     # -- loop events
 
@@ -149,7 +168,8 @@ class _Emitter:
             return
         self.total = _int_or_none(info.get("max_steps"))
         self.last_progress = self.clock()
-        payload: dict[str, Any] = {"phase": "starting", "step": _int_or_none(info.get("step"))}
+        payload: dict[str, Any] = {"phase": "training", "status": "started"}
+        payload["step"] = _int_or_none(info.get("step"))
         payload["max_steps"] = self.total
         if isinstance(info.get("world_size"), int):
             payload["world_size"] = info["world_size"]
@@ -185,9 +205,7 @@ class _Emitter:
             return
         completed = int(info["step"]) + 1
         first = not self.training
-        if first:
-            self.training = True
-            self._send("workload.phase", {"phase": "training", "step": completed})
+        self.training = True
         now = self.clock()
         # The first completed update always reports (an observer sees progress at once), then
         # one event per interval.
@@ -205,7 +223,8 @@ class _Emitter:
     def on_eval_end(self, info: dict[str, Any]) -> None:
         if not self.active or self.ended:
             return
-        payload: dict[str, Any] = {"milestone": "eval", "step": _int_or_none(info.get("step"))}
+        payload: dict[str, Any] = {"milestone": "eval", "phase": "evaluation"}
+        payload["step"] = _int_or_none(info.get("step"))
         payload["metrics"] = _scalars(info.get("metrics")) or {}
         self._send("workload.milestone", payload)
 
@@ -248,12 +267,16 @@ class _Emitter:
             if isinstance(artifact_id, str):
                 payload["artifact_id"] = artifact_id
             self._send("workload.milestone", payload)
-        elif status == "failed":
-            message = (f"checkpoint replication of {info.get('name')} to {where} failed: "
-                       f"{info.get('error')}; retrying in {info.get('retry_in_s')} s")  # fmt: skip
-            self._send("workload.notice", {"message": message, "level": "warning"})
-        elif status == "dropped":
-            message = f"{info.get('name')} will not be replicated to {where}: {info.get('error')}"
+        elif status in ("failed", "dropped"):
+            if status == "failed":
+                message = (f"checkpoint replication of {info.get('name')} to {where} failed: "
+                           f"{info.get('error')}; retrying in {info.get('retry_in_s')} s")  # fmt: skip
+            else:
+                message = (
+                    f"{info.get('name')} will not be replicated to {where}: {info.get('error')}"
+                )
+            # A store's error text is foreign output: the run's named secrets never leave.
+            message = mask_secrets(message, self.secrets)
             self._send("workload.notice", {"message": message, "level": "warning"})
 
     def _send_artifact(self, pub: dict[str, Any], step: int, *, wait: bool) -> None:
@@ -265,7 +288,8 @@ class _Emitter:
             return
         step = _int_or_none(info.get("step"))
         if info.get("reason") == "evacuation":
-            milestone: dict[str, Any] = {"milestone": "evacuation", "step": step}
+            milestone: dict[str, Any] = {"milestone": "evacuation", "phase": "training"}
+            milestone.update(status="checkpointed", step=step)
             pub = self.last_publication
             if pub is not None:
                 milestone.update(
@@ -275,9 +299,9 @@ class _Emitter:
                     artifact_event_id=artifact_event_id(pub["artifact_id"], pub["sha256"]),
                 )
             self._send("workload.milestone", milestone)
-            self._send("workload.phase", {"phase": "evacuated", "step": step})
+            self._send("workload.phase", {"phase": "training", "status": "evacuated", "step": step})
         else:
-            self._send("workload.phase", {"phase": "finished", "step": step})
+            self._send("workload.phase", {"phase": "training", "status": "completed", "step": step})
         self.ended = True
 
     def on_exception(self, info: dict[str, Any]) -> None:
@@ -285,12 +309,19 @@ class _Emitter:
         if not self.active or self.ended:
             return
         exc = info.get("exception")
-        payload: dict[str, Any] = {"phase": "failed", "step": _int_or_none(info.get("step"))}
+        payload: dict[str, Any] = {"phase": "training", "status": "failed"}
+        payload["step"] = _int_or_none(info.get("step"))
         if exc is not None:
-            payload["reason"] = getattr(exc, "reason", None) or type(exc).__name__
-            payload["error"] = f"{type(exc).__name__}: {exc}"
-            if not isinstance(payload["reason"], str):
-                payload["reason"] = type(exc).__name__
+            # Masked before anything is cut, so no part of a secret survives a truncation.
+            name = type(exc).__name__
+            message = mask_secrets(str(exc), self.secrets)
+            reason = getattr(exc, "reason", None)
+            reason = reason if isinstance(reason, str) and reason else name
+            payload["reason"] = mask_secrets(reason, self.secrets)
+            payload["error"] = f"{name}: {message}"
+            # The upstream hook table's two fields, with its bounds.
+            payload["error_type"] = _cut(name, 128)
+            payload["message"] = _cut(message, 512)
         self._send("workload.phase", payload)
         self.ended = True
 
@@ -305,7 +336,7 @@ class _Emitter:
             self._warn(f"could not build a {kind} event: {exc}")
             return
         try:
-            if self.wait_ok:
+            if self.publisher_takes_wait:
                 self.publish(event, wait=wait)
             else:
                 self.publish(event)
@@ -319,6 +350,7 @@ class _Emitter:
     def _warn(self, message: str) -> None:
         if not self.warned:
             self.warned = True
+            message = mask_secrets(message, self.secrets)
             warnings.warn(
                 f"koochak.events: {message}; events are not fatal, training continues "
                 "(further event errors are not reported)",
@@ -346,6 +378,12 @@ def _int_or_none(value: Any) -> int | None:
 def _reason_of(checkpoint: Any) -> Any:
     # One key of the checkpoint mapping, never its contents.
     return checkpoint.get("reason") if isinstance(checkpoint, Mapping) else None
+
+
+def _cut(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    return text[: limit - len(TRUNCATION_MARKER)] + TRUNCATION_MARKER
 
 
 def _step_of(artifact_id: str) -> int:

@@ -109,7 +109,7 @@ class ScruffyPublisher:
         self.node = node
         # Observe only this job's project (rejection notices are allocation-wide: still seen).
         self._observe_filter = {"project_id": project_id} if project_id else {}
-        self.waits = accepts_wait(client.publish_event)
+        self.waits = client_acknowledges_on_publish(client.publish_event)
         self._monotonic = monotonic
         self._sleep = sleep
 
@@ -300,8 +300,10 @@ class ScruffyPublisher:
         return (event.payload.get("publication") or {}).get("path")
 
 
-def accepts_wait(publish_event: Callable[..., Any]) -> bool:
-    """True for the newer contract: ``publish_event`` takes keyword ``wait`` and ``timeout``."""
+def client_acknowledges_on_publish(publish_event: Callable[..., Any]) -> bool:
+    """True for the newer Scruffy client contract: its ``publish_event`` takes keyword-only
+    ``wait`` and ``timeout`` and so waits for the acknowledgement itself (0.1.1 has neither; the
+    publisher then follows ``observe()``)."""
     try:
         params = inspect.signature(publish_event).parameters
     except (TypeError, ValueError):
@@ -327,7 +329,7 @@ def import_client() -> Any:
     problem = _publish_signature_problem(publish)
     if (
         problem is None
-        and not accepts_wait(publish)
+        and not client_acknowledges_on_publish(publish)
         and not callable(getattr(client, "observe", None))
     ):
         problem = "has neither publish_event(wait=, timeout=) nor observe() to wait for the ack"

@@ -8,7 +8,8 @@
   the same result as eager mode, on CUDA when the profile also checks ``cuda``, else on CPU.
 
 torch is only ever imported by these subprocesses, never by the runner itself. Every failure
-is a `PreflightError` naming the check, with the tail of what the check printed.
+is a `PreflightError` naming the check, with the tail of what the check printed: foreign output,
+so the values of the profile's secrets (``secrets=``) are masked in it before it is cut.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import subprocess
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from koochak.events.secrets import mask_secrets
 
 __all__ = ["CHECK_TIMEOUT_S", "PreflightError", "run_check", "run_python"]
 
@@ -35,8 +38,9 @@ class PreflightError(RuntimeError):
         self.check = check
 
 
-def _tail(text: str) -> str:
-    text = text.strip()
+def _tail(text: str, secrets: Mapping[str, str] | None) -> str:
+    # Masked first: a cut through a secret's value would leave part of it unmasked.
+    text = mask_secrets(text.strip(), secrets or {})
     return text if len(text) <= _TAIL else "..." + text[-_TAIL:]
 
 
@@ -50,8 +54,10 @@ def run_python(
     cwd: str,
     timeout: float,
     check: str,
+    secrets: Mapping[str, str] | None = None,
 ) -> Any:
-    """Run ``code`` in the target interpreter; return the JSON its last stdout line holds."""
+    """Run ``code`` in the target interpreter; return the JSON its last stdout line holds.
+    ``secrets`` (``{name: value}``) are masked in the output a failure quotes."""
     argv = [python, *flags, "-c", code, *args]
     try:
         done = subprocess.run(
@@ -69,20 +75,23 @@ def run_python(
         raise PreflightError(check, f"{check} check could not start {python}: {exc}") from None
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
-        raise PreflightError(
-            check,
-            f"{check} check failed (exit {done.returncode}): {_tail(done.stderr or done.stdout)}",
-        )
+        output = _tail(done.stderr or done.stdout, secrets)
+        raise PreflightError(check, f"{check} check failed (exit {done.returncode}): {output}")
     try:
         return json.loads(lines[-1])
     except ValueError:
         raise PreflightError(
-            check, f"{check} check printed no result: {_tail(done.stdout)}"
+            check, f"{check} check printed no result: {_tail(done.stdout, secrets)}"
         ) from None
 
 
 def _c_compiler(
-    python: str, env: Mapping[str, str], cwd: str, flags: Sequence[str], preflight: Sequence[str]
+    python: str,
+    env: Mapping[str, str],
+    cwd: str,
+    flags: Sequence[str],
+    preflight: Sequence[str],
+    secrets: Mapping[str, str],
 ) -> dict[str, Any]:
     cc = env.get("CC", "")
     if not os.path.isabs(cc) or not os.access(cc, os.X_OK) or not os.path.isfile(cc):
@@ -108,15 +117,18 @@ def _c_compiler(
                     stdin=subprocess.DEVNULL,
                 )
             except (OSError, subprocess.TimeoutExpired) as exc:
-                raise PreflightError("c_compiler", f"{what} a C program with {cc}: {exc}") from None
+                raise PreflightError(
+                    "c_compiler", f"{what} a C program with {cc}: {_tail(str(exc), secrets)}"
+                ) from None
             if done.returncode != 0:
                 raise PreflightError(
                     "c_compiler",
                     f"{what} a C program with {cc} failed (exit {done.returncode}): "
-                    f"{_tail(done.stderr + done.stdout)}",
+                    f"{_tail(done.stderr + done.stdout, secrets)}",
                 )
         if done.stdout.strip() != "koochak-cc 42":
-            raise PreflightError("c_compiler", f"the program {cc} built printed {done.stdout!r}")
+            printed = _tail(repr(done.stdout), secrets)
+            raise PreflightError("c_compiler", f"the program {cc} built printed {printed}")
     return {"cc": cc}
 
 
@@ -136,10 +148,23 @@ print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda,
 
 
 def _cuda(
-    python: str, env: Mapping[str, str], cwd: str, flags: Sequence[str], preflight: Sequence[str]
+    python: str,
+    env: Mapping[str, str],
+    cwd: str,
+    flags: Sequence[str],
+    preflight: Sequence[str],
+    secrets: Mapping[str, str],
 ) -> dict[str, Any]:
     return run_python(
-        python, flags, _CUDA, [], env=env, cwd=cwd, timeout=CHECK_TIMEOUT_S["cuda"], check="cuda"
+        python,
+        flags,
+        _CUDA,
+        [],
+        env=env,
+        cwd=cwd,
+        timeout=CHECK_TIMEOUT_S["cuda"],
+        check="cuda",
+        secrets=secrets,
     )
 
 
@@ -161,7 +186,12 @@ print(json.dumps({"torch": torch.__version__, "device": device, "backend": "indu
 
 
 def _torch_compile(
-    python: str, env: Mapping[str, str], cwd: str, flags: Sequence[str], preflight: Sequence[str]
+    python: str,
+    env: Mapping[str, str],
+    cwd: str,
+    flags: Sequence[str],
+    preflight: Sequence[str],
+    secrets: Mapping[str, str],
 ) -> dict[str, Any]:
     device = "cuda" if "cuda" in preflight else "cpu"
     return run_python(
@@ -173,6 +203,7 @@ def _torch_compile(
         cwd=cwd,
         timeout=CHECK_TIMEOUT_S["torch_compile"],
         check="torch_compile",
+        secrets=secrets,
     )
 
 
@@ -191,6 +222,8 @@ def run_check(
     cwd: str,
     flags: Sequence[str],
     preflight: Sequence[str],
+    secrets: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Run one built-in check; return what it observed."""
-    return _CHECKS[name](python, env, cwd, flags, preflight)
+    """Run one built-in check; return what it observed. A failure's message quotes the check's
+    output with the values of ``secrets`` (``{name: value}``) masked."""
+    return _CHECKS[name](python, env, cwd, flags, preflight, dict(secrets or {}))

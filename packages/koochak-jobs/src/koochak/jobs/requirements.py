@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from koochak.events.secrets import mask_secrets
 from koochak.jobs.preflight import PreflightError, run_python
 from koochak.storage.store import SETTLING_ERRNOS
 
@@ -130,7 +131,7 @@ for name in json.loads(sys.argv[1]):
             result[name] = {"error": f"is missing a dependency: {missing}"}
         continue
     except Exception as exc:
-        result[name] = {"error": f"failed to import: {type(exc).__name__}: {exc}"[:300]}
+        result[name] = {"error": f"failed to import: {type(exc).__name__}: {exc}"}
         continue
     version = getattr(module, "__version__", None)
     if not isinstance(version, str):
@@ -154,9 +155,14 @@ def check_packages(
     flags: Sequence[str],
     env: Mapping[str, str],
     cwd: str,
+    secrets: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Import every package in the target interpreter; its version must equal the pin (a
-    local suffix such as ``+cu132`` may be left out of the pin; ``*`` accepts any)."""
+    local suffix such as ``+cu132`` may be left out of the pin; ``*`` accepts any).
+
+    What a package says when it fails to import is foreign text: the values of ``secrets``
+    (``{name: value}``) are masked in it, and only then is it cut to 300 characters."""
+    secrets = secrets or {}
     if not packages:
         return {}
     found = run_python(
@@ -168,18 +174,20 @@ def check_packages(
         cwd=cwd,
         timeout=600.0,
         check="requirements.packages",
+        secrets=secrets,
     )
     observed = {}
     for name, pin in packages.items():
         entry = found.get(name, {"error": "not reported"})
         if "error" in entry:
-            raise PreflightError(
-                "requirements.packages", f"required package {name} {entry['error']}"
-            )
+            error = mask_secrets(str(entry["error"]), secrets)
+            error = error if len(error) <= 300 else error[:297] + "..."
+            raise PreflightError("requirements.packages", f"required package {name} {error}")
         if not _version_matches(pin, entry["version"]):
+            version = mask_secrets(str(entry["version"]), secrets)[:300]
             raise PreflightError(
                 "requirements.packages",
-                f"required package {name} is version {entry['version']}, the profile pins {pin}",
+                f"required package {name} is version {version}, the profile pins {pin}",
             )
         observed[f"package:{name}"] = entry["version"]
     return observed

@@ -30,6 +30,7 @@ if __name__ == "__main__":
 
 import hashlib  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
@@ -39,7 +40,19 @@ from collections.abc import Callable, Mapping  # noqa: E402
 from datetime import datetime, timezone  # noqa: E402
 from typing import Any  # noqa: E402
 
-from koochak.jobs.child import Signals, become_subreaper, run_managed  # noqa: E402
+from koochak.events.secrets import (  # noqa: E402
+    SECRET_NAMES_VARIABLE,
+    mask_secrets,
+    mask_strings,
+    secret_names_value,
+)
+from koochak.jobs.child import (  # noqa: E402
+    Signals,
+    become_subreaper,
+    children_now,
+    run_managed,
+    terminate_leftovers,
+)
 from koochak.jobs.environment import build_environment, environment_sha256  # noqa: E402
 from koochak.jobs.exit_codes import (  # noqa: E402
     EXIT_CHECKPOINT_ACK_TIMEOUT,
@@ -94,8 +107,8 @@ def _parse_args(argv: list[str]) -> dict[str, Any]:
                 options["file_wait_s"] = float(raw)
             except ValueError:
                 raise _Usage(f"--file-wait-seconds {raw!r}: expected a number of seconds") from None
-            if not options["file_wait_s"] >= 0:
-                raise _Usage(f"--file-wait-seconds {raw!r}: expected a number >= 0")
+            if not (math.isfinite(options["file_wait_s"]) and options["file_wait_s"] >= 0):
+                raise _Usage(f"--file-wait-seconds {raw!r}: expected a finite number >= 0")
         elif arg in ("-h", "--help"):
             options["help"] = True
         elif arg.startswith("--"):
@@ -143,11 +156,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class _Record:
-    """``preflight.json``: rewritten atomically as the run moves from check to outcome."""
+    """``preflight.json``: rewritten atomically as the run moves from check to outcome.
+
+    Also what the runner knows of the profile's secrets (``{name: value}``, never written): the
+    fields that hold foreign output (``error``, ``observed``) are masked with them on every
+    write, and so is every line the runner prints.
+    """
 
     def __init__(self) -> None:
         self.path: str | None = None
         self.doc: dict[str, Any] = {}
+        self.secrets: dict[str, str] = {}
+
+    def mask(self, text: str) -> str:
+        return mask_secrets(text, self.secrets)
 
     def start(self, path: str, **fields: Any) -> None:
         self.path = path
@@ -165,6 +187,9 @@ class _Record:
         if self.path is None:  # the manifest was not trusted: nowhere safe to write
             return
         self.doc.update(fields, state=state)
+        for key in ("error", "observed"):
+            if key in self.doc:
+                self.doc[key] = mask_strings(self.doc[key], self.secrets)
         self.doc["recorded_at"] = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
         _replace_file(self.path, (json.dumps(self.doc, indent=2, sort_keys=True) + "\n").encode())
 
@@ -257,10 +282,18 @@ def _create_directories(paths: list[str]) -> None:
             ) from None
 
 
-def _fail(check: str, error: str) -> int:
-    line = {"kind": "environment_preflight_failed", "check": check, "error": error}
-    print(json.dumps(line, ensure_ascii=True), file=sys.stderr, flush=True)
+def _fail(record: _Record, check: str, error: str) -> int:
+    _say(record, {"kind": "environment_preflight_failed", "check": check, "error": error})
     return EXIT_PREFLIGHT_FAILED
+
+
+def _say(record: _Record, line: dict[str, Any]) -> None:
+    """One JSON line on stderr, its text masked first (then encoded: no escaped leftovers)."""
+    print(
+        json.dumps(mask_strings(line, record.secrets), ensure_ascii=True),
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _stopped_by(signals: Signals) -> int | None:
@@ -307,13 +340,13 @@ def execute_manifest(
             _safe_write(record, "evacuated" if stopped == EXIT_EVACUATED else "stopped")
             return stopped
         _safe_write(record, "failed", check=exc.check, error=str(exc))
-        return _fail(exc.check, str(exc))
+        return _fail(record, exc.check, str(exc))
     except Exception as exc:  # a bug or an unreadable run directory: still one line, fail closed
         if debug:
-            traceback.print_exc()
+            print(record.mask(traceback.format_exc()), file=sys.stderr, end="", flush=True)
         error = f"{type(exc).__name__}: {exc}"
         _safe_write(record, "failed", check="runner", error=error)
-        return _fail("runner", error)
+        return _fail(record, "runner", error)
 
 
 def _safe_write(record: _Record, state: str, **fields: Any) -> None:
@@ -344,6 +377,7 @@ def _execute(
         preflight_only=preflight_only,
     )
     clean = build_environment(env_section, ambient)
+    record.secrets = {name: clean[name] for name in env_section["secrets"]}
     record.doc["environment_sha256"] = environment_sha256(
         clean, env_section["secrets"], env_section["inherit"]
     )
@@ -351,29 +385,47 @@ def _execute(
     _create_directories(env_section["create_directories"])
     python, argv, cwd = env_section["python"], doc["argv"], doc["cwd"]
     flags = interpreter_flags(argv)
+    # From here on foreign code runs (checks, then the workload): whatever it leaves running,
+    # also a daemon that double-forked out of its group, is reparented to the runner.
+    become_subreaper()
+    known = children_now()
     observed = record.doc["observed"]
-    observed.update(check_interpreter(python))
-    observed.update(check_executables(env_section["executables"]))
-    for path in env_section["files"]:
-        wait_for_file(path, file_wait_s)
-        observed[f"file:{path}"] = "available"
-    if not os.path.isdir(cwd):
-        raise PreflightError("requirements.cwd", f"working directory {cwd} does not exist")
-    observed.update(
-        check_packages(env_section["packages"], python=python, flags=flags, env=clean, cwd=cwd)
-    )
-    for check in env_section["preflight"]:
-        if signals.pending:
-            break
-        observed[check] = run_check(
-            check,
-            python=python,
-            env=clean,
-            cwd=cwd,
-            flags=flags,
-            preflight=env_section["preflight"],
+    try:
+        observed.update(check_interpreter(python))
+        observed.update(check_executables(env_section["executables"]))
+        for path in env_section["files"]:
+            wait_for_file(path, file_wait_s)
+            observed[f"file:{path}"] = "available"
+        if not os.path.isdir(cwd):
+            raise PreflightError("requirements.cwd", f"working directory {cwd} does not exist")
+        observed.update(
+            check_packages(
+                env_section["packages"],
+                python=python,
+                flags=flags,
+                env=clean,
+                cwd=cwd,
+                secrets=record.secrets,
+            )
         )
-        record.doc["checks"].append(check)
+        _no_leftovers("requirements.packages", known)
+        for check in env_section["preflight"]:
+            if signals.pending:
+                break
+            observed[check] = run_check(
+                check,
+                python=python,
+                env=clean,
+                cwd=cwd,
+                flags=flags,
+                preflight=env_section["preflight"],
+                secrets=record.secrets,
+            )
+            _no_leftovers(check, known)
+            record.doc["checks"].append(check)
+    except BaseException:
+        terminate_leftovers(None, known)  # what a failed or interrupted check left running
+        raise
 
     publish = None
     if doc["outputs"]:  # can they be published? Find out now, not after hours of training
@@ -388,18 +440,22 @@ def _execute(
     if preflight_only:
         return EXIT_OK
 
-    become_subreaper()
-    returncode, left_behind = run_managed(argv, cwd=cwd, env=clean, signals=signals)
+    # The workload masks what it writes with the same values: it learns the names, never more.
+    workload_env = {k: v for k, v in clean.items() if k != SECRET_NAMES_VARIABLE}
+    if record.secrets:
+        workload_env[SECRET_NAMES_VARIABLE] = secret_names_value(record.secrets)
+    returncode, left_behind = run_managed(argv, cwd=cwd, env=workload_env, signals=signals)
     code = exit_code_for_signal(-returncode) if returncode < 0 else returncode
     record.doc["child_returncode"] = code
     if left_behind:
         message = (
-            "managed workload left background descendants in its process group; they were "
-            f"terminated (workload exit {code})"
+            f"managed workload left background descendants ({_pids(left_behind)}: in its "
+            "process group, or orphans that left it, e.g. a daemon after setsid(), reparented "
+            f"to the runner); they were terminated (workload exit {code})"
         )
         if code == 0:
             raise PreflightError("descendants", message)
-        print(json.dumps({"kind": "managed_workload_notice", "error": message}), file=sys.stderr)
+        _say(record, {"kind": "managed_workload_notice", "error": message})
     if code != 0:
         record.write("failed", child_returncode=code)
         return code
@@ -407,6 +463,23 @@ def _execute(
         return _publish(doc["outputs"], clean, publish, record)
     record.write("completed", child_returncode=0, outputs=[])
     return EXIT_OK
+
+
+def _no_leftovers(check: str, known: frozenset[int]) -> None:
+    """A check's subprocess must not leave anything running (a compiler wrapper or an imported
+    package that starts a daemon): end it and fail closed, naming the check."""
+    left = terminate_leftovers(None, known)
+    if left:
+        raise PreflightError(
+            check,
+            f"the {check} check left background processes running ({_pids(left)}); they were "
+            "terminated",
+        )
+
+
+def _pids(pids: list[int]) -> str:
+    shown = ", ".join(str(p) for p in pids[:8])
+    return f"{len(pids)} process(es): {shown}{' ...' if len(pids) > 8 else ''}"
 
 
 def _publisher(
@@ -433,11 +506,11 @@ def _publish(
         event_ids = publish_outputs(outputs, publish, job_id=clean.get("SCRUFFY_JOB_ID"))
     except ArtifactAckTimeout as exc:
         record.write("failed", child_returncode=0, check="outputs", error=str(exc))
-        _fail("outputs", str(exc))
+        _fail(record, "outputs", str(exc))
         return EXIT_CHECKPOINT_ACK_TIMEOUT
     except ArtifactNotAccepted as exc:
         record.write("failed", child_returncode=0, check="outputs", error=str(exc))
-        _fail("outputs", str(exc))
+        _fail(record, "outputs", str(exc))
         return EXIT_PUBLICATION_REJECTED
     except (ValueError, RuntimeError) as exc:
         raise PreflightError("outputs", str(exc)) from None

@@ -37,6 +37,7 @@ from koochak.loop.config import (
 from koochak.loop.dist import exit_distributed_process
 from koochak.loop.evacuation import make_evacuation
 from koochak.loop.logging.wandb_logger import check_restart_settings
+from koochak.loop.masking import mask_text, masked_output, masking_active
 from koochak.loop.scruffy_exit import checkpoint_exit_code
 from omegaconf import DictConfig
 
@@ -48,14 +49,16 @@ class EntryError(ValueError):
     """An ``entry.*`` path that cannot be imported or is not callable."""
 
 
-class _Parser(argparse.ArgumentParser):
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse with koochak's CLI error shape: one line on stderr, exit 2."""
+
     def error(self, message: str) -> NoReturn:
         # One line like every other koochak-train error, instead of argparse's usage block.
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = OneLineArgumentParser(
         prog="koochak-train",
         description="Run koochak's training_loop from a YAML config and user entry points.",
     )
@@ -77,25 +80,39 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def import_entry(path: str | None, key: str) -> Callable[..., Any]:
-    """Import ``module:callable`` named by config key ``key`` (``entry.model`` etc.)."""
-    if not path:
+    """Import ``module:callable`` named by config key ``key`` (``entry.model`` etc.).
+
+    Every failure, whatever the imported module does (a syntax error, an exception, even
+    ``sys.exit()`` at import), is an `EntryError` naming the key and the import string.
+    """
+    if path is None or path == "":
         raise EntryError(
             f"{key} is not set: add it to the config's entry section as 'module:callable' "
             f"(or override {key}=my_pkg.module:function)"
         )
-    if ":" not in path:
+    where = f"{key}={path!r}"
+    if not isinstance(path, str) or ":" not in path:
         raise EntryError(f"{key}: expected 'module:callable', got {path!r}")
     module_name, _, attr = path.partition(":")
+    if module_name.startswith("."):
+        raise EntryError(
+            f"{where}: relative module {module_name!r} has no package to be relative to; "
+            "name the module absolutely, e.g. my_pkg.module:function"
+        )
+    if not _dotted(module_name) or not _dotted(attr):
+        raise EntryError(
+            f"{where}: expected 'module:callable' with dotted Python names on both sides "
+            "(e.g. my_pkg.module:function)"
+        )
     if os.getcwd() not in sys.path:  # user code next to the config, as `python -m` finds it
         sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise EntryError(f"{key}: cannot import module {module_name!r} ({exc})") from None
+    module = _import_module(module_name, where)
     target: Any = module
     parts = attr.split(".")
     for i, part in enumerate(parts):
-        if not hasattr(target, part):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
             names = [n for n in dir(target) if not n.startswith("_")]
             close = difflib.get_close_matches(part, names, n=1)
             fix = (
@@ -103,15 +120,61 @@ def import_entry(path: str | None, key: str) -> Callable[..., Any]:
                 if close
                 else ""
             )
-            raise EntryError(f"{key}: module {module_name!r} has no attribute {attr!r}{fix}")
-        target = getattr(target, part)
+            raise EntryError(
+                f"{where}: module {module_name!r} has no attribute {attr!r}{fix}"
+            ) from None
+        except Exception as exc:  # a module __getattr__ or a property that raises
+            raise EntryError(f"{where}: looking up {attr!r} raised {_described(exc)}") from None
     if not callable(target):
-        raise EntryError(f"{key}: {path!r} is not callable")
+        raise EntryError(f"{where}: {path!r} is not callable")
     return target
 
 
+def _dotted(name: str) -> bool:
+    return all(part.isidentifier() for part in name.split("."))
+
+
+def _import_module(name: str, where: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and name != exc.name and not name.startswith(exc.name + "."):
+            raise EntryError(
+                f"{where}: module {name!r} imports {exc.name!r}, which is not installed ({exc})"
+            ) from None
+        raise EntryError(f"{where}: cannot import module {name!r} ({exc})") from None
+    except SyntaxError as exc:
+        at = f" ({exc.filename}, line {exc.lineno})" if exc.filename else ""
+        raise EntryError(f"{where}: module {name!r} has a syntax error: {exc.msg}{at}") from None
+    except SystemExit as exc:
+        raise EntryError(
+            f"{where}: importing module {name!r} called sys.exit({exc.code!r}); a module must "
+            "not exit when it is imported (move that code under `if __name__ == '__main__':`)"
+        ) from None
+    except Exception as exc:
+        raise EntryError(f"{where}: importing module {name!r} raised {_described(exc)}") from None
+
+
+def _described(exc: BaseException) -> str:
+    message = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+
+
+def _build(key: str, path: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call an entry builder; what it raises (or a sys.exit in it) names the key."""
+    try:
+        return fn(*args, **kwargs)
+    except SystemExit as exc:
+        raise EntryError(f"{key}={path!r}: the builder called sys.exit({exc.code!r})") from None
+    except Exception as exc:
+        raise EntryError(f"{key}={path!r}: the builder raised {_described(exc)}") from exc
+
+
 def _call_builder(fn: Callable[..., Any], cfg: DictConfig, start_step: int | None = None) -> Any:
-    params = inspect.signature(fn).parameters
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # some callables have no signature: call them plainly
+        return fn(cfg)
     accepts_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
     if start_step is not None and ("start_step" in params or accepts_kwargs):
         return fn(cfg, start_step=start_step)
@@ -205,19 +268,25 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
     start_step = int(checkpoint["next_step"]) if checkpoint is not None else 0
     if checkpoint is not None and cfg.wandb.enabled and cfg.wandb.mode != "disabled":
         check_restart_settings(to_container(cfg.wandb), start_step)
-    model = make_model(cfg)
+    model = _build("entry.model", entry.model, make_model, cfg)
     optimizer = build_optimizer(model.parameters(), get_section(cfg, "optim").optimizer)
     scheduler = build_scheduler(optimizer, cfg.optim.scheduler, cfg.train)
     return {
         "model": model,
-        "dataset": _call_builder(make_dataset, cfg, start_step),
+        "dataset": _build(
+            "entry.dataset", entry.dataset, _call_builder, make_dataset, cfg, start_step
+        ),
         "step_fn": step_fn,
         "optimizer": optimizer,
         "scheduler": scheduler,
         "train_cfg": cfg.train,
         "config_json": to_container(cfg),
         "checkpoint_dict": checkpoint,
-        "eval_dataset": _call_builder(make_eval, cfg) if make_eval is not None else None,
+        "eval_dataset": (
+            _build("entry.eval_dataset", entry.eval_dataset, _call_builder, make_eval, cfg)
+            if make_eval is not None
+            else None
+        ),
         "eval_fn": eval_fn,
         "hooks": build_hooks(cfg),
         "resume": args.resume,
@@ -227,8 +296,18 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _fail(prefix: str, exc: BaseException, suffix: str = "", prog: str = "koochak-train") -> None:
-    message = " ".join(str(exc).split()) or type(exc).__name__
+    # An exception's message is foreign text: the run's named secrets are masked in it.
+    message = " ".join(mask_text(str(exc)).split()) or type(exc).__name__
     print(f"{prog}: {prefix}{message}{suffix}", file=sys.stderr)
+
+
+def _debug_traceback(code: int) -> int:
+    """``--debug``: re-raise for the interpreter's traceback; under named secrets print it here,
+    masked, and return ``code`` (the interpreter would print it after the masking ended)."""
+    if not masking_active():
+        raise  # called from an except block: re-raises the error being handled
+    traceback.print_exc()
+    return code
 
 
 def run_with_one_line_errors(
@@ -237,24 +316,28 @@ def run_with_one_line_errors(
     """Call ``main(argv)`` the way a script's ``__main__`` should: 0 when it returns; an exception
     is one line on stderr and exit code 1, with the traceback only when argv has ``--debug``."""
     args = list(sys.argv[1:] if argv is None else argv)
-    try:
-        main(args)
-    except Exception as exc:
-        if "--debug" in args:
-            raise
-        _fail(f"{type(exc).__name__}: ", exc, " (rerun with --debug for the traceback)", prog=prog)
-        return EXIT_TRAINING_FAILED
+    with masked_output():
+        try:
+            main(args)
+        except Exception as exc:
+            if "--debug" in args:
+                return _debug_traceback(EXIT_TRAINING_FAILED)
+            suffix = " (rerun with --debug for the traceback)"
+            _fail(f"{type(exc).__name__}: ", exc, suffix, prog=prog)
+            return EXIT_TRAINING_FAILED
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return _run(args)
+        with masked_output():
+            return _run(args)
     # One rank of several (torchrun): leave with the code through exit_distributed_process, the
     # 75 of an evacuation and the 79 of a GPU-health stop included.
     try:
-        code = _run(args)
+        with masked_output():
+            code = _run(args)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     exit_distributed_process(code)
@@ -265,7 +348,7 @@ def _run(args: argparse.Namespace) -> int:
         kwargs = _prepare(args)
     except Exception as exc:
         if args.debug:
-            raise
+            return _debug_traceback(EXIT_USAGE)
         _fail("error: ", exc)
         return EXIT_USAGE
     from koochak.loop.loop import training_loop
@@ -279,7 +362,7 @@ def _run(args: argparse.Namespace) -> int:
                 traceback.print_exception(type(exc), exc, exc.__traceback__)
             return code
         if args.debug:
-            raise
+            return _debug_traceback(EXIT_TRAINING_FAILED)
         _fail(
             f"training failed ({type(exc).__name__}): ",
             exc,

@@ -25,6 +25,7 @@ import argparse
 import io
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -81,24 +82,95 @@ def power_ema_states(ckpt: Mapping[str, Any], source: str = "checkpoint") -> lis
             f"{source}: its EMA shadows started at step {slot['start_step']}, not 0, so their "
             "profiles are not power functions of the whole run; post-hoc EMA cannot use them"
         )
-    states = [
-        {
-            "gamma": float(shadow["gamma"]),
-            "step": int(slot["step"]),
-            "state_dict": shadow["state_dict"],
-        }
-        for shadow in slot["shadows"]
-        if shadow["profile"] == "power"
-    ]
+    step = slot["step"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"{source}: field 'ema.step' must be an int >= 1, got {step!r}")
+    states = []
+    for i, shadow in enumerate(slot["shadows"]):
+        if shadow["profile"] != "power":
+            continue
+        gamma = shadow["gamma"]
+        if not _is_number(gamma) or not (math.isfinite(gamma) and gamma >= 0):
+            raise ValueError(
+                f"{source}: field 'ema.shadows[{i}].gamma' must be a finite number >= 0, "
+                f"got {gamma!r}"
+            )
+        states.append({"gamma": float(gamma), "step": step, "state_dict": shadow["state_dict"]})
     if not states:
         raise ValueError(f"{source}: its EMA shadows use the constant profile, not power")
     return states
 
 
-def _target_gamma(srel: float | None, gamma: float | None) -> float:
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _target_gamma(
+    srel: float | None, gamma: float | None, names: tuple[str, str] = ("srel", "gamma")
+) -> float:
+    """The target exponent, from exactly one of ``srel`` and ``gamma``, both checked as the EMA
+    library checks them (``names`` are what errors call them: the CLI says ``--srel``)."""
     if (srel is None) == (gamma is None):
-        raise ValueError(f"give exactly one of srel or gamma (got srel={srel!r}, gamma={gamma!r})")
-    return srel_to_gamma(srel) if srel is not None else float(gamma)  # type: ignore[arg-type]
+        raise ValueError(
+            f"give exactly one of {names[0]} or {names[1]} "
+            f"(got {names[0]}={srel!r}, {names[1]}={gamma!r})"
+        )
+    if srel is not None:
+        if not _is_number(srel):
+            raise ValueError(f"{names[0]} must be a number, got {srel!r}")
+        try:
+            return srel_to_gamma(srel)
+        except ValueError as exc:
+            raise ValueError(f"{names[0]}: {exc}") from None
+    if not _is_number(gamma) or not (math.isfinite(gamma) and gamma >= 0):  # type: ignore[arg-type]
+        raise ValueError(
+            f"{names[1]} must be a finite number >= 0 (the power profile's exponent; "
+            f"0 is the uniform average), got {gamma!r}"
+        )
+    return float(gamma)  # type: ignore[arg-type]
+
+
+def _layout(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """What must agree between shadows that are combined: each key's shape (or type)."""
+    return {
+        key: tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        for key, value in state_dict.items()
+    }
+
+
+def _layout_difference(expected: Mapping[str, Any], found: Mapping[str, Any]) -> str | None:
+    """How ``found`` differs from ``expected`` (keys first, then shapes), or None."""
+    missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"lacks {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+        if extra:
+            parts.append(f"has extra {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}")
+        return "other state-dict keys: it " + " and ".join(parts)
+    for key in expected:
+        if found[key] != expected[key]:
+            return f"key {key!r} is {_shape(found[key])}, not {_shape(expected[key])}"
+    return None
+
+
+def _shape(layout: Any) -> str:
+    return f"shape {list(layout)}" if isinstance(layout, tuple) else f"a {layout}"
+
+
+def _check_finite(coefficients: np.ndarray, result: Mapping[str, torch.Tensor]) -> None:
+    if not np.isfinite(coefficients).all():
+        raise ValueError(
+            "the post-hoc coefficients are not finite (the stored profiles are degenerate); "
+            "nothing was written"
+        )
+    for key, tensor in result.items():
+        floating = isinstance(tensor, torch.Tensor) and tensor.is_floating_point()
+        if floating and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(
+                f"the reconstruction of {key!r} is not finite (a stored shadow holds NaN or "
+                "Inf?); nothing was written"
+            )
 
 
 def _combine(pairs: Iterable[tuple[float, Mapping[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
@@ -139,13 +211,19 @@ def reconstruct_power_ema_state_dict(
         raise ValueError(
             f"step must be in 1..{latest} (the latest stored shadow), got {target_step}"
         )
-    keys = set(states[0]["state_dict"])
+    # Shapes too: a (1,) tensor broadcasts against a (4,) one, and mixing two models must fail.
+    first = _layout(states[0]["state_dict"])
     for i, state in enumerate(states):
-        if set(state["state_dict"]) != keys:
-            raise ValueError(f"stored shadow {i} has other state-dict keys than shadow 0")
+        difference = _layout_difference(first, _layout(state["state_dict"]))
+        if difference is not None:
+            raise ValueError(
+                f"stored shadow {i} is not of the same model as shadow 0: {difference}"
+            )
     x = posthoc_coefficients([(s["step"], s["gamma"]) for s in states], target_step, target_gamma)
     ordered = sorted(range(len(states)), key=lambda i: states[i]["step"])  # latest last
-    return _combine((float(x[i]), states[i]["state_dict"]) for i in ordered)
+    result = _combine((float(x[i]), states[i]["state_dict"]) for i in ordered)
+    _check_finite(x, result)
+    return result
 
 
 def reconstruct_dual_power_ema_state_dict(
@@ -187,7 +265,9 @@ def _published(location: Any) -> Iterable[tuple[str, dict[str, Any]]]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from koochak.loop.cli import OneLineArgumentParser
+
+    parser = OneLineArgumentParser(
         prog="python -m koochak.loop.ema_posthoc",
         description="Reconstruct a power EMA of any width from a run's saved dual-EMA checkpoints.",
     )
@@ -206,15 +286,28 @@ def _run(argv: Sequence[str]) -> None:
     args = _parser().parse_args(argv)
     if os.path.lexists(args.out):
         raise FileExistsError(f"{args.out}: already exists; choose another --out")
-    target_gamma = _target_gamma(args.srel, args.gamma)
-    # Pass 1: the profiles only, so the shadows of every checkpoint are never in memory at once.
+    target_gamma = _target_gamma(args.srel, args.gamma, ("--srel", "--gamma"))
+    # Pass 1: the profiles and layouts only, so the shadows of every checkpoint are never in
+    # memory at once. Every shadow must be of one model: same keys, same shapes.
     stored: list[tuple[str, int, int, float]] = []  # (name, shadow index, step, gamma)
+    first: tuple[str, int, dict[str, Any]] | None = None
     for name, ckpt in _published(args.location):
         try:
             states = power_ema_states(ckpt, name)
         except ValueError as exc:
             log.warning("skipping %s: %s", name, exc)
             continue
+        for i, state in enumerate(states):
+            layout = _layout(state["state_dict"])
+            if first is None:
+                first = (name, i, layout)
+            difference = _layout_difference(first[2], layout)
+            if difference is not None:
+                raise ValueError(
+                    f"{args.location}: {name} shadow {i} is not of the same model as "
+                    f"{first[0]} shadow {first[1]}: {difference}; a run directory must hold "
+                    "one model's checkpoints"
+                )
         stored += [(name, i, s["step"], s["gamma"]) for i, s in enumerate(states)]
     if not stored:
         raise ValueError(f"{args.location}: no published checkpoint holds power EMA shadows")
@@ -224,13 +317,20 @@ def _run(argv: Sequence[str]) -> None:
     x = posthoc_coefficients([(s[2], s[3]) for s in stored], target_step, target_gamma)
     weight = {(s[0], s[1]): float(c) for s, c in zip(stored, x)}
 
+    used = {s[0] for s in stored}
+
     def weighted() -> Iterable[tuple[float, Mapping[str, torch.Tensor]]]:  # pass 2
         for name, ckpt in _published(args.location):
-            for i, state in enumerate(power_ema_states(ckpt, name) if ckpt.get("ema") else []):
+            if name not in used:  # skipped in pass 1, or published since
+                continue
+            for i, state in enumerate(power_ema_states(ckpt, name)):
                 if (name, i) in weight:
                     yield weight[(name, i)], state["state_dict"]
 
     result = _combine(weighted())  # checkpoints in step order: the latest one's last
+    _check_finite(x, result)
+    # Published create-only at the end (a temporary name, then a link): a failure above, or a
+    # crash while writing, leaves nothing at --out.
     buffer = io.BytesIO()
     torch.save(result, buffer)
     from koochak.storage.store import LocalStore

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from koochak.loop.config import TrainConfig, as_train_config
+from koochak.loop.masking import mask_text
 
 # Distinct from 75 (evacuation) and 76 (checkpoint acknowledgement timeout): "device unhealthy,
 # a resumable checkpoint was published, run me elsewhere".
@@ -167,12 +168,14 @@ class GpuHealthWatchdog:
             "time": time.time(),
             "step": step,
             "healthy": verdict.healthy,
-            "reasons": list(verdict.reasons),
+            "reasons": [mask_text(reason) for reason in verdict.reasons],
             # Recorded so an operator sees why nothing was requeued: Koochak only exits.
             "under_scruffy": self.under_scruffy,
             "action": "continue" if verdict.healthy else f"checkpoint+exit {GPU_HEALTH_EXIT_CODE}",
             "reading": dataclasses.asdict(reading),
         }
+        if reading.kernel_error:  # a CUDA error's text: foreign, so the run's secrets are masked
+            line["reading"]["kernel_error"] = mask_text(reading.kernel_error)
         with open(self.out_dir / HEALTH_SUMMARY_NAME, "a", encoding="utf-8") as f:
             f.write(json.dumps(line, sort_keys=True) + "\n")
 

@@ -69,7 +69,13 @@ def _entry_point_factory(scheme: str) -> Callable[[str], Store] | None:
         raise ValueError(
             f"scheme {scheme!r} is claimed by several {ENTRY_POINT_GROUP!r} entry points: {values}"
         )
-    factory = matches[0].load()
+    try:
+        factory = matches[0].load()
+    except Exception as exc:  # a plugin that fails to import: name it, not a bare traceback
+        raise ImportError(
+            f"the {ENTRY_POINT_GROUP!r} entry point {matches[0].name!r} = {matches[0].value!r} "
+            f"for scheme {scheme!r} failed to load: {type(exc).__name__}: {exc}"
+        ) from exc
     if not callable(factory):
         raise TypeError(f"entry point {matches[0].value!r} for scheme {scheme!r} is not callable")
     return factory

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from koochak.loop.hooks import Hooks, rank0_only
+from koochak.loop.masking import masking_active
 from koochak.storage.strict_json import is_exact_int, loads_strict, require_version
 from omegaconf import DictConfig, OmegaConf
 
@@ -221,6 +222,11 @@ def make_wandb_hooks(
         config = info.get("config_json")
         if config is None:
             config = full if "wandb" in full else {"train": info.get("train_cfg")}
+        settings = {}
+        if masking_active():
+            # W&B's console capture hooks the streams itself and would copy what the run prints
+            # into its files before koochak's masking (koochak.loop.masking) sees it.
+            settings["settings"] = wandb.Settings(console="off")
         state["run"] = wandb.init(
             project=wandb_cfg.get("project"),
             entity=wandb_cfg.get("entity"),
@@ -231,6 +237,7 @@ def make_wandb_hooks(
             dir=str(run_dir),
             tags=list(wandb_cfg.get("tags") or []) or None,
             config=_plain(config),
+            **settings,
         )
         state["record"] = best_record_path(run_dir, run_id or state["run"].id)
         if is_resumed:  # the aliases continue from the best value the resumed state had seen
