@@ -9,7 +9,9 @@
   ``koochak.storage.artifact``;
 - ``resume``: selection (``load``, ``latest``, ``best``, ``highest_valid_published``,
   ``resolve_auto_resume``);
-- ``saver``: what ``training_loop`` does to save (periodic and terminal, sync or async).
+- ``saver``: what ``training_loop`` does to save (periodic and terminal, sync or async);
+- ``tiers`` and ``replication``: a first tier backed by durable replica tiers
+  (``train.checkpoint_replicas``), copies in the background, resume from any tier.
 
 Import the names below from ``koochak.loop.checkpoint``; see docs/checkpoints.md for how they fit
 together.
@@ -33,8 +35,10 @@ from koochak.loop.checkpoint.resume import (
     load,
     resolve_auto_resume,
 )
+from koochak.loop.checkpoint.replication import CheckpointReplicationError
 from koochak.loop.checkpoint.saver import CheckpointPublishError
 from koochak.loop.checkpoint.serialization import deserialize_checkpoint, serialize_checkpoint
+from koochak.loop.checkpoint.tiers import checkpoint_locations
 from koochak.loop.state_dicts import match_state_dict_to_model, unwrap_model
 
 __all__ = [
@@ -42,10 +46,12 @@ __all__ = [
     "CHECKPOINT_VERSION",
     "LATEST_NAME",
     "CheckpointPublishError",
+    "CheckpointReplicationError",
     "ResumePoint",
     "best",
     "build_checkpoint",
     "check_resume_cursor",
+    "checkpoint_locations",
     "checkpoint_name",
     "checkpoint_store",
     "deserialize_checkpoint",
