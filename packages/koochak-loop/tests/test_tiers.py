@@ -457,11 +457,30 @@ def test_a_vanished_first_tier_resumes_from_the_replica_and_pulls_it_back(tmp_pa
     assert "skipping checkpoint tier 0" in caplog.text and "it is gone" in caplog.text
     path, ckpt = found
     assert path == str(durable / _name(4)) and ckpt["next_step"] == 4
-    resumed = _run(first, [str(durable)], max_steps=8, resume="auto", start=4)
+    resumed = _run(first, [str(durable)], max_steps=8, resume="auto", start=4,
+                   train={"ckpt_every": 0})  # fmt: skip
     assert torch.equal(straight["model"]["weight"], resumed["model"]["weight"])
-    # Pulled back into the first tier for the next cycle; every later one replicated as usual.
-    assert _committed(first)[0] == _name(4)
-    assert _name(8) in _committed(first) and _name(8) in _committed(durable)
+    # Pulled back into the first tier for the next cycle (this run saved only step 8 itself);
+    # the new one replicated as usual.
+    assert _committed(first) == [_name(4), _name(8)]
+    assert (
+        read_manifest(LocalStore(first), _name(4))[1]
+        == read_manifest(LocalStore(durable), _name(4))[1]
+    )
+    assert _name(8) in _committed(durable)
+
+
+def test_a_resumed_run_re_saving_a_step_replaces_it_in_the_replica_too(tmp_path):
+    first, durable = tmp_path / "first", tmp_path / "durable"
+    _run(first, [str(durable)], max_steps=4, train={"ckpt_every": 0})  # terminal step 4
+    assert load(str(durable / _name(4)))["reason"] == "terminal"
+    # Resumed, the run saves periodic step 4 (the update with index 4), under the same name.
+    _run(first, [str(durable)], max_steps=6, resume="auto", start=4)
+    assert load(str(durable / _name(4)))["reason"] == "periodic"
+    assert (
+        read_manifest(LocalStore(first), _name(4))[1]
+        == read_manifest(LocalStore(durable), _name(4))[1]
+    )
 
 
 def test_the_highest_step_in_any_tier_wins(tmp_path):
