@@ -26,6 +26,7 @@ from koochak.loop.checkpoint.format import (
     checkpoint_name,
 )
 from koochak.loop.checkpoint.publication import checkpoint_store, publish, save
+from koochak.loop.checkpoint.replication import CheckpointReplicationError
 from koochak.loop.checkpoint.restore import restore_training_state, rng_state_for_rank
 from koochak.loop.checkpoint.resume import (
     ResumePoint,
@@ -35,7 +36,6 @@ from koochak.loop.checkpoint.resume import (
     load,
     resolve_auto_resume,
 )
-from koochak.loop.checkpoint.replication import CheckpointReplicationError
 from koochak.loop.checkpoint.saver import CheckpointPublishError
 from koochak.loop.checkpoint.serialization import deserialize_checkpoint, serialize_checkpoint
 from koochak.loop.checkpoint.tiers import checkpoint_locations
