@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -139,7 +140,10 @@ def child(args: argparse.Namespace) -> None:
         return {"loss": model(batch).square().mean()}
 
     def first_step(info):
-        print(f"FIRST_STEP {time.perf_counter() - imported:.3f} {point.path}", flush=True)
+        usage = resource.getrusage(resource.RUSAGE_SELF)  # this process's CPU, all threads
+        cpu = usage.ru_utime + usage.ru_stime
+        print(f"FIRST_STEP {time.perf_counter() - imported:.3f} {cpu:.3f} {point.path}",
+              flush=True)  # fmt: skip
         os._exit(0)
 
     training_loop(
@@ -153,7 +157,7 @@ def child(args: argparse.Namespace) -> None:
     )  # fmt: skip
 
 
-def _recover(root: str, first: str, size: int, rate_mb: float) -> tuple[float, float, str]:
+def _recover(root: str, first: str, size: int, rate_mb: float) -> tuple[float, float, float, str]:
     command = [sys.executable, __file__, "--child", "--root", root, "--first", first,
                "--size", str(size), "--rate-mb", str(rate_mb)]  # fmt: skip
     started = time.perf_counter()
@@ -162,8 +166,8 @@ def _recover(root: str, first: str, size: int, rate_mb: float) -> tuple[float, f
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("FIRST_STEP")), None)
     if line is None:
         raise RuntimeError(f"recovery child failed: {proc.stderr[-2000:]}")
-    _, resume_s, path = line.split(" ", 2)
-    return elapsed, float(resume_s), path
+    _, resume_s, cpu_s, path = line.split(" ", 3)
+    return elapsed, float(resume_s), float(cpu_s), path
 
 
 def bench_recovery(root: str, size: int, rate_mb: float, rounds: int) -> dict[str, float]:
@@ -183,10 +187,11 @@ def bench_recovery(root: str, size: int, rate_mb: float, rounds: int) -> dict[st
     for r in range(rounds):
         gone = os.path.join(root, f"gone{r}")  # a first tier on another node: empty here
         for label, first in (("first", fast), ("durable", gone)):
-            elapsed, resume_s, path = _recover(root, first, size, rate_mb)
+            elapsed, resume_s, cpu_s, path = _recover(root, first, size, rate_mb)
             assert ("durable" in path) == (label == "durable"), path
             times.setdefault(label, []).append(elapsed)
             times.setdefault(f"{label}_resume", []).append(resume_s)
+            times.setdefault(f"{label}_cpu", []).append(cpu_s)
         shutil.rmtree(gone, ignore_errors=True)
     return {key: statistics.median(values) for key, values in times.items()}
 
@@ -223,9 +228,9 @@ def main() -> None:
               f"{ratio:5.3f}x  (copy {slow[label + '_copy_s']:.1f} s; target <= 1.05x)")  # fmt: skip
     first, durable = recovery["first"], recovery["durable"]
     print(f"recovery, process start -> first resumed step, first tier: {first:7.1f} s  "
-          f"(after imports: {recovery['first_resume']:.1f} s)")  # fmt: skip
+          f"(after imports: {recovery['first_resume']:.1f} s; CPU {recovery['first_cpu']:.1f} s)")  # fmt: skip
     print(f"recovery from the durable store ({args.rate_mb:.0f} MB/s):          {durable:7.1f} s  "
-          f"(after imports: {recovery['durable_resume']:.1f} s)")  # fmt: skip
+          f"(after imports: {recovery['durable_resume']:.1f} s; CPU {recovery['durable_cpu']:.1f} s)")  # fmt: skip
     print(f"  -> first tier {durable / first:4.1f}x faster from process start, "
           f"{recovery['durable_resume'] / recovery['first_resume']:4.1f}x after imports "
           "(target >= 5x)")  # fmt: skip
