@@ -568,3 +568,50 @@ def test_another_rank_reads_rank_0s_commit_from_any_tier_it_can_reach(tmp_path):
     assert point.path == str(tmp_path / "replica" / _name(4)) and point.checkpoint["step"] == 4
     with pytest.raises(RuntimeError, match="cannot read that commit"):
         _read_same([elsewhere, replica], 0, 4, "0" * 64)
+
+
+# ------------------------------------------------------------------ what others see
+
+
+def test_workload_events_name_the_replica_tier_and_report_the_lag(tmp_path):
+    from koochak.events import make_event_hooks
+
+    sent: list = []
+    hooks = make_event_hooks(lambda event, wait=False: sent.append((event, wait)))
+    _run(tmp_path / "fast", [str(tmp_path / "durable")], hooks=hooks, max_steps=3)
+    artifacts = [(e.payload, w) for e, w in sent if e.kind == "workload.artifact"]
+    assert [p["step"] for p, _ in artifacts] == [0, 1, 3]
+    for payload, wait in artifacts:  # strict, acknowledged, and readable from another node
+        assert wait is True
+        assert payload["publication"]["path"] == str(tmp_path / "durable" / _name(payload["step"]))
+        assert payload["publication"]["manifest_path"].startswith(str(tmp_path / "durable"))
+    replicated = [
+        e.payload for e, _ in sent if e.payload.get("milestone") == "checkpoint_replicated"
+    ]
+    assert [m["step"] for m in replicated] == [0, 1, 3]
+    assert all(
+        m["metrics"]["tier"] == 1.0 and "lag_checkpoints" in m["metrics"] for m in replicated
+    )
+
+
+def test_checkpoints_an_earlier_attempt_left_unreplicated_are_announced_when_they_land(tmp_path):
+    class Down(LocalStore):
+        def put(self, key, data, **expected):
+            raise OSError(errno.EHOSTDOWN, "Host is down", key)
+
+    register_store("downtier", lambda rest: Down(tmp_path / rest))
+    with pytest.raises(CheckpointReplicationError):
+        _run(tmp_path / "fast", ["downtier://durable"], max_steps=2)
+    seen: list = []
+    starts: list = []
+    hooks = {
+        "on_checkpoint": [lambda info: seen.append((info["step"], info["checkpoint"] is None))],
+        "on_train_start": [lambda info: starts.append(info.get("resume_publication_path", "-"))],
+    }
+    # The durable tier is back: the next attempt replicates what the last one could not, in
+    # order, and announces each once it lands (no dict for the earlier attempt's checkpoints).
+    _run(tmp_path / "fast", [str(tmp_path / "durable")], max_steps=3, resume="auto", start=2,
+         hooks=hooks)  # fmt: skip
+    assert seen == [(0, True), (2, True), (3, False)]
+    assert starts == [None]  # the resumed step 2 was not in the replica yet: not republished
+    assert _committed(tmp_path / "durable") == [_name(0), _name(2), _name(3)]
