@@ -6,6 +6,7 @@ import errno
 import json
 import logging
 import os
+import sys
 import threading
 
 import pytest
@@ -615,3 +616,26 @@ def test_checkpoints_an_earlier_attempt_left_unreplicated_are_announced_when_the
     assert seen == [(0, True), (2, True), (3, False)]
     assert starts == [None]  # the resumed step 2 was not in the replica yet: not republished
     assert _committed(tmp_path / "durable") == [_name(0), _name(2), _name(3)]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priority is Linux's")
+def test_replication_threads_yield_the_cpu_to_training(tmp_path):
+    first = LocalStore(tmp_path / "first")
+    seen = []
+    ours = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    class Recording(LocalStore):
+        def put(self, key, data, **expected):
+            seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+            return super().put(key, data, **expected)
+
+    replicator = Replicator(first, [ReplicaTier(1, Recording(tmp_path / "r"), None)],
+                            first_keep_last_k=None)  # fmt: skip
+    try:
+        _publish_first(first, 0)
+        replicator.submit(_name(0))
+        replicator.settle(_name(0), everywhere=True)
+    finally:
+        replicator.close()
+    assert seen and min(seen) >= 10  # the copy threads too, not only the worker
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == ours  # training's own

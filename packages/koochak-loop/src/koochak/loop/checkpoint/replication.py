@@ -26,6 +26,8 @@ came back elsewhere) first pulls it back into the first tier.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 import time
 from collections import deque
@@ -44,6 +46,9 @@ log = logging.getLogger("koochak.loop.checkpoint")
 # gets at the end of a run before the run gives up on it.
 MAX_RETRY_S = 300.0
 EXIT_ATTEMPTS = 3
+# Niceness of the replication threads (and the copy threads they start): on a contended core the
+# training thread gets most of the time; idle cores still copy at full speed.
+REPLICATION_NICENESS = 10
 
 
 class CheckpointReplicationError(RuntimeError):
@@ -269,6 +274,7 @@ class Replicator:
     # ------------------------------------------------------------------ workers
 
     def _start(self) -> None:
+        _yield_cpu()  # inherited by the workers this thread starts, and by their copy threads
         if self._pull is not None:
             try:
                 self._pull_back(self._pull)
@@ -513,6 +519,19 @@ class Replicator:
             log.warning("the first tier (%s) keeps %d checkpoint(s) beyond keep_last_k=%d "
                         "until a durable tier holds them: %s", self.first.location, len(held),
                         self.first_keep, ", ".join(fresh))  # fmt: skip
+
+
+def _yield_cpu() -> None:
+    """Lower the calling thread's CPU priority (Linux gives priority per thread; threads it
+    starts inherit it). Elsewhere priority is per process, which would slow training too."""
+    if not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    try:
+        if os.getpriority(os.PRIO_PROCESS, tid) < REPLICATION_NICENESS:
+            os.setpriority(os.PRIO_PROCESS, tid, REPLICATION_NICENESS)
+    except OSError as exc:  # a sandbox may refuse: replication still works, less politely
+        log.debug("could not lower the replication threads' priority: %s", exc)
 
 
 def _path(store: Store, publication: artifact.Publication) -> str:
