@@ -22,6 +22,7 @@ DISTS = {
     "koochak-events": ("koochak.events", True),
     "koochak-jobs": ("koochak.jobs", True),
     "koochak-loop": ("koochak.loop", False),
+    "koochak-store-s3": ("koochak.s3", True),
 }
 UV = shutil.which("uv") or str(Path(sys.executable).with_name("uv"))
 
@@ -68,10 +69,28 @@ def test_wheel_installs_alone(dist, dist_dir, tmp_path):
                     "--find-links", str(dist_dir), dist], check=True)
     probe = (f"import sys, {module}; "
              f"print('torch' in sys.modules); "
-             f"print(sorted(m for m in ('koochak.storage','koochak.data','koochak.events','koochak.loop','koochak.jobs') "
+             f"print(sorted(m for m in ('koochak.storage','koochak.data','koochak.events','koochak.loop','koochak.jobs','koochak.s3') "
              f"if __import__('importlib.util').util.find_spec(m)))")
     out = subprocess.run([str(python), "-c", probe], check=True, capture_output=True, text=True).stdout
     torch_loaded, present = out.splitlines()
     if torch_free:
         assert torch_loaded == "False", f"import {module} pulled torch in"
     assert module in present
+
+
+def test_the_s3_wheel_alone_with_koochak_store_opens_s3_locations(dist_dir, tmp_path):
+    """pip install koochak-store-s3 (which brings koochak-store and boto3) is enough for
+    open_store("s3://...") through the entry point; nothing else of Koochak is installed."""
+    venv = tmp_path / "venv"
+    subprocess.run([UV, "venv", "--quiet", "--python", sys.executable, str(venv)], check=True)
+    python = venv / "bin" / "python"
+    subprocess.run([UV, "pip", "install", "--quiet", "--python", str(python),
+                    "--find-links", str(dist_dir), "koochak-store-s3"], check=True)
+    probe = ("import importlib.util as u, sys; from koochak.storage.store import open_store; "
+             "s = open_store('s3://some-bucket/runs'); print(type(s).__name__, s.location); "
+             "print([m for m in ('koochak.data','koochak.loop','koochak.jobs','koochak.events') "
+             "if u.find_spec(m)]); print('torch' in sys.modules)")
+    env = {"PATH": "/usr/bin:/bin", "AWS_DEFAULT_REGION": "us-east-1"}
+    out = subprocess.run([str(python), "-c", probe], check=True, capture_output=True, text=True,
+                         env=env).stdout.splitlines()
+    assert out == ["S3Store s3://some-bucket/runs", "[]", "False"]

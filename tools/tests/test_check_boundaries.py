@@ -17,8 +17,8 @@ _spec.loader.exec_module(check_boundaries)
 
 
 def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
-    for sub in ("storage", "data", "events", "loop", "jobs"):
-        dist = {"storage": "store"}.get(sub, sub)
+    for sub in ("storage", "data", "events", "loop", "jobs", "s3"):
+        dist = {"storage": "store", "s3": "store-s3"}.get(sub, sub)
         pkg = tmp_path / "packages" / f"koochak-{dist}" / "src" / "koochak" / sub
         pkg.mkdir(parents=True)
         (pkg / "__init__.py").write_text("")
@@ -38,6 +38,7 @@ def test_allowed_imports_pass(tmp_path):
         "packages/koochak-data/src/koochak/data/a.py": "from koochak.storage.store import open_store\n",
         "packages/koochak-loop/src/koochak/loop/a.py": "import torch\nimport koochak.events\n",
         "packages/koochak-data/src/koochak/data/b.py": "def f():\n    import torch\n",
+        "packages/koochak-store-s3/src/koochak/s3/a.py": "from koochak.storage.store import Store\n",
     })
     assert check_boundaries.check_tree(root) == []
 
@@ -58,6 +59,13 @@ def test_allowed_imports_pass(tmp_path):
     ("packages/koochak-store/tests/test_x.py", "from koochak.data import shards\n",
      "koochak.storage may not import koochak.data"),
     ("packages/koochak-store/src/koochak/__init__.py", "", "PEP 420"),
+    ("packages/koochak-store-s3/src/koochak/s3/a.py", "from koochak.data import shards\n",
+     "koochak.s3 may not import koochak.data"),
+    ("packages/koochak-store-s3/src/koochak/s3/a.py", "import torch\n", "koochak.s3 is torch-free"),
+    ("packages/koochak-store/src/koochak/storage/a.py", "from koochak.s3 import S3Store\n",
+     "koochak.storage may not import koochak.s3"),
+    ("packages/koochak-data/src/koochak/data/a.py", "import koochak.s3\n",
+     "koochak.data may not import koochak.s3"),
 ])
 def test_forbidden_import_is_reported(tmp_path, rel, text, fragment):
     root = _tree(tmp_path, {rel: text})

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from koochak.storage import _probe_semantics as semantics
 from koochak.storage._probe_measure import Measurement, recommend_profile
-from koochak.storage.probe import PROBE_MODES_GROUP, REPORT_VERSION, main, probe
+from koochak.storage.probe import PROBE_MODES_GROUP, REPORT_VERSION, format_report, main, probe
 from koochak.storage.profile import StoreProfile
 from koochak.storage.store import LocalStore, register_store
 
@@ -193,6 +193,32 @@ def test_non_local_store_is_measured_through_the_api_and_emptied(tmp_path):
     assert report.profile is not None
     assert report.cache_drop.startswith("none")
     assert inner.list() == []
+
+
+def test_a_non_local_store_may_report_its_own_semantics_checks(tmp_path):
+    inner = LocalStore(tmp_path)
+    asked = []
+
+    class Remote:
+        location = "remote://bucket"
+
+        def __getattr__(self, name):
+            return getattr(inner, name)
+
+        def local_path(self, key):
+            return None
+
+        def probe_checks(self, prefix):
+            asked.append(prefix)
+            return [{"name": "conditional_create", "supported": False,
+                     "detail": "a second create overwrote", "seconds": 0.01}]  # fmt: skip
+
+    register_store("probetestchecks", lambda path: Remote())
+    report = probe("probetestchecks://bucket", **TINY)
+    [check] = report.checks
+    assert (check.name, check.supported) == ("conditional_create", False)
+    assert asked == [report.scratch.rsplit("/", 2)[-2] + "/"]
+    assert "conditional_create" in format_report(report)
 
 
 # -- semantics checks with injected failures --------------------------------------------------

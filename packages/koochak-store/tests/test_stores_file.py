@@ -201,7 +201,8 @@ def test_missing_stores_file_says_where_it_looked(tmp_path, monkeypatch):
 def test_the_shipped_example_is_valid(monkeypatch):
     monkeypatch.setenv("USER", "example")
     entries = load_stores_file(EXAMPLE)
-    assert set(entries) == {"scratch", "archive"}
+    assert set(entries) == {"scratch", "archive", "ckpt"}
+    assert (entries["ckpt"].backend, entries["ckpt"].options["prefix"]) == ("s3", "example")
     assert entries["archive"].publish == "exclusive"
     assert entries["archive"].profile is not None
     assert entries["scratch"].root == "/scratch/example/koochak"

@@ -154,6 +154,8 @@ def probe(
             notes.append(f"measured with the configured store settings of {store.location}")
         elif store is not None:
             work = _Prefixed(store, f"{name}/")
+            say("checking the store's semantics")
+            checks = _store_checks(store, f"{name}/")
         measurements: list[Measurement] = []
         profile = None
         dropper = CacheDropper(work, drop_caches) if work is not None else None
@@ -316,6 +318,16 @@ def _cleanup(scratch_dir: Path | None, remote: Store | None) -> None:
     elif remote is not None:
         for info in remote.list(""):
             remote.delete(info.key)
+
+
+def _store_checks(store: Store, prefix: str) -> list[Check]:
+    """The semantics a non-local store checks about itself, under ``prefix``.
+
+    A backend that can say more than the Store API shows (an S3 store: whether conditional
+    writes are honoured) offers ``probe_checks(prefix)`` returning rows of ``Check`` fields.
+    """
+    report = getattr(store, "probe_checks", None)
+    return [Check(**row) for row in report(prefix)] if callable(report) else []
 
 
 class _Prefixed:

@@ -125,6 +125,9 @@ def open_store(location: str | os.PathLike[str] | Store) -> Store:
     from koochak.storage.stores_file import settings_for_scheme
 
     settings = settings_for_scheme(scheme, location)
+    if settings.backend is not None:  # a plugin store configured in the stores file
+        found = _FACTORIES.get(settings.backend) or _entry_point_factory(settings.backend)
+        return settings.open_backend(rest, location, found)
     try:
         root = settings.root_for(rest)
     except ValueError as exc:

@@ -1,8 +1,11 @@
-"""The stores file: a private YAML file mapping scheme names to LocalStore roots and settings.
+"""The stores file: a private YAML file mapping scheme names to stores and their settings.
 
-Site facts (mount points, publish modes, measured profiles) stay out of code and out of this
-repository. ``open_store("archive://datasets/foo")`` finds the ``archive`` entry here and returns
-a LocalStore rooted at ``<root>/datasets/foo`` with that entry's settings. The file is read again
+Site facts (mount points, publish modes, endpoints, measured profiles) stay out of code and out
+of this repository. ``open_store("archive://datasets/foo")`` finds the ``archive`` entry here and
+returns a LocalStore rooted at ``<root>/datasets/foo`` with that entry's settings. An entry with
+``backend: NAME`` instead hands its ``options`` mapping (and ``profile``) to the store factory
+registered under NAME (``register_store`` or a ``koochak.stores`` entry point), so a plugin store
+takes its settings from here without this module knowing what they mean. The file is read again
 whenever its modification time or size changes, so edits apply without restarting.
 """
 
@@ -12,7 +15,8 @@ import os
 import pathlib
 import re
 import threading
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from koochak.storage.keys import PUBLISH_MODES, validate_key
@@ -40,6 +44,8 @@ _ENTRY_KEYS = {
     "read_settle_seconds",
     "profile",
 }
+# An entry naming a plugin backend has only these; what its options mean is the backend's affair.
+_BACKEND_KEYS = {"backend", "options", "profile"}
 _PROFILE_KEYS = set(StoreProfile.__dataclass_fields__)
 # The file is meant to be shared between people and machines; credentials belong elsewhere.
 _SECRET_WORDS = re.compile(
@@ -52,7 +58,11 @@ _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*")
 
 @dataclass(frozen=True)
 class StoreSettings:
-    """One resolved entry of the stores file."""
+    """One resolved entry of the stores file.
+
+    A LocalStore entry has ``root`` and the LocalStore settings; a plugin entry has ``backend``
+    (the factory's name), ``options`` (a plain mapping for that factory) and ``root`` empty.
+    """
 
     scheme: str
     root: str
@@ -62,6 +72,39 @@ class StoreSettings:
     settle_seconds: float = 0.0
     read_settle_seconds: float = 0.0
     profile: StoreProfile | None = None
+    backend: str | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def open_backend(self, path: str, location: str, factory: Callable[..., Any] | None) -> Any:
+        """Build the store of a ``backend:`` entry: ``factory(path, options=..., profile=...)``.
+
+        ``factory`` is the one ``open_store`` found for the backend name (None: none is
+        installed). ``path`` is the text after ``scheme://``; the backend decides what it means
+        (typically a key prefix below the one in its options).
+        """
+        where = f"open_store({location!r}): stores file entry {self.scheme!r}"
+        if factory is None:
+            raise ValueError(
+                f"{where} names backend {self.backend!r}, but no register_store factory or "
+                f"'koochak.stores' entry point provides it (is its distribution installed?)"
+            )
+        try:
+            store = factory(path, options=dict(self.options), profile=self.profile)
+        except TypeError as exc:
+            if "options" not in str(exc) and "profile" not in str(exc):
+                raise
+            raise TypeError(
+                f"{where}: the factory of backend {self.backend!r} does not take the keyword "
+                f"arguments options= and profile= that stores-file entries pass ({exc})"
+            ) from None
+        except ValueError as exc:
+            raise ValueError(f"{where}: options: {exc}") from None
+        if not _is_store(store):
+            raise TypeError(
+                f"{where}: backend {self.backend!r} returned {type(store).__name__}, which does "
+                "not implement the Store protocol"
+            )
+        return store
 
     def root_for(self, path: str = "") -> pathlib.Path:
         """The directory a LocalStore for ``path`` under this entry is rooted at ("" = root).
@@ -72,6 +115,17 @@ class StoreSettings:
         path = path.strip("/")
         root = pathlib.Path(self.root)
         return root / validate_key(path) if path else root
+
+
+_STORE_METHODS = ("get", "open", "put", "stat", "list", "delete", "local_path")
+
+
+def _is_store(obj: Any) -> bool:
+    """What ``isinstance(obj, Store)`` checks, without importing the store module (which
+    imports this one)."""
+    return isinstance(getattr(obj, "location", None), str) and all(
+        callable(getattr(obj, name, None)) for name in _STORE_METHODS
+    )
 
 
 def stores_file_path() -> pathlib.Path:
@@ -166,7 +220,8 @@ def _parse(file: pathlib.Path, text: bytes) -> dict[str, Any]:
             raise ValueError(f"stores file {file}: 'file' always means a local path; rename it")
         if not isinstance(entry, dict):
             raise ValueError(f"stores file {file}: stores.{scheme} must be a mapping with 'root'")
-        _only_keys(file, entry, _ENTRY_KEYS, f"stores.{scheme}.")
+        allowed = _BACKEND_KEYS if "backend" in entry else _ENTRY_KEYS
+        _only_keys(file, entry, allowed, f"stores.{scheme}.")
         if isinstance(entry.get("profile"), dict):
             _only_keys(file, entry["profile"], _PROFILE_KEYS, f"stores.{scheme}.profile.")
     lowered = [name.lower() for name in stores]
@@ -225,6 +280,8 @@ def _resolve_entry(file: pathlib.Path, raw: dict[str, Any], scheme: str) -> Stor
 
 def _settings(file: pathlib.Path, scheme: str, entry: dict[str, Any]) -> StoreSettings:
     where = f"stores file {file}: stores.{scheme}"
+    if "backend" in entry:
+        return _backend_settings(where, scheme, entry)
     root = entry.get("root")
     if not isinstance(root, str) or not root:
         raise ValueError(f"{where}.root is required: an absolute directory path")
@@ -251,6 +308,26 @@ def _settings(file: pathlib.Path, scheme: str, entry: dict[str, Any]) -> StoreSe
         profile = _profile(where + ".profile", entry["profile"])
     return StoreSettings(
         scheme=scheme.lower(), root=root, publish=publish, profile=profile, **flags, **seconds
+    )
+
+
+def _backend_settings(where: str, scheme: str, entry: dict[str, Any]) -> StoreSettings:
+    backend = entry["backend"]
+    if not isinstance(backend, str) or not _SCHEME.fullmatch(backend):
+        raise ValueError(
+            f"{where}.backend={backend!r}; expected the name of an installed store backend "
+            "such as 's3'"
+        )
+    if backend.lower() == "file":
+        raise ValueError(f"{where}.backend='file': local directories use root: instead")
+    options = entry.get("options") or {}
+    if not isinstance(options, dict):
+        raise ValueError(f"{where}.options must be a mapping of the backend's settings")
+    profile = None
+    if entry.get("profile") is not None:
+        profile = _profile(where + ".profile", entry["profile"])
+    return StoreSettings(
+        scheme=scheme.lower(), root="", profile=profile, backend=backend.lower(), options=options
     )
 
 
