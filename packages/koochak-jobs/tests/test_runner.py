@@ -246,6 +246,10 @@ def test_preflight_only_runs_checks_without_the_workload(kit, tmp_path, marker):
     assert record["state"] == "passed" and record["preflight_only"] is True
     assert record["checks"] == ["c_compiler"]
     assert record["observed"]["c_compiler"]["cc"] == "/usr/bin/gcc"
+    assert done.stdout == (
+        "koochak-run: preflight passed (manifest, config, requirements, c_compiler); "
+        f"recorded in {prepared.preflight_path}\n"
+    )
 
 
 def test_a_broken_compiler_fails_before_model_code(kit, tmp_path, marker):

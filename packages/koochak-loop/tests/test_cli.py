@@ -44,6 +44,23 @@ def broken_step(model, batch, ctx):
     raise RuntimeError("user code exploded")
 
 
+def make_optimizer(model, cfg):
+    return torch.optim.SGD(model.parameters(), lr=cfg.model.factory_lr)
+
+
+def stop_after_first_eval(cfg):
+    from koochak.loop.hooks import StopTraining
+
+    def on_eval_end(info):
+        raise StopTraining("good enough")
+
+    return {"on_eval_end": [on_eval_end]}
+
+
+def not_an_optimizer(model, cfg):
+    return "adam please"
+
+
 def dataset_signalled_while_built(cfg, start_step=0):
     import os
     import signal
@@ -101,6 +118,51 @@ def test_runs_end_to_end_and_writes_logs_and_checkpoint(project, capsys):
     assert "eval_loss" in ckpt["metrics"]
 
 
+def test_model_section_param_groups_optimizer_factory_and_tensorboard(project, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    root, name, config = project
+    common = ["--config", str(config), "--resume", "none", "model.factory_lr=0.25",
+              "logging.tensorboard=true"]  # fmt: skip
+    rules = "optim.optimizer.param_groups=[{names: ['bias'], lr: 0.5}]"
+    assert (
+        main([*common, rules, "optim.optimizer.name=adamw", "optim.optimizer.foreach=false"]) == 0
+    )
+    checkpoint = torch.load(root / "run" / "step000000006.pt", weights_only=True)
+    groups = checkpoint["optimizer"]["param_groups"]
+    assert [g["lr"] for g in groups][1:] and groups[1]["initial_lr"] == 0.5
+    assert groups[0]["foreach"] is False
+    events = EventAccumulator(str(root / "run" / "tensorboard"))
+    events.Reload()
+    assert {"loss", "eval_loss", "lr"} <= set(events.Tags()["scalars"])
+
+    factory = f"entry.optimizer={name}:make_optimizer"
+    assert main([*common, factory, "train.out_dir=" + str(root / "factory")]) == 0
+    groups = torch.load(root / "factory" / "step000000006.pt", weights_only=True)["optimizer"]
+    assert groups["param_groups"][0]["initial_lr"] == 0.25  # built by the factory from model:
+
+
+def test_entry_hooks_can_stop_the_run_with_exit_0(project, capsys):
+    root, name, config = project
+    args = [
+        "--config",
+        str(config),
+        "--resume",
+        "none",
+        f"entry.hooks={name}:stop_after_first_eval",
+    ]
+    assert main(args) == 0
+    assert "koochak: stopped at step 3 (good enough)" in capsys.readouterr().out
+    checkpoint = torch.load(root / "run" / "step000000003.pt", weights_only=True)
+    assert checkpoint["reason"] == "stopped"
+
+
+def test_help_points_at_the_config_template(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "examples/config_template.yaml" in capsys.readouterr().out
+
+
 def test_overrides_apply_last(project):
     root, _, config = project
     assert main(["--config", str(config), "train.max_steps=2", "--resume", "none"]) == 0
@@ -135,6 +197,14 @@ def one_line_error(capsys) -> str:
         ("train.ddp=true", "environment lacks RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT"),
         ("train.checkpoint_dir=nope://x", "no store is registered for scheme 'nope'"),
         ("data.batch_size=0", "data.batch_size: expected an integer >= 1, got 0"),
+        (
+            "entry.optimizer={name}:not_an_optimizer",
+            "entry.optimizer: {name}:not_an_optimizer returned str, not a torch.optim.Optimizer",
+        ),
+        (
+            "optim.optimizer.param_groups=[{{weight_decay: 0.0}}]",
+            "optim.optimizer.param_groups[0]: needs a selector: names, modules, max_ndim",
+        ),
     ],
 )
 def test_bad_input_is_one_line_on_stderr_exit_2(project, capsys, override, expected):

@@ -10,6 +10,7 @@ import yaml
 from koochak.loop.config import (
     ConfigError,
     TrainConfig,
+    as_dict,
     defaults,
     format_summary,
     get_section,
@@ -132,8 +133,16 @@ def test_summary_names_sections_unknown_keys_and_strictness(tmp_path):
 def test_get_section_names_the_missing_section():
     cfg = load_config(None)
     assert get_section(cfg, "train").max_steps == 1000
-    with pytest.raises(ConfigError, match="no section 'model'"):
-        get_section(cfg, "model")
+    with pytest.raises(ConfigError, match="no section 'trainer'"):
+        get_section(cfg, "trainer")
+
+
+def test_the_model_section_is_free_form_like_data(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_text("model:\n  n_layer: 4\n  attn: {heads: 4, dropout: 0.1}\n")
+    cfg = load_config(path, ["model.n_embd=128"])
+    assert as_dict(cfg.model) == {"n_layer": 4, "attn": {"heads": 4, "dropout": 0.1}, "n_embd": 128}
+    assert load_config(None).model == {}  # nothing needed when a model has no hyperparameters
 
 
 def test_resolve_train_config_for_plain_dicts():
@@ -163,3 +172,19 @@ def test_config_records_are_frozen_and_helpers_take_them_typed_or_check_a_mappin
     # A helper called with a plain train mapping checks it like the loop would, naming the key.
     with pytest.raises(ConfigError, match="train.evacuation_enabled: expected bool, got 'yes'"):
         make_evacuation(None, {"evacuation_enabled": "yes"})
+
+
+def test_a_typo_in_an_override_is_blamed_on_the_override_not_the_file(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_text("train:\n  max_steps: 5\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, ["train.max_stpes=7"])
+    assert str(caught.value).startswith(
+        "override 'train.max_stpes=7': unknown config key 'train.max_stpes' "
+        "(did you mean 'train.max_steps'?)"
+    )
+    with pytest.raises(ConfigError, match=r"^override 'train.max_steps=abc': train.max_steps: "):
+        load_config(path, ["train.max_steps=abc"])
+    path.write_text("train:\n  max_stpes: 5\n")  # the file's own typo is still the file's
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: unknown config key"):
+        load_config(path, ["train.log_every=5"])

@@ -242,14 +242,14 @@ def test_legacy_flat_keys_are_honoured_with_a_note_naming_the_nested_key(tmp_pat
         ({"warmup_steps": 10}, r"train.ema.warmup_steps: a warm-up needs train.ema.schedule"),
         ({"update_every": 0}, r"train.ema.update_every: expected an integer >= 1"),
         ({"dual": {"enabled": True, "srel1": 0.05}}, r"train.ema.dual.gamma2 or train.ema.dual.srel2"),
-        ({"profile": "constant", "dual": {"enabled": True, "gamma1": 1.0, "gamma2": 2.0}},
-         r"train.ema.dual.enabled: dual EMA tracks two power profiles"),
         ({"profile": "power", "srel": 0.1, "decay": 0.9}, r"train.ema.decay: only the constant"),
         ({"srel": 0.1, "warmup_steps": 5, "schedule": "linear"},
          r"train.ema.warmup_steps: only the constant profile warms up"),
         ({"profile": "constant", "gamma": 3.0}, r"train.ema.gamma: only the power profile uses"),
-        ({"srel": 0.1, "dual": {"enabled": True, "srel1": 0.05, "srel2": 0.1}},
-         r"train.ema.srel: with train.ema.dual.enabled give dual.gamma1/gamma2"),
+        ({"srel": 0.1, "gamma": 2.0, "dual": {"enabled": True, "srel1": 0.05, "srel2": 0.1}},
+         r"train.ema: a power EMA needs exactly one of train.ema.gamma or train.ema.srel"),
+        ({"warmup_steps": 5, "schedule": "linear", "dual": {"enabled": True, "gamma1": 1.0,
+          "gamma2": 2.0}}, r"train.ema.warmup_steps: only a constant primary shadow warms up"),
     ],
 )  # fmt: skip
 def test_bad_ema_config_fails_naming_the_key(ema, message):
@@ -262,13 +262,13 @@ def test_one_rule_decides_ema_combinations_for_the_config_and_for_shadow_specs()
 
     # A record built by hand meets the same rule, in the same words, as a loaded config.
     dual = EmaDualConfig(enabled=True, srel1=0.05, srel2=0.1)
-    by_hand = EmaConfig(srel=0.1, dual=dual)
+    by_hand = EmaConfig(srel=0.1, gamma=2.0, dual=dual)
     with pytest.raises(ConfigError) as from_config:
-        resolve_train_config({"ema": {"srel": 0.1, "dual": dataclasses.asdict(dual)}})
+        resolve_train_config({"ema": {"srel": 0.1, "gamma": 2.0, "dual": dataclasses.asdict(dual)}})
     with pytest.raises(ConfigError) as from_specs:
         shadow_specs(by_hand)
     assert str(from_specs.value) == str(from_config.value)
-    assert str(from_specs.value).startswith("train.ema.srel: with train.ema.dual.enabled")
+    assert str(from_specs.value).startswith("train.ema: a power EMA needs exactly one")
     assert ema_profile(EmaConfig()) is None
     assert ema_profile(EmaConfig(decay=0.9)) == "constant"
     assert ema_profile(EmaConfig(gamma=6.94)) == "power"
@@ -364,6 +364,38 @@ def test_resume_continues_the_shadows_bit_exactly(tmp_path):
         for key, tensor in want["state_dict"].items():
             assert torch.equal(tensor, got["state_dict"][key]), key
     assert resumed["ema"]["updates"] == straight["ema"]["updates"] == 3
+
+
+def test_a_primary_ema_beside_the_dual_shadows_is_kept_restored_and_evaluated(tmp_path):
+    from koochak.loop.config import EmaConfig, EmaDualConfig
+
+    dual = {"enabled": True, "srel1": 0.05, "srel2": 0.1}
+    assert [(s.profile, s.decay) for s in shadow_specs(EmaConfig(decay=0.9999, dual=EmaDualConfig(**dual)))][0] == ("constant", 0.9999)  # fmt: skip
+    gammas = [s.gamma for s in shadow_specs(EmaConfig(gamma=7.0, dual=EmaDualConfig(**dual)))]
+    assert gammas[0] == 7.0 and len(gammas) == 3
+    evaluated = []
+
+    def eval_fn(model, data, ctx):
+        evaluated.append(model.weight.detach().clone())
+        return {"loss": 0.0}
+
+    ema = {"decay": 0.5, "eval_with_ema": True, "dual": dual}
+    _, straight = _run(tmp_path / "straight", 6, ema, eval_fn=eval_fn)
+    assert [s["profile"] for s in straight["ema"]["shadows"]] == ["constant", "power", "power"]
+    # eval_with_ema evaluates the primary shadow (its decay 0.5), not a dual one.
+    assert torch.equal(evaluated[-1], straight["ema"]["shadows"][0]["state_dict"]["weight"])
+    _, first = _run(tmp_path / "first", 3, ema, eval_fn=eval_fn)
+    first = deserialize_checkpoint(serialize_checkpoint(first), "first")  # through the bytes
+    _, resumed = _run(tmp_path / "resumed", 6, ema, start=3, ckpt=first, eval_fn=eval_fn)
+    for want, got in zip(straight["ema"]["shadows"], resumed["ema"]["shadows"], strict=True):
+        for key, tensor in want["state_dict"].items():
+            assert torch.equal(tensor, got["state_dict"][key]), key
+    # Post-hoc EMA reads the power shadows only.
+    from koochak.loop.ema_posthoc import power_ema_states
+
+    assert [s["gamma"] for s in power_ema_states(resumed)] == [
+        s["gamma"] for s in resumed["ema"]["shadows"][1:]
+    ]
 
 
 def test_resuming_a_checkpoint_without_shadows_starts_them_with_a_note(tmp_path):

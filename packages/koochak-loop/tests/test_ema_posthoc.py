@@ -92,6 +92,23 @@ def test_reconstructing_a_stored_width_returns_that_shadow(run, index, srel):
         assert torch.allclose(rebuilt[key], tensor, rtol=1e-4, atol=1e-5), key
 
 
+def test_upstream_keyword_spellings_and_list_shapes(run):
+    out, final, _ = run
+    states = collect_power_ema_states(out)
+    per_checkpoint = [states[i : i + 2] for i in range(0, len(states), 2)]  # a list of lists
+    first, second = reconstruct_power_ema_state_dict(per_checkpoint, srel_target=[0.05, 0.10])
+    for rebuilt, shadow in zip((first, second), final["ema"]["shadows"]):
+        for key, tensor in shadow["state_dict"].items():
+            assert torch.allclose(rebuilt[key], tensor, rtol=1e-4, atol=1e-5), key
+    gamma = final["ema"]["shadows"][1]["gamma"]
+    by_gamma = reconstruct_power_ema_state_dict(states, gamma_target=gamma)
+    assert all(torch.equal(by_gamma[k], second[k]) for k in second) or all(
+        torch.allclose(by_gamma[k], second[k], rtol=1e-6, atol=1e-7) for k in second
+    )
+    with pytest.raises(ValueError, match="give srel= or srel_target="):
+        reconstruct_power_ema_state_dict(states, srel=0.05, srel_target=0.05)
+
+
 def test_earlier_step_and_gamma_targets(run):
     out, _, _ = run
     ckpt = load(str(out / f"step{2 * EVERY - 1:09d}.pt"))  # after 50 updates

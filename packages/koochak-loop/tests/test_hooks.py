@@ -86,3 +86,21 @@ def test_emit_with_no_hooks_is_quiet():
         emit(None, "on_log", {"step": 0})
         emit({}, "on_log", {"step": 0})
     assert "on_exception" in EVENTS
+
+
+def test_stop_training_is_raised_after_the_events_other_hooks_ran(recwarn):
+    from koochak.loop.hooks import StopTraining
+
+    seen = []
+
+    def early_stop(info):
+        raise StopTraining("eval_loss did not improve for 3 evaluations")
+
+    def budget(info):
+        raise StopTraining("budget")
+
+    hooks = {"on_eval_end": [early_stop, lambda info: seen.append(info["step"]), budget]}
+    with pytest.raises(StopTraining) as caught:
+        emit(hooks, "on_eval_end", {"step": 9}, warned=set())
+    assert caught.value.reason == "eval_loss did not improve for 3 evaluations"  # the first
+    assert seen == [9] and not recwarn.list  # a request, not a failure: no warning

@@ -156,7 +156,7 @@ def test_jsonl_reader_rejects_unknown_version_and_keys(tmp_path):
 
 
 def test_stdout_hooks_print_config_and_compact_tsv(capsys):
-    hooks = make_stdout_hooks()
+    hooks = make_stdout_hooks(print_config=True)
     emit(hooks, "on_train_start", {"step": 0, "config_json": {"train": {"max_steps": 3}}})
     emit(hooks, "on_log", {"step": 9, "metrics": {"loss": 0.123456, "lr": 0.0003}})
     emit(hooks, "on_eval_end", {"step": 9, "metrics": {"eval_acc": 0.5}})
@@ -169,6 +169,30 @@ def test_stdout_hooks_print_config_and_compact_tsv(capsys):
     ]
     assert lines[-2] == "log\tstep=9\tloss=0.1235\tlr=0.0003"
     assert lines[-1] == "eval\tstep=9\teval_acc=0.5"
+
+
+def test_stdout_prints_one_screen_and_writes_the_full_config_to_out_dir(tmp_path, capsys):
+    from koochak.loop.config import defaults, to_container
+    from omegaconf import OmegaConf
+
+    config = defaults()
+    config["train"].update(max_steps=60, grad_accum=4, out_dir=str(tmp_path))
+    config["model"] = {"n_layer": 4, "n_embd": 128}
+    config["optim"]["optimizer"]["param_groups"] = [{"max_ndim": 1, "weight_decay": 0.0}]
+    info = {"step": 0, "max_steps": 60, "config_json": config, "out_dir": str(tmp_path)}
+    emit(make_stdout_hooks(), "on_train_start", info)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == (
+        f"# config: what differs from the defaults (full config: {tmp_path / 'config.yaml'}; "
+        "logging.print_config: true prints all of it)"
+    )
+    assert lines[1] == "train    max_steps=60 grad_accum=4"
+    assert lines[2] == f"         out_dir={tmp_path}"  # wrapped at ~100 columns
+    assert lines[3] == "model    n_layer=4 n_embd=128"
+    assert lines[4] == 'optim    optimizer.param_groups=[{"max_ndim": 1, "weight_decay": 0.0}]'
+    assert lines[5].startswith("start\t") and len(lines) == 6  # one screen, not ~115 lines
+    written = to_container(OmegaConf.load(tmp_path / "config.yaml"))
+    assert written == config  # the whole resolved config, for later reference
 
 
 def test_stdout_start_line_names_the_checkpoint_a_run_resumed_from(capsys):
@@ -213,6 +237,59 @@ def test_progress_hooks_are_empty_off_a_tty_and_draw_when_forced():
     emit(hooks, "on_log", {"step": 3, "metrics": {"loss": 0.5}})
     emit(hooks, "on_train_end", {"step": 4, "checkpoint": {}, "metrics": {}})
     assert "4/4" in out.getvalue()
+
+
+def _terminal(columns: int):
+    """A pseudo-terminal reporting ``columns`` columns: (what was drawn so far, its writer)."""
+    import fcntl
+    import os
+    import pty
+    import select
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    writer = open(slave, "w", encoding="utf-8")  # noqa: SIM115
+
+    def drawn() -> str:
+        data = b""
+        while select.select([master], [], [], 0.2)[0]:
+            data += os.read(master, 65536)
+        return data.decode()
+
+    return drawn, writer
+
+
+def test_no_bar_on_a_terminal_that_reports_0_columns(monkeypatch):
+    import sys
+
+    _, unsized = _terminal(0)
+    monkeypatch.setattr(sys, "stdout", unsized)
+    assert make_progress_hooks(unsized) == {}  # its rows would wrap and tear on clearing
+    drawn, sized = _terminal(60)
+    monkeypatch.setattr(sys, "stdout", sized)
+    assert make_progress_hooks(sized) != {}
+
+
+def test_log_lines_are_written_through_a_live_bar(monkeypatch):
+    import sys
+
+    drawn, terminal = _terminal(60)
+    monkeypatch.setattr(sys, "stdout", terminal)
+    hooks = merge(make_stdout_hooks(print_config=False), make_progress_hooks(terminal))
+    emit(hooks, "on_train_start", {"step": 0, "max_steps": 4})
+    emit(hooks, "on_step_end", {"step": 0, "outputs": {}})
+    before = drawn()
+    emit(hooks, "on_log", {"step": 0, "metrics": {"loss": 0.5}})
+    after = drawn()
+    emit(hooks, "on_train_end", {"step": 1, "checkpoint": {}, "metrics": {}})
+    assert "/4 [" in before.rsplit("\r", 1)[-1]  # the bar is on screen
+    # Cleared (carriage return, blanks, carriage return), the line on its own row, then redrawn.
+    cleared, line, redrawn = after.partition("log\tstep=0\tloss=0.5\r\n")
+    assert line and cleared.startswith("\r") and cleared.endswith(" \r") and "%|" not in cleared
+    assert "1/4" in redrawn
+    assert all(len(row) <= 60 for row in after.replace("\r\n", "\r").split("\r"))
 
 
 def test_progress_without_tqdm_names_the_extra(monkeypatch):

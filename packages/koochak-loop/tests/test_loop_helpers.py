@@ -24,6 +24,39 @@ def test_amp_modes_and_autocast_on_cpu():
         assert layer(torch.ones(1, 2)).dtype == torch.float32
 
 
+def test_bf16_on_a_cpu_without_native_bf16_warns_once_per_run(tmp_path, monkeypatch, recwarn):
+    from koochak.loop import precision, training_loop
+
+    monkeypatch.setattr(precision, "cpu_native_bf16", lambda: False)
+    model = torch.nn.Linear(2, 1)
+    batches = [(torch.ones(4, 2), torch.zeros(4, 1))] * 3
+
+    def step_fn(model, batch, ctx):
+        return {"loss": model(batch[0]).float().square().mean()}
+
+    training_loop(model=model, dataset=batches, step_fn=step_fn,
+                  optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                  train_cfg={"max_steps": 3, "amp": "bf16", "device": "cpu",
+                             "out_dir": str(tmp_path)})  # fmt: skip
+    slow = [w for w in recwarn.list if "without native bfloat16" in str(w.message)]
+    assert len(slow) == 1 and "set train.amp: none" in str(slow[0].message)
+
+    recwarn.clear()
+    precision.autocast_factory("none", "cpu")
+    precision.autocast_factory("bf16", "cuda")  # only the CPU emulates
+    monkeypatch.setattr(precision, "cpu_native_bf16", lambda: True)
+    precision.autocast_factory("bf16", "cpu")
+    monkeypatch.setattr(precision, "cpu_native_bf16", lambda: None)  # cannot tell: say nothing
+    precision.autocast_factory("bf16", "cpu")
+    assert not [w for w in recwarn.list if "bfloat16" in str(w.message)]
+
+
+def test_cpu_native_bf16_answers_on_this_machine():
+    from koochak.loop.precision import cpu_native_bf16
+
+    assert cpu_native_bf16() in (True, False, None)
+
+
 def test_scaler_is_a_pass_through_off_cuda():
     for mode in ("none", "bf16", "fp16"):
         scaler = Scaler(mode, "cpu")

@@ -639,3 +639,19 @@ def test_replication_threads_yield_the_cpu_to_training(tmp_path):
         replicator.close()
     assert seen and min(seen) >= 10  # the copy threads too, not only the worker
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == ours  # training's own
+
+
+def test_keep_best_k_spares_the_best_checkpoints_in_every_tier(tmp_path):
+    losses = iter([5.0, 1.0, 4.0, 3.0, 6.0, 7.0, 8.0])
+
+    def eval_fn(model, data, ctx):
+        return {"loss": next(losses)}
+
+    _run(tmp_path / "fast", [str(tmp_path / "durable"), {"location": str(tmp_path / "cold"),
+         "keep_last_k": 1}], max_steps=7, eval_fn=eval_fn, eval_dataset=[0],
+         train={"eval_every": 1, "keep_last_k": 2, "keep_best_k": 1,
+                "keep_best_metric": "eval_loss"})  # fmt: skip
+    # The newest of each tier's keep_last_k, and the best (step 1, loss 1.0) everywhere.
+    assert _committed(tmp_path / "fast") == [_name(1), _name(5), _name(7)]
+    assert _committed(tmp_path / "durable") == [_name(1), _name(5), _name(7)]
+    assert _committed(tmp_path / "cold") == [_name(1), _name(7)]

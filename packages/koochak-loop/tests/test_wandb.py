@@ -1,5 +1,6 @@
 """W&B hooks against the real wandb client in offline mode, read back from the run files."""
 
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -79,7 +80,7 @@ def _read_run_file(run_file: Path) -> dict:
         assert time.monotonic() < deadline, "wandb never wrote the run's exit record"
         time.sleep(0.1)
         records = _records(run_file)
-    config, history, artifacts = {}, [], []
+    config, history, artifacts, versions = {}, [], [], []
     for record in records:
         kind = record.WhichOneof("record_type")
         if kind == "run":
@@ -101,7 +102,13 @@ def _read_run_file(run_file: Path) -> dict:
                     [c.path for c in record.artifact.manifest.contents],
                 )
             )
-    return {"config": config, "history": history, "artifacts": artifacts}
+            versions.append(
+                {
+                    "metadata": json.loads(record.artifact.metadata or "{}"),
+                    "refs": [c.ref for c in record.artifact.manifest.contents],
+                }
+            )
+    return {"config": config, "history": history, "artifacts": artifacts, "versions": versions}
 
 
 def _checkpoint(out_dir: Path, step: int, eval_loss: float) -> dict:
@@ -123,8 +130,8 @@ def test_offline_run_records_config_metrics_and_artifact_aliases(offline_wandb):
         "artifact_name_prefix": "ckpt",
     }
     config = {"train": {"max_steps": 30, "out_dir": str(out_dir)}, "wandb": wandb_cfg}
-    run_id = wandb_run_id(wandb_cfg)
-    assert run_id == wandb_run_id(dict(wandb_cfg))  # stable across attempts
+    run_id = wandb_run_id(wandb_cfg, out_dir)
+    assert run_id == wandb_run_id(dict(wandb_cfg), str(out_dir))  # stable across attempts
 
     hooks = make_wandb_hooks(config)
     emit(
@@ -169,7 +176,7 @@ def test_best_alias_continues_from_the_resumed_checkpoint_after_a_restart(offlin
     out_dir.mkdir()
     wandb_cfg = {"enabled": True, "mode": "offline", "name": "best-a", "resume": "allow"}
     config = {"wandb": wandb_cfg}
-    run_id = wandb_run_id(wandb_cfg)
+    run_id = wandb_run_id(wandb_cfg, out_dir)
 
     def attempt(start_step: int, versions: list[tuple[int, float]]) -> list:
         hooks = make_wandb_hooks(config)
@@ -292,6 +299,11 @@ def test_training_loop_versions_its_checkpoints_as_one_artifact(offline_wandb):
         (["latest", "step-6"], ["step000000006.pt"]),  # no periodic save right before the terminal
     ]
     assert {name for name, _, _ in run["artifacts"]} == {"model-loop-run-1"}
+    # Each version references the published file by its publication record.
+    reference = run["versions"][0]["metadata"]["checkpoint"]
+    path = out_dir / "step000000002.pt"
+    assert reference["artifact_id"] == "checkpoint/step000000002.pt"
+    assert reference["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def test_training_loop_resumed_without_restart_settings_stops_before_the_first_step(
@@ -330,3 +342,70 @@ def test_training_loop_resumed_without_restart_settings_stops_before_the_first_s
     with pytest.raises(ValueError, match="resumes from checkpoint state.*wandb.resume: allow"):
         run(first, hooks, 4)
     assert steps == []
+
+
+def _staged(offline_wandb: Path) -> list[Path]:
+    staging = offline_wandb / "wandb-home" / "data" / "artifacts" / "staging"
+    return sorted(staging.iterdir()) if staging.exists() else []
+
+
+def _versions(out_dir: Path, wandb_cfg: dict, steps: list[int], **config) -> dict:
+    hooks = make_wandb_hooks({"wandb": wandb_cfg, **config})
+    emit(hooks, "on_train_start", {"step": 0, "out_dir": str(out_dir), "resumed": False})
+    out_dir.mkdir(exist_ok=True)
+    for step in steps:
+        emit(hooks, "on_checkpoint", _checkpoint(out_dir, step, 1.0 / (step + 1)))
+    emit(hooks, "on_train_end", {"step": steps[-1] + 1, "checkpoint": {}, "metrics": {}})
+    return _read_run(out_dir, wandb_cfg["id"])
+
+
+@pytest.mark.slow
+def test_checkpoints_are_referenced_by_path_and_digest_and_nothing_is_staged(offline_wandb):
+    out_dir = offline_wandb / "run"
+    wandb_cfg = {"enabled": True, "mode": "offline", "id": "ref-run"}
+    run = _versions(out_dir, wandb_cfg, [4, 9])
+
+    assert _staged(offline_wandb) == []  # no copy of any checkpoint under W&B's data dir
+    for step, version in zip([4, 9], run["versions"]):
+        path = out_dir / f"step{step:09d}.pt"
+        assert version["refs"] == [path.resolve().as_uri()]
+        assert version["metadata"]["checkpoint"] == {
+            "path": str(path),
+            "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+            "size": path.stat().st_size,
+        }
+        assert version["metadata"]["step"] == step
+
+
+@pytest.mark.slow
+def test_uploaded_checkpoint_copies_are_pruned_to_keep_last_k(offline_wandb):
+    out_dir = offline_wandb / "run"
+    wandb_cfg = {"enabled": True, "mode": "offline", "id": "up-run", "upload_checkpoints": True}
+    run = _versions(out_dir, wandb_cfg, [1, 2, 3, 4], train={"keep_last_k": 2})
+
+    assert [files for _, _, files in run["artifacts"]] == [
+        [f"step{step:09d}.pt"] for step in [1, 2, 3, 4]
+    ]
+    assert all(version["refs"] == [""] for version in run["versions"])  # copies, not references
+    staged = {path.read_bytes() for path in _staged(offline_wandb)}
+    assert staged == {(out_dir / f"step{step:09d}.pt").read_bytes() for step in [3, 4]}
+
+
+def test_upload_of_a_checkpoint_in_object_storage_is_refused_with_the_fix(offline_wandb):
+    hooks = make_wandb_hooks(
+        {"enabled": True, "mode": "offline", "id": "s3-run", "upload_checkpoints": True}
+    )
+    emit(hooks, "on_train_start", {"step": 0, "out_dir": str(offline_wandb), "resumed": False})
+    info = {"step": 1, "path": "s3://bucket/run/step000000001.pt", "checkpoint": {}}
+    with pytest.raises(ValueError, match="set wandb.upload_checkpoints: false"):
+        hooks["on_checkpoint"][0](info)
+    emit(hooks, "on_train_end", {"step": 1, "checkpoint": {}, "metrics": {}})
+
+
+def test_runs_sharing_a_name_get_their_own_id_from_their_out_dir(tmp_path):
+    wandb_cfg = {"name": "exp0", "resume": "allow", "project": "p"}
+    first, second = tmp_path / "runs" / "a", tmp_path / "runs" / "b"
+    assert wandb_run_id(wandb_cfg, first) != wandb_run_id(wandb_cfg, second)
+    assert wandb_run_id(wandb_cfg, first) == wandb_run_id(wandb_cfg, f"{tmp_path}/runs/./a")
+    assert wandb_run_id({**wandb_cfg, "id": "fixed"}, first) == "fixed"
+    assert wandb_run_id({"name": "exp0"}, first) is None  # no resume: allow, no derived id

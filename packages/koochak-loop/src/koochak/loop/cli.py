@@ -61,6 +61,14 @@ def _parser() -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(
         prog="koochak-train",
         description="Run koochak's training_loop from a YAML config and user entry points.",
+        epilog=(
+            "Every config key, its default and what it does: examples/config_template.yaml in "
+            "the Koochak source tree (docs/loop.md, 'Configuration'). The config needs an entry "
+            "section naming your code (entry.model, entry.dataset, entry.step as "
+            "module:callable); a model's hyperparameters go under model:. Under torchrun-style "
+            "DDP launch with `python -m koochak.loop.launch` to keep the exit code (75 on "
+            "evacuation)."
+        ),
     )
     parser.add_argument("--config", required=True, help="YAML config file")
     parser.add_argument(
@@ -190,17 +198,23 @@ def build_hooks(cfg: DictConfig) -> dict[str, list[Callable[[dict[str, Any]], No
     out_dir = str(cfg.train.out_dir)
     parts = []
     if cfg.logging.stdout:
-        parts.append(sinks.make_stdout_hooks())
+        parts.append(sinks.make_stdout_hooks(print_config=bool(cfg.logging.print_config)))
     parts.append(sinks.make_csv_hooks(cfg.logging.csv_path or os.path.join(out_dir, "log.csv")))
     parts.append(
         sinks.make_jsonl_hooks(cfg.logging.jsonl_path or os.path.join(out_dir, "log.jsonl"))
     )
     if cfg.wandb.enabled:
         parts.append(sinks.make_wandb_hooks(cfg))
+    if cfg.logging.tensorboard:
+        log_dir = cfg.logging.tensorboard_dir or os.path.join(out_dir, "tensorboard")
+        parts.append(sinks.make_tensorboard_hooks(log_dir))
     if cfg.train.progress_bar:
         parts.append(sinks.make_progress_hooks())
     if os.environ.get("SCRUFFY_ROOT") and os.environ.get("SCRUFFY_JOB_ID"):
         parts.append(_scruffy_hooks())
+    if cfg.entry.hooks:  # the user's own (early stopping with StopTraining, a budget, ...)
+        make_hooks = import_entry(cfg.entry.hooks, "entry.hooks")
+        parts.append(_build("entry.hooks", cfg.entry.hooks, make_hooks, cfg))
     return merge(*parts)
 
 
@@ -239,6 +253,7 @@ def _check_launch(cfg: DictConfig) -> None:
 
 def _prepare(args: argparse.Namespace) -> dict[str, Any]:
     """Everything up to the call of training_loop; any error here is a usage error (exit 2)."""
+    import torch
     from koochak.loop.optim import build_optimizer, build_scheduler
     from koochak.loop.seed import set_all_seeds
 
@@ -269,8 +284,18 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
     if checkpoint is not None and cfg.wandb.enabled and cfg.wandb.mode != "disabled":
         check_restart_settings(to_container(cfg.wandb), start_step)
     model = _build("entry.model", entry.model, make_model, cfg)
-    optimizer = build_optimizer(model.parameters(), get_section(cfg, "optim").optimizer)
-    scheduler = build_scheduler(optimizer, cfg.optim.scheduler, cfg.train)
+    if entry.optimizer:  # the user's factory instead of optim.optimizer
+        make_optimizer = import_entry(entry.optimizer, "entry.optimizer")
+        optimizer = _build("entry.optimizer", entry.optimizer, make_optimizer, model, cfg)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(
+                f"entry.optimizer: {entry.optimizer} returned {type(optimizer).__name__}, not a "
+                "torch.optim.Optimizer; it is called as fn(model, cfg)"
+            )
+    else:
+        optimizer = build_optimizer(model, get_section(cfg, "optim").optimizer)
+    # A resumed run with a longer train.max_steps continues the checkpoint's schedule.
+    scheduler = build_scheduler(optimizer, cfg.optim.scheduler, cfg.train, checkpoint=checkpoint)
     return {
         "model": model,
         "dataset": _build(
@@ -355,6 +380,11 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         training_loop(**kwargs)
+    except ConfigError as exc:  # refused before the first update (a resume that changed the run)
+        if args.debug:
+            raise
+        _fail("error: ", exc)
+        return EXIT_USAGE
     except Exception as exc:
         code = checkpoint_exit_code(exc)  # Scruffy did not accept a checkpoint: 76 or 77
         if code is not None:

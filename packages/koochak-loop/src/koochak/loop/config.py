@@ -4,7 +4,7 @@ The dataclasses below are the single source of truth for every supported key and
 (``examples/config_template.yaml`` mirrors them and a test keeps the two in sync). Configs are
 OmegaConf objects, so ``${train.out_dir}/log.csv``-style interpolation works across sections.
 
-Strict by default: an unknown key anywhere (except the free-form ``data`` section) fails before
+Strict by default: an unknown key anywhere (except the free-form ``data`` and ``model`` sections) fails before
 training with its full path and a did-you-mean. ``train.strict_config: false`` relaxes that to a
 warning (``train.config_warn_unknown``) and keeps the unknown keys. Type and value errors name the
 key, the value and what was expected.
@@ -103,7 +103,18 @@ class TrainConfig:
     gpu_health_max_temperature_c: float = 90.0
     gpu_health_max_kernel_seconds: float = 10.0
     gpu_health_max_new_ecc_uncorrected: int = 0
+    keep_best_k: Optional[int] = None  # also keep the k best checkpoints by keep_best_metric
+    keep_best_metric: Optional[str] = None  # e.g. eval_loss (a checkpoint's metrics)
+    keep_best_mode: str = "min"  # min | max: which direction is better
+    reduce_metrics: bool = True  # under DDP: log each scalar's mean over ranks, not rank 0's
+    reduce_metrics_exclude: list[str] = field(default_factory=list)  # metrics logged as rank 0's
+    resume_allow_changes: list[str] = field(default_factory=list)  # config keys a resume may change
     ema: EmaConfig = field(default_factory=EmaConfig)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Free-form: the model's hyperparameters, read by the entry.model factory (cfg.model)."""
 
 
 @dataclass(frozen=True)
@@ -122,6 +133,9 @@ class OptimizerConfig:
     eps: float = 1e-08
     momentum: float = 0.0
     nesterov: bool = False
+    fused: Optional[bool] = None  # null: torch's choice
+    foreach: Optional[bool] = None  # null: torch's choice
+    param_groups: list[Any] = field(default_factory=list)  # rules: select parameters, set options
 
 
 @dataclass(frozen=True)
@@ -149,6 +163,9 @@ class LoggingConfig:
     stdout: bool = True
     csv_path: Optional[str] = None  # null: <out_dir>/log.csv in the CLI
     jsonl_path: Optional[str] = None  # null: <out_dir>/log.jsonl in the CLI
+    print_config: bool = False  # print the whole resolved config at start (else a summary)
+    tensorboard: bool = False  # TensorBoard event files (extra: koochak-loop[tensorboard])
+    tensorboard_dir: Optional[str] = None  # null: <out_dir>/tensorboard
 
 
 @dataclass(frozen=True)
@@ -164,6 +181,7 @@ class WandbConfig:
     artifact_name_prefix: str = "model"
     artifact_type: str = "model"
     log_checkpoints: bool = True
+    upload_checkpoints: bool = False  # copy checkpoint files into W&B (default: reference them)
     tags: list[str] = field(default_factory=list)
 
 
@@ -174,11 +192,14 @@ class EntryConfig:
     step: Optional[str] = None  # module:callable, step_fn(model, batch, ctx) -> dict
     eval_dataset: Optional[str] = None
     eval_fn: Optional[str] = None
+    optimizer: Optional[str] = None  # module:callable, fn(model, cfg) -> Optimizer
+    hooks: Optional[str] = None  # module:callable, fn(cfg) -> hooks dict (early stopping, ...)
 
 
 @dataclass(frozen=True)
 class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -193,13 +214,14 @@ EMA_PROFILES = ("constant", "power")
 EMA_SCHEDULES = ("constant", "linear", "cosine")
 EMA_SREL_MAX = 1.0 / math.sqrt(12.0)
 # Sections whose extra keys are the user's own (dataset builders read them).
-_FREE_FORM = frozenset({"data"})
+_FREE_FORM = frozenset({"data", "model"})
 _CHOICES = {
     "train.amp": ("none", "bf16", "fp16"),
     "train.scheduler_step": ("update", "eval"),
     "train.shard_dataset_mode": ("iterable", "map"),
     "train.shard_eval_dataset_mode": ("iterable", "map"),
     "wandb.mode": ("online", "offline", "disabled"),
+    "train.keep_best_mode": ("min", "max"),
     "optim.scheduler.name": ("none", "cosine", "step", "plateau", "cosine_warmup"),
 }
 # Accepted values of train.device (device.get_device resolves them).
@@ -219,6 +241,7 @@ _NON_NEGATIVE_OR_NULL = (
     "train.keep_last_k",
     "train.nonfinite_grad_check_every",
     "train.gpu_health_every",
+    "train.keep_best_k",
     "train.gpu_health_max_new_ecc_uncorrected",
     "train.ema.warmup_steps",
     "data.num_workers",
@@ -364,6 +387,27 @@ def _check_values(values: Mapping[str, Any], section: str) -> None:
         )
     if section in ("train.ema", "train.ema.dual"):
         _check_ema(values, section)
+    if section == "optim.optimizer" and values.get("param_groups"):
+        _check_param_groups(values)
+    if section == "train" and values.get("keep_best_k") and not values.get("keep_best_metric"):
+        raise ConfigError(
+            f"train.keep_best_k={values['keep_best_k']!r} needs train.keep_best_metric, the "
+            "metric that ranks checkpoints (e.g. eval_loss, with keep_best_mode: min)"
+        )
+
+
+def _check_param_groups(values: Mapping[str, Any]) -> None:
+    """The parameter-group rules, as build_optimizer will read them (before anything is built)."""
+    from koochak.loop.optim import OPTIMIZERS, group_options
+    from koochak.loop.param_groups import check_rules
+
+    name = str(values.get("name") or "adamw").lower()
+    if name not in OPTIMIZERS:
+        return  # the optimizer builder names the bad name
+    try:
+        check_rules(values["param_groups"], group_options(name), "optim.optimizer.param_groups")
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -451,18 +495,33 @@ def ema_enabled(ema: EmaConfig) -> bool:
     return any(value is not None for value in implied) or ema.dual.enabled
 
 
+def ema_has_primary(ema: EmaConfig) -> bool:
+    """Whether ``train.ema`` asks for a primary shadow: always without dual EMA; beside the dual
+    power shadows when it also gives ``decay``, ``gamma``/``srel`` or ``profile: constant``
+    (upstream's ``ema`` next to ``ema_dual``: evaluate with one average, keep post-hoc snapshots)."""
+    if not ema.dual.enabled:
+        return True
+    return (
+        ema.decay is not None
+        or ema.gamma is not None
+        or ema.srel is not None
+        or ema.profile == "constant"
+    )
+
+
 def ema_profile(ema: EmaConfig) -> str | None:
-    """The one rule for which ``train.ema`` combinations are accepted: returns the profile the
-    shadows use (``constant`` or ``power``), None when EMA is off; a refused combination is a
-    ConfigError naming the key and the fix.
+    """The one rule for which ``train.ema`` combinations are accepted: returns the profile of the
+    primary shadow (``constant`` or ``power``; ``power`` for dual shadows alone), None when EMA
+    is off; a refused combination is a ConfigError naming the key and the fix.
 
     - A warm-up needs a ``linear`` or ``cosine`` schedule (unless the profile is set to power,
       whose own message follows), whether EMA is on or not.
-    - The profile defaults to power when ``gamma``/``srel`` or ``dual`` is given, else constant.
+    - The primary's profile defaults to power when ``gamma``/``srel`` is given (or, without a
+      primary, for the dual shadows), else constant.
     - Only the constant profile has a ``decay`` and a warm-up; only the power profile uses
       ``gamma``/``srel``, exactly one of the two.
-    - Dual EMA is two power shadows (``dual.gamma1|srel1`` and ``dual.gamma2|srel2``, exactly one
-      of each pair) and nothing else: no single ``gamma``/``srel`` beside it.
+    - Dual EMA adds two power shadows (``dual.gamma1|srel1`` and ``dual.gamma2|srel2``, exactly
+      one of each pair), after the primary when there is one (see `ema_has_primary`).
     """
     if ema.warmup_steps and ema.schedule == "constant" and ema.profile != "power":
         raise ConfigError(
@@ -472,23 +531,22 @@ def ema_profile(ema: EmaConfig) -> str | None:
     if not ema_enabled(ema):
         return None
     power_keys = [key for key in ("gamma", "srel") if getattr(ema, key) is not None]
-    profile = ema.profile or ("power" if ema.dual.enabled or power_keys else "constant")
+    if ema.dual.enabled:
+        for i in (1, 2):
+            _one_of(ema.dual, f"gamma{i}", f"srel{i}", "train.ema.dual")
+        if not ema_has_primary(ema):
+            if ema.warmup_steps:
+                raise ConfigError("train.ema.warmup_steps: only a constant primary shadow warms "
+                                  "up; give train.ema.decay for one, or drop the warm-up")  # fmt: skip
+            return "power"
+    profile = ema.profile or ("power" if power_keys else "constant")
     if profile == "power" and ema.decay is not None:
         raise ConfigError("train.ema.decay: only the constant profile has a decay (profile is "
                           "power; its averaging length is gamma or srel)")  # fmt: skip
     if profile == "power" and ema.warmup_steps:
         raise ConfigError("train.ema.warmup_steps: only the constant profile warms up (the power "
                           "profile needs no warm-up)")  # fmt: skip
-    if ema.dual.enabled:
-        if profile != "power":
-            raise ConfigError("train.ema.dual.enabled: dual EMA tracks two power profiles; "
-                              f"set train.ema.profile: power (got {profile!r})")  # fmt: skip
-        if power_keys:
-            raise ConfigError(f"train.ema.{power_keys[0]}: with train.ema.dual.enabled give "
-                              "dual.gamma1/gamma2 or dual.srel1/srel2 instead")  # fmt: skip
-        for i in (1, 2):
-            _one_of(ema.dual, f"gamma{i}", f"srel{i}", "train.ema.dual")
-    elif profile == "power":
+    if profile == "power":
         _one_of(ema, "gamma", "srel", "train.ema")
     elif power_keys:
         raise ConfigError(f"train.ema.{power_keys[0]}: only the power profile uses gamma/srel; "
@@ -689,14 +747,16 @@ def load_config_with_report(
     values = _resolve(cfg, source)
     strict, warn = _strictness(values)
     unknown = _unknown_keys(values, Config)
+    overrides = list(overrides)
     if unknown and strict:
         raise ConfigError(
-            _unknown_message(unknown, Config, source)
+            _blamed_unknown_message(unknown, source, overrides)
             + "; fix the key or set train.strict_config: false to allow unknown keys"
         )
     if unknown and warn and _rank() == 0:  # one warning per run, not one per DDP rank
         warnings.warn(
-            _unknown_message(unknown, Config, source) + " (kept: train.strict_config is false)",
+            _blamed_unknown_message(unknown, source, overrides)
+            + " (kept: train.strict_config is false)",
             UserWarning,
             stacklevel=2,
         )
@@ -707,9 +767,34 @@ def load_config_with_report(
         try:
             _check_section(values[section], hints[section], section)
         except ConfigError as exc:
-            raise ConfigError(f"{source}: {exc}") from None
+            path = str(exc).partition(":")[0]
+            raise ConfigError(f"{_blame(path, source, overrides)}: {exc}") from None
     user_sections = tuple(str(k) for k in user if k in SECTIONS or k in values)
     return cfg, ConfigReport(source, user_sections, tuple(unknown), strict)
+
+
+def _override_for(path: str, overrides: Sequence[str]) -> str | None:
+    """The last override that set ``path`` (or a section above or a key below it), if any."""
+    found = None
+    for item in overrides:
+        key = item.partition("=")[0].strip()
+        if key == path or path.startswith(key + ".") or key.startswith(path + "."):
+            found = item
+    return found
+
+
+def _blame(path: str, source: str, overrides: Sequence[str]) -> str:
+    """Where a bad value came from: the command-line override that set it, else the file."""
+    item = _override_for(path, overrides)
+    return f"override {item!r}" if item is not None else source
+
+
+def _blamed_unknown_message(unknown: Sequence[str], source: str, overrides: Sequence[str]) -> str:
+    """Unknown keys, each group named by where it came from: an override or the file."""
+    groups: dict[str, list[str]] = {}
+    for path in unknown:
+        groups.setdefault(_blame(path, source, overrides), []).append(path)
+    return "; ".join(_unknown_message(paths, Config, where) for where, paths in groups.items())
 
 
 def _without_legacy_ema(user: DictConfig, source: str) -> DictConfig:

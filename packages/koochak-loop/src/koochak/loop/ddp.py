@@ -125,6 +125,14 @@ def gather_rng_states(state: Any) -> list[Any] | None:
     return gathered
 
 
+def collective_device() -> torch.device:
+    """Where this process group's collectives take their tensors: the current CUDA device under
+    NCCL (which reduces only CUDA tensors), else the CPU (gloo)."""
+    if dist.is_initialized() and torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def any_rank(flag: bool, device: torch.device) -> bool:
     """True on every rank if ``flag`` is true on any (one all-reduce MAX)."""
     if not dist.is_initialized():

@@ -43,6 +43,7 @@ from koochak.loop.config import (
     EMA_SREL_MAX,
     EmaConfig,
     as_ema_config,
+    ema_has_primary,
     ema_profile,
 )
 from koochak.loop.state_dicts import match_state_dict_to_model, unwrap_model
@@ -136,31 +137,36 @@ def scheduled_decay(spec: ShadowSpec, step: int) -> float:
 
 
 def shadow_specs(cfg: EmaConfig) -> list[ShadowSpec]:
-    """The shadows ``train.ema`` asks for (empty when EMA is off).
+    """The shadows ``train.ema`` asks for (empty when EMA is off): the primary (constant or
+    power), then the two dual power shadows when ``dual.enabled``; with dual EMA the primary is
+    there only when ``decay``/``gamma``/``srel`` (or ``profile: constant``) is also given.
+    Shadow 0 is what ``eval_with_ema`` evaluates with.
 
     Which combinations are accepted is `koochak.loop.config.ema_profile`'s rule (errors name the
-    key); this only turns an accepted section into one constant or power shadow, or two dual ones.
+    key); this only turns an accepted section into shadow specs.
     """
     profile = ema_profile(cfg)
     if profile is None:
         return []
+    specs = []
+    if ema_has_primary(cfg):
+        if profile == "power":
+            specs.append(ShadowSpec("power", gamma=_gamma(cfg.gamma, cfg.srel)))
+        else:
+            specs.append(
+                ShadowSpec(
+                    "constant",
+                    decay=DEFAULT_DECAY if cfg.decay is None else float(cfg.decay),
+                    decay_init=cfg.decay_init,
+                    warmup_steps=cfg.warmup_steps,
+                    schedule=cfg.schedule,
+                )
+            )
     if cfg.dual.enabled:
         dual = cfg.dual
-        return [
-            ShadowSpec("power", gamma=_gamma(dual.gamma1, dual.srel1)),
-            ShadowSpec("power", gamma=_gamma(dual.gamma2, dual.srel2)),
-        ]
-    if profile == "power":
-        return [ShadowSpec("power", gamma=_gamma(cfg.gamma, cfg.srel))]
-    return [
-        ShadowSpec(
-            "constant",
-            decay=DEFAULT_DECAY if cfg.decay is None else float(cfg.decay),
-            decay_init=cfg.decay_init,
-            warmup_steps=cfg.warmup_steps,
-            schedule=cfg.schedule,
-        )
-    ]
+        specs.append(ShadowSpec("power", gamma=_gamma(dual.gamma1, dual.srel1)))
+        specs.append(ShadowSpec("power", gamma=_gamma(dual.gamma2, dual.srel2)))
+    return specs
 
 
 def _gamma(gamma: float | None, srel: float | None) -> float:

@@ -189,20 +189,36 @@ def _combine(pairs: Iterable[tuple[float, Mapping[str, torch.Tensor]]]) -> dict[
 
 
 def reconstruct_power_ema_state_dict(
-    states: Sequence[Mapping[str, Any]],
+    states: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
     *,
-    srel: float | None = None,
-    gamma: float | None = None,
+    srel: float | Sequence[float] | None = None,
+    gamma: float | Sequence[float] | None = None,
     step: int | None = None,
-) -> dict[str, torch.Tensor]:
+    srel_target: float | Sequence[float] | None = None,
+    gamma_target: float | Sequence[float] | None = None,
+) -> Any:
     """The state dict of a power EMA of width ``srel`` (or exponent ``gamma``) at ``step``.
 
     ``states`` is the flattened list of stored power shadows (``{"gamma", "step",
     "state_dict"}``, e.g. ``power_ema_states`` of several checkpoints, both dual shadows of
-    each). ``step`` defaults to the latest stored step. The result is keyed like the model's
-    state dict, in its dtypes.
+    each), or a list of such lists (one per checkpoint), which is flattened. ``step`` defaults
+    to the latest stored step. The result is keyed like the model's state dict, in its dtypes.
+
+    Upstream's spellings work too: ``srel_target=`` / ``gamma_target=`` (the same as ``srel``
+    / ``gamma``; giving both spellings is an error), and a list of targets
+    (``srel=[0.05, 0.1]``) returns a list of state dicts, one per target, in that order.
     """
-    target_gamma = _target_gamma(srel, gamma)
+    srel = _one_spelling("srel", srel, srel_target)
+    gamma = _one_spelling("gamma", gamma, gamma_target)
+    states = [s for item in states for s in ([item] if isinstance(item, Mapping) else item)]
+    for name, targets in (("srel", srel), ("gamma", gamma)):
+        if isinstance(targets, Sequence) and not isinstance(targets, (str, bytes)):
+            one = {"srel": None, "gamma": None}
+            return [
+                reconstruct_power_ema_state_dict(states, step=step, **{**one, name: target})
+                for target in targets
+            ]
+    target_gamma = _target_gamma(srel, gamma)  # type: ignore[arg-type]
     if not states:
         raise ValueError("post-hoc EMA needs at least one stored power shadow")
     latest = max(int(s["step"]) for s in states)
@@ -224,6 +240,12 @@ def reconstruct_power_ema_state_dict(
     result = _combine((float(x[i]), states[i]["state_dict"]) for i in ordered)
     _check_finite(x, result)
     return result
+
+
+def _one_spelling(name: str, value: Any, upstream: Any) -> Any:
+    if value is not None and upstream is not None:
+        raise ValueError(f"give {name}= or {name}_target= (the same target), not both")
+    return upstream if upstream is not None else value
 
 
 def reconstruct_dual_power_ema_state_dict(

@@ -5,6 +5,10 @@ Compose with `merge` (concatenate per event, in argument order), extend with `ad
 ``warned`` set, as the loop does) and training continues, because a broken logger must not cost a
 week of training. Two exceptions fail closed and re-raise: hooks wrapped with `fail_closed`, and
 every ``on_train_start`` hook (a run that could not set itself up should not start).
+
+A hook ends training normally by raising `StopTraining` (early stopping, a time or compute
+budget): the event's other hooks still run, then `emit` raises it, and the loop finishes the
+update, saves a terminal checkpoint, fires ``on_train_end`` and returns (exit 0 in the CLI).
 """
 
 from __future__ import annotations
@@ -31,6 +35,21 @@ EVENTS = (
     "on_exception",
 )
 _FAIL_CLOSED_ATTR = "__koochak_fail_closed__"
+
+
+class StopTraining(Exception):  # noqa: N818 (a request, not an error)
+    """Raise from a hook to end training normally after the current update.
+
+    Allowed from ``on_step_end``, ``on_log``, ``on_eval_end`` and ``on_checkpoint``. The loop
+    completes the update, all ranks agree (a request on any rank stops every rank), a terminal
+    checkpoint with ``reason: "stopped"`` is published, ``on_train_end`` sees ``reason:
+    "stopped"`` and ``stop_reason``, and `training_loop` returns it. ``reason`` says why, for
+    the logs and the checkpoint.
+    """
+
+    def __init__(self, reason: str = "stopped by a hook") -> None:
+        super().__init__(reason)
+        self.reason = str(reason)
 
 
 def _check_event(event: str) -> None:
@@ -114,12 +133,16 @@ def emit(
 
     A failing hook re-raises when it is fail-closed or the event is ``on_train_start``; otherwise
     it warns and the remaining hooks still run. With a ``warned`` set each hook warns only once.
+    A `StopTraining` is raised after the remaining hooks ran (the first one, if several).
     """
     if not hooks:
         return
+    stop: StopTraining | None = None
     for fn in hooks.get(event, ()):
         try:
             fn(info)
+        except StopTraining as request:
+            stop = stop or request
         except Exception as exc:
             if event == "on_train_start" or is_fail_closed(fn):
                 raise
@@ -134,3 +157,5 @@ def emit(
                 RuntimeWarning,
                 stacklevel=2,
             )
+    if stop is not None:
+        raise stop

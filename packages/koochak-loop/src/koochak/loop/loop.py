@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -38,9 +38,15 @@ from koochak.loop.ema import ModelEma, make_model_ema
 from koochak.loop.evacuation import Evacuated, EvacuationController, make_evacuation
 from koochak.loop.gradients import apply_gate, check_finite, grads_of, total_norm
 from koochak.loop.health import GpuHealthWatchdog, GpuUnhealthy, make_gpu_health
-from koochak.loop.hooks import Hooks, emit, merge
+from koochak.loop.hooks import StopTraining, emit, merge
+from koochak.loop.metric_reduction import CountedBatches, reduce_eval, reduce_logged
 from koochak.loop.precision import Scaler, autocast_factory
 from koochak.loop.prefetch import cuda_prefetch
+from koochak.loop.resume_config import (
+    check_resume_config,
+    format_change,
+    schedule_follows_max_steps,
+)
 
 _NULL = contextlib.nullcontext()
 _END = object()
@@ -111,6 +117,10 @@ def training_loop(
         resume, tiers, checkpoint_dict, auto_resume_path
     ) or (None, None)
     start_step = int(checkpoint_dict["next_step"]) if checkpoint_dict else 0
+    if checkpoint_dict is not None:  # the same run, or refuse before anything is built
+        _check_resumed_config(checkpoint_dict, _config_of(config_json, cfg), cfg, resume_path, rank)
+    # A run a hook stopped is over: resuming it trains no further (like one that reached max_steps).
+    stopped_before = checkpoint_dict is not None and checkpoint_dict.get("reason") == "stopped"
     raw_model = model.to(device)
     dataset, eval_dataset = ddp.shard_datasets(dataset, eval_dataset, cfg, setup)
     scaler = Scaler(cfg.amp, device)
@@ -158,8 +168,8 @@ def training_loop(
                  "scaler": scaler, "ema": ema, "config": _config_of(config_json, cfg)}  # fmt: skip
         checkpoints = make_checkpointer(
             cfg, parts, rank=rank, resumed=checkpoint_dict, started=started,
-            on_checkpoint=lambda info: emit(hooks, "on_checkpoint", info, warned=warned),
-            on_replication=lambda info: emit(hooks, "on_replication", info, warned=warned),
+            on_checkpoint=lambda info: fire("on_checkpoint", info),
+            on_replication=lambda info: fire("on_replication", info),
         )  # fmt: skip
         health = make_gpu_health(cfg, device, cfg.out_dir, gpu_health)
 
@@ -170,6 +180,26 @@ def training_loop(
         step_scheduler = scheduler is not None and cfg.scheduler_step == "update"
         autocast = ctx.autocast if cfg.amp != "none" else None
         step_end_hooks, log_hooks = hooks.get("on_step_end"), hooks.get("on_log")
+        # Logged scalars are the mean over ranks (one gather per logging step), unless opted out.
+        reduce = (
+            frozenset(cfg.reduce_metrics_exclude) | {"step_time_s"}
+            if world_size > 1 and cfg.reduce_metrics
+            else None
+        )
+        reduce_eval_set = reduce if cfg.shard_eval_dataset else None  # unsharded: all equal
+        # A hook's StopTraining is recorded here and honoured at the end of the update. Under DDP
+        # the ranks agree on it after every update in which a hook could have asked.
+        stop: list[str] = []
+        ask_every_step = bool(step_end_hooks) or (
+            cfg.checkpoint_async and bool(hooks.get("on_checkpoint"))
+        )
+
+        def fire(event: str, info: dict[str, Any]) -> None:
+            try:
+                emit(hooks, event, info, warned=warned)
+            except StopTraining as request:
+                stop.append(request.reason)
+
         quiet_ddp = isinstance(train_model, torch.nn.parallel.DistributedDataParallel)
         eval_weights = ema if ema is not None and cfg.ema.eval_with_ema else None
         if cfg.cuda_prefetch:
@@ -178,7 +208,11 @@ def training_loop(
             batches = _on_device(dataset, device, prepare_batch_fn)
 
         def evaluate(at: int) -> dict[str, float]:
-            return _evaluate(eval_fn, raw_model, eval_dataset, ctx, hooks, warned, at, eval_weights)
+            metrics = _evaluate(
+                eval_fn, raw_model, eval_dataset, ctx, eval_weights, reduce_eval_set
+            )
+            fire("on_eval_end", {"step": at, "metrics": metrics})
+            return metrics
 
         metrics: dict[str, float] = {}
         eval_metrics: dict[str, float] = {}
@@ -192,7 +226,7 @@ def training_loop(
         optimizer.zero_grad(set_to_none=True)
         if checkpoint_dict is not None:
             restore_rng(checkpoint_dict)  # last thing before the first step: nothing draws after
-        while max_steps is None or step < max_steps:
+        while (max_steps is None or step < max_steps) and not stopped_before:
             ctx.step = step
             checkpoints.poll()  # deliver a finished async publication; raise if it failed
 
@@ -225,13 +259,13 @@ def training_loop(
 
             # ---- observe: hooks, log
             if step_end_hooks:
-                emit(hooks, "on_step_end", {"step": step, "outputs": outputs}, warned=warned)
+                fire("on_step_end", {"step": step, "outputs": outputs})
             if is_log:
                 assert host is not None
                 metrics = _log_metrics(host, gate, lr, time.perf_counter() - window_start)
-                _add_rate(metrics, batch, window_steps, grad_accum, world_size)
+                metrics = _add_rate(metrics, batch, window_steps, grad_accum, world_size, reduce)
                 if log_hooks:
-                    emit(hooks, "on_log", {"step": step, "metrics": metrics}, warned=warned)
+                    fire("on_log", {"step": step, "metrics": metrics})
                 window_start, window_steps = time.perf_counter(), 0
             logged = is_log
 
@@ -240,20 +274,33 @@ def training_loop(
                 _check_health(health, step, device, checkpoints, {**metrics, **eval_metrics})
 
             # ---- maybe eval
-            if eval_fn is not None and cfg.eval_every and (step + 1) % cfg.eval_every == 0:
+            is_eval = bool(
+                eval_fn is not None and cfg.eval_every and (step + 1) % cfg.eval_every == 0
+            )
+            if is_eval:
                 eval_metrics = evaluate(step)
                 if scheduler is not None and cfg.scheduler_step == "eval":
                     _step_scheduler(scheduler, eval_metrics)
 
             # ---- maybe save (periodic: keeps its zero-based index, resumes at step + 1)
-            if checkpoints.due(step):
+            is_save = checkpoints.due(step)
+            if is_save:
                 checkpoints.periodic(step, {**metrics, **eval_metrics})
             step += 1
+
+            # ---- stop: a hook asked for it (early stopping, a budget); every rank agrees
+            if ask_every_step or is_log or is_eval or is_save:
+                if world_size > 1 and ddp.any_rank(bool(stop), ddp.collective_device()):
+                    stop.append("requested by a hook on another rank")
+                if stop:
+                    break
 
             # ---- evacuate: all ranks agree at the end of a completed update, then leave (75)
             if evac is not None and evac.should_evacuate():
                 final_metrics = {**metrics, **eval_metrics}
                 path, checkpoint = checkpoints.terminal("evacuation", step, final_metrics)
+                if rank == 0:
+                    _announce_evacuation(step, path)
                 end = {"step": step, "checkpoint": checkpoint, "metrics": final_metrics}
                 emit(hooks, "on_train_end", {**end, "reason": "evacuation"}, warned=warned)
                 raise Evacuated(step, checkpoint, path)
@@ -262,11 +309,17 @@ def training_loop(
         if not logged and outputs is not None:
             window_s = time.perf_counter() - window_start
             metrics = _log_metrics(_to_host(outputs, None), None, get_lr(optimizer), window_s)
-            _add_rate(metrics, last_batch, window_steps, grad_accum, world_size)
+            metrics = _add_rate(metrics, last_batch, window_steps, grad_accum, world_size, reduce)
             emit(hooks, "on_log", {"step": step - 1, "metrics": metrics}, warned=warned)
         final_metrics = {**metrics, **eval_metrics}
-        _, checkpoint = checkpoints.terminal("terminal", step, final_metrics)
+        reason = "stopped" if stop or stopped_before else "terminal"
+        _, checkpoint = checkpoints.terminal(reason, step, final_metrics)
         end = {"step": step, "checkpoint": checkpoint, "metrics": final_metrics}
+        if stop:
+            end.update(reason="stopped", stop_reason=stop[0])
+            if rank == 0:
+                print(f"koochak: stopped at step {step} ({stop[0]}); terminal checkpoint "
+                      "published", flush=True)  # fmt: skip
         emit(hooks, "on_train_end", end, warned=warned)
         # Ranks leave together: one that ends its process (or group) while a peer still finishes
         # its last collective can make gloo abort that peer at exit (SIGABRT, exit 134).
@@ -445,19 +498,30 @@ def _log_metrics(
 
 
 def _add_rate(
-    metrics: dict[str, float], batch: Any, steps: int, grad_accum: int, world_size: int
-) -> None:
-    """Turn the window time into per-step time (per rank) and samples/s when the batch says."""
+    metrics: dict[str, float],
+    batch: Any,
+    steps: int,
+    grad_accum: int,
+    world_size: int,
+    reduce: Collection[str] | None = None,
+) -> dict[str, float]:
+    """Turn the window time into per-step time (per rank) and samples/s when the batch says;
+    under DDP, with ``reduce`` (names kept as this rank's), the scalars become their mean over
+    ranks, gathered with the step times in one collective."""
     steps = max(steps, 1)
     step_time = metrics["step_time_s"] / steps
     metrics["step_time_s"] = step_time
     if world_size > 1:  # per-rank timing: the slowest rank sets the pace
-        times = [row[0] for row in dist.all_gather_floats([step_time])]
+        if reduce is not None:
+            metrics, times = reduce_logged(metrics, step_time, exclude=reduce)
+        else:
+            times = [row[0] for row in dist.all_gather_floats([step_time], ddp.collective_device())]
         metrics["step_time_s_max"] = max(times)
         metrics["step_time_s_min"] = min(times)
     size = _batch_size(batch)
     if size and step_time > 0:
         metrics["samples_per_s"] = size * grad_accum * world_size / step_time
+    return metrics
 
 
 def _batch_size(batch: Any) -> int | None:
@@ -492,24 +556,26 @@ def _evaluate(
     model: torch.nn.Module,
     eval_dataset: Any,
     ctx: StepContext,
-    hooks: Hooks,
-    warned: set[int],
-    step: int,
     ema: ModelEma | None = None,
+    reduce: Collection[str] | None = None,
 ) -> dict[str, float]:
     """Run ``eval_fn`` under no_grad and eval mode (with ``ema``'s shadow swapped in, if given);
-    report ``eval_``-prefixed floats."""
+    ``eval_``-prefixed floats. With ``reduce`` (a sharded eval set under DDP) each metric is the
+    mean over ranks weighted by the batches each rank evaluated, except the names in ``reduce``."""
     assert eval_fn is not None
+    data = CountedBatches(eval_dataset) if reduce is not None else eval_dataset
     model.eval()
     try:
         with torch.no_grad(), ema.swapped_in() if ema is not None else _NULL:
-            raw = eval_fn(model, eval_dataset, ctx)
+            raw = eval_fn(model, data, ctx)
     finally:
         model.train()
     if not isinstance(raw, Mapping):
         raise TypeError(f"eval_fn must return a dict of scalars, got {type(raw).__name__}")
     metrics = {(k if k.startswith("eval_") else f"eval_{k}"): float(v) for k, v in raw.items()}
-    emit(hooks, "on_eval_end", {"step": step, "metrics": metrics}, warned=warned)
+    if reduce is not None:
+        batches = data.count or (len(eval_dataset) if hasattr(eval_dataset, "__len__") else 1)
+        metrics = reduce_eval(metrics, batches, exclude={f"eval_{k}" for k in reduce} | set(reduce))
     return metrics
 
 
@@ -533,3 +599,50 @@ def _human(n: int) -> str:
 
 def _config_of(config_json: Mapping[str, Any] | None, cfg: TrainConfig) -> dict[str, Any]:
     return dict(config_json) if config_json is not None else {"train": dataclasses.asdict(cfg)}
+
+
+def _with_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` over every default key, so keys a newer version added compare equal."""
+    from koochak.loop.config import defaults
+
+    def merge(base: Any, over: Any) -> Any:
+        if isinstance(base, Mapping) and isinstance(over, Mapping):
+            return {**base, **{k: merge(base.get(k), v) for k, v in over.items()}}
+        return over
+
+    return merge(defaults(), config)
+
+
+def _check_resumed_config(
+    checkpoint: Mapping[str, Any],
+    config: Mapping[str, Any],
+    cfg: TrainConfig,
+    where: str | None,
+    rank: int,
+) -> None:
+    """Refuse a resume whose config makes it a different run; say once what else changed."""
+    old, new = _with_defaults(checkpoint.get("config") or {}), _with_defaults(config)
+    drift = check_resume_config(old, new, cfg.resume_allow_changes, where or "")
+    if drift.harmless and rank == 0:
+        note = ""
+        if drift.max_steps_extended and schedule_follows_max_steps(new):
+            note = (" train.max_steps grew: a cosine whose length is train.max_steps continues from "
+                    "the LR the checkpoint reached down to eta_min at the new max_steps when the "
+                    "scheduler is built with the checkpoint (build_scheduler(..., checkpoint=); "
+                    "koochak-train does).")  # fmt: skip
+        warnings.warn(
+            f"resume from {where or 'the checkpoint'}: config changed since it was saved (the run "
+            f"stays the same run): {'; '.join(map(format_change, drift.harmless))}.{note}",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _announce_evacuation(step: int, path: str | None) -> None:
+    """What a person watching the run needs: where it stopped and how to go on."""
+    import sys
+
+    where = path or "(the checkpoint directory)"
+    print(f"koochak: evacuated after step {step}: terminal checkpoint {where} published; exit "
+          "75. Rerun the same command (koochak-train resumes with --resume auto; your own "
+          "script with resume='auto') to continue.", file=sys.stderr, flush=True)  # fmt: skip

@@ -2,12 +2,16 @@
 
 Modes are ``none``, ``bf16`` and ``fp16``. Only fp16 on CUDA needs loss scaling (its narrow
 exponent underflows small gradients), so `Scaler` wraps `torch.amp.GradScaler` there and is a
-no-op everywhere else; the loop calls the same methods either way.
+no-op everywhere else; the loop calls the same methods either way. bf16 on a CPU without native
+bfloat16 instructions is emulated and several times slower than float32: `autocast_factory`
+warns about it (rank 0, once per call, i.e. once per training run).
 """
 
 from __future__ import annotations
 
 import contextlib
+import platform
+import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
 from typing import Any
@@ -41,7 +45,41 @@ def autocast_factory(
     """A zero-argument factory of fresh autocast contexts (what ``ctx.autocast`` holds)."""
     mode = check_amp_mode(mode)
     device = torch.device(device)
+    if mode == "bf16" and device.type == "cpu" and cpu_native_bf16() is False:
+        from koochak.loop import dist
+
+        if dist.get_rank() == 0:
+            warnings.warn(
+                "train.amp: bf16 on a CPU without native bfloat16 instructions (no AVX512_BF16 "
+                "or AMX on x86, no BF16 on Arm): autocast emulates it and runs several times "
+                "slower than float32; set train.amp: none on this machine",
+                RuntimeWarning,
+                stacklevel=2,
+            )
     return lambda: autocast_context(mode, device)
+
+
+def cpu_native_bf16() -> bool | None:
+    """Whether this CPU computes bfloat16 natively: True, False, or None when it cannot tell
+    (then nothing is said). x86: AVX512_BF16 or AMX, as torch detects them; Arm Linux: the
+    ``bf16`` feature in /proc/cpuinfo."""
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64", "i386", "i686"):
+        checks = [getattr(torch.cpu, name, None) for name in
+                  ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]  # fmt: skip
+        if not any(checks):
+            return None
+        return any(check() for check in checks if check is not None)
+    if machine in ("aarch64", "arm64") and platform.system() == "Linux":
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                return any(
+                    line.startswith("Features") and "bf16" in line.split(":", 1)[-1].split()
+                    for line in f
+                )
+        except OSError:
+            return None
+    return None
 
 
 class Scaler:

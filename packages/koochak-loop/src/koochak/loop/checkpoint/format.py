@@ -24,7 +24,7 @@ CHECKPOINT_PATTERN = r"step(\d{9})\.pt"
 LATEST_NAME = "latest.pt"
 
 # Why a checkpoint was written. Periodic ones resume at step + 1, the others at step.
-REASONS = ("periodic", "terminal", "evacuation", "gpu_health")
+REASONS = ("periodic", "terminal", "evacuation", "gpu_health", "stopped")
 
 _REQUIRED_KEYS = frozenset({"version", "step", "next_step", "model"})
 _KNOWN_KEYS = _REQUIRED_KEYS | frozenset(

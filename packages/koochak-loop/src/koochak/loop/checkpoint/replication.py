@@ -46,6 +46,8 @@ log = logging.getLogger("koochak.loop.checkpoint")
 # gets at the end of a run before the run gives up on it.
 MAX_RETRY_S = 300.0
 EXIT_ATTEMPTS = 3
+# Never retry sooner than this, even with retry_s 0: a failing tier must not spin.
+MIN_RETRY_S = 0.05
 # Niceness of the replication threads (and the copy threads they start): on a contended core the
 # training thread gets most of the time; idle cores still copy at full speed.
 REPLICATION_NICENESS = 10
@@ -107,6 +109,7 @@ class _Lane:
 class Replicator:
     """Copies each checkpoint committed in ``first`` to every tier of ``replicas``.
 
+    ``spare(store, names)`` names checkpoints no tier's retention removes (``keep_best_k``).
     ``submit(name)`` after each first-tier commit (any thread); ``before_publish(name)`` before
     one (it waits while a tier copies that name, so a re-save never pulls the bytes from under
     a copy); ``wait_for_room()`` before a save (the lag bound); ``take_events()`` on the
@@ -123,6 +126,7 @@ class Replicator:
         retry_s: float = 10.0,
         prune_unreplicated: bool = False,
         pull: str | None = None,
+        spare: Callable[[Store, list[str]], set[str]] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not replicas:
@@ -134,6 +138,7 @@ class Replicator:
         self.max_lag = max_lag
         self.retry_s = float(retry_s)
         self.prune_unreplicated = prune_unreplicated
+        self._spare = spare
         self._clock = clock
         self._cond = threading.Condition()
         self._lanes = [_Lane(tier) for tier in replicas]
@@ -443,6 +448,7 @@ class Replicator:
                 delay = self.retry_s
             else:
                 delay = min(self.retry_s * 2 ** (lane.failures - 1), MAX_RETRY_S)
+            delay = max(delay, MIN_RETRY_S)
             lane.retry_at = self._clock() + delay
             what = name or "(comparing with the first tier)"
             error = f"{type(exc).__name__}: {exc}"
@@ -484,8 +490,11 @@ class Replicator:
         if keep is None:
             return
         store = lane.tier.store
-        candidates = artifact.published_candidates(store, CHECKPOINT_PATTERN)[keep:]
-        for _, key in candidates:
+        candidates = artifact.published_candidates(store, CHECKPOINT_PATTERN)
+        spared = self._spared(store, candidates)
+        for _, key in candidates[keep:]:
+            if key in spared:
+                continue
             with self._cond:
                 if any(other.busy == key for other in self._lanes):
                     continue  # another tier copies it from here
@@ -498,9 +507,12 @@ class Replicator:
         if self.first_keep is None:
             return
         candidates = artifact.published_candidates(self.first, CHECKPOINT_PATTERN)
+        spared = self._spared(self.first, candidates)
         held = []
         with self._cond:
             for _, key in candidates[self.first_keep :]:
+                if key in spared:
+                    continue
                 if any(lane.busy == key for lane in self._lanes):
                     continue  # a tier copies it from here right now
                 durable = any(key in lane.committed for lane in self._lanes)
@@ -519,6 +531,12 @@ class Replicator:
             log.warning("the first tier (%s) keeps %d checkpoint(s) beyond keep_last_k=%d "
                         "until a durable tier holds them: %s", self.first.location, len(held),
                         self.first_keep, ", ".join(fresh))  # fmt: skip
+
+    def _spared(self, store: Store, candidates: list[tuple[int, str]]) -> set[str]:
+        """What ``spare`` (keep_best_k) keeps in ``store`` whatever its keep_last_k says."""
+        if self._spare is None:
+            return set()
+        return self._spare(store, [key for _, key in candidates])
 
 
 def _yield_cpu() -> None:

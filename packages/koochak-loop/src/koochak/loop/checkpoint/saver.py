@@ -30,10 +30,16 @@ from typing import Any
 
 import torch
 from koochak.loop import ddp, dist
-from koochak.loop.checkpoint.format import build_checkpoint, checkpoint_name
+from koochak.loop.checkpoint.format import (
+    CHECKPOINT_PATTERN,
+    build_checkpoint,
+    checkpoint_name,
+    step_of_name,
+)
 from koochak.loop.checkpoint.publication import checkpoint_store, publication_path, publish
 from koochak.loop.checkpoint.replication import ReplicaTier, ReplicationEvent, Replicator
 from koochak.loop.checkpoint.serialization import (
+    deserialize_checkpoint,
     serialize_checkpoint_buffer,
     serialize_checkpoint_chunks,
 )
@@ -44,6 +50,15 @@ from koochak.storage import artifact
 from koochak.storage.store import Store
 
 log = logging.getLogger("koochak.loop.checkpoint")
+
+
+def _score(value: Any) -> float | None:
+    """A metric value usable for ranking: a finite real number, else None."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        return None
+    return float(value)
 
 
 class CheckpointPublishError(RuntimeError):
@@ -151,7 +166,9 @@ class Checkpointer:
         """
         path = None
         failure: Exception | None = None
-        publish = not (reason == "terminal" and is_published_terminal(self.resumed, step))
+        publish = not (
+            reason in ("terminal", "stopped") and is_published_terminal(self.resumed, step)
+        )
         try:
             checkpoint = self.capture(step, step, reason, metrics)
             if self.saver is not None and checkpoint is not None and publish:
@@ -210,6 +227,9 @@ def make_checkpointer(
             keep_last_k=cfg.keep_last_k or None,
             async_publish=cfg.checkpoint_async,
             on_checkpoint=on_checkpoint,
+            keep_best=(cfg.keep_best_k, cfg.keep_best_metric, cfg.keep_best_mode)
+            if cfg.keep_best_k
+            else None,
             replication=replication_settings(cfg),
             on_replication=on_replication,
             resumed=checkpoint_name(int(resumed["step"])) if resumed else None,
@@ -224,7 +244,7 @@ def is_published_terminal(resumed: Mapping[str, Any] | None, step: int) -> bool:
         resumed is not None
         and step == int(resumed["next_step"])
         and resumed.get("step") == step
-        and resumed.get("reason") == "terminal"
+        and resumed.get("reason") in ("terminal", "stopped")
     )
 
 
@@ -250,12 +270,16 @@ class CheckpointSaver:
         keep_last_k: int | None = None,
         async_publish: bool = False,
         on_checkpoint: Callable[[dict[str, Any]], None] | None = None,
+        keep_best: tuple[int, str, str] | None = None,
         replication: ReplicationSettings | None = None,
         on_replication: Callable[[dict[str, Any]], None] | None = None,
         resumed: str | None = None,
     ) -> None:
         self.location = location
         self.keep_last_k = keep_last_k
+        # (k, metric, "min"|"max"): the k best checkpoints by metric are never pruned.
+        self.keep_best = keep_best
+        self._scores: dict[str, float | None] = {}
         self.async_publish = async_publish
         self.on_checkpoint = on_checkpoint
         self.on_replication = on_replication
@@ -275,6 +299,7 @@ class CheckpointSaver:
                 retry_s=replication.retry_s,
                 prune_unreplicated=replication.prune_unreplicated,
                 pull=resumed,
+                spare=self._best if keep_best is not None else None,
             )
 
     @property
@@ -295,6 +320,8 @@ class CheckpointSaver:
         """
         name = checkpoint_name(int(ckpt["step"]))
         store = self.store
+        if self.keep_best is not None:
+            self._scores[name] = _score((ckpt.get("metrics") or {}).get(self.keep_best[1]))
         replicator = self._replicator
         if replicator is not None:
             replicator.wait_for_room()  # the lag bound: the run slows rather than piling up
@@ -330,15 +357,17 @@ class CheckpointSaver:
 
     def settle(self, name: str, reason: str) -> str | None:
         """At the end of a run: wait until ``name`` is committed in a durable tier (for a
-        ``terminal`` save in every replica tier that does not give up), deliver what happened,
-        stop replicating; return its path in the first replica tier holding it. Raises
-        CheckpointReplicationError when none does. Without replicas: nothing to wait for, None.
+        ``terminal`` or ``stopped`` save in every replica tier that does not give up), deliver
+        what happened, stop replicating; return its path in the first replica tier holding it.
+        Raises CheckpointReplicationError when none does. Without replicas: None.
         """
         replicator = self._replicator
         if replicator is None:
             return None
         try:
-            held = replicator.settle(name, everywhere=reason == "terminal")
+            # A run that ends normally waits for every tier; one that must leave (evacuation,
+            # a bad GPU) only for the tier on_checkpoint names.
+            held = replicator.settle(name, everywhere=reason in ("terminal", "stopped"))
         finally:
             self.poll()
         replicator.close()
@@ -370,13 +399,57 @@ class CheckpointSaver:
 
     def _publish(self, name: str, data: Any) -> artifact.Publication:
         replicator = self._replicator
-        if replicator is None:
+        if replicator is not None:
+            replicator.before_publish(name)
+            # The first tier prunes through the replicator: never a checkpoint no replica holds
+            # yet, never one of the best.
+            publication = publish(self.store, name, data)
+            replicator.submit(name)
+            return publication
+        if self.keep_best is None or self.keep_last_k is None:
             return publish(self.store, name, data, keep_last_k=self.keep_last_k)
-        replicator.before_publish(name)
-        # The first tier prunes through the replicator: never a checkpoint no replica holds yet.
-        publication = publish(self.store, name, data)
-        replicator.submit(name)
+        publication = publish(self.store, name, data)  # pruned below, sparing the best
+        self._prune_keeping_best()
         return publication
+
+    def _prune_keeping_best(self) -> None:
+        """Keep the newest ``keep_last_k`` and the ``k`` best by the metric; unpublish the rest
+        (manifest first). A checkpoint without the metric is never among the best."""
+        assert self.keep_best is not None and self.keep_last_k is not None
+        candidates = artifact.published_candidates(self.store, CHECKPOINT_PATTERN)  # newest first
+        keep = {name for _, name in candidates[: self.keep_last_k]}
+        keep |= self._best(self.store, [name for _, name in candidates])
+        for _, name in candidates:
+            if name not in keep:
+                artifact.unpublish(self.store, name)
+                self._scores.pop(name, None)
+
+    def _best(self, store: Store, names: list[str]) -> set[str]:
+        """The ``keep_best_k`` best of ``names`` (committed in ``store``) by the metric: what
+        no tier's retention removes. A checkpoint without the metric is never among them."""
+        if self.keep_best is None:
+            return set()
+        k, metric, mode = self.keep_best
+        scored = [(self._score_of(store, name, metric), -number, name) for name in names
+                  for number in [step_of_name(name) or 0]]  # fmt: skip
+        ranked = sorted(
+            (t for t in scored if t[0] is not None),
+            key=lambda t: (t[0] if mode == "min" else -t[0], t[1]),  # ties: the newer
+        )
+        return {name for _, _, name in ranked[:k]}
+
+    def _score_of(self, store: Store, name: str, metric: str) -> float | None:
+        """The metric of a published checkpoint: remembered from this run's saves, else read
+        once from the checkpoint in ``store`` (one from an earlier attempt)."""
+        if name not in self._scores:
+            try:
+                _, data = artifact.read_verified(store, name)
+                metrics = deserialize_checkpoint(data, name).get("metrics") or {}
+                self._scores[name] = _score(metrics.get(metric))
+            except (artifact.InvalidArtifact, ValueError, OSError) as exc:
+                log.warning("keep_best_k: cannot read %s (%s); it is ranked as not best", name, exc)
+                self._scores[name] = None
+        return self._scores[name]
 
     def _hold(self, name: str, ckpt: Mapping[str, Any]) -> None:
         """Keep the dict for ``on_checkpoint`` until the first replica commits it (the newest

@@ -1,5 +1,6 @@
-"""Compact TSV lines on stdout (rank 0): the resolved config and a ``start`` line (first update,
-``max_steps``, the checkpoint resumed from), then one line per log/eval.
+"""Compact TSV lines on stdout (rank 0): a one-screen config summary (or, on request, the whole
+resolved config) and a ``start`` line (first update, ``max_steps``, the checkpoint resumed
+from), then one line per log/eval. The whole resolved config goes to ``<out_dir>/config.yaml``.
 
 Lines look like ``log<TAB>step=50<TAB>loss=0.6931<TAB>lr=0.001`` so they are easy to grep, cut and
 read; files (CSV, JSONL) keep the exact values.
@@ -7,16 +8,23 @@ read; files (CSV, JSONL) keep the exact values.
 
 from __future__ import annotations
 
+import json
+import os
 import sys
+import warnings
 from collections.abc import Mapping
 from typing import IO, Any
 
 import yaml
 from koochak.loop.hooks import Hooks, rank0_only
 from koochak.loop.logging._records import clean_metrics, format_number
+from koochak.loop.logging.progress import write_line
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["format_tsv", "make_stdout_hooks"]
+__all__ = ["config_summary", "format_tsv", "make_stdout_hooks"]
+
+_SUMMARY_WIDTH = 100
+_ALWAYS = ("train.max_steps", "train.out_dir")  # shown even at their defaults
 
 
 def format_tsv(event: str, step: int, metrics: Mapping[str, Any]) -> str:
@@ -34,31 +42,102 @@ def _plain_config(config: Any) -> Any:
     return config
 
 
-def make_stdout_hooks(stream: IO[str] | None = None, *, print_config: bool = True) -> Hooks:
-    """Hooks printing the resolved config at ``on_train_start`` and TSV lines on log/eval.
+def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            _flatten(item, f"{prefix}.{key}" if prefix else str(key), out)
+    elif prefix:
+        out[prefix] = value
+    return out
 
+
+def _short(value: Any) -> str:
+    if isinstance(value, str):
+        return value  # paths and names in full
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def config_summary(config: Mapping[str, Any]) -> list[str]:
+    """One screen of ``config``: per section, the keys whose value differs from Koochak's default
+    (every key of a free-form section), plus ``train.max_steps`` and ``train.out_dir``, as
+    ``section  key=value ...`` lines of at most ~100 characters."""
+    from koochak.loop.config import defaults
+
+    base = _flatten(defaults(), "", {})
+    lines = []
+    for section, values in config.items():
+        flat = _flatten(values, str(section), {}) if isinstance(values, Mapping) else {}
+        fields = [
+            f"{key.partition('.')[2]}={_short(value)}"
+            for key, value in flat.items()
+            if key in _ALWAYS or base.get(key, _MISSING) != value
+        ]
+        line = f"{section:8}"
+        for field in fields:
+            if len(line) + len(field) + 1 > _SUMMARY_WIDTH and line.strip() != str(section):
+                lines.append(line.rstrip())
+                line = " " * 8
+            line += " " + field
+        if fields:
+            lines.append(line.rstrip())
+    return lines
+
+
+_MISSING = object()
+
+
+def _write_config(out_dir: str, name: str, text: str) -> str | None:
+    """The whole resolved config to ``<out_dir>/<name>`` (replaced atomically); None if that
+    failed (a warning: this copy is for people, the run does not depend on it)."""
+    from koochak.storage.fsutil import atomic_write_text
+
+    path = os.path.join(out_dir, name)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        atomic_write_text(path, text)
+    except OSError as exc:
+        warnings.warn(f"could not write the resolved config to {path}: {exc}", stacklevel=3)
+        return None
+    return path
+
+
+def make_stdout_hooks(
+    stream: IO[str] | None = None,
+    *,
+    print_config: bool = False,
+    config_file: str | None = "config.yaml",
+) -> Hooks:
+    """Hooks printing the config at ``on_train_start`` and TSV lines on log/eval.
+
+    At start (rank 0) the resolved config (the loop's ``config_json``, else the ``train``
+    section) is written to ``<out_dir>/<config_file>`` (None: not written), then printed: the
+    whole of it with ``print_config``, else a one-screen `config_summary` naming that file.
     ``stream`` defaults to ``sys.stdout`` looked up at print time (so redirection still works).
     """
 
     def _print(line: str) -> None:
-        out = stream if stream is not None else sys.stdout
-        tqdm = sys.modules.get("tqdm")
-        if tqdm is not None and hasattr(tqdm, "tqdm"):
-            # A progress bar may be drawn on the same terminal: clear it, print, redraw it.
-            with tqdm.tqdm.external_write_mode(file=out):
-                out.write(line + "\n")
-                out.flush()
-            return
-        out.write(line + "\n")
-        out.flush()
+        # A progress bar may be drawn on the same terminal: write through it.
+        write_line(line, stream if stream is not None else sys.stdout)
 
     def on_train_start(info: dict[str, Any]) -> None:
-        if print_config:
-            config = info.get("config_json")
-            if config is None:
-                config = {"train": info.get("train_cfg")}
-            text = yaml.safe_dump(_plain_config(config), sort_keys=False, default_flow_style=False)
-            _print("# resolved config\n" + text.rstrip("\n"))
+        config = info.get("config_json")
+        if config is None and info.get("train_cfg") is not None:
+            config = {"train": info.get("train_cfg")}
+        if config is not None:
+            config = _plain_config(config)
+            text = yaml.safe_dump(config, sort_keys=False, default_flow_style=False)
+            path = None
+            if config_file and info.get("out_dir"):
+                path = _write_config(str(info["out_dir"]), config_file, text)
+            if print_config:
+                _print("# resolved config\n" + text.rstrip("\n"))
+            else:
+                where = f"full config: {path}; " if path else ""
+                _print(f"# config: what differs from the defaults ({where}logging.print_config: "
+                       "true prints all of it)")  # fmt: skip
+                for line in config_summary(config):
+                    _print(line)
         # Where this run starts, so a resumed run (or one with nothing left to do) says so.
         fields = ["start", f"step={info.get('step', 0)}", f"max_steps={info.get('max_steps')}"]
         if info.get("resume_path"):

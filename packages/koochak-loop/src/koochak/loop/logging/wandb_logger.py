@@ -3,14 +3,19 @@
 Checkpoints go into ONE artifact per W&B run, ``<artifact_name_prefix>-<run_id>``, one version
 per checkpoint, with aliases ``latest`` and ``step-<n>`` and, when a tracked metric improved
 since the last uploaded version, ``best-<metric>`` (and ``best`` for the first tracked metric).
-The best values survive a restart: after each version they are appended to
-``<wandb.dir>/wandb/koochak-best-<run_id>.jsonl`` (and the run summary's ``best/<metric>``), and
-a resumed attempt starts from the record of the checkpoint it resumes from, not from nothing.
+A version references the published checkpoint by path and SHA256 (nothing is copied); with
+``wandb.upload_checkpoints`` the file is copied into W&B's staging area for upload instead, and
+staged copies beyond ``train.keep_last_k`` are removed. The best values survive a restart: after
+each version they are appended to ``<wandb.dir>/wandb/koochak-best-<run_id>.jsonl`` (and the run
+summary's ``best/<metric>``), and a resumed attempt starts from the record of the checkpoint it
+resumes from, not from nothing.
 
 Restart rule: an attempt that resumes from durable checkpoint state must continue the same W&B
 run, so it needs ``wandb.resume: allow`` and a stable ``wandb.name`` or ``wandb.id``; otherwise
 training refuses to start. A first attempt is not constrained. With a name but no id, the run id
-is derived from entity/project/name so every attempt lands in the same run.
+is derived from entity/project/name and the run's ``train.out_dir`` (a prepared run's run
+directory), so every attempt of one run lands in the same W&B run and two runs sharing a name
+do not.
 
 ``wandb`` is imported when the hooks are built (only if ``wandb.enabled``), never at module import.
 """
@@ -45,11 +50,13 @@ _WANDB_KEYS = (
     "artifact_name_prefix",
     "artifact_type",
     "log_checkpoints",
+    "upload_checkpoints",
     "tags",
 )
 _MODES = ("online", "offline", "disabled")
 _RESUME = ("allow", "must", "never", "auto")
 _DIRECTIONS = ("min", "max")
+_FROM_CONFIG = object()  # keep_last_k not given: read train.keep_last_k
 
 
 def _import_wandb() -> Any:
@@ -71,10 +78,15 @@ def _plain(cfg: Any) -> dict[str, Any]:
     return dict(cfg)
 
 
-def wandb_run_id(wandb_cfg: Mapping[str, Any]) -> str | None:
+def wandb_run_id(
+    wandb_cfg: Mapping[str, Any], out_dir: str | os.PathLike[str] | None = None
+) -> str | None:
     """The W&B run id to use: ``wandb.id``, else one derived from a stable name, else None.
 
-    A derived id exists only with ``resume: allow``; without it W&B picks a fresh id per attempt.
+    The derived id hashes entity/project/name and the absolute ``out_dir`` (``train.out_dir``:
+    a prepared run's run directory), so the attempts of one run share it and two runs that
+    share a ``wandb.name`` (prepared runs of one base config) do not. It exists only with
+    ``resume: allow``; without it W&B picks a fresh id per attempt.
     """
     if wandb_cfg.get("id"):
         return str(wandb_cfg["id"])
@@ -82,6 +94,8 @@ def wandb_run_id(wandb_cfg: Mapping[str, Any]) -> str | None:
         key = (
             f"{wandb_cfg.get('entity') or ''}/{wandb_cfg.get('project') or ''}/{wandb_cfg['name']}"
         )
+        if out_dir is not None:
+            key += "\0" + os.path.abspath(os.fspath(out_dir))
         return "koochak-" + hashlib.sha256(key.encode()).hexdigest()[:16]
     return None
 
@@ -118,6 +132,9 @@ def _validate(wandb_cfg: Mapping[str, Any]) -> None:
         raise ValueError(
             f"wandb.resume: unsupported value {resume!r}; supported: {', '.join(_RESUME)} or null"
         )
+    for key in ("log_checkpoints", "upload_checkpoints"):
+        if not isinstance(wandb_cfg.get(key, False), bool):
+            raise ValueError(f"wandb.{key} must be true or false, got {wandb_cfg[key]!r}")
     for key in ("artifact_name_prefix", "artifact_type"):
         value = wandb_cfg.get(key) or "model"
         if (
@@ -179,6 +196,41 @@ def read_best_record(path: Path, start_step: int) -> dict[str, float]:
     return best
 
 
+def checkpoint_reference(path: str, publication: Any = None) -> dict[str, Any]:
+    """What an artifact version records of a checkpoint: ``path``, ``sha256`` and ``size`` (from
+    its publication record, else hashed from a local file) and the ``artifact_id`` when known."""
+    reference: dict[str, Any] = {"path": path}
+    if publication is not None:
+        reference.update(
+            sha256=publication.sha256, size=publication.size, artifact_id=publication.artifact_id
+        )
+    elif "://" not in path and os.path.isfile(path):
+        digest, size = hashlib.sha256(), 0
+        with open(path, "rb") as f:
+            while block := f.read(1 << 20):
+                digest.update(block)
+                size += len(block)
+        reference.update(sha256=digest.hexdigest(), size=size)
+    return reference
+
+
+def _prune_staged(staged: list[tuple[Any, str]], keep: Any, offline: bool) -> None:
+    """Remove the staged upload copies of all but the newest ``keep`` versions (None/0: keep
+    all), the retention ``keep_last_k`` gives the checkpoints themselves. Online, a version is
+    uploaded (``wait``) before its copy goes; offline, older versions can no longer be synced."""
+    while isinstance(keep, int) and keep > 0 and len(staged) > keep:
+        artifact, staged_path = staged.pop(0)
+        if not offline:
+            try:
+                artifact.wait()
+            except Exception as exc:  # the upload failed: its copy is of no further use
+                warnings.warn(f"wandb: artifact upload failed ({exc})", stacklevel=2)
+        try:
+            os.unlink(staged_path)
+        except FileNotFoundError:
+            pass  # W&B removed it after the upload
+
+
 def _finite(value: Any) -> bool:
     return type(value) in (int, float) and math.isfinite(value)
 
@@ -188,12 +240,15 @@ def make_wandb_hooks(
     *,
     resumed: bool | None = None,
     track: Mapping[str, str] | None = None,
+    keep_last_k: int | None | object = _FROM_CONFIG,
 ) -> Hooks:
     """W&B hooks from the resolved config (or its ``wandb`` section); ``{}`` when not enabled.
 
     ``resumed`` overrides the loop's ``info["resumed"]`` for the restart rule. ``track`` maps
     metric names to ``"min"``/``"max"`` for the ``best`` aliases; by default ``eval_loss`` (min)
-    when the checkpoint's metrics hold it, else ``loss`` (min).
+    when the checkpoint's metrics hold it, else ``loss`` (min). ``keep_last_k`` bounds the
+    checkpoint copies staged for upload (``wandb.upload_checkpoints``); by default
+    ``train.keep_last_k`` of the config, else of the loop's ``train_cfg``; None keeps them all.
     """
     full = _plain(cfg)
     wandb_cfg = _plain(full["wandb"]) if "wandb" in full else full
@@ -210,15 +265,22 @@ def make_wandb_hooks(
     prefix = wandb_cfg.get("artifact_name_prefix") or "model"
     artifact_type = wandb_cfg.get("artifact_type") or "model"
     log_checkpoints = wandb_cfg.get("log_checkpoints", True)
-    state: dict[str, Any] = {"run": None, "best": {}, "record": None}
+    upload = bool(wandb_cfg.get("upload_checkpoints", False))
+    train = full.get("train") if isinstance(full.get("train"), Mapping) else {}
+    state: dict[str, Any] = {"run": None, "best": {}, "record": None, "staged": []}
+    state["keep"] = (
+        keep_last_k if keep_last_k is not _FROM_CONFIG else train.get("keep_last_k", _FROM_CONFIG)
+    )
 
     def on_train_start(info: dict[str, Any]) -> None:
         is_resumed = resumed if resumed is not None else bool(info.get("resumed", False))
         if is_resumed:
             check_restart_settings(wandb_cfg, int(info.get("step", 0)))
+        if state["keep"] is _FROM_CONFIG:
+            state["keep"] = (info.get("train_cfg") or {}).get("keep_last_k")
         run_dir = wandb_cfg.get("dir") or info.get("out_dir") or "."
         Path(run_dir).mkdir(parents=True, exist_ok=True)
-        run_id = wandb_run_id(wandb_cfg)
+        run_id = wandb_run_id(wandb_cfg, train.get("out_dir") or info.get("out_dir"))
         config = info.get("config_json")
         if config is None:
             config = full if "wandb" in full else {"train": info.get("train_cfg")}
@@ -231,7 +293,7 @@ def make_wandb_hooks(
             project=wandb_cfg.get("project"),
             entity=wandb_cfg.get("entity"),
             name=wandb_cfg.get("name"),
-            id=wandb_run_id(wandb_cfg),
+            id=run_id,
             resume=wandb_cfg.get("resume"),
             mode=wandb_cfg.get("mode") or "online",
             dir=str(run_dir),
@@ -272,25 +334,35 @@ def make_wandb_hooks(
         if run is None or not log_checkpoints:
             return
         path = str(info["path"])
-        if "://" in path or not os.path.isfile(path):
+        local = "://" not in path and os.path.isfile(path)
+        if upload and not local:
             raise ValueError(
-                f"wandb: checkpoint {path!r} is not a local file, so it cannot be added to an "
-                "artifact; set wandb.log_checkpoints: false for non-POSIX checkpoint_dir"
+                f"wandb: checkpoint {path!r} is not a local file, so it cannot be uploaded; set "
+                "wandb.upload_checkpoints: false to reference it by path and SHA256 instead"
             )
         step = int(info["step"])
         checkpoint = info.get("checkpoint") or {}
         metrics = dict(checkpoint.get("metrics") or {})
+        reference = checkpoint_reference(path, info.get("publication"))
         artifact = wandb.Artifact(
-            f"{prefix}-{run.id}", type=artifact_type, metadata={"step": step, **metrics}
+            f"{prefix}-{run.id}",
+            type=artifact_type,
+            metadata={"step": step, **metrics, "checkpoint": reference},
         )
-        # The default (mutable) policy copies the file into W&B's staging area right here, so
-        # pruning (keep_last_k) cannot delete it before a background upload reads it.
-        artifact.add_file(path, name=os.path.basename(path))
+        name = os.path.basename(path.rstrip("/"))
+        if upload:
+            # The (mutable) policy copies the file into W&B's staging area right here, so
+            # pruning (keep_last_k) cannot delete it before a background upload reads it.
+            entry = artifact.add_file(path, name=name)
+            state["staged"].append((artifact, entry.local_path))
+        elif local:  # a reference: W&B records the path, reads and copies nothing
+            artifact.add_reference(Path(path).resolve().as_uri(), name=name, checksum=False)
         run.log_artifact(artifact, aliases=["latest", f"step-{step}", *_improved(metrics)])
-        for name, value in state["best"].items():
-            run.summary[f"best/{name}"] = value
+        for metric, value in state["best"].items():
+            run.summary[f"best/{metric}"] = value
         next_step = int(checkpoint.get("next_step", step + 1))
         append_best_record(state["record"], step, next_step, state["best"])
+        _prune_staged(state["staged"], state["keep"], bool(getattr(run, "offline", False)))
 
     def on_train_end(info: dict[str, Any]) -> None:
         if state["run"] is not None:
