@@ -655,3 +655,13 @@ def test_keep_best_k_spares_the_best_checkpoints_in_every_tier(tmp_path):
     assert _committed(tmp_path / "fast") == [_name(1), _name(5), _name(7)]
     assert _committed(tmp_path / "durable") == [_name(1), _name(5), _name(7)]
     assert _committed(tmp_path / "cold") == [_name(1), _name(7)]
+
+
+def test_koochak_train_resumes_from_any_tier_of_its_config(tmp_path):
+    from koochak.loop.cli import _find_resume
+
+    save(_ckpt(6), LocalStore(tmp_path / "durable"))  # the first tier (out_dir) is empty
+    cfg = load_config(None, [f"train.out_dir={tmp_path / 'fast'}",
+                             f"train.checkpoint_replicas=[{tmp_path / 'durable'}]"])  # fmt: skip
+    path, ckpt = _find_resume(cfg, "auto")
+    assert path == str(tmp_path / "durable" / _name(6)) and ckpt["step"] == 6
