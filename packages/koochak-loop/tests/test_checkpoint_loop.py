@@ -70,6 +70,24 @@ def test_async_publication_matches_sync_files_and_announces_after_commit(tmp_pat
         assert a["step"] == b["step"] and torch.equal(a["model"]["weight"], b["model"]["weight"])
 
 
+@pytest.mark.parametrize("background", [False, True])
+def test_checkpoints_in_parts_inside_the_loop_match_the_one_file_run(tmp_path, background):
+    events: list = []
+    _run(tmp_path / "one")
+    train = {"checkpoint_parts": 2, "checkpoint_async": background}
+    _run(tmp_path / "parts", hooks=_recorder(events), train=train)
+    assert all(e[2] for e in events if e[0] == "on_checkpoint")  # announced after commit
+    for step in (2, 6):
+        name = f"step{step:09d}.pt"
+        parts = sorted(p.name for p in (tmp_path / "parts").glob(f"{name}.part-*"))
+        assert parts == [f"{name}.part-00000-00000", f"{name}.part-00000-00001"]
+        a, b = load(str(tmp_path / "one" / name)), load(str(tmp_path / "parts" / name))
+        assert (a["step"], a["next_step"]) == (b["step"], b["next_step"])
+        assert all(torch.equal(a["model"][k], b["model"][k]) for k in ("weight", "bias"))
+    path, ckpt = resolve_auto_resume(tmp_path / "parts")
+    assert ckpt["step"] == 6 and path.endswith("step000000006.pt")
+
+
 class _FailingStore(LocalStore):
     def put(self, key, data, **kwargs):
         if key == "step000000002.pt":

@@ -25,6 +25,7 @@ from koochak.loop.ema_posthoc import (
     reconstruct_dual_power_ema_state_dict,
     reconstruct_power_ema_state_dict,
 )
+from koochak.storage.store import LocalStore
 
 STEPS, EVERY = 400, 25
 
@@ -131,6 +132,20 @@ def test_the_cli_writes_the_reconstruction_create_only(run, tmp_path, capsys):
         assert torch.allclose(written[key], tensor, rtol=1e-6, atol=1e-7), key
     assert main([str(out), "--srel", "0.07", "--out", str(target)]) == 1  # never overwritten
     assert "already exists" in capsys.readouterr().err
+
+
+def test_checkpoints_in_parts_give_the_same_shadows(run, tmp_path):
+    from koochak.loop.checkpoint import save
+    from koochak.storage import artifact
+
+    out, _, _ = run
+    for _, name in artifact.published_candidates(LocalStore(out), r"step(\d{9})\.pt"):
+        save(load(str(out / name)), tmp_path, parts=2)
+    ours, theirs = collect_power_ema_states(tmp_path), collect_power_ema_states(out)
+    assert len(ours) == len(theirs) > 0
+    for a, b in zip(ours, theirs):
+        assert a["step"] == b["step"] and a["gamma"] == b["gamma"]
+        assert all(torch.equal(a["state_dict"][k], v) for k, v in b["state_dict"].items())
 
 
 def test_profile_inner_product_matches_numerical_integration():

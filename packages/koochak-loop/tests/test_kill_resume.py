@@ -5,7 +5,8 @@ This file is also the training script the test launches (``python test_kill_resu
 a tiny CPU model with dropout (torch RNG), NumPy and Python randomness in ``step_fn``, AdamW and a
 schedule, dual power EMA shadows thinned to every second update, a checkpoint after every update and keep_last_k=2, so most of the run's wall time is
 spent publishing and a random kill often lands inside a publication. Deterministic kills inside
-the object write and between object and manifest come from a store wrapper (``killtest://``).
+the object write (or, for a run saving in parts in the background, inside a part's write) and
+between object and manifest come from a store wrapper (``killtest://``).
 """
 
 from __future__ import annotations
@@ -59,14 +60,23 @@ def _killing_store(root: str, mode: str, step: int):
                     yield bytes(view[len(view) // 2 :])
 
                 return super().put(key, half_then_die())
-            if mode == "manifest" and key.startswith(name) and key != name:
+            if mode == "part" and key == f"{name}.part-00000-00001":
+                view = memoryview(b"".join(bytes(chunk) for chunk in data))
+
+                def half_of_a_part_then_die():
+                    yield bytes(view[: len(view) // 2])
+                    os.kill(os.getpid(), signal.SIGKILL)
+                    yield bytes(view[len(view) // 2 :])
+
+                return super().put(key, half_of_a_part_then_die(), **expected)
+            if mode == "manifest" and key == name + ".ready.json":
                 os.kill(os.getpid(), signal.SIGKILL)
             return super().put(key, data, **expected)
 
     return KillingStore(root)
 
 
-def main(out_dir: str, kill_mode: str, kill_step: int) -> None:
+def main(out_dir: str, kill_mode: str, kill_step: int, parts: int = 1, background: bool = False):
     from koochak.loop import training_loop
     from koochak.loop.checkpoint import resolve_auto_resume
     from koochak.loop.seed import set_all_seeds
@@ -100,6 +110,8 @@ def main(out_dir: str, kill_mode: str, kill_step: int) -> None:
             "device": "cpu",
             "out_dir": out_dir,
             "checkpoint_dir": location,
+            "checkpoint_parts": parts,
+            "checkpoint_async": background,
             "progress_bar": False,
             "ema": {"dual": {"enabled": True, "srel1": 0.05, "srel2": 0.10}, "update_every": 2},
         },
@@ -110,9 +122,10 @@ def main(out_dir: str, kill_mode: str, kill_step: int) -> None:
     print("DONE", flush=True)
 
 
-def _run(out_dir, kill_mode="none", kill_step=-1, kill_after=None) -> tuple[int, str]:
-    """Run the script; returns (exit code, stdout + stderr), stdout starting with "START n"."""
-    cmd = [sys.executable, __file__, str(out_dir), kill_mode, str(kill_step)]
+def _run(out_dir, kill_mode="none", kill_step=-1, kill_after=None, parts=1) -> tuple[int, str]:
+    """Run the script; returns (exit code, stdout + stderr), stdout starting with "START n".
+    ``parts`` above 1 saves in that many parts, in the background (checkpoint_async)."""
+    cmd = [sys.executable, __file__, str(out_dir), kill_mode, str(kill_step), str(parts)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     first = proc.stdout.readline()  # "START n": imports are done, training is under way
     if kill_after is not None and first.startswith("START"):
@@ -129,22 +142,26 @@ def _final_state(out_dir):
 
 
 @pytest.mark.slow
-def test_sigkilled_run_resumes_to_a_bit_identical_result(tmp_path):
+@pytest.mark.parametrize("parts", [1, 3])
+def test_sigkilled_run_resumes_to_a_bit_identical_result(tmp_path, parts):
+    """With ``parts=3`` the interrupted run saves in parts, in the background, killed inside a
+    part's write and before a manifest; it still ends bit-identical to the one-file reference."""
     reference = tmp_path / "reference"
     code, output = _run(reference)
     assert code == 0, output
 
     interrupted = tmp_path / "interrupted"
-    kills = [("object", 5, None), ("manifest", 12, None), ("none", -1, random.uniform(0.05, 0.4))]
+    first = "object" if parts == 1 else "part"
+    kills = [(first, 5, None), ("manifest", 12, None), ("none", -1, random.uniform(0.05, 0.4))]
     starts = []
     for mode, step, after in kills:
-        code, output = _run(interrupted, mode, step, after)
+        code, output = _run(interrupted, mode, step, after, parts=parts)
         starts.append(output.split()[1] if output.startswith("START") else output)
         if code == 0:
             break
         assert code == -signal.SIGKILL, output
     for _ in range(5):  # then restart until it finishes on its own
-        code, output = _run(interrupted)
+        code, output = _run(interrupted, parts=parts)
         starts.append(output.split()[1])
         if code == 0:
             break
@@ -173,4 +190,4 @@ def test_sigkilled_run_resumes_to_a_bit_identical_result(tmp_path):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[4]) > 1)

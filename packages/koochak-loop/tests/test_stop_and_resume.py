@@ -143,7 +143,8 @@ def test_koochak_train_refuses_a_changed_resume_with_exit_2_and_stops_with_exit_
     assert "train.max_steps: 6 -> 12" in extended.stderr
 
 
-def test_keep_best_k_never_prunes_the_best_checkpoint(tmp_path):
+@pytest.mark.parametrize("parts", [1, 2])
+def test_keep_best_k_never_prunes_the_best_checkpoint(tmp_path, parts):
     from koochak.storage.artifact import published_candidates
     from koochak.storage.store import open_store
 
@@ -159,13 +160,17 @@ def test_keep_best_k_never_prunes_the_best_checkpoint(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Linear(2, 1)
     cfg = {"max_steps": 12, "eval_every": 1, "ckpt_every": 1, "keep_last_k": 2, "device": "cpu",
-           "out_dir": str(tmp_path), "keep_best_k": 2, "keep_best_metric": "eval_loss"}  # fmt: skip
+           "out_dir": str(tmp_path), "keep_best_k": 2, "keep_best_metric": "eval_loss",
+           "checkpoint_parts": parts}  # fmt: skip
     training_loop(model=model, dataset=_data(), step_fn=_step_fn,
                   optimizer=torch.optim.SGD(model.parameters(), lr=0.1), train_cfg=cfg,
                   eval_dataset=_data(1), eval_fn=eval_fn)  # fmt: skip
     # The two newest (10, 12: the terminal one) and the two best: step 1 (1.0), step 7 (2.5).
     assert names() == ["step000000001.pt", "step000000007.pt", "step000000010.pt",
                        "step000000012.pt"]  # fmt: skip
+    # Pruned checkpoints in parts leave no part behind; the kept ones keep theirs.
+    kept_parts = {p.name.split(".part-")[0] for p in tmp_path.glob("step*.pt.part-*")}
+    assert kept_parts == (set(names()) if parts > 1 else set())
 
 
 def test_keep_best_k_needs_a_metric():

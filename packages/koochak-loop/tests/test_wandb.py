@@ -409,3 +409,56 @@ def test_runs_sharing_a_name_get_their_own_id_from_their_out_dir(tmp_path):
     assert wandb_run_id(wandb_cfg, first) == wandb_run_id(wandb_cfg, f"{tmp_path}/runs/./a")
     assert wandb_run_id({**wandb_cfg, "id": "fixed"}, first) == "fixed"
     assert wandb_run_id({"name": "exp0"}, first) is None  # no resume: allow, no derived id
+
+
+def _train_in_parts(out_dir: Path, wandb_cfg: dict) -> None:
+    from koochak.loop import training_loop
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    data = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(3)]
+
+    def step_fn(model, batch, ctx):
+        x, y = batch
+        return {"loss": torch.nn.functional.mse_loss(model(x), y)}
+
+    training_loop(
+        model=model,
+        dataset=data,
+        step_fn=step_fn,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        train_cfg={
+            "max_steps": 3,
+            "out_dir": str(out_dir),
+            "device": "cpu",
+            "checkpoint_parts": 2,
+        },  # fmt: skip
+        config_json={"wandb": wandb_cfg},
+        hooks=make_wandb_hooks({"wandb": wandb_cfg}),
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("upload", [False, True])
+def test_a_checkpoint_in_parts_is_versioned_with_all_its_parts(offline_wandb, upload):
+    out_dir = offline_wandb / "parts"
+    wandb_cfg = {
+        "enabled": True,
+        "mode": "offline",
+        "id": "parts-run",
+        "upload_checkpoints": upload,
+    }
+    _train_in_parts(out_dir, wandb_cfg)
+    run = _read_run(out_dir, "parts-run")
+    name = "step000000003.pt"
+    files = [name, f"{name}.part-00000-00000", f"{name}.part-00000-00001"]
+    ((_, _, stored),) = run["artifacts"]
+    assert sorted(stored) == files
+    (version,) = run["versions"]
+    if upload:
+        assert sorted(p.read_bytes() for p in _staged(offline_wandb)) == sorted(
+            (out_dir / f).read_bytes() for f in files
+        )
+    else:
+        assert sorted(version["refs"]) == sorted((out_dir / f).resolve().as_uri() for f in files)
+        assert _staged(offline_wandb) == []

@@ -91,6 +91,7 @@ class TrainConfig:
     shard_eval_dataset_mode: str = "iterable"
     warn_unsharded: bool = True
     checkpoint_async: bool = False
+    checkpoint_parts: Union[int, str] = 1  # 1: one file; N >= 2 or auto: N parts in parallel
     # Durable tiers behind checkpoint_dir (docs/checkpoints.md, "Tiers"): locations, or mappings
     # {location, keep_last_k}; each checkpoint is copied there in the background once it commits.
     checkpoint_replicas: list[Any] = field(default_factory=list)
@@ -343,7 +344,10 @@ def _check_type(path: str, value: Any, tp: Any) -> Any:
 
 def _type_name(tp: Any) -> str:
     base = _base_type(tp)
-    name = getattr(base, "__name__", str(base))
+    if typing.get_origin(base) in (Union, types.UnionType):  # e.g. train.checkpoint_parts
+        name = " or ".join(getattr(a, "__name__", str(a)) for a in typing.get_args(base))
+    else:
+        name = getattr(base, "__name__", str(base))
     return f"{name} or null" if _is_optional(tp) else name
 
 
@@ -374,6 +378,12 @@ def _check_values(values: Mapping[str, Any], section: str) -> None:
     for key in ("gpu_health_max_temperature_c", "gpu_health_max_kernel_seconds"):
         if section == "train" and key in values and values[key] <= 0:
             raise ConfigError(f"train.{key}: expected a positive number, got {values[key]!r}")
+    parts = values.get("checkpoint_parts", 1) if section == "train" else 1
+    if parts != "auto" and (type(parts) is not int or parts < 1):
+        raise ConfigError(
+            f"train.checkpoint_parts: expected an integer >= 1 (1 = one file) or 'auto', "
+            f"got {parts!r}"
+        )
     if section == "train" and values.get("checkpoint_replication_retry_s", 0) < 0:
         raise ConfigError(
             "train.checkpoint_replication_retry_s: expected a number >= 0, got "

@@ -271,14 +271,15 @@ def collect_power_ema_states(location: Any) -> list[dict[str, Any]]:
 
 
 def _published(location: Any) -> Iterable[tuple[str, dict[str, Any]]]:
-    from koochak.loop.checkpoint import CHECKPOINT_PATTERN, checkpoint_store, deserialize_checkpoint
+    from koochak.loop.checkpoint import CHECKPOINT_PATTERN, checkpoint_store
+    from koochak.loop.checkpoint.serialization import read_checkpoint
     from koochak.storage import artifact
 
     store = checkpoint_store(location)
     for _, name in sorted(artifact.published_candidates(store, CHECKPOINT_PATTERN)):
         try:
             _, data = artifact.read_verified(store, name)
-            yield name, deserialize_checkpoint(data, name)
+            yield name, read_checkpoint(store, name, data, name)  # one file or parts
         except (artifact.InvalidArtifact, ValueError) as exc:
             log.warning("skipping %s: %s", name, exc)
 

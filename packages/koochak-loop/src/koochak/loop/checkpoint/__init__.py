@@ -5,8 +5,8 @@
 - ``serialization``: the dict as stored bytes and back (weights-only ``serialize_checkpoint`` /
   ``deserialize_checkpoint``, streamed for synchronous saves);
 - ``restore``: putting it back (``restore_training_state``, RNG last);
-- ``publication``: ``publish``, ``save``, ``checkpoint_store``, through
-  ``koochak.storage.artifact``;
+- ``publication``: ``publish``, ``save`` (``parts=`` for checkpoints in parallel parts),
+  ``checkpoint_store``, ``checkpoint_objects``, through ``koochak.storage.artifact``;
 - ``resume``: selection (``load``, ``latest``, ``best``, ``highest_valid_published``,
   ``resolve_auto_resume``);
 - ``saver``: what ``training_loop`` does to save (periodic and terminal, sync or async);
@@ -25,7 +25,12 @@ from koochak.loop.checkpoint.format import (
     check_resume_cursor,
     checkpoint_name,
 )
-from koochak.loop.checkpoint.publication import checkpoint_store, publish, save
+from koochak.loop.checkpoint.publication import (
+    checkpoint_objects,
+    checkpoint_store,
+    publish,
+    save,
+)
 from koochak.loop.checkpoint.replication import CheckpointReplicationError
 from koochak.loop.checkpoint.restore import restore_training_state, rng_state_for_rank
 from koochak.loop.checkpoint.resume import (
@@ -53,6 +58,7 @@ __all__ = [
     "check_resume_cursor",
     "checkpoint_locations",
     "checkpoint_name",
+    "checkpoint_objects",
     "checkpoint_store",
     "deserialize_checkpoint",
     "highest_valid_published",

@@ -1,8 +1,10 @@
-"""Publishing checkpoints through the checkpoint store.
+"""Publishing, pruning and listing checkpoints through the checkpoint store, in either layout.
 
-Every save goes through ``koochak.storage.artifact.publish``: the numbered object is written
-create-only and synced, then ``<name>.ready.json`` commits it; pruning keeps the last k pairs,
-manifest first. A checkpoint without its manifest does not exist as far as resume is concerned.
+Every save goes through ``koochak.storage.artifact.publish``: the numbered object (the file, or
+the index of a checkpoint in parts, whose parts are written first) is written create-only and
+synced, then ``<name>.ready.json`` commits it; pruning keeps the last k checkpoints, each
+manifest first, then its object, then its parts. A checkpoint without its manifest does not
+exist as far as resume is concerned.
 ``checkpoint_store`` turns a location (directory, ``scheme://`` URI, Store) into the Store that
 every save, load and selection goes through.
 """
@@ -10,11 +12,21 @@ every save, load and selection goes through.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Generator, Iterable, Mapping
 from typing import Any
 
 from koochak.loop.checkpoint.format import CHECKPOINT_PATTERN, LATEST_NAME, checkpoint_name
-from koochak.loop.checkpoint.serialization import serialize_checkpoint_chunks
+from koochak.loop.checkpoint.parts_index import looks_like_index, object_keys, parse_index
+from koochak.loop.checkpoint.parts_io import delete_parts
+from koochak.loop.checkpoint.parts_plan import resolve_parts
+from koochak.loop.checkpoint.serialization import (
+    SplitCheckpoint,
+    serialize_checkpoint_chunks,
+    split_checkpoint,
+    split_checkpoint_chunks,
+    write_checkpoint_parts,
+)
 from koochak.storage import artifact
 from koochak.storage.store import Store, open_store
 
@@ -34,54 +46,125 @@ def checkpoint_store(location: str | os.PathLike[str] | Store) -> Store:
 def publish(
     store: str | os.PathLike[str] | Store,
     name: str,
-    data: Mapping[str, Any] | bytes | memoryview | Iterable[bytes],
+    data: Mapping[str, Any] | SplitCheckpoint | bytes | memoryview | Iterable[bytes],
     *,
     keep_last_k: int | None = None,
     provenance: Mapping[str, Any] | None = None,
+    parts: int | str = 1,
+    workers: int | None = None,
 ) -> artifact.Publication:
     """Publish a checkpoint under ``name`` and prune to the last ``keep_last_k``.
 
     ``store`` is a Store or a location (directory, ``scheme://`` URI). ``data`` is serialized
     bytes (or an iterable of them), or a checkpoint dict, which is streamed from ``torch.save``.
+    ``parts`` (an int, or ``"auto"``: ``parts_plan.resolve_parts``) above 1 stores a checkpoint
+    dict as that many parts written in parallel (at most ``workers`` at once; default one
+    each) plus an index under ``name`` (docs/formats.md, "Checkpoint parts"); 1 is one file.
     Returns the Publication once its ready manifest has committed.
     """
     if keep_last_k is not None and keep_last_k < 1:
         raise ValueError(f"train.keep_last_k must be null or >= 1, got {keep_last_k}")
-    if isinstance(data, Mapping):
+    store = checkpoint_store(store)
+    if keep_last_k is not None and re.fullmatch(CHECKPOINT_PATTERN, name) is None:
+        raise ValueError(
+            f"publish: name {name!r} does not fully match pattern {CHECKPOINT_PATTERN!r}, so "
+            "keep_last_k cannot prune by it; pass keep_last_k=None or a step{N:09d}.pt name"
+        )
+    count = 1
+    if isinstance(data, Mapping) and parts != 1:
+        data = split_checkpoint(data)
+    if isinstance(data, SplitCheckpoint):
+        count = resolve_parts(parts, data.nbytes, store)
+    elif parts not in (1, "auto"):
+        raise ValueError(
+            f"publish(parts={parts!r}): parts need the checkpoint dict; serialized bytes are "
+            "always one file"
+        )
+    if count > 1:
+        unpublish_checkpoint(store, name)  # parts are create-only: clear a previous attempt's
+        data = write_checkpoint_parts(store, name, data, count, workers=workers)
+    elif isinstance(data, SplitCheckpoint):
+        data = split_checkpoint_chunks(data)
+    elif isinstance(data, Mapping):
         data = serialize_checkpoint_chunks(data)
     try:
-        return artifact.publish(
-            checkpoint_store(store),
+        publication = artifact.publish(
+            store,
             name,
             data,
             kind="checkpoint",
-            keep_last_k=keep_last_k,
             pattern=CHECKPOINT_PATTERN,
             latest=LATEST_NAME,
             provenance=dict(provenance) if provenance is not None else None,
         )
+    except BaseException:
+        if count > 1:  # no index committed them: the parts are only clutter now
+            delete_parts(store, name)
+        raise
     finally:
         if isinstance(data, Generator):
             # A put that failed part-way leaves a streaming serializer waiting; stop it now
             # rather than whenever the generator happens to be collected.
             data.close()
+    if keep_last_k is not None:
+        prune_checkpoints(store, keep_last_k)
+    return publication
 
 
 def save(
     ckpt: Mapping[str, Any],
     path_or_location: str | os.PathLike[str] | Store,
     keep_last_k: int | None = None,
+    *,
+    parts: int | str = 1,
 ) -> artifact.Publication:
     """Serialize ``ckpt`` and publish it; returns the Publication once its manifest has committed.
 
-    The bytes stream from ``torch.save`` into the store (hashed while written), never held whole.
+    The bytes stream from ``torch.save`` into the store (hashed while written), never held whole;
+    with ``parts`` above 1 (or ``"auto"``), the tensors go to that many parts written in parallel
+    straight from the tensors' memory, plus an index (see ``publish``).
 
     ``path_or_location`` is either a file path ending in ``.pt`` (published under that name in its
     directory) or a checkpoint location (directory, URI, Store), where the name is
     ``checkpoint_name(ckpt["step"])``.
     """
     store, name = split_checkpoint_path(path_or_location, ckpt)
-    return publish(store, name, ckpt, keep_last_k=keep_last_k)
+    return publish(store, name, ckpt, keep_last_k=keep_last_k, parts=parts)
+
+
+def unpublish_checkpoint(store: Store, name: str) -> None:
+    """Remove checkpoint ``name`` of either layout: its manifest, then its object (file or
+    index), then every part (found by listing, so an interrupted save's leftovers go too).
+    Missing objects are fine."""
+    artifact.unpublish(store, name)
+    delete_parts(store, name)
+
+
+def prune_checkpoints(store: Store, keep: int) -> list[str]:
+    """Keep the ``keep`` highest committed numbered checkpoints; return the names removed.
+
+    Only committed checkpoints (with a manifest) are counted and removed, each manifest first,
+    then its object, then its parts, so a checkpoint still being published is never touched.
+    """
+    removed = []
+    for _, name in artifact.published_candidates(store, CHECKPOINT_PATTERN)[keep:]:
+        unpublish_checkpoint(store, name)
+        removed.append(name)
+    return removed
+
+
+def checkpoint_objects(location: str | os.PathLike[str] | Store, name: str) -> list[str]:
+    """Every object key of checkpoint ``name``, in commit order: parts, object, ready manifest.
+
+    A one-file checkpoint is its file and its manifest; one in parts is read from its index
+    (nothing is listed, so this is cheap on object storage). What ``copy_objects`` needs to copy
+    a checkpoint to another store and commit it there last.
+    """
+    store = checkpoint_store(location)
+    head = store.get(name, 0, 1)
+    if not looks_like_index(head):
+        return [name, name + artifact.READY_SUFFIX]
+    return object_keys(parse_index(store.get(name), f"{store.location}/{name}", name))
 
 
 def split_checkpoint_path(

@@ -26,8 +26,6 @@ came back elsewhere) first pulls it back into the first tier.
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import threading
 import time
 from collections import deque
@@ -35,7 +33,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from koochak.loop.checkpoint.background import lower_this_threads_priority
 from koochak.loop.checkpoint.format import CHECKPOINT_PATTERN, step_of_name
+from koochak.loop.checkpoint.publication import unpublish_checkpoint
 from koochak.loop.checkpoint.tiers import Replicated, describe_tier, replicate_checkpoint
 from koochak.storage import artifact
 from koochak.storage.store import Store
@@ -48,9 +48,6 @@ MAX_RETRY_S = 300.0
 EXIT_ATTEMPTS = 3
 # Never retry sooner than this, even with retry_s 0: a failing tier must not spin.
 MIN_RETRY_S = 0.05
-# Niceness of the replication threads (and the copy threads they start): on a contended core the
-# training thread gets most of the time; idle cores still copy at full speed.
-REPLICATION_NICENESS = 10
 
 
 class CheckpointReplicationError(RuntimeError):
@@ -279,7 +276,9 @@ class Replicator:
     # ------------------------------------------------------------------ workers
 
     def _start(self) -> None:
-        _yield_cpu()  # inherited by the workers this thread starts, and by their copy threads
+        # Yield the CPU to training; the workers this thread starts, and their copy threads,
+        # inherit the lower priority.
+        lower_this_threads_priority()
         if self._pull is not None:
             try:
                 self._pull_back(self._pull)
@@ -498,7 +497,7 @@ class Replicator:
             with self._cond:
                 if any(other.busy == key for other in self._lanes):
                     continue  # another tier copies it from here
-                artifact.unpublish(store, key)
+                unpublish_checkpoint(store, key)
                 lane.committed.discard(key)
 
     def _prune_first(self) -> None:
@@ -519,7 +518,7 @@ class Replicator:
                 if not durable and not self.prune_unreplicated:
                     held.append(key)
                     continue
-                artifact.unpublish(self.first, key)
+                unpublish_checkpoint(self.first, key)
                 self._committed_at.pop(key, None)
             # Until every tier has been compared with the first, "no replica holds it" may only
             # mean "not looked yet": say so only once it is known.
@@ -537,19 +536,6 @@ class Replicator:
         if self._spare is None:
             return set()
         return self._spare(store, [key for _, key in candidates])
-
-
-def _yield_cpu() -> None:
-    """Lower the calling thread's CPU priority (Linux gives priority per thread; threads it
-    starts inherit it). Elsewhere priority is per process, which would slow training too."""
-    if not sys.platform.startswith("linux"):
-        return
-    tid = threading.get_native_id()
-    try:
-        if os.getpriority(os.PRIO_PROCESS, tid) < REPLICATION_NICENESS:
-            os.setpriority(os.PRIO_PROCESS, tid, REPLICATION_NICENESS)
-    except OSError as exc:  # a sandbox may refuse: replication still works, less politely
-        log.debug("could not lower the replication threads' priority: %s", exc)
 
 
 def _path(store: Store, publication: artifact.Publication) -> str:

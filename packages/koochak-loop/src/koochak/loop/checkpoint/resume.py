@@ -1,5 +1,9 @@
 """Choosing and reading checkpoints: load, latest, best, highest valid, auto-resume.
 
+Both layouts (one file, or parts plus an index) are read through
+``serialization.read_checkpoint``: for one in parts the manifest verifies the index and the
+index verifies every part, each before any of its tensors is used.
+
 Every selection is here, so a checkpoint layout with several objects per checkpoint changes one
 module. Resume evidence is only a numbered checkpoint whose exact ready manifest, size, SHA256 and resume
 cursor validate, all checked on ONE read of the payload: the bytes that were verified are the bytes
@@ -32,7 +36,7 @@ from koochak.loop.checkpoint.format import (
     step_of_name,
 )
 from koochak.loop.checkpoint.publication import checkpoint_store, publication_path
-from koochak.loop.checkpoint.serialization import deserialize_checkpoint
+from koochak.loop.checkpoint.serialization import read_checkpoint
 from koochak.loop.checkpoint.tiers import Location
 from koochak.storage import artifact
 from koochak.storage.store import Store, open_store
@@ -62,18 +66,22 @@ def load(path: str | os.PathLike[str] | Store, name: str | None = None) -> dict[
     """
     if name is not None:
         store = open_store(path)
-        return deserialize_checkpoint(store.get(name), f"{store.location}/{name}")
+        return read_checkpoint(store, name, store.get(name), f"{store.location}/{name}")
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"load({path!r}): a Store needs the object's name, e.g. load(store, name)")
     text = os.fspath(path)
     if "://" in text and not text.startswith("file://"):
         parent, _, key = text.rstrip("/").rpartition("/")
         store = open_store(parent)
-        return deserialize_checkpoint(store.get(key), text)
+        return read_checkpoint(store, key, store.get(key), text)
     if text.startswith("file://"):
         text = text[len("file://") :]
     with open(text, "rb") as f:
-        return deserialize_checkpoint(f.read(), text)
+        data = f.read()
+    # An index's parts lie beside the file it really is (latest.pt is a link to it).
+    real = os.path.realpath(text)
+    store = open_store(os.path.dirname(real))
+    return read_checkpoint(store, os.path.basename(real), data, text)
 
 
 def latest(location: str | os.PathLike[str] | Store) -> str | None:
@@ -102,7 +110,7 @@ def best(location: str | os.PathLike[str] | Store, key: str) -> str | None:
     for _, name in artifact.published_candidates(store, CHECKPOINT_PATTERN):
         try:
             publication, data = artifact.read_verified(store, name)
-            ckpt = deserialize_checkpoint(data, _key_path(store, name))
+            ckpt = read_checkpoint(store, name, data, _key_path(store, name))
         except (artifact.InvalidArtifact, ValueError) as exc:
             log.warning("best(): skipping %s: %s", name, exc)
             continue
@@ -296,14 +304,13 @@ def _read_same(stores: Sequence[Store], tier: int, step: int, sha256: str) -> Re
         store = stores[index]
         try:
             publication, data = artifact.read_verified(store, name)
-        except (artifact.InvalidArtifact, OSError) as exc:
+            if publication.sha256 != sha256:
+                problems.append(f"tier {index} ({store.location}): another commit of {name}")
+                continue
+            path = publication_path(store, publication)
+            return ResumePoint(path, read_checkpoint(store, name, data, path))
+        except (ValueError, OSError) as exc:  # InvalidArtifact, a damaged part, unreachable
             problems.append(f"tier {index} ({store.location}): {exc}")
-            continue
-        if publication.sha256 != sha256:
-            problems.append(f"tier {index} ({store.location}): another commit of {name}")
-            continue
-        path = publication_path(store, publication)
-        return ResumePoint(path, deserialize_checkpoint(data, path))
     raise RuntimeError(
         f"rank 0 resumes from {name} (SHA256 {sha256}) but this rank cannot read that commit: "
         + "; ".join(problems)
@@ -326,7 +333,7 @@ def _validated_checkpoint(store: Store):
     def check(publication: artifact.Publication, data: bytes) -> dict[str, Any]:
         source = _key_path(store, publication.key)
         try:
-            ckpt = deserialize_checkpoint(data, source)
+            ckpt = read_checkpoint(store, publication.key, data, source)
             check_resume_cursor(ckpt, publication.key)
             check_rng_fields(ckpt, source)
         except ValueError as exc:

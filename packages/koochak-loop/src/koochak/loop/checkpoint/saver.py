@@ -5,12 +5,15 @@
 publishes. Periodic saves come every ``train.ckpt_every`` updates; terminal ones (the end, an
 evacuation, a GPU-health stop) are synchronous, and every rank learns rank 0's outcome.
 
-With ``train.checkpoint_async`` periodic saves go through ``AsyncPublisher``: the training thread
-serializes the checkpoint (so the bytes are frozen at the step they describe) and one worker thread
-writes them, at most one publication in flight. Results come back to the training thread, never
-the other way round: ``on_checkpoint`` callbacks and failures are delivered by ``poll``/``drain``,
-which the loop calls at step boundaries, so hooks never run concurrently with training and a
-failed publication fails the next step.
+With ``train.checkpoint_async`` periodic saves go through ``AsyncPublisher``: the training
+thread's only work is to freeze the checkpoint at the step it describes (its non-tensor data into
+a small skeleton, its tensors copied into reusable host buffers, ``HostBuffers``) and one
+background thread, at a lower CPU priority, writes it from those buffers, at most one
+publication in flight. Results come back to the training thread, never the other way round:
+``on_checkpoint`` callbacks and failures are delivered by ``poll``/``drain``, which the loop calls
+at step boundaries, so hooks never run concurrently with training and a failed publication fails
+the next step. ``train.checkpoint_parts`` chooses the layout (1: one file; more, or ``auto``:
+parts written in parallel) for both kinds of save.
 
 With ``train.checkpoint_replicas`` the saver commits in the first tier and hands each checkpoint
 to a ``Replicator`` (``replication``), which copies it to the durable tiers in the background;
@@ -30,18 +33,25 @@ from typing import Any
 
 import torch
 from koochak.loop import ddp, dist
+from koochak.loop.checkpoint.background import lower_this_threads_priority
 from koochak.loop.checkpoint.format import (
     CHECKPOINT_PATTERN,
     build_checkpoint,
     checkpoint_name,
     step_of_name,
 )
-from koochak.loop.checkpoint.publication import checkpoint_store, publication_path, publish
+from koochak.loop.checkpoint.host_buffers import HostBuffers, HostCopy
+from koochak.loop.checkpoint.publication import (
+    checkpoint_store,
+    publication_path,
+    publish,
+    unpublish_checkpoint,
+)
 from koochak.loop.checkpoint.replication import ReplicaTier, ReplicationEvent, Replicator
 from koochak.loop.checkpoint.serialization import (
-    deserialize_checkpoint,
-    serialize_checkpoint_buffer,
-    serialize_checkpoint_chunks,
+    SplitCheckpoint,
+    read_checkpoint,
+    split_checkpoint,
 )
 from koochak.loop.checkpoint.tiers import ReplicationSettings, replication_settings
 from koochak.loop.config import TrainConfig
@@ -226,6 +236,7 @@ def make_checkpointer(
             cfg.checkpoint_dir or cfg.out_dir,
             keep_last_k=cfg.keep_last_k or None,
             async_publish=cfg.checkpoint_async,
+            parts=cfg.checkpoint_parts,
             on_checkpoint=on_checkpoint,
             keep_best=(cfg.keep_best_k, cfg.keep_best_metric, cfg.keep_best_mode)
             if cfg.keep_best_k
@@ -254,6 +265,11 @@ class CheckpointSaver:
     ``on_checkpoint(info)`` receives ``step``, ``path``, ``checkpoint`` and ``publication``. With
     ``async_publish`` periodic saves go through one background thread; ``sync=True`` saves
     (terminal, evacuation, GPU health) drain it first and publish on the calling thread.
+    ``parts`` is ``publish``'s: 1 for one file, more (or ``"auto"``) for parts.
+
+    An async save copies the checkpoint's tensors into host buffers that this saver keeps and
+    reuses (pinned for CUDA tensors), so its extra host memory is one checkpoint's tensors,
+    however many saves it makes.
 
     With ``replication`` (``train.checkpoint_replicas``) ``location`` is the first tier: each
     commit there is replicated in the background, ``on_checkpoint`` fires (with ``tier`` and
@@ -269,6 +285,7 @@ class CheckpointSaver:
         *,
         keep_last_k: int | None = None,
         async_publish: bool = False,
+        parts: int | str = 1,
         on_checkpoint: Callable[[dict[str, Any]], None] | None = None,
         keep_best: tuple[int, str, str] | None = None,
         replication: ReplicationSettings | None = None,
@@ -281,10 +298,12 @@ class CheckpointSaver:
         self.keep_best = keep_best
         self._scores: dict[str, float | None] = {}
         self.async_publish = async_publish
+        self.parts = parts
         self.on_checkpoint = on_checkpoint
         self.on_replication = on_replication
         self._store: Store | None = None
         self._async: AsyncPublisher | None = None
+        self._buffers = HostBuffers()
         self._replicator: Replicator | None = None
         self._held: dict[str, Mapping[str, Any]] = {}  # saved, not yet announced
         if replication is not None:
@@ -341,16 +360,19 @@ class CheckpointSaver:
             return path
 
         if self.async_publish and not sync:
-            # Serialize now, on this thread: the bytes must describe this step although training
-            # moves on (and mutates the tensors) while they are published.
-            data = serialize_checkpoint_buffer(ckpt)
             if self._async is None:
-                self._async = AsyncPublisher(self._publish)
-            self._async.submit(name, data, announce)
+                self._async = AsyncPublisher(self._publish_copy)
+            # Freeze now, on this thread: what is published must describe this step although
+            # training moves on (and mutates the tensors) while it is written. The previous save
+            # must be done first: its writers may still read the host buffers.
+            self._async.drain()
+            split = split_checkpoint(ckpt)
+            copy = self._buffers.copy(split.tensors)
+            self._async.submit(name, (split.with_tensors(copy.tensors), copy), announce)
             return None
         self.drain()
-        # Training waits here, so the tensors cannot change: stream straight into the store.
-        path = announce(self._publish(name, serialize_checkpoint_chunks(ckpt)))
+        # Training waits here, so the tensors cannot change: write straight from them.
+        path = announce(self._publish(name, ckpt))
         if sync and replicator is not None:
             return self.settle(name, str(ckpt.get("reason", "terminal")))
         return path
@@ -397,31 +419,44 @@ class CheckpointSaver:
         if self._replicator is not None:
             self._replicator.close()
 
-    def _publish(self, name: str, data: Any) -> artifact.Publication:
+    def _publish(
+        self, name: str, data: Mapping[str, Any] | SplitCheckpoint
+    ) -> artifact.Publication:
         replicator = self._replicator
         if replicator is not None:
             replicator.before_publish(name)
             # The first tier prunes through the replicator: never a checkpoint no replica holds
             # yet, never one of the best.
-            publication = publish(self.store, name, data)
+            publication = publish(self.store, name, data, parts=self.parts)
             replicator.submit(name)
             return publication
         if self.keep_best is None or self.keep_last_k is None:
-            return publish(self.store, name, data, keep_last_k=self.keep_last_k)
-        publication = publish(self.store, name, data)  # pruned below, sparing the best
+            return publish(self.store, name, data, keep_last_k=self.keep_last_k, parts=self.parts)
+        publication = publish(self.store, name, data, parts=self.parts)  # pruned below
         self._prune_keeping_best()
         return publication
 
+    def _publish_copy(
+        self, name: str, frozen: tuple[SplitCheckpoint, HostCopy]
+    ) -> artifact.Publication:
+        """The background half of an async save: publish from the host copy, then free it."""
+        split, copy = frozen
+        try:
+            return self._publish(name, split)
+        finally:
+            copy.release()
+
     def _prune_keeping_best(self) -> None:
         """Keep the newest ``keep_last_k`` and the ``k`` best by the metric; unpublish the rest
-        (manifest first). A checkpoint without the metric is never among the best."""
+        (manifest first, then the object, then any parts). A checkpoint without the metric is
+        never among the best."""
         assert self.keep_best is not None and self.keep_last_k is not None
         candidates = artifact.published_candidates(self.store, CHECKPOINT_PATTERN)  # newest first
         keep = {name for _, name in candidates[: self.keep_last_k]}
         keep |= self._best(self.store, [name for _, name in candidates])
         for _, name in candidates:
             if name not in keep:
-                artifact.unpublish(self.store, name)
+                unpublish_checkpoint(self.store, name)
                 self._scores.pop(name, None)
 
     def _best(self, store: Store, names: list[str]) -> set[str]:
@@ -430,8 +465,8 @@ class CheckpointSaver:
         if self.keep_best is None:
             return set()
         k, metric, mode = self.keep_best
-        scored = [(self._score_of(store, name, metric), -number, name) for name in names
-                  for number in [step_of_name(name) or 0]]  # fmt: skip
+        scored = [(self._score_of(store, name, metric), -(step_of_name(name) or 0), name)
+                  for name in names]  # fmt: skip
         ranked = sorted(
             (t for t in scored if t[0] is not None),
             key=lambda t: (t[0] if mode == "min" else -t[0], t[1]),  # ties: the newer
@@ -440,11 +475,11 @@ class CheckpointSaver:
 
     def _score_of(self, store: Store, name: str, metric: str) -> float | None:
         """The metric of a published checkpoint: remembered from this run's saves, else read
-        once from the checkpoint in ``store`` (one from an earlier attempt)."""
+        once from the checkpoint in ``store`` (one from an earlier attempt; either layout)."""
         if name not in self._scores:
             try:
                 _, data = artifact.read_verified(store, name)
-                metrics = deserialize_checkpoint(data, name).get("metrics") or {}
+                metrics = read_checkpoint(store, name, data, name).get("metrics") or {}
                 self._scores[name] = _score(metrics.get(metric))
             except (artifact.InvalidArtifact, ValueError, OSError) as exc:
                 log.warning("keep_best_k: cannot read %s (%s); it is ranked as not best", name, exc)
@@ -542,6 +577,8 @@ class AsyncPublisher:
                 log.error("checkpoint publication also failed: %s", exc)
 
     def _run(self, name: str, data: Any) -> None:
+        # Yield the cores to the training thread; the writers this thread starts inherit it.
+        lower_this_threads_priority()
         try:
             self._result = self._publish(name, data)
         except BaseException as exc:  # delivered to the training thread by poll/drain

@@ -1,10 +1,16 @@
-"""A checkpoint dict as stored bytes, and back: ``torch.save`` out, weights-only ``torch.load`` in.
+"""A checkpoint dict as stored objects, and back, in either layout.
 
-Everything that turns a checkpoint into the bytes a Store holds (and those bytes back into a
-dict) is here, so another layout (several part objects plus an index) has one place to go. The
-payload is loaded with ``torch.load(weights_only=True)``, so an untrusted checkpoint cannot run
-code: it holds only tensors, containers and primitive values. Anything that is not (NumPy arrays
-inside RNG states) is encoded into that vocabulary here and decoded on the way back.
+Everything that turns a checkpoint into what a Store holds (and back into a dict) is here:
+
+- one file: ``torch.save`` out (streamed for synchronous saves), weights-only ``torch.load`` in;
+- parts (docs/formats.md, "Checkpoint parts"): ``split_checkpoint`` freezes the non-tensor data
+  into a small weights-only skeleton and lists the tensors; ``write_checkpoint_parts`` writes
+  them as parts in parallel and returns the index; ``read_checkpoint`` reads either layout.
+
+The payload is loaded with ``torch.load(weights_only=True)`` (the whole file, or the parts'
+skeleton; parts themselves are raw tensor bytes), so an untrusted checkpoint cannot run code: it
+holds only tensors, containers and primitive values. Anything that is not (NumPy arrays inside RNG
+states) is encoded into that vocabulary here and decoded on the way back.
 """
 
 from __future__ import annotations
@@ -13,11 +19,21 @@ import io
 import queue
 import re
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from koochak.loop.checkpoint.format import check_checkpoint_format
+from koochak.loop.checkpoint.parts_index import encode_index, looks_like_index, parse_index
+from koochak.loop.checkpoint.parts_io import host_tensor, read_parts, write_parts
+from koochak.loop.checkpoint.parts_tree import (
+    join_tensors,
+    load_skeleton,
+    skeleton_bytes,
+    split_tensors,
+)
+from koochak.storage.store import Store
 
 _NDARRAY_TAG = "__koochak_ndarray__"
 
@@ -166,6 +182,11 @@ def deserialize_checkpoint(data: bytes | bytearray | memoryview, source: str) ->
         raise ValueError(
             f"{source}: not a loadable weights-only checkpoint ({_first_line(exc)})"
         ) from exc
+    return _checkpoint_of_payload(ckpt, source)
+
+
+def _checkpoint_of_payload(ckpt: Any, source: str) -> dict[str, Any]:
+    """Check a loaded payload's format and decode its RNG states; ValueError naming ``source``."""
     check_checkpoint_format(ckpt, source)
     for key in ("rng", "rng_per_rank"):
         if ckpt.get(key) is not None:
@@ -178,6 +199,89 @@ def deserialize_checkpoint(data: bytes | bytearray | memoryview, source: str) ->
                     f"{source}: field {key!r} does not decode ({_first_line(exc)})"
                 ) from exc
     return ckpt
+
+
+# -- the parts layout -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SplitCheckpoint:
+    """A checkpoint as its non-tensor data, frozen (``skeleton``: weights-only ``torch.save``
+    bytes where tensor ``i`` is referenced by number), and its ``tensors``.
+
+    The skeleton cannot change once made; the tensors are whatever was given (the live ones, or
+    an async save's host copies: ``with_tensors``).
+    """
+
+    skeleton: bytes
+    tensors: tuple[torch.Tensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data."""
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def with_tensors(self, tensors: Sequence[torch.Tensor]) -> SplitCheckpoint:
+        """The same checkpoint with each tensor replaced (by a copy of the same dtype and shape)."""
+        return SplitCheckpoint(self.skeleton, tuple(tensors))
+
+
+def split_checkpoint(ckpt: Mapping[str, Any]) -> SplitCheckpoint:
+    """Check ``ckpt``, freeze its non-tensor data and list its tensors (not copied).
+
+    Identical tensors (tied weights) are listed once. Errors name the field that parts cannot
+    store (a sparse or meta tensor, an unsupported dtype).
+    """
+    skeleton, tensors = split_tensors(_payload(ckpt))
+    return SplitCheckpoint(skeleton_bytes(skeleton), tuple(tensors))
+
+
+def split_checkpoint_chunks(split: SplitCheckpoint) -> Iterator[bytes | memoryview]:
+    """The one-file (``torch.save``) bytes of a split checkpoint, streamed like
+    ``serialize_checkpoint_chunks``; tensor bytes go out as views of ``split.tensors``."""
+    payload = join_tensors(load_skeleton(split.skeleton, "checkpoint to save"), split.tensors,
+                           "checkpoint to save")  # fmt: skip
+    return _stream(payload)
+
+
+def write_checkpoint_parts(
+    store: Store, name: str, split: SplitCheckpoint, parts: int, *, workers: int | None = None
+) -> bytes:
+    """Write ``split``'s tensors as ``parts`` parts of checkpoint ``name`` (in parallel) and
+    return the index to publish as ``name``. The tensors must not change until this returns;
+    CUDA tensors are copied to the host first."""
+    index = write_parts(
+        store, name, [host_tensor(t) for t in split.tensors], split.skeleton, parts,
+        workers=workers,
+    )  # fmt: skip
+    return encode_index(index)
+
+
+def read_checkpoint(
+    store: Store | None,
+    name: str | None,
+    data: bytes | bytearray | memoryview,
+    source: str,
+    *,
+    workers: int | None = None,
+) -> dict[str, Any]:
+    """The checkpoint whose object (file or index) holds ``data``, on the CPU, weights-only.
+
+    A ``torch.save`` file is deserialized (``deserialize_checkpoint``). An index has its parts
+    read from ``store`` in parallel, each checked against its size and SHA256 before any of its
+    tensors is used; ``name`` is the key the index was read under (it must match the index's
+    own), or None to trust the index's name. Every fault (a part missing, short, long or of
+    another digest, a malformed index or skeleton) is a ValueError naming ``source``; other
+    OSErrors (EIO) propagate.
+    """
+    if not looks_like_index(data):
+        return deserialize_checkpoint(data, source)
+    if store is None:
+        raise ValueError(f"{source}: a checkpoint in parts needs the store that holds its parts")
+    index = parse_index(data, source, name)
+    tensors = read_parts(store, index, source, workers=workers)
+    payload = join_tensors(load_skeleton(index.skeleton, source), tensors, source)
+    return _checkpoint_of_payload(payload, source)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from koochak.loop.checkpoint.parts_index import looks_like_index, parse_index
+from koochak.loop.checkpoint.publication import unpublish_checkpoint
 from koochak.loop.config import TrainConfig, as_train_config, check_replicas
 from koochak.storage import artifact
 from koochak.storage.store import Store
@@ -103,12 +105,23 @@ class Replicated:
 def checkpoint_copy_items(
     store: Store, name: str, committed: artifact.Publication
 ) -> list[CopyItem]:
-    """Every object of checkpoint ``name`` in ``store`` except its manifest, as ``copy_objects``
-    items carrying the size and SHA256 its commit promises (so every copied byte is verified).
+    """Every object of checkpoint ``name`` in ``store`` except its manifest, in commit order, as
+    ``copy_objects`` items carrying the size and SHA256 its commit promises (so every copied
+    byte is verified): a one-file checkpoint is its file; one in parts is its parts, then its
+    index (the object the manifest describes).
 
-    A single-file checkpoint is one object, the one the manifest describes.
+    The index is read once and checked against the manifest before its part digests are
+    trusted; ValueError when it does not match (changed or damaged since it was committed).
     """
-    return [CopyItem(name, committed.size, committed.sha256)]
+    last = CopyItem(name, committed.size, committed.sha256)
+    if committed.size == 0 or not looks_like_index(store.get(name, 0, 1)):
+        return [last]
+    where = f"{store.location}/{name}"
+    raw = store.get(name, 0, committed.size + 1)
+    if len(raw) != committed.size or hashlib.sha256(raw).hexdigest() != committed.sha256:
+        raise ValueError(f"{where}: the index does not match its ready manifest")
+    index = parse_index(raw, where, name)
+    return [CopyItem(part.key, part.size, part.sha256) for part in index.parts] + [last]
 
 
 def replicate_checkpoint(
@@ -116,12 +129,13 @@ def replicate_checkpoint(
 ) -> Replicated:
     """Copy the committed checkpoint ``name`` from ``source`` to ``target`` and commit it there.
 
-    The objects move with ``copy_objects`` (parts in parallel, each verified against its size
-    and SHA256 while it is written); the source's ready manifest is copied unchanged, last, so
-    the checkpoint exists in ``target`` only once every byte is there. A target that already
-    holds the same commit (an identical manifest) is left as it is. Any other ``name`` in the
-    target (an older save of the same step, or what a killed copy left) is un-committed first,
-    manifest before objects, then replaced: the re-save rule of a single tier.
+    The objects move with ``copy_objects`` (a checkpoint's parts in parallel, then its object,
+    each verified against its size and SHA256 while it is written); the source's ready manifest
+    is copied unchanged, last, so the checkpoint exists in ``target`` only once every byte is
+    there. A target that already holds the same commit (an identical manifest) is left as it is.
+    Any other ``name`` in the target (an older save of the same step, or what a killed copy
+    left) is un-committed first, manifest, then object, then parts, and replaced: the re-save
+    rule of a single tier.
 
     Raises InvalidArtifact when ``source`` has no valid commit of ``name``; ValueError when a
     source object does not match its commit (it changed or was damaged since); any store error
@@ -134,15 +148,16 @@ def replicate_checkpoint(
     except artifact.InvalidArtifact:
         existing = None
     if existing != manifest:
-        artifact.unpublish(target, name)
-        items = checkpoint_copy_items(source, name, committed)
-        report = copy_objects(source, target, items, streams=streams, show_progress=False)
-        # The commit, last: the same document, so one artifact id and digest name the
-        # checkpoint in every tier.
+        unpublish_checkpoint(target, name)
+        *parts, last = checkpoint_copy_items(source, name, committed)
+        moved = 0
+        # Commit order, as in a save: the parts (in parallel), the object, then the manifest,
+        # the same document, so one artifact id and digest name the checkpoint in every tier.
         digest = hashlib.sha256(manifest).hexdigest()
         commit = CopyItem(committed.manifest_key, len(manifest), digest)
-        copy_objects(source, target, [commit], show_progress=False)
-        moved = report.bytes_copied
+        for batch in ([parts] if parts else []) + [[last], [commit]]:
+            report = copy_objects(source, target, batch, streams=streams, show_progress=False)
+            moved += report.bytes_copied
     else:
         moved = 0
     publication = artifact.Publication(

@@ -214,21 +214,30 @@ def checkpoint_reference(path: str, publication: Any = None) -> dict[str, Any]:
     return reference
 
 
-def _prune_staged(staged: list[tuple[Any, str]], keep: Any, offline: bool) -> None:
+def _checkpoint_files(folder: str, name: str) -> list[str]:
+    """The files of the local checkpoint ``folder/name``: the file itself, or for one in parts
+    its parts and its index (``checkpoint_objects`` without the ready manifest)."""
+    from koochak.loop.checkpoint import checkpoint_objects
+
+    return checkpoint_objects(folder, name)[:-1]
+
+
+def _prune_staged(staged: list[tuple[Any, list[str]]], keep: Any, offline: bool) -> None:
     """Remove the staged upload copies of all but the newest ``keep`` versions (None/0: keep
     all), the retention ``keep_last_k`` gives the checkpoints themselves. Online, a version is
     uploaded (``wait``) before its copy goes; offline, older versions can no longer be synced."""
     while isinstance(keep, int) and keep > 0 and len(staged) > keep:
-        artifact, staged_path = staged.pop(0)
+        artifact, staged_paths = staged.pop(0)
         if not offline:
             try:
                 artifact.wait()
             except Exception as exc:  # the upload failed: its copy is of no further use
                 warnings.warn(f"wandb: artifact upload failed ({exc})", stacklevel=2)
-        try:
-            os.unlink(staged_path)
-        except FileNotFoundError:
-            pass  # W&B removed it after the upload
+        for staged_path in staged_paths:  # one per file: a checkpoint in parts has several
+            try:
+                os.unlink(staged_path)
+            except FileNotFoundError:
+                pass  # W&B removed it after the upload
 
 
 def _finite(value: Any) -> bool:
@@ -349,14 +358,18 @@ def make_wandb_hooks(
             type=artifact_type,
             metadata={"step": step, **metrics, "checkpoint": reference},
         )
-        name = os.path.basename(path.rstrip("/"))
+        folder, name = os.path.split(path.rstrip("/"))
+        # A checkpoint in parts is its index plus the parts beside it: a version holds them all.
+        keys = _checkpoint_files(folder, name) if local else [name]
         if upload:
-            # The (mutable) policy copies the file into W&B's staging area right here, so
-            # pruning (keep_last_k) cannot delete it before a background upload reads it.
-            entry = artifact.add_file(path, name=name)
-            state["staged"].append((artifact, entry.local_path))
-        elif local:  # a reference: W&B records the path, reads and copies nothing
-            artifact.add_reference(Path(path).resolve().as_uri(), name=name, checksum=False)
+            # The (mutable) policy copies the files into W&B's staging area right here, so
+            # pruning (keep_last_k) cannot delete them before a background upload reads them.
+            entries = [artifact.add_file(os.path.join(folder, key), name=key) for key in keys]
+            state["staged"].append((artifact, [entry.local_path for entry in entries]))
+        elif local:  # references: W&B records the paths, reads and copies nothing
+            for key in keys:
+                uri = Path(os.path.join(folder, key)).resolve().as_uri()
+                artifact.add_reference(uri, name=key, checksum=False)
         run.log_artifact(artifact, aliases=["latest", f"step-{step}", *_improved(metrics)])
         for metric, value in state["best"].items():
             run.summary[f"best/{metric}"] = value
