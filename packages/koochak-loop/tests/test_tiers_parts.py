@@ -13,10 +13,23 @@ from koochak.loop.checkpoint import (
     build_checkpoint,
     checkpoint_objects,
     load,
+    publish,
     resolve_auto_resume,
     save,
 )
-from koochak.loop.checkpoint.parts_index import PART_INFIX, parse_index
+from koochak.loop.checkpoint.parts_index import (
+    PART_INFIX,
+    Extent,
+    Part,
+    PartsIndex,
+    Shard,
+    TensorEntry,
+    encode_index,
+    parse_index,
+    part_key,
+)
+from koochak.loop.checkpoint.parts_tree import TENSOR_TAG, skeleton_bytes
+from koochak.loop.checkpoint.serialization import read_checkpoint
 from koochak.loop.checkpoint.tiers import checkpoint_copy_items, replicate_checkpoint
 from koochak.loop.loop import training_loop
 from koochak.storage import artifact
@@ -228,3 +241,37 @@ def test_a_run_in_parts_replicates_prunes_per_tier_and_resumes_from_the_replica(
     )
     assert _name(8) in _committed(durable)
     _objects_are_those_of_commits(durable)
+
+
+def test_a_checkpoint_from_several_writers_replicates_without_special_cases(tmp_path):
+    # The layout sharded (FSDP) saves write: each rank writes its own parts, one index names all.
+    first = LocalStore(tmp_path / "first")
+    name = _name(7)
+    rows = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    slabs = [rows[:4].numpy().tobytes(), rows[4:].numpy().tobytes()]
+    parts = tuple(
+        Part(
+            part_key(name, writer, 0),
+            writer,
+            len(raw),
+            first.put(part_key(name, writer, 0), raw).sha256,
+        )
+        for writer, raw in enumerate(slabs)
+    )
+    shards = (
+        Shard((0, 0), (4, 4), (Extent(0, 0, len(slabs[0])),)),
+        Shard((4, 0), (2, 4), (Extent(1, 0, len(slabs[1])),)),
+    )
+    tensors = (TensorEntry("float32", (6, 4), shards),)
+    ckpt = build_checkpoint(step=7, next_step=8, model=torch.nn.Linear(4, 6, bias=False))
+    skeleton = {**ckpt, "model": {"weight": (TENSOR_TAG, 0)}}
+    index = PartsIndex(name, 2, parts, tensors, skeleton_bytes(skeleton))
+    publish(first, name, encode_index(index))
+    replica = LocalStore(tmp_path / "replica")
+    replicate_checkpoint(first, replica, name)
+    assert checkpoint_objects(replica, name) == checkpoint_objects(first, name)
+    assert _parts(tmp_path / "replica", name) == [part_key(name, 0, 0), part_key(name, 1, 0)]
+    publication, data = artifact.read_verified(replica, name)
+    back = read_checkpoint(replica, name, data, name)
+    assert torch.equal(back["model"]["weight"], rows)
+    assert torch.equal(load(replica, name)["model"]["weight"], rows)
