@@ -17,9 +17,12 @@ Two figures, each a ratio against its baseline measured in the same run:
    durable tier was still behind (the replication time of one checkpoint, in steps).
 
 Default size 256 MiB, so it runs in a few minutes on a small machine; ``--size 1G`` is the
-issue's size.
+issue's size. ``--parts N`` (or ``auto``) saves the checkpoint in N parts (issue 22's layout), so
+the copies move N parts side by side and recovery reads them in parallel; ``--skip slowdown`` or
+``--skip recovery`` measures one figure only.
 
-    .venv/bin/python tools/bench/tiers_bench.py [--size 1G] [--rounds 3] [--rate-mb 100]
+    .venv/bin/python tools/bench/tiers_bench.py [--size 1G] [--rounds 3] [--rate-mb 100] \
+        [--parts 1] [--skip slowdown|recovery]
 """
 
 from __future__ import annotations
@@ -68,17 +71,19 @@ def _medians(times: list[tuple[float, float]]) -> tuple[float, float]:
     return statistics.median(w for w, _ in times), statistics.median(c for _, c in times)
 
 
-def bench_slowdown(root: str, size: int, rate: float, rounds: int) -> dict[str, float]:
+def bench_slowdown(
+    root: str, size: int, rate: float, rounds: int, parts: int | str = 1
+) -> dict[str, float]:
     from koochak.loop.checkpoint import build_checkpoint, checkpoint_name, save
+    from koochak.loop.checkpoint.publication import unpublish_checkpoint
     from koochak.loop.checkpoint.replication import ReplicaTier, Replicator
-    from koochak.storage.artifact import unpublish
     from koochak.storage.store import LocalStore
     from koochak.storage.testing import ThrottledStore
 
     torch.set_num_threads(1)
     first = LocalStore(os.path.join(root, "first"))
     ckpt = build_checkpoint(step=0, next_step=1, model=make_model(size))
-    save(ckpt, first)
+    save(ckpt, first, parts=parts)
     name = checkpoint_name(0)
     a, b = torch.randn(256, 1024), torch.randn(1024, 1024) / 32
     results: dict[str, list[float]] = {}
@@ -105,7 +110,7 @@ def bench_slowdown(root: str, size: int, rate: float, rounds: int) -> dict[str, 
             record(label, during)
             results.setdefault(f"{label}_copy_s", []).append(copy_s)
             record("baseline", _step_loop(a, b, steps=20))  # ...and after
-            unpublish(LocalStore(target_root), name)
+            unpublish_checkpoint(LocalStore(target_root), name)
             shutil.rmtree(target_root, ignore_errors=True)
     return {key: statistics.median(values) for key, values in results.items()}
 
@@ -181,7 +186,9 @@ def _recover(root: str, first: str, size: int, rate_mb: float) -> tuple[float, f
     return elapsed, float(resume_s), float(cpu_s), path
 
 
-def bench_recovery(root: str, size: int, rate_mb: float, rounds: int) -> dict[str, float]:
+def bench_recovery(
+    root: str, size: int, rate_mb: float, rounds: int, parts: int | str = 1
+) -> dict[str, float]:
     from koochak.loop.checkpoint import build_checkpoint, checkpoint_name, save
     from koochak.loop.checkpoint.tiers import replicate_checkpoint
     from koochak.storage.store import LocalStore
@@ -190,7 +197,7 @@ def bench_recovery(root: str, size: int, rate_mb: float, rounds: int) -> dict[st
     model = make_model(size)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)  # stateless: the weights dominate
     ckpt = build_checkpoint(step=9, next_step=10, model=model, optimizer=optimizer)
-    save(ckpt, fast)
+    save(ckpt, fast, parts=parts)
     del ckpt, model, optimizer
     replicate_checkpoint(LocalStore(fast), LocalStore(os.path.join(root, "durable")),
                          checkpoint_name(9))  # fmt: skip
@@ -216,21 +223,35 @@ def main() -> None:
     parser.add_argument("--rate-mb", type=float, default=100.0, help="durable store MB/s")
     parser.add_argument("--ckpt-every", type=int, default=100, help="steps between checkpoints")
     parser.add_argument("--dir", default=None, help="directory on the disk to measure")
+    parser.add_argument("--parts", default="1", help="checkpoint parts: 1 (one file), N or auto")
+    parser.add_argument("--skip", choices=("slowdown", "recovery"), default=None)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)
     parser.add_argument("--first", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.size = parse_size(str(args.size))
+    args.parts = args.parts if args.parts == "auto" else int(args.parts)
     if args.child:
         child(args)
         return
+    slow = recovery = None
     with tempfile.TemporaryDirectory(dir=args.dir) as root:
-        slow = bench_slowdown(os.path.join(root, "slowdown"), args.size, args.rate_mb * 1e6,
-                              args.rounds)  # fmt: skip
-        recovery = bench_recovery(os.path.join(root, "recovery"), args.size, args.rate_mb,
-                                  args.rounds)  # fmt: skip
-    print(f"checkpoint {args.size / 2**20:.0f} MiB, {args.rounds} rounds (medians), "
-          f"durable store {args.rate_mb:.0f} MB/s, load average {os.getloadavg()[0]:.1f}")  # fmt: skip
+        if args.skip != "slowdown":
+            slow = bench_slowdown(os.path.join(root, "slowdown"), args.size, args.rate_mb * 1e6,
+                                  args.rounds, args.parts)  # fmt: skip
+        if args.skip != "recovery":
+            recovery = bench_recovery(os.path.join(root, "recovery"), args.size, args.rate_mb,
+                                      args.rounds, args.parts)  # fmt: skip
+    print(f"checkpoint {args.size / 2**20:.0f} MiB in parts={args.parts}, {args.rounds} rounds "
+          f"(medians), durable store {args.rate_mb:.0f} MB/s, "
+          f"load average {os.getloadavg()[0]:.1f}")  # fmt: skip
+    if slow is not None:
+        _report_slowdown(slow, args.ckpt_every)
+    if recovery is not None:
+        _report_recovery(recovery, args.rate_mb)
+
+
+def _report_slowdown(slow: dict[str, float], every: int) -> None:
     base, base_cpu = slow["baseline"], slow["baseline_cpu"]
     print(f"step time, nothing replicating:          {base * 1e3:8.1f} ms  "
           f"(training thread's CPU {base_cpu * 1e3:.1f} ms)")  # fmt: skip
@@ -240,20 +261,22 @@ def main() -> None:
               f"{ratio:5.3f}x  (CPU {slow[label + '_cpu'] * 1e3:.1f} ms, "
               f"{slow[label + '_cpu'] / base_cpu:5.3f}x; copy {slow[label + '_copy_s']:.1f} s; "
               "target <= 1.05x)")  # fmt: skip
-    first, durable = recovery["first"], recovery["durable"]
-    print(f"recovery, process start -> first resumed step, first tier: {first:7.1f} s  "
-          f"(after imports: {recovery['first_resume']:.1f} s; CPU {recovery['first_cpu']:.1f} s)")  # fmt: skip
-    print(f"recovery from the durable store ({args.rate_mb:.0f} MB/s):          {durable:7.1f} s  "
-          f"(after imports: {recovery['durable_resume']:.1f} s; CPU {recovery['durable_cpu']:.1f} s)")  # fmt: skip
-    print(f"  -> first tier {durable / first:4.1f}x faster from process start, "
-          f"{recovery['durable_resume'] / recovery['first_resume']:4.1f}x after imports "
-          "(target >= 5x)")  # fmt: skip
     behind = slow["throttled_copy_s"] / base  # steps the durable tier trails by, at this step time
-    every = args.ckpt_every
     print(f"steps lost per failure (checkpoint every {every} steps, {base * 1e3:.0f} ms/step): "
           f"process failure ~{every / 2:.0f} on average, at most {every}; node failure (first "
           f"tier lost) ~{every / 2 + behind:.0f} on average, at most {every + behind:.0f} "
           f"(the durable tier trails by {behind:.0f} steps)")  # fmt: skip
+
+
+def _report_recovery(recovery: dict[str, float], rate_mb: float) -> None:
+    first, durable = recovery["first"], recovery["durable"]
+    print(f"recovery, process start -> first resumed step, first tier: {first:7.1f} s  "
+          f"(after imports: {recovery['first_resume']:.1f} s; CPU {recovery['first_cpu']:.1f} s)")  # fmt: skip
+    print(f"recovery from the durable store ({rate_mb:.0f} MB/s):          {durable:7.1f} s  "
+          f"(after imports: {recovery['durable_resume']:.1f} s; CPU {recovery['durable_cpu']:.1f} s)")  # fmt: skip
+    print(f"  -> first tier {durable / first:4.1f}x faster from process start, "
+          f"{recovery['durable_resume'] / recovery['first_resume']:4.1f}x after imports "
+          "(target >= 5x)")  # fmt: skip
 
 
 if __name__ == "__main__":
