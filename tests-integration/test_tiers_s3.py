@@ -2,7 +2,7 @@
 
 A training run commits each checkpoint in a local first tier and replicates it to S3 in the
 background; the S3 tier then holds every checkpoint committed by the first tier's manifest,
-byte for byte. With the first tier gone (requeued onto another node) the run resumes from S3,
+byte for byte, in one file or in parts. With the first tier gone (requeued onto another node) the run resumes from S3,
 pulls the checkpoint back into a new first tier and ends where an uninterrupted run ends.
 """
 
@@ -30,7 +30,7 @@ def s3_tier(local_s3, monkeypatch):
         store.delete(info.key)
 
 
-def _run(first, replica, max_steps, **kwargs):
+def _run(first, replica, max_steps, parts=1, **kwargs):
     from koochak.loop import training_loop
 
     torch.manual_seed(0)
@@ -52,24 +52,31 @@ def _run(first, replica, max_steps, **kwargs):
         train_cfg={"max_steps": max_steps, "log_every": 100, "device": "cpu",
                    "out_dir": str(first), "ckpt_every": 2, "keep_last_k": 2,
                    "progress_bar": False, "checkpoint_replicas": [replica],
-                   "checkpoint_replication_retry_s": 0},
+                   "checkpoint_replication_retry_s": 0, "checkpoint_parts": parts},
         **kwargs,
     )  # fmt: skip
 
 
-def test_an_s3_replica_holds_every_commit_and_a_run_resumes_from_it(tmp_path, s3_tier):
-    from koochak.loop.checkpoint import resolve_auto_resume
+@pytest.mark.parametrize("parts", [1, 2])
+def test_an_s3_replica_holds_every_commit_and_a_run_resumes_from_it(tmp_path, s3_tier, parts):
+    from koochak.loop.checkpoint import checkpoint_objects, resolve_auto_resume
     from koochak.storage import LocalStore, open_store
     from koochak.storage.artifact import published_candidates, read_manifest
 
     announced: list = []
     hooks = {"on_checkpoint": [lambda info: announced.append(info["path"])]}
-    _run(tmp_path / "node-a", s3_tier, 4, hooks=hooks)
+    _run(tmp_path / "node-a", s3_tier, 4, parts, hooks=hooks)
     s3, first = open_store(s3_tier), LocalStore(tmp_path / "node-a")
     names = [name for _, name in published_candidates(s3, r"step(\d{9})\.pt")]
     assert names == ["step000000004.pt", "step000000001.pt"]  # keep_last_k=2 there too
     for name in names:
         assert read_manifest(s3, name)[1] == read_manifest(first, name)[1]
+        objects = checkpoint_objects(s3, name)  # parts (if any), the object, its manifest
+        assert objects == checkpoint_objects(first, name) and len(objects) == 2 + (parts > 1) * 2
+    # Pruned there with every part: only the kept checkpoints' objects remain.
+    assert sorted(i.key for i in s3.list()) == sorted(
+        key for name in names for key in checkpoint_objects(s3, name)
+    )
     # on_checkpoint names the S3 tier (no local path there, so a location/key reference).
     assert announced == [f"{s3_tier}/step000000001.pt", f"{s3_tier}/step000000004.pt"]
 
@@ -77,7 +84,7 @@ def test_an_s3_replica_holds_every_commit_and_a_run_resumes_from_it(tmp_path, s3
     tiers = [tmp_path / "node-b", s3_tier]
     path, ckpt = resolve_auto_resume(tiers)
     assert path == f"{s3_tier}/step000000004.pt" and ckpt["next_step"] == 4
-    resumed = _run(tmp_path / "node-b", s3_tier, 8, resume="auto", checkpoint_dict=ckpt,
+    resumed = _run(tmp_path / "node-b", s3_tier, 8, parts, resume="auto", checkpoint_dict=ckpt,
                    auto_resume_path=path, start=4)  # fmt: skip
     straight = _run(tmp_path / "straight", str(tmp_path / "straight-durable"), 8)
     assert torch.equal(resumed["model"]["weight"], straight["model"]["weight"])
