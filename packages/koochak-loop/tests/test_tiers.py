@@ -252,6 +252,42 @@ def test_a_save_waits_while_a_tier_is_max_lag_checkpoints_behind(tmp_path):
         replicator.close()
 
 
+def test_a_tier_copying_from_the_first_tier_does_not_hold_back_another_tiers_pruning(tmp_path):
+    first = LocalStore(tmp_path / "first")
+    gate, copying = threading.Event(), threading.Event()
+
+    class Slow(_GatedStore):
+        def put(self, key, data, **expected):
+            copying.set()
+            return super().put(key, data, **expected)
+
+    slow = Slow(tmp_path / "slow", gate)
+    small = LocalStore(tmp_path / "small")
+    replicator = Replicator(first, [ReplicaTier(1, slow, None), ReplicaTier(2, small, 1)],
+                            first_keep_last_k=None, retry_s=0)  # fmt: skip
+    try:
+        _publish_first(first, 0)
+        replicator.submit(_name(0))
+        assert copying.wait(30)  # tier 1 is copying step 0 from the first tier, and waits
+        _publish_first(first, 1)
+        replicator.submit(_name(1))
+        events = []
+        for _ in range(3000):  # until tier 2 reports step 1's commit (made after its pruning)
+            events += replicator.take_events()
+            if any((e.status, e.name, e.tier) == ("committed", _name(1), 2) for e in events):
+                break
+            threading.Event().wait(0.01)
+        assert [t.index for t in replicator.committed_in(_name(1))] == [2]
+        # Tier 2 keeps 1: step 0 goes although tier 1 still reads it, from another tier.
+        assert _committed(tmp_path / "small") == [_name(1)]
+        gate.set()
+        replicator.settle(_name(1), everywhere=True)
+        assert _committed(tmp_path / "slow") == [_name(0), _name(1)]
+    finally:
+        gate.set()
+        replicator.close()
+
+
 def test_a_failing_tier_is_retried_without_holding_training_up(tmp_path):
     first = LocalStore(tmp_path / "first")
 

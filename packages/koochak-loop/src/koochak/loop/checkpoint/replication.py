@@ -96,6 +96,7 @@ class _Lane:
     tier: ReplicaTier
     queue: deque[str] = field(default_factory=deque)  # names to copy, oldest first
     busy: str | None = None  # the name being copied
+    source: Store | None = None  # the tier it is read from (the first, else a replica)
     committed: set[str] = field(default_factory=set)  # names known committed here
     scanned: bool = False  # compared with the first tier yet
     failures: int = 0  # consecutive failed attempts
@@ -327,6 +328,7 @@ class Replicator:
                         break
                 name = lane.queue[0] if lane.scanned else None
                 lane.busy = name
+                lane.source = self.first  # the first source tried (see _copy)
             if name is None:
                 self._attempt(lane, None, self._scan)
             else:
@@ -384,6 +386,8 @@ class Replicator:
             ]
         error: Exception | None = None
         for source in sources:
+            with self._cond:
+                lane.source = source  # retention leaves ``name`` alone there meanwhile
             try:
                 return replicate_checkpoint(source, lane.tier.store, name)
             except artifact.InvalidArtifact:
@@ -397,6 +401,7 @@ class Replicator:
     def _done(self, lane: _Lane, name: str, result: Replicated | None, seconds: float) -> None:
         store = lane.tier.store
         with self._cond:
+            source, lane.source = lane.source, None  # the copy reads nothing any more
             if lane.queue and lane.queue[0] == name:
                 lane.queue.popleft()
             lane.failures = 0
@@ -407,6 +412,10 @@ class Replicator:
             # the run) must not exit in the middle of a prune.
             self._prune_tier(lane)
             self._prune_first()
+        # A replica this copy read from left ``name`` alone meanwhile: its retention, now.
+        for other in self._lanes:
+            if other is not lane and other.tier.store is source:
+                self._prune_tier(other)
         with self._cond:
             lane.busy = None
             committed_at = self._committed_at.get(name)
@@ -441,7 +450,7 @@ class Replicator:
     def _failed(self, lane: _Lane, name: str | None, exc: Exception) -> None:
         store = lane.tier.store
         with self._cond:
-            lane.busy = None
+            lane.busy = lane.source = None
             lane.failures += 1
             if self._exiting:
                 delay = self.retry_s
@@ -495,8 +504,8 @@ class Replicator:
             if key in spared:
                 continue
             with self._cond:
-                if any(other.busy == key for other in self._lanes):
-                    continue  # another tier copies it from here
+                if any(other.busy == key and other.source is store for other in self._lanes):
+                    continue  # another tier copies it from here (pruned once that copy ends)
                 unpublish_checkpoint(store, key)
                 lane.committed.discard(key)
 
@@ -512,7 +521,7 @@ class Replicator:
             for _, key in candidates[self.first_keep :]:
                 if key in spared:
                     continue
-                if any(lane.busy == key for lane in self._lanes):
+                if any(lane.busy == key and lane.source is self.first for lane in self._lanes):
                     continue  # a tier copies it from here right now
                 durable = any(key in lane.committed for lane in self._lanes)
                 if not durable and not self.prune_unreplicated:
