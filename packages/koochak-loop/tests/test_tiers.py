@@ -382,6 +382,30 @@ def test_a_tier_far_behind_drops_what_its_retention_would_prune_at_once(tmp_path
         replicator.close()
 
 
+def test_a_tier_far_behind_still_copies_the_best_checkpoint(tmp_path):
+    first = LocalStore(tmp_path / "first")
+    gate = threading.Event()
+    slow = _GatedStore(tmp_path / "slow", gate)
+
+    def spare(store, names):  # keep_best_k: step 1 is the best
+        return {name for name in names if name == _name(1)}
+
+    replicator = Replicator(first, [ReplicaTier(1, slow, 2)], first_keep_last_k=None,
+                            max_lag=100, retry_s=0, spare=spare)  # fmt: skip
+    try:
+        for step in range(6):
+            _publish_first(first, step)
+            replicator.submit(_name(step))
+        gate.set()
+        replicator.settle(_name(5), everywhere=True)
+        dropped = {e.name for e in replicator.take_events() if e.status == "dropped"}
+        assert _name(1) not in dropped and dropped
+        assert _committed(tmp_path / "slow") == [_name(1), _name(4), _name(5)]
+    finally:
+        gate.set()
+        replicator.close()
+
+
 def test_a_new_run_replicates_what_an_earlier_attempt_left_behind(tmp_path):
     first = LocalStore(tmp_path / "first")
     replica = LocalStore(tmp_path / "replica")

@@ -479,9 +479,16 @@ class Replicator:
         if keep is None:
             return
         head = 1 if lane.busy is not None else 0  # the one being copied stays
-        while len(lane.queue) - head > keep:
-            dropped = lane.queue[head]
-            del lane.queue[head]
+        waiting = list(lane.queue)[head:]
+        if len(waiting) <= keep:
+            return
+        # The best by keep_best_k stay queued too: retention spares them on arrival (the best of
+        # what waits; the tier's own pruning then judges among everything it holds).
+        spared = self._spare(self.first, waiting) if self._spare is not None else set()
+        for dropped in waiting[:-keep]:
+            if dropped in spared:
+                continue
+            lane.queue.remove(dropped)
             log.warning("%s is %d checkpoints behind: %s will not be replicated there "
                         "(keep_last_k=%d newer ones are waiting)",
                         describe_tier(lane.tier.index, lane.tier.store), len(lane.queue) + 1,
