@@ -26,6 +26,12 @@ Checks (one function each, in this order):
   and the continuation is bit-identical to an uninterrupted run (dropout draws on the CUDA RNG).
 - ``throughput``: samples ("tokens", one per row) per second of ``training_loop`` against a
   hand-written CUDA loop on a small MLP, measured in the same run; reported as a ratio.
+- ``fsdp``: ``train.fsdp`` on a 1-rank NCCL world (the CPU suite uses gloo): a model of residual
+  ``Block`` modules sharded per block trains like the unsharded run (grad accumulation, clipping,
+  EMA), with ``cpu_offload`` too, and a CPU value reduced over NCCL comes back; bf16 mixed
+  precision trains; under ``train.amp: fp16`` an injected inf loss makes the ShardedGradScaler
+  skip that update; a checkpoint resumes bit-identically to an uninterrupted run, both handed
+  over as a dict and found by ``resume="auto"`` (the collective sharded read onto the GPU).
 """
 
 from __future__ import annotations
@@ -480,6 +486,123 @@ def check_throughput(out: Path, steps: int = 300, repeats: int = 3) -> dict[str,
     }
 
 
+class _Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+def _blocks(seed: int, width: int = 64) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, width), _Block(width), _Block(width), nn.Linear(width, 8))
+
+
+def check_fsdp(out: Path) -> dict[str, Any]:
+    """FSDP2 with NCCL on one GPU: like unsharded, mixed precision, fp16 skip, exact resume."""
+    device = _cuda()
+    import torch.distributed as torch_dist
+
+    out.mkdir(parents=True, exist_ok=True)
+    created = not torch_dist.is_initialized()
+    if created:  # a 1-rank world of our own; a launcher's group would be used as it is
+        torch_dist.init_process_group(
+            "nccl", init_method=f"file://{out / 'rendezvous'}", rank=0, world_size=1
+        )
+    try:
+        gen = torch.Generator().manual_seed(3)
+        data = [(torch.randn(32, 16, generator=gen), torch.randn(32, 8, generator=gen))
+                for _ in range(12)]  # fmt: skip
+        fsdp = {"enabled": True, "shard_modules": lambda m: isinstance(m, _Block)}
+        common = {"grad_accum": 2, "grad_clip": 0.5, "ema": {"decay": 0.9}}
+
+        def run(
+            name: str, max_steps: int = 6, resume: Any = None, start: int = 0, **train: Any
+        ) -> dict[str, Any]:
+            """``resume``: a checkpoint dict, or "auto" (the loop's collective sharded lookup
+            in ``out/name``, which reads each slab straight onto the GPU)."""
+            from koochak.loop import training_loop
+            from koochak.loop.fsdp import full
+
+            start = resume.get("next_step", 0) if isinstance(resume, dict) else start
+            return full(
+                training_loop(  # under FSDP it returns DTensors: gather them
+                    model=_blocks(1).to(device),
+                    dataset=data[start * 2 :],
+                    step_fn=_mse_step,
+                    optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
+                    train_cfg=_cfg(out / name, max_steps=max_steps, **{**common, **train}),
+                    checkpoint_dict=resume if isinstance(resume, dict) else None,
+                    resume=resume if isinstance(resume, str) else None,
+                )
+            )
+
+        plain = run("plain")
+        sharded = run("sharded", fsdp=fsdp)
+        diff = _max_diff(plain["model"], sharded["model"])
+        _expect(diff < 1e-5, f"fsdp: sharded run differs from the unsharded one by {diff}")
+        bf16 = run("bf16", fsdp={**fsdp, "mixed_precision": "bf16"})
+        _expect(all(torch.isfinite(t).all() for t in bf16["model"].values()), "fsdp: bf16 NaN")
+
+        skipped: list[float] = []
+
+        def inf_at_2(model: nn.Module, batch: Any, ctx: Any) -> dict[str, torch.Tensor]:
+            out = _mse_step(model, batch, ctx)
+            return {"loss": out["loss"] * float("inf")} if ctx.step == 2 else out
+
+        from koochak.loop import training_loop
+
+        scaled = training_loop(
+            model=_blocks(1).to(device), dataset=data, step_fn=inf_at_2,
+            optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
+            train_cfg=_cfg(out / "fp16", max_steps=4, amp="fp16",
+                           fsdp={**fsdp, "mixed_precision": "fp16"}),
+            hooks={"on_step_end": [lambda info: skipped.append(info["step"])]},
+        )  # fmt: skip
+        _expect(scaled["scaler"] is not None and scaled["scaler"]["scale"] < 65536.0,
+                "fsdp: the ShardedGradScaler did not lower its scale after an inf loss")  # fmt: skip
+
+        offloaded = run("offload", fsdp={**fsdp, "cpu_offload": True})
+        offload_diff = _max_diff(plain["model"], offloaded["model"])
+        _expect(offload_diff < 1e-5,
+                f"fsdp: cpu_offload run differs from the unsharded one by {offload_diff}")  # fmt: skip
+        from koochak.loop.fsdp import ShardReduction
+
+        # An offloaded shard's norm lives on the CPU; NCCL reduces it on the GPU and hands it back.
+        reduced = ShardReduction(device).sum(torch.tensor([2.0]))
+        _expect(reduced.device.type == "cpu" and float(reduced) == 2.0,
+                f"fsdp: a CPU value reduced over NCCL came back as {reduced}")  # fmt: skip
+
+        whole = run("whole", fsdp=fsdp, ckpt_every=3)
+        run("split", max_steps=3, fsdp=fsdp)
+        from koochak.loop.checkpoint import resolve_auto_resume
+
+        found = resolve_auto_resume(out / "split")
+        _expect(found is not None, "fsdp: no checkpoint published")
+        assert found is not None
+        import shutil
+
+        shutil.copytree(out / "split", out / "split_auto", symlinks=True)
+        resumed = run("split", fsdp=fsdp, resume=found.checkpoint)
+        exact = _max_diff(whole["model"], resumed["model"])
+        _expect(exact == 0.0, f"fsdp: resumed weights differ from uninterrupted by {exact}")
+        auto = run("split_auto", fsdp=fsdp, resume="auto", start=found.checkpoint["next_step"])
+        auto_exact = _max_diff(whole["model"], auto["model"])
+        _expect(auto_exact == 0.0,
+                f"fsdp: resume='auto' weights differ from uninterrupted by {auto_exact}")  # fmt: skip
+        return {"max_diff_vs_unsharded": diff, "cpu_offload_diff": offload_diff,
+                "resume_diff": exact, "auto_resume_diff": auto_exact,
+                "fp16_scale_after_inf": float(scaled["scaler"]["scale"])}  # fmt: skip
+    finally:
+        if created:
+            torch_dist.destroy_process_group()
+
+
 CHECKS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "amp": check_amp,
     "prefetch": check_prefetch,
@@ -487,6 +610,7 @@ CHECKS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "health": check_health,
     "checkpoint": check_checkpoint,
     "throughput": check_throughput,
+    "fsdp": check_fsdp,
 }
 
 

@@ -47,12 +47,34 @@ RCLONE_MNT="$DIR/mnt/rclone"
 say() { echo "local_s3: $*" >&2; }
 die() { say "$*"; exit 1; }
 
-running() {  # running <pidfile>: the pid in it is alive
-  [[ -s "$1" ]] && kill -0 "$(cat "$1")" 2>/dev/null
+running() {  # running <pidfile>: the pid in it is alive and still one of ours (a pid file left
+  # by a killed run may name a pid the system has since given to something else)
+  local pid
+  [[ -s "$1" ]] && pid="$(cat "$1")" && kill -0 "$pid" 2>/dev/null &&
+    tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qE 'moto_server|rclone serve s3'
 }
 
 mounted() {  # mounted <dir>: a FUSE file system is mounted exactly there
   grep -qsF " $1 fuse." /proc/mounts
+}
+
+answering() {  # answering <dir>: mounted, and its daemon answers (a killed daemon leaves a mount
+  # whose every access fails with "Transport endpoint is not connected")
+  mounted "$1" && timeout 10 stat -- "$1" >/dev/null 2>&1
+}
+
+unmount() {  # unmount <dir>: detach the mount there, even a dead one
+  fusermount3 -uz "$1" 2>/dev/null || fusermount -uz "$1" 2>/dev/null || umount -l "$1"
+}
+
+clear_dead_mounts() {  # a previous run's daemons may be gone while their mounts remain
+  local mnt
+  for mnt in "$S3FS_MNT" "$RCLONE_MNT"; do
+    if mounted "$mnt" && ! answering "$mnt"; then
+      say "detaching $mnt: its daemon is gone"
+      unmount "$mnt" || die "cannot detach the dead mount at $mnt"
+    fi
+  done
 }
 
 install() {
@@ -120,6 +142,7 @@ EOF
 
 start() {
   install
+  clear_dead_mounts
   write_configs
   if ! running "$DIR/moto.pid"; then
     setsid "$VENV/bin/moto_server" -H "$HOST" -p "$PORT" >"$DIR/log/moto.log" 2>&1 &
@@ -144,7 +167,7 @@ start() {
       --log-file "$DIR/log/rclone-mount.log" || die "rclone mount failed; see $DIR/log/rclone-mount.log"
   fi
   local deadline=$((SECONDS + 20))
-  until mounted "$S3FS_MNT" && mounted "$RCLONE_MNT"; do
+  until answering "$S3FS_MNT" && answering "$RCLONE_MNT"; do
     ((SECONDS < deadline)) || die "the mounts did not appear; see $DIR/log/"
     sleep 0.2
   done
@@ -154,7 +177,7 @@ start() {
 stop() {
   local mnt name
   for mnt in "$S3FS_MNT" "$RCLONE_MNT"; do
-    if mounted "$mnt"; then fusermount3 -u "$mnt" 2>/dev/null || umount -l "$mnt" || true; fi
+    if mounted "$mnt"; then unmount "$mnt" || true; fi
   done
   for name in nocond moto; do
     if running "$DIR/$name.pid"; then
@@ -170,8 +193,8 @@ status() {  # exit 0 only when both servers run and both mounts are up
   if running "$DIR/moto.pid"; then echo "moto: running on $ENDPOINT"; else echo "moto: stopped"; ok=1; fi
   if running "$DIR/nocond.pid"; then echo "rclone serve s3: running on $NOCOND_ENDPOINT"
   else echo "rclone serve s3: stopped"; ok=1; fi
-  if mounted "$S3FS_MNT"; then echo "s3fs: mounted at $S3FS_MNT"; else echo "s3fs: not mounted"; ok=1; fi
-  if mounted "$RCLONE_MNT"; then echo "rclone mount: mounted at $RCLONE_MNT"
+  if answering "$S3FS_MNT"; then echo "s3fs: mounted at $S3FS_MNT"; else echo "s3fs: not mounted"; ok=1; fi
+  if answering "$RCLONE_MNT"; then echo "rclone mount: mounted at $RCLONE_MNT"
   else echo "rclone mount: not mounted"; ok=1; fi
   return "$ok"
 }

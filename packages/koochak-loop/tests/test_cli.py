@@ -44,6 +44,15 @@ def broken_step(model, batch, ctx):
     raise RuntimeError("user code exploded")
 
 
+def exiting_step(model, batch, ctx):
+    import os
+    import sys
+
+    if ctx.step == 2:
+        sys.exit(int(os.environ.get("USER_EXIT_CODE", "0")) or None)
+    return step_fn(model, batch, ctx)
+
+
 def make_optimizer(model, cfg):
     return torch.optim.SGD(model.parameters(), lr=cfg.model.factory_lr)
 
@@ -329,6 +338,19 @@ def test_training_failure_exit_1_and_debug_shows_traceback(project, capsys):
     assert len(err.strip().splitlines()) == 1
     with pytest.raises(RuntimeError, match="user code exploded"):
         main([*args, "--debug"])
+
+
+@pytest.mark.parametrize(("user_code", "expected"), [("0", 1), ("3", 3)])
+def test_sys_exit_in_the_training_code_is_never_a_silent_success(
+    project, capsys, monkeypatch, user_code, expected
+):
+    root, name, config = project
+    monkeypatch.setenv("USER_EXIT_CODE", user_code)
+    args = ["--config", str(config), f"entry.step={name}:exiting_step", "--resume", "none"]
+    assert main(args) == expected
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "called sys.exit(" in err[0] and "StopTraining" in err[0]
+    assert not list((root / "run").glob("step*.pt"))  # no terminal checkpoint pretends it ended
 
 
 @pytest.mark.slow

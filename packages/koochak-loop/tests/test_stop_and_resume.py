@@ -69,6 +69,19 @@ def test_a_hook_ends_the_run_normally_with_a_stopped_checkpoint(tmp_path, capsys
     assert (again["step"], again["reason"]) == (4, "stopped") and evals == [1, 3]
 
 
+def test_sys_exit_in_a_hook_is_a_failure_the_hooks_hear_of(tmp_path):
+    failures = []
+
+    def leave(info):
+        if info["step"] == 3:
+            sys.exit(0)
+
+    with pytest.raises(SystemExit):
+        _run(tmp_path, {"on_step_end": [leave], "on_exception": [failures.append]})
+    assert [type(f["exception"]) for f in failures] == [SystemExit]
+    assert resolve_auto_resume(tmp_path) is None  # no terminal checkpoint claims the run ended
+
+
 def test_stop_from_on_log_and_on_step_end_too(tmp_path):
     def budget(info):
         if info["step"] >= 5:  # on_step_end sees every update, on_log every second one

@@ -167,6 +167,15 @@ def test_bad_replica_lists_are_refused_naming_the_entry(tmp_path, value, message
         load_config(None, ["train.checkpoint_replication_max_lag=0"])
 
 
+def test_replicas_with_fsdp_are_refused_until_sharded_saves_replicate(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(
+        json.dumps({"train": {"checkpoint_replicas": ["/a"], "fsdp": {"enabled": True}}})
+    )
+    with pytest.raises(ConfigError, match="sharded checkpoints are not replicated"):
+        load_config(path)
+
+
 # ------------------------------------------------------------------ one checkpoint between tiers
 
 

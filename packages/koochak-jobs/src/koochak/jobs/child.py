@@ -111,16 +111,6 @@ def _die_with_runner() -> Callable[[], None] | None:
     return preexec
 
 
-def _group_alive(group: int) -> bool:
-    try:
-        os.killpg(group, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _process_table() -> dict[int, tuple[str, int]] | None:
     """``pid -> (state, parent pid)`` for every process, from ``/proc``; None without it."""
     try:

@@ -23,6 +23,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, NoReturn
 
 from koochak.loop.checkpoint import checkpoint_store, resolve_auto_resume
@@ -35,7 +36,8 @@ from koochak.loop.config import (
     to_container,
 )
 from koochak.loop.dist import exit_distributed_process
-from koochak.loop.evacuation import make_evacuation
+from koochak.loop.evacuation import Evacuated, make_evacuation
+from koochak.loop.health import GpuUnhealthy
 from koochak.loop.logging.wandb_logger import check_restart_settings
 from koochak.loop.masking import mask_text, masked_output, masking_active
 from koochak.loop.scruffy_exit import checkpoint_exit_code
@@ -234,7 +236,19 @@ def _scruffy_hooks() -> dict[str, list[Callable[[dict[str, Any]], None]]]:
 def _find_resume(cfg: DictConfig, mode: str) -> tuple[str | None, dict[str, Any] | None]:
     if mode != "auto":
         return None, None
-    found = resolve_auto_resume(checkpoint_locations(cfg.train))  # every tier
+    location = str(cfg.train.checkpoint_dir or cfg.train.out_dir)
+    if cfg.train.fsdp.enabled:
+        # Every rank verifies a share of the parts and later reads only its own shards: that
+        # needs the process group now (training_loop then uses the same one).
+        from koochak.loop.checkpoint.resume import resume_checkpoint
+        from koochak.loop.config import resolve_train_config
+        from koochak.loop.ddp import setup_ddp
+        from koochak.loop.device import get_device
+
+        setup_ddp(resolve_train_config(cfg.train), get_device(str(cfg.train.device)))
+        found = resume_checkpoint("auto", location, sharded=True)  # first tier only
+    else:
+        found = resolve_auto_resume(checkpoint_locations(cfg.train))  # every tier
     return (None, None) if found is None else (str(found[0]), found[1])
 
 
@@ -245,7 +259,7 @@ def _check_launch(cfg: DictConfig) -> None:
     from koochak.loop.dist import check_launch_environment
 
     get_device(str(cfg.train.device))
-    if cfg.train.ddp:
+    if cfg.train.ddp or cfg.train.fsdp.enabled:
         check_launch_environment()
     for location in checkpoint_locations(cfg.train):
         checkpoint_store(location)
@@ -253,8 +267,7 @@ def _check_launch(cfg: DictConfig) -> None:
 
 def _prepare(args: argparse.Namespace) -> dict[str, Any]:
     """Everything up to the call of training_loop; any error here is a usage error (exit 2)."""
-    import torch
-    from koochak.loop.optim import build_optimizer, build_scheduler
+    from koochak.loop.optim import build_scheduler
     from koochak.loop.seed import set_all_seeds
 
     cfg, report = load_config_with_report(args.config, args.overrides)
@@ -284,18 +297,17 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
     if checkpoint is not None and cfg.wandb.enabled and cfg.wandb.mode != "disabled":
         check_restart_settings(to_container(cfg.wandb), start_step)
     model = _build("entry.model", entry.model, make_model, cfg)
-    if entry.optimizer:  # the user's factory instead of optim.optimizer
-        make_optimizer = import_entry(entry.optimizer, "entry.optimizer")
-        optimizer = _build("entry.optimizer", entry.optimizer, make_optimizer, model, cfg)
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ConfigError(
-                f"entry.optimizer: {entry.optimizer} returned {type(optimizer).__name__}, not a "
-                "torch.optim.Optimizer; it is called as fn(model, cfg)"
-            )
-    else:
-        optimizer = build_optimizer(model, get_section(cfg, "optim").optimizer)
+    optimizer: Any = _optimizer_for(model, cfg)
     # A resumed run with a longer train.max_steps continues the checkpoint's schedule.
-    scheduler = build_scheduler(optimizer, cfg.optim.scheduler, cfg.train, checkpoint=checkpoint)
+    scheduler: Any = build_scheduler(
+        optimizer, cfg.optim.scheduler, cfg.train, checkpoint=checkpoint
+    )
+    if cfg.train.fsdp.enabled:
+        # Sharding replaces the parameters: training_loop builds both again once it has sharded
+        # (the ones above only proved the sections valid, before any training).
+        optimizer = partial(_optimizer_for, cfg=cfg)
+        scheduler = partial(build_scheduler, cfg=cfg.optim.scheduler, train_cfg=cfg.train,
+                            checkpoint=checkpoint)  # fmt: skip
     return {
         "model": model,
         "dataset": _build(
@@ -318,6 +330,24 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
         "auto_resume_path": resume_path,
         "evacuation": evacuation,
     }
+
+
+def _optimizer_for(model: Any, cfg: DictConfig) -> Any:
+    """``entry.optimizer(model, cfg)`` when the config names one, else ``optim.optimizer``'s."""
+    import torch
+    from koochak.loop.optim import build_optimizer
+
+    entry = get_section(cfg, "entry")
+    if not entry.optimizer:
+        return build_optimizer(model, get_section(cfg, "optim").optimizer)
+    make_optimizer = import_entry(entry.optimizer, "entry.optimizer")
+    optimizer = _build("entry.optimizer", entry.optimizer, make_optimizer, model, cfg)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(
+            f"entry.optimizer: {entry.optimizer} returned {type(optimizer).__name__}, not a "
+            "torch.optim.Optimizer; it is called as fn(model, cfg)"
+        )
+    return optimizer
 
 
 def _fail(prefix: str, exc: BaseException, suffix: str = "", prog: str = "koochak-train") -> None:
@@ -380,6 +410,20 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         training_loop(**kwargs)
+    except SystemExit as exc:
+        if isinstance(exc, (Evacuated, GpuUnhealthy)):
+            raise  # 75 and 79: the codes the launcher and the scheduler act on
+        # sys.exit() in a step_fn or hook: never a silent 0 for a run that did not finish.
+        code = exc.code if isinstance(exc.code, int) and exc.code != 0 else EXIT_TRAINING_FAILED
+        _fail(
+            "training failed: ",
+            RuntimeError(
+                f"the training code called sys.exit({exc.code!r}) before the run finished; no "
+                "terminal checkpoint was saved (raise koochak.loop.hooks.StopTraining to end a run "
+                "with one)"
+            ),
+        )
+        return code
     except ConfigError as exc:  # refused before the first update (a resume that changed the run)
         if args.debug:
             raise

@@ -62,6 +62,23 @@ class EmaConfig:
 
 
 @dataclass(frozen=True)
+class FsdpConfig:
+    enabled: bool = False  # shard parameters, gradients and optimizer state (FSDP2 fully_shard)
+    # Module class names that get their own fully_shard (the root always does); the Python API
+    # also takes a callable (module) -> bool.
+    shard_modules: Any = field(default_factory=list)
+    mixed_precision: str = (
+        "none"  # none | bf16 | fp16: parameters in forward/backward and grad reduction
+    )
+    reshard_after_forward: bool = (
+        True  # free gathered parameters after forward (gather again in backward)
+    )
+    cpu_offload: bool = (
+        False  # keep sharded parameters, gradients and optimizer state in host memory
+    )
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     max_steps: Optional[int] = 1000  # null: run until the dataset is exhausted
     log_every: int = 50
@@ -111,6 +128,7 @@ class TrainConfig:
     reduce_metrics_exclude: list[str] = field(default_factory=list)  # metrics logged as rank 0's
     resume_allow_changes: list[str] = field(default_factory=list)  # config keys a resume may change
     ema: EmaConfig = field(default_factory=EmaConfig)
+    fsdp: FsdpConfig = field(default_factory=FsdpConfig)
 
 
 @dataclass(frozen=True)
@@ -221,6 +239,7 @@ _CHOICES = {
     "train.scheduler_step": ("update", "eval"),
     "train.shard_dataset_mode": ("iterable", "map"),
     "train.shard_eval_dataset_mode": ("iterable", "map"),
+    "train.fsdp.mixed_precision": ("none", "bf16", "fp16"),
     "wandb.mode": ("online", "offline", "disabled"),
     "train.keep_best_mode": ("min", "max"),
     "optim.scheduler.name": ("none", "cosine", "step", "plateau", "cosine_warmup"),
@@ -397,12 +416,37 @@ def _check_values(values: Mapping[str, Any], section: str) -> None:
         )
     if section in ("train.ema", "train.ema.dual"):
         _check_ema(values, section)
+    if section == "train.fsdp" and "shard_modules" in values:
+        _check_shard_modules(values["shard_modules"])
+    fsdp = values.get("fsdp") if section == "train" else None
+    if isinstance(fsdp, Mapping) and fsdp.get("enabled") and values.get("ddp"):
+        raise ConfigError(
+            "train.fsdp.enabled and train.ddp are both true: FSDP already keeps the ranks' "
+            "gradients in step; set train.ddp: false"
+        )
+    if isinstance(fsdp, Mapping) and fsdp.get("enabled") and values.get("checkpoint_replicas"):
+        raise ConfigError(
+            "train.checkpoint_replicas with train.fsdp.enabled: sharded checkpoints are not "
+            "replicated between tiers yet; remove train.checkpoint_replicas (or set "
+            "train.checkpoint_dir to durable storage every rank reaches)"
+        )
     if section == "optim.optimizer" and values.get("param_groups"):
         _check_param_groups(values)
     if section == "train" and values.get("keep_best_k") and not values.get("keep_best_metric"):
         raise ConfigError(
             f"train.keep_best_k={values['keep_best_k']!r} needs train.keep_best_metric, the "
             "metric that ranks checkpoints (e.g. eval_loss, with keep_best_mode: min)"
+        )
+
+
+def _check_shard_modules(value: Any) -> None:
+    """``train.fsdp.shard_modules``: class names (a list of str), or in Python a callable."""
+    if callable(value):
+        return
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(
+            "train.fsdp.shard_modules: expected a list of module class names (e.g. [Block]) or, "
+            f"from Python, a callable (module) -> bool; got {value!r}"
         )
 
 

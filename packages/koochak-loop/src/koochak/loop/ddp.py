@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from koochak.loop import dist
 from koochak.loop.config import TrainConfig, as_train_config
+from koochak.loop.elastic import find_elastic
 
 
 @dataclass(frozen=True)
@@ -32,13 +33,15 @@ class DdpSetup:
 
 
 def setup_ddp(train_cfg: TrainConfig | Mapping[str, Any], device: torch.device) -> DdpSetup:
-    """Initialize the process group if ``train.ddp`` asks for it; returns where this rank runs.
+    """Initialize the process group if ``train.ddp`` (or ``train.fsdp.enabled``) asks for it;
+    returns where this rank runs.
 
     ``train_cfg`` is the train section (a TrainConfig, or a mapping checked into one). On CUDA, a
     device without an index (``cuda``) becomes ``cuda:<LOCAL_RANK>`` and is made the current
     device, so NCCL collectives and ``.cuda()`` calls land on this rank's GPU.
     """
-    if not as_train_config(train_cfg).ddp:
+    cfg = as_train_config(train_cfg)
+    if not (cfg.ddp or cfg.fsdp.enabled):
         return DdpSetup(False, dist.get_rank(), dist.get_world_size(), 0, False, device)
     local_rank = dist.get_local_rank()
     if device.type == "cuda":
@@ -67,13 +70,12 @@ def wrap_model(
 ) -> torch.nn.Module:
     """Wrap in DistributedDataParallel (``train.find_unused_parameters`` passed through).
 
-    A single-rank "DDP" run is left unwrapped: there is nothing to all-reduce.
+    A single-rank "DDP" run is left unwrapped: there is nothing to all-reduce; so is an FSDP run.
     """
-    if not setup.enabled or setup.world_size == 1:
+    cfg = as_train_config(train_cfg)
+    if not setup.enabled or setup.world_size == 1 or cfg.fsdp.enabled:
         return model
-    kwargs: dict[str, Any] = {
-        "find_unused_parameters": as_train_config(train_cfg).find_unused_parameters
-    }
+    kwargs: dict[str, Any] = {"find_unused_parameters": cfg.find_unused_parameters}
     if setup.device.type == "cuda":
         kwargs["device_ids"] = [setup.device.index]
         kwargs["output_device"] = setup.device.index
@@ -92,7 +94,9 @@ def shard_datasets(
         return dataset, eval_dataset
     cfg = as_train_config(train_cfg)
     unsharded: list[str] = []
-    if cfg.shard_dataset:
+    if find_elastic(dataset) is not None:
+        pass  # elastic data deals each rank its slice of every global batch itself
+    elif cfg.shard_dataset:
         dataset = _shard(dataset, cfg.shard_dataset_mode, setup)
     else:
         unsharded.append("train.shard_dataset")
@@ -103,7 +107,8 @@ def shard_datasets(
             unsharded.append("train.shard_eval_dataset")
     if unsharded and setup.rank == 0 and cfg.warn_unsharded:
         warnings.warn(
-            f"DDP with {setup.world_size} ranks but {' and '.join(unsharded)} is false: every "
+            f"{'FSDP' if cfg.fsdp.enabled else 'DDP'} with {setup.world_size} ranks but "
+            f"{' and '.join(unsharded)} is false: every "
             "rank sees the same data unless your dataset shards itself. Set it to true, or "
             "train.warn_unsharded: false to silence this.",
             RuntimeWarning,

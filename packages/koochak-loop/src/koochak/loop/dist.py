@@ -32,6 +32,29 @@ def get_local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
+def is_dtensor(value: object) -> bool:
+    """Whether ``value`` is a DTensor (an FSDP2 parameter, gradient or optimizer state), without
+    importing torch.distributed.tensor: until something has, no DTensor can exist."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: a DTensor's local shard (a view), any other tensor itself."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+
+
+def placed_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``local`` as the shard of a DTensor placed like ``like`` when ``like`` is one (no copy, no
+    communication), else ``local`` itself."""
+    if not is_dtensor(like):
+        return local
+    return type(like).from_local(  # type: ignore[attr-defined]
+        local, like.device_mesh, like.placements, run_check=False,  # type: ignore[attr-defined]
+        shape=like.shape, stride=like.stride(),
+    )  # fmt: skip
+
+
 def is_rank0() -> bool:
     return get_rank() == 0
 
@@ -64,7 +87,8 @@ def exit_distributed_process(code: int) -> NoReturn:
 
 def check_launch_environment() -> None:
     """RuntimeError unless a process group exists or torchrun's variables are set, so
-    ``train.ddp: true`` can be refused before anything is built (the CLI calls it early)."""
+    ``train.ddp: true`` (or ``train.fsdp.enabled``) can be refused before anything is built (the
+    CLI calls it early)."""
     if is_initialized():
         return
     missing = [
@@ -72,7 +96,8 @@ def check_launch_environment() -> None:
     ]
     if missing:
         raise RuntimeError(
-            "train.ddp is true but no process group exists and the environment lacks "
+            "train.ddp (or train.fsdp.enabled) is true but no process group exists and the "
+            "environment lacks "
             f"{', '.join(missing)}; launch with torchrun or call init_process_group yourself"
         )
 

@@ -23,7 +23,10 @@ the power profile, so a thinned shadow follows the same averaging length as an u
 ``offload_to_cpu`` keeps the shadows in (pinned) host memory: each update copies the weights into
 a pinned staging buffer with non-blocking copies and applies them to the shadows at the next
 update or read, by which time the copies have long finished. Under DDP every rank keeps its own
-shadow of its identical weights; no communication is needed.
+shadow of its identical weights; no communication is needed. Under FSDP every rank keeps the
+shadow of its own shard of each parameter (the DTensor's local part), updated the same way; the
+state dict hands the shadows out as DTensors placed like the parameters, and loading takes either
+those or the global tensors of an unsharded checkpoint (each rank copies its slab).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from koochak.loop.config import (
     ema_has_primary,
     ema_profile,
 )
+from koochak.loop.dist import is_dtensor, local_tensor, placed_like
 from koochak.loop.state_dicts import match_state_dict_to_model, unwrap_model
 
 EMA_STATE_VERSION = 1
@@ -275,7 +279,7 @@ class ModelEma:
         state = self.model.state_dict()
         shadow = self.shadows[index]
         for key, slot in zip(self._keys, self._index):
-            state[key] = shadow[slot]
+            state[key] = placed_like(shadow[slot], state[key])  # a sharded weight: its shard
         return state
 
     def state_dict(self) -> dict[str, Any]:
@@ -316,10 +320,16 @@ class ModelEma:
             if missing:
                 raise ValueError(f"{source}: ema shadow {i} lacks model key(s) {missing[:5]}")
         self._pending = None
+        live = self.model.state_dict()
         with torch.no_grad():
             for shadow, entry in zip(self.shadows, saved):
                 for key, slot in zip(self._keys, self._index):
-                    shadow[slot].copy_(entry["state_dict"][key])
+                    value = entry["state_dict"][key]
+                    if is_dtensor(live[key]) and not is_dtensor(value):
+                        from koochak.loop.fsdp import sharded_like  # a global tensor: take my slab
+
+                        value = sharded_like(value, live[key])
+                    shadow[slot].copy_(local_tensor(value))
         self.step, self.updates = int(state["step"]), int(state["updates"])
         self.start_step = int(state["start_step"])
 
@@ -341,7 +351,7 @@ class ModelEma:
 
     def _live(self) -> list[torch.Tensor]:
         # Looked up anew each time: a module may reassign a buffer instead of updating it in place.
-        return [table[name].detach() for table, name in self._slots]
+        return [local_tensor(table[name].detach()) for table, name in self._slots]
 
 
 def _float_slots(

@@ -1,12 +1,12 @@
 """`training_loop`: the one function that owns the repetitive mechanics of training.
 
-It reads in the order it runs. Setup once: device -> [resume lookup] -> [shard] -> start hook ->
-compile -> [DDP] -> [restore]. Then, per update: batch -> micro-steps x grad_accum -> gradient gate
+It reads in the order it runs. Setup once: device -> [resume lookup] -> [shard] -> [FSDP] ->
+optimizer -> start hook -> compile -> [DDP] -> [restore]. Then, per update: batch -> micro-steps x grad_accum -> gradient gate
 -> update (optimizer -> scaler -> [EMA] -> scheduler) -> observe (hooks, log) -> [GPU health] ->
 maybe eval -> maybe save -> [evacuate]. Finally the terminal state is packed into a resume-ready
 checkpoint, saved, and returned. Checkpoint mechanics live in the ``checkpoint`` subpackage
 (``resume`` finds the checkpoint to continue from, ``restore`` puts it back, ``saver`` captures and
-publishes, sync or async); the rest in ``evacuation``, ``health`` and ``ddp``.
+publishes, sync or async); the rest in ``evacuation``, ``health``, ``ddp`` and ``fsdp``.
 
 The user's ``step_fn(model, batch, ctx) -> {"loss": Tensor, ...}`` owns the model semantics.
 Every optional behaviour is a helper call or a hook. On the ordinary path the loop adds no
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from koochak.loop import ddp, dist
+from koochak.loop import ddp, dist, fsdp
 from koochak.loop.batch import to_device
 from koochak.loop.checkpoint.restore import restore_rng, restore_training_state
 from koochak.loop.checkpoint.resume import resume_checkpoint, resume_publication_path
@@ -34,6 +34,7 @@ from koochak.loop.checkpoint.saver import Checkpointer, make_checkpointer
 from koochak.loop.checkpoint.tiers import checkpoint_locations
 from koochak.loop.config import TrainConfig, resolve_train_config
 from koochak.loop.device import get_device, get_lr
+from koochak.loop.elastic import elastic_cursor
 from koochak.loop.ema import ModelEma, make_model_ema
 from koochak.loop.evacuation import Evacuated, EvacuationController, make_evacuation
 from koochak.loop.gradients import apply_gate, check_finite, grads_of, total_norm
@@ -75,7 +76,7 @@ def training_loop(
     model: torch.nn.Module,
     dataset: Iterable[Any],
     step_fn: Callable[[torch.nn.Module, Any, StepContext], Mapping[str, Any]],
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | Callable[[torch.nn.Module], torch.optim.Optimizer],
     scheduler: Any = None,
     train_cfg: Mapping[str, Any] | TrainConfig,
     config_json: Mapping[str, Any] | None = None,
@@ -94,6 +95,10 @@ def training_loop(
     ``dataset`` is any iterable, finite or infinite; it is iterated once (no hidden epochs).
     Returns the resume-ready terminal checkpoint dict (also saved to ``train.checkpoint_dir``).
     See the package README for ``ctx``, the hook events and every ``train`` key.
+
+    ``optimizer`` may be a factory ``model -> Optimizer`` and ``scheduler`` one
+    ``optimizer -> scheduler``, called once the model is on its device (and sharded: with
+    ``train.fsdp`` they must be factories, because sharding replaces the parameters).
 
     ``resume="auto"`` continues from the highest valid published checkpoint in
     ``train.checkpoint_dir`` (else ``out_dir``), or starts at step 0 when there is none; pass the
@@ -114,7 +119,7 @@ def training_loop(
     device, rank, world_size = setup.device, setup.rank, setup.world_size
     tiers = checkpoint_locations(cfg)  # checkpoint_dir (else out_dir), then any replicas
     resume_path, checkpoint_dict = resume_checkpoint(
-        resume, tiers, checkpoint_dict, auto_resume_path
+        resume, tiers, checkpoint_dict, auto_resume_path, sharded=cfg.fsdp.enabled
     ) or (None, None)
     start_step = int(checkpoint_dict["next_step"]) if checkpoint_dict else 0
     if checkpoint_dict is not None:  # the same run, or refuse before anything is built
@@ -122,8 +127,12 @@ def training_loop(
     # A run a hook stopped is over: resuming it trains no further (like one that reached max_steps).
     stopped_before = checkpoint_dict is not None and checkpoint_dict.get("reason") == "stopped"
     raw_model = model.to(device)
+    if cfg.fsdp.enabled:  # parameters become DTensor shards: build the optimizer after this
+        fsdp.shard_model(raw_model, cfg.fsdp, device)
+    optimizer, scheduler = _built(optimizer, scheduler, raw_model, cfg)
     dataset, eval_dataset = ddp.shard_datasets(dataset, eval_dataset, cfg, setup)
-    scaler = Scaler(cfg.amp, device)
+    data_cursor = elastic_cursor(dataset, checkpoint_dict, start_step, cfg.grad_accum)
+    scaler = Scaler(cfg.amp, device, sharded=cfg.fsdp.enabled)
     ctx = StepContext(
         device=device,
         rank=rank,
@@ -165,7 +174,8 @@ def training_loop(
         raw_model.train()
         # What every checkpoint is captured from (live objects: each capture reads them anew).
         parts = {"model": raw_model, "optimizer": optimizer, "scheduler": scheduler,
-                 "scaler": scaler, "ema": ema, "config": _config_of(config_json, cfg)}  # fmt: skip
+                 "scaler": scaler, "ema": ema, "config": _config_of(config_json, cfg),
+                 "data": data_cursor}  # fmt: skip
         checkpoints = make_checkpointer(
             cfg, parts, rank=rank, resumed=checkpoint_dict, started=started,
             on_checkpoint=lambda info: fire("on_checkpoint", info),
@@ -180,6 +190,9 @@ def training_loop(
         step_scheduler = scheduler is not None and cfg.scheduler_step == "update"
         autocast = ctx.autocast if cfg.amp != "none" else None
         step_end_hooks, log_hooks = hooks.get("on_step_end"), hooks.get("on_log")
+        no_sync = _no_sync(train_model, raw_model, cfg)  # skips all but the last micro-step's sync
+        # Sharded gradients: norms and finite checks are taken over every rank's shards.
+        across = fsdp.ShardReduction(device) if cfg.fsdp.enabled and world_size > 1 else None
         # Logged scalars are the mean over ranks (one gather per logging step), unless opted out.
         reduce = (
             frozenset(cfg.reduce_metrics_exclude) | {"step_time_s"}
@@ -200,16 +213,18 @@ def training_loop(
             except StopTraining as request:
                 stop.append(request.reason)
 
-        quiet_ddp = isinstance(train_model, torch.nn.parallel.DistributedDataParallel)
         eval_weights = ema if ema is not None and cfg.ema.eval_with_ema else None
         if cfg.cuda_prefetch:
             batches = cuda_prefetch(dataset, device, prepare_batch_fn)
         else:
             batches = _on_device(dataset, device, prepare_batch_fn)
 
+        # FSDP: free the weights eval gathered (the EMA shadow's, maybe) before training resumes.
+        settle = (lambda: fsdp.reshard(raw_model)) if cfg.fsdp.enabled else None
+
         def evaluate(at: int) -> dict[str, float]:
             metrics = _evaluate(
-                eval_fn, raw_model, eval_dataset, ctx, eval_weights, reduce_eval_set
+                eval_fn, raw_model, eval_dataset, ctx, eval_weights, reduce_eval_set, settle
             )
             fire("on_eval_end", {"step": at, "metrics": metrics})
             return metrics
@@ -232,7 +247,7 @@ def training_loop(
 
             # ---- micro-steps: autocast -> step_fn -> scaled backward, grad_accum times
             pending, batch = _micro_steps(
-                batches, step_fn, train_model, ctx, autocast, scaler, grad_accum, quiet_ddp
+                batches, step_fn, train_model, ctx, autocast, scaler, grad_accum, no_sync
             )
             if batch is _END:
                 optimizer.zero_grad(set_to_none=True)  # a partial update is dropped, not applied
@@ -243,7 +258,7 @@ def training_loop(
             # ---- gradient gate: unscale -> finite check -> clip
             is_check = bool(check_every) and (step + 1) % check_every == 0
             gate, host = _gradient_gate(
-                named_params, scaler, optimizer, outputs, clip, is_log, is_check, step
+                named_params, scaler, optimizer, outputs, clip, is_log, is_check, step, across
             )
 
             # ---- update: optimizer -> scaler -> [EMA] -> scheduler
@@ -328,8 +343,11 @@ def training_loop(
         finished = True
         return checkpoint
     # A GPU-health stop is a failure the hooks must hear of (an evacuation already ended cleanly
-    # through on_train_end).
-    except (Exception, KeyboardInterrupt, GpuUnhealthy) as exc:
+    # through on_train_end), and so is a sys.exit() in the training code: it ends the run without
+    # a terminal checkpoint, unlike StopTraining.
+    except (Exception, KeyboardInterrupt, SystemExit) as exc:
+        if isinstance(exc, Evacuated):
+            raise
         emit(hooks, "on_exception", {"step": step, "exception": exc}, warned=warned)
         if checkpoints is not None:
             checkpoints.close()  # an in-flight publication finishes; the original error stays primary
@@ -360,7 +378,7 @@ def _micro_steps(
     autocast: Callable[[], AbstractContextManager[Any]] | None,
     scaler: Scaler,
     grad_accum: int,
-    quiet_ddp: bool,
+    no_sync: Callable[[], AbstractContextManager[Any]] | None,
 ) -> tuple[Any, Any]:
     """One update's micro-steps: ``(accumulated outputs, last batch)``, or ``(None, _END)`` when
     the data runs out (a partly accumulated update is dropped, with a warning)."""
@@ -378,8 +396,8 @@ def _micro_steps(
                 )
             return None, _END
         ctx.micro_step = micro
-        # Under DDP only the last micro-step all-reduces gradients.
-        with model.no_sync() if quiet_ddp and micro < grad_accum - 1 else _NULL:
+        # Under DDP and FSDP only the last micro-step reduces gradients across ranks.
+        with no_sync() if no_sync is not None and micro < grad_accum - 1 else _NULL:
             out = _micro_step(step_fn, model, batch, ctx, autocast, scaler, grad_accum)
         pending = out if grad_accum == 1 else _accumulate(pending, out, grad_accum)
     return pending, batch
@@ -432,25 +450,29 @@ def _gradient_gate(
     is_log: bool,
     is_check: bool,
     step: int,
+    across: Any = None,
 ) -> tuple[dict[str, float] | None, dict[str, float] | None]:
     """Unscale -> finite check -> clip, when anything needs the gradients' norm.
 
     Returns the gate's metrics and, on logging steps, every logged scalar on the host (read
-    together with the norm, in one device sync).
+    together with the norm, in one device sync). ``across`` makes the norm and checks those of
+    every rank's gradient shards together (FSDP).
     """
     if clip is None and not is_log and not is_check:
         return None, None
     scaler.unscale_(optimizer)
     if is_check and not scaler.enabled:  # under a GradScaler, overflow is a skip
-        check_finite(named_params, step)
-    norm = total_norm(grads_of(named_params))
+        check_finite(named_params, step, across)
+    norm = total_norm(grads_of(named_params), across)
     host: dict[str, float] | None = None
     if is_log:
         host = _to_host(outputs, norm)
         norm_value = host.pop("grad_norm")
     else:
         norm_value = norm.item()
-    gate = apply_gate(named_params, norm_value, max_norm=clip, step=step, allow_skip=scaler.enabled)
+    gate = apply_gate(
+        named_params, norm_value, max_norm=clip, step=step, allow_skip=scaler.enabled, across=across
+    )
     return gate, host
 
 
@@ -558,16 +580,24 @@ def _evaluate(
     ctx: StepContext,
     ema: ModelEma | None = None,
     reduce: Collection[str] | None = None,
+    settle: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """Run ``eval_fn`` under no_grad and eval mode (with ``ema``'s shadow swapped in, if given);
     ``eval_``-prefixed floats. With ``reduce`` (a sharded eval set under DDP) each metric is the
-    mean over ranks weighted by the batches each rank evaluated, except the names in ``reduce``."""
+    mean over ranks weighted by the batches each rank evaluated, except the names in ``reduce``.
+    ``settle`` runs right after ``eval_fn``, before the training weights are swapped back (FSDP:
+    reshard, so the swap sees the shards, and the next forward gathers the training weights
+    rather than reusing the shadow's)."""
     assert eval_fn is not None
     data = CountedBatches(eval_dataset) if reduce is not None else eval_dataset
     model.eval()
     try:
         with torch.no_grad(), ema.swapped_in() if ema is not None else _NULL:
-            raw = eval_fn(model, data, ctx)
+            try:
+                raw = eval_fn(model, data, ctx)
+            finally:
+                if settle is not None:
+                    settle()
     finally:
         model.train()
     if not isinstance(raw, Mapping):
@@ -580,6 +610,46 @@ def _evaluate(
 
 
 # ----------------------------------------------------------------------------- setup helpers
+
+
+def _built(
+    optimizer: Any, scheduler: Any, model: torch.nn.Module, cfg: TrainConfig
+) -> tuple[torch.optim.Optimizer, Any]:
+    """The optimizer and scheduler, calling the factories among them (``model -> optimizer``,
+    ``optimizer -> scheduler``) now that the model's parameters are final."""
+    built = not isinstance(optimizer, torch.optim.Optimizer)
+    if built:
+        if not callable(optimizer):
+            raise TypeError(f"training_loop(optimizer=...): expected a torch.optim.Optimizer or a "
+                            f"factory model -> Optimizer, got {type(optimizer).__name__}")  # fmt: skip
+        optimizer = optimizer(model)
+    elif cfg.fsdp.enabled:
+        raise ValueError(
+            "train.fsdp.enabled: sharding replaced the model's parameters, so an optimizer built "
+            "before cannot update them; pass a factory instead, e.g. optimizer=lambda model: "
+            "torch.optim.AdamW(model.parameters(), lr=...) (and scheduler=lambda opt: ...)"
+        )
+    if scheduler is not None and not hasattr(scheduler, "step") and callable(scheduler):
+        scheduler = scheduler(optimizer)
+    elif (
+        built
+        and scheduler is not None
+        and getattr(scheduler, "optimizer", optimizer) is not optimizer
+    ):
+        raise ValueError("training_loop(scheduler=...): the scheduler drives another optimizer than "
+                         "the one the factory built; pass a factory optimizer -> scheduler")  # fmt: skip
+    return optimizer, scheduler
+
+
+def _no_sync(
+    train_model: torch.nn.Module, raw_model: torch.nn.Module, cfg: TrainConfig
+) -> Callable[[], AbstractContextManager[Any]] | None:
+    """What keeps a micro-step's gradients local: DDP's no_sync, FSDP's gradient-sync switch."""
+    if isinstance(train_model, torch.nn.parallel.DistributedDataParallel):
+        return train_model.no_sync
+    if cfg.fsdp.enabled:
+        return lambda: fsdp.no_gradient_sync(raw_model)
+    return None
 
 
 def _param_banner(model: torch.nn.Module, num_params: int) -> str:

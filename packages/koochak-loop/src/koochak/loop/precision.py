@@ -83,19 +83,30 @@ def cpu_native_bf16() -> bool | None:
 
 
 class Scaler:
-    """Loss scaler for ``mode``: a real GradScaler for fp16 on CUDA, otherwise a pass-through.
+    """Loss scaler for ``mode``: a real GradScaler for fp16 on CUDA (``sharded``: FSDP's
+    ShardedGradScaler, which agrees across ranks on skipping), otherwise a pass-through.
 
     ``enabled`` says which. The interface mirrors GradScaler's, so the update sequence reads the
     same with and without scaling: ``scale(loss).backward()``, ``unscale_``, ``step``, ``update``.
     """
 
-    def __init__(self, mode: str | None, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self, mode: str | None, device: torch.device | str | None = None, *, sharded: bool = False
+    ) -> None:
         self.mode = check_amp_mode(mode)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         device_type = torch.device(device).type
         self.enabled = self.mode == "fp16" and device_type == "cuda"
-        self._scaler = torch.amp.GradScaler("cuda") if self.enabled else None
+        self._scaler: Any = None
+        if self.enabled and sharded:
+            # Sharded (FSDP) gradients: each rank sees only its shards, so an inf found on one
+            # must skip the update on all; this scaler all-reduces what it found.
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self._scaler = ShardedGradScaler("cuda")
+        elif self.enabled:
+            self._scaler = torch.amp.GradScaler("cuda")
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return self._scaler.scale(loss) if self._scaler is not None else loss

@@ -59,6 +59,12 @@ HARMLESS = (
     "train.warn_unsharded",
     "train.ddp",
     "train.find_unused_parameters",
+    # How FSDP places the same computation (train.fsdp.mixed_precision changes the numerics:
+    # it is not here, like train.amp).
+    "train.fsdp.enabled",
+    "train.fsdp.shard_modules",
+    "train.fsdp.reshard_after_forward",
+    "train.fsdp.cpu_offload",
     "train.shard_eval_dataset",
     "train.shard_eval_dataset_mode",
     "train.reduce_metrics",

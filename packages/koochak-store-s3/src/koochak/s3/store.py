@@ -24,7 +24,7 @@ from koochak.s3.errors import ConditionalWritesIgnored, is_missing, translate
 from koochak.s3.retry import DEFAULT_RETRY, RetryPolicy
 from koochak.s3.upload import Upload, put_object
 from koochak.storage.profile import StoreProfile
-from koochak.storage.store import TEMP_PREFIX, ObjectInfo, validate_key
+from koochak.storage.store import TEMP_PREFIX, ObjectInfo, check_put_expectations, validate_key
 
 __all__ = ["S3Store", "S3_PROFILE"]
 
@@ -191,7 +191,7 @@ class S3Store:
         expected_sha256: str | None = None,
     ) -> ObjectInfo:
         obj = self._object(key)
-        want_sha = _check_expected(key, expected_size, expected_sha256)
+        want_sha = check_put_expectations(key, expected_size, expected_sha256)
         if isinstance(data, str):
             raise TypeError(
                 "put() data must be bytes, a binary stream or an iterable of bytes, not str"
@@ -317,23 +317,6 @@ def _check_prefix(prefix: str) -> None:
         validate_key(head)
     if prefix.startswith("/") or tail in (".", "..") or any(c in tail for c in "?#\\\x00"):
         raise ValueError(f"list prefix {prefix!r} is not a relative key prefix")
-
-
-def _check_expected(key: str, expected_size: int | None, expected_sha256: str | None) -> str | None:
-    if expected_size is not None and (
-        isinstance(expected_size, bool) or not isinstance(expected_size, int) or expected_size < 0
-    ):
-        raise ValueError(
-            f"put({key!r}): expected_size must be a non-negative int, got {expected_size!r}"
-        )
-    if expected_sha256 is None:
-        return None
-    digest = str(expected_sha256).lower()
-    if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
-        raise ValueError(
-            f"put({key!r}): expected_sha256 must be 64 hex digits, got {expected_sha256!r}"
-        )
-    return digest
 
 
 def _ns(moment: datetime) -> int:

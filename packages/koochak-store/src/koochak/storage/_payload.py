@@ -1,5 +1,5 @@
-"""What ``put`` receives and how it is hashed: payload chunking, the overlapped SHA256, and the
-checks of ``expected_size`` / ``expected_sha256``.
+"""What ``put`` receives and how it is hashed: payload chunking and the overlapped SHA256 (the
+checks of ``expected_size`` / ``expected_sha256`` are the contract's: ``protocol.check_put_expectations``).
 
 Nothing here touches the filesystem; LocalStore writes what these helpers hand it. The sizes are
 module attributes on purpose (LocalStore reads them through this module), so tests can shrink
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import re
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -21,26 +20,6 @@ _CHUNK = 8 << 20
 _READ_CHUNK = 16 << 20
 # Below this a chunk is hashed inline; handing it to a thread would cost more than it saves.
 _OVERLAP_MIN = 1 << 20
-
-_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
-
-
-def _check_expected(key: str, expected_size: int | None, expected_sha256: str | None) -> str | None:
-    """Validate put's expectations before anything is written; the digest lower-cased, or None."""
-    if expected_size is not None and (
-        isinstance(expected_size, bool) or not isinstance(expected_size, int) or expected_size < 0
-    ):
-        raise ValueError(
-            f"put({key!r}): expected_size must be a non-negative int, got {expected_size!r}"
-        )
-    if expected_sha256 is None:
-        return None
-    digest = str(expected_sha256).lower()
-    if not _SHA256_HEX.fullmatch(digest):
-        raise ValueError(
-            f"put({key!r}): expected_sha256 must be 64 hex digits, got {expected_sha256!r}"
-        )
-    return digest
 
 
 class _Hasher:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, BinaryIO, TypeVar
 from koochak.storage import _payload
 from koochak.storage._syscalls import _Syscalls
 from koochak.storage.keys import PUBLISH_MODES, TEMP_PREFIX, _validate_prefix, validate_key
-from koochak.storage.protocol import ObjectInfo
+from koochak.storage.protocol import ObjectInfo, check_put_expectations
 
 if TYPE_CHECKING:
     from koochak.storage.profile import StoreProfile
@@ -356,7 +356,7 @@ class LocalStore:
     def _admit(self, key: str, expected_size: int | None, expected_sha256: str | None) -> _Admitted:
         """Check a put before any byte is written, and make its parent directory."""
         validate_key(key)
-        want_sha = _payload._check_expected(key, expected_size, expected_sha256)
+        want_sha = check_put_expectations(key, expected_size, expected_sha256)
         final = self.local_path(key)
         # Cheap early refusal so a conflicting 1 GiB put fails before writing; the link or
         # O_EXCL below is what actually guarantees create-only.

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import BinaryIO, Protocol, runtime_checkable
 
-__all__ = ["ObjectInfo", "Store"]
+__all__ = ["ObjectInfo", "Store", "check_put_expectations"]
 
 
 @dataclass(frozen=True)
@@ -99,3 +99,27 @@ class Store(Protocol):
     def local_path(self, key: str) -> str | None:
         """An absolute filesystem path of the object when the store has one, else ``None``."""
         ...
+
+
+def check_put_expectations(
+    key: str, expected_size: int | None, expected_sha256: str | None
+) -> str | None:
+    """Check ``put``'s ``expected_size`` and ``expected_sha256`` before anything is written.
+
+    Every backend calls this first, so a bad expectation is the same ``ValueError`` everywhere.
+    Returns the expected digest lower-cased, or ``None`` when there is none.
+    """
+    if expected_size is not None and (
+        isinstance(expected_size, bool) or not isinstance(expected_size, int) or expected_size < 0
+    ):
+        raise ValueError(
+            f"put({key!r}): expected_size must be a non-negative int, got {expected_size!r}"
+        )
+    if expected_sha256 is None:
+        return None
+    digest = str(expected_sha256).lower()
+    if len(digest) != 64 or digest.strip("0123456789abcdef"):
+        raise ValueError(
+            f"put({key!r}): expected_sha256 must be 64 hex digits, got {expected_sha256!r}"
+        )
+    return digest

@@ -22,7 +22,7 @@ from urllib.parse import unquote
 
 from koochak.storage.keys import PUBLISH_MODES, TEMP_PREFIX, validate_key
 from koochak.storage.local_store import SETTLING_ERRNOS, LocalStore
-from koochak.storage.protocol import ObjectInfo, Store
+from koochak.storage.protocol import ObjectInfo, Store, check_put_expectations
 
 __all__ = [
     "ObjectInfo",
@@ -32,6 +32,7 @@ __all__ = [
     "SETTLING_ERRNOS",
     "TEMP_PREFIX",
     "validate_key",
+    "check_put_expectations",
     "open_store",
     "register_store",
 ]

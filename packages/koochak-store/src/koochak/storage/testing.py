@@ -455,6 +455,23 @@ class StoreConformance:
         info = store.put("k", b"abc", expected_size=3, expected_sha256=_sha(b"abc").upper())
         assert info.sha256 == _sha(b"abc")
 
+    @pytest.mark.parametrize(
+        ("expectation", "named"),
+        [
+            ({"expected_size": -1}, "expected_size"),
+            ({"expected_size": True}, "expected_size"),
+            ({"expected_size": "3"}, "expected_size"),
+            ({"expected_sha256": "abc"}, "expected_sha256"),
+            ({"expected_sha256": "g" * 64}, "expected_sha256"),
+        ],
+    )
+    def test_put_refuses_malformed_expectations_before_writing(
+        self, store: Store, expectation: dict, named: str
+    ) -> None:
+        with pytest.raises(ValueError, match=named):
+            store.put("k", b"abc", **expectation)
+        assert store.list() == []
+
     def test_put_whose_source_fails_leaves_nothing(self, store: Store) -> None:
         def source() -> Iterator[bytes]:
             yield b"x" * 1000

@@ -10,6 +10,7 @@
 - ``resume``: selection (``load``, ``latest``, ``best``, ``highest_valid_published``,
   ``resolve_auto_resume``);
 - ``saver``: what ``training_loop`` does to save (periodic and terminal, sync or async);
+- ``export``: one consolidated weights file for inference (``export_weights``);
 - ``tiers`` and ``replication``: a first tier backed by durable replica tiers
   (``train.checkpoint_replicas``), copies in the background, resume from any tier.
 
@@ -17,6 +18,7 @@ Import the names below from ``koochak.loop.checkpoint``; see docs/checkpoints.md
 together.
 """
 
+from koochak.loop.checkpoint.export import export_weights
 from koochak.loop.checkpoint.format import (
     CHECKPOINT_PATTERN,
     CHECKPOINT_VERSION,
@@ -61,6 +63,7 @@ __all__ = [
     "checkpoint_objects",
     "checkpoint_store",
     "deserialize_checkpoint",
+    "export_weights",
     "highest_valid_published",
     "latest",
     "load",

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from koochak.loop.elastic import check_elastic_state
 from koochak.loop.ema import check_ema_state
 from koochak.loop.seed import check_rng_state
 from koochak.loop.state_dicts import unwrap_model
@@ -40,6 +41,7 @@ _KNOWN_KEYS = _REQUIRED_KEYS | frozenset(
         "world_size",
         "wall_time",
         "metrics",
+        "data",
     }
 )
 
@@ -73,6 +75,7 @@ def build_checkpoint(
     metrics: Mapping[str, Any] | None = None,
     ema: Mapping[str, Any] | None = None,
     reason: str = "periodic",
+    data: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Assemble a checkpoint dict.
 
@@ -80,7 +83,8 @@ def build_checkpoint(
     the update it follows and resumes at ``step + 1``; terminal, evacuation and GPU-health
     checkpoints record the number of completed updates and resume at that same number.
     The tensors are the live ones (``state_dict`` shares storage); serialize at once if the values
-    must be frozen.
+    must be frozen. ``data`` is the elastic data cursor (``ElasticBatches.state_after``); the
+    field is left out when None, so checkpoints of runs without one read as before.
     """
     if reason not in REASONS:
         raise ValueError(f"checkpoint reason must be one of {REASONS}, got {reason!r}")
@@ -90,7 +94,7 @@ def build_checkpoint(
             f"a {reason} checkpoint at step {step} must have next_step={expected_next}, "
             f"got {next_step}"
         )
-    return {
+    ckpt = {
         "version": CHECKPOINT_VERSION,
         "step": int(step),
         "next_step": int(next_step),
@@ -107,6 +111,9 @@ def build_checkpoint(
         "wall_time": float(wall_time) if wall_time is not None else None,
         "metrics": {str(k): _scalar(v) for k, v in (metrics or {}).items()},
     }
+    if data is not None:
+        ckpt["data"] = dict(data)
+    return ckpt
 
 
 def check_rng_fields(ckpt: Mapping[str, Any], source: str) -> None:
@@ -126,7 +133,7 @@ def check_rng_fields(ckpt: Mapping[str, Any], source: str) -> None:
 # Optional fields that hold a mapping (a state dict, the config, ...) or null.
 
 
-_MAPPING_OR_NULL = ("optimizer", "scheduler", "scaler", "ema", "config", "rng", "metrics")
+_MAPPING_OR_NULL = ("optimizer", "scheduler", "scaler", "ema", "config", "rng", "metrics", "data")
 
 
 def check_checkpoint_format(ckpt: Any, source: str) -> None:
@@ -203,6 +210,8 @@ def check_checkpoint_format(ckpt: Any, source: str) -> None:
         )
     if ckpt.get("ema") is not None:
         check_ema_state(ckpt["ema"], source)
+    if ckpt.get("data") is not None:
+        check_elastic_state(ckpt["data"], source)
 
 
 def _short(value: Any) -> str:

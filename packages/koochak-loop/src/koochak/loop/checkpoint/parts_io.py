@@ -66,17 +66,20 @@ def write_parts(
     *,
     writer: int = 0,
     workers: int | None = None,
+    first_number: int = 0,
 ) -> PartsIndex:
     """Write ``tensors`` (contiguous, on the CPU) as ``parts`` parts of checkpoint ``name``.
 
     Returns the index describing them (the caller publishes it as ``name``). A part that
     fails stops the others from starting; the parts already written are deleted, and the first
-    error is raised. The tensors must not change until this returns.
+    error is raised. The tensors must not change until this returns. ``writer`` and
+    ``first_number`` name the parts (``part-WWWWW-NNNNN``, numbers counting from
+    ``first_number``), so one writer can write its parts in several calls.
     """
     _little_endian_only()
     views = [byte_view(t) for t in tensors]
     plan = plan_parts([v.nbytes for v in views], parts)
-    keys = [part_key(name, writer, n) for n in range(len(plan.part_sizes))]
+    keys = [part_key(name, writer, first_number + n) for n in range(len(plan.part_sizes))]
     runs: list[list[tuple[memoryview, int, int]]] = [[] for _ in keys]
     for view, extents in zip(views, plan.extents):
         start = 0

@@ -11,7 +11,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from koochak.loop import dist
+from koochak.loop import dist, fsdp
+from koochak.loop.checkpoint.sharded_read import is_lazy, materialize
+from koochak.loop.dist import is_dtensor
 from koochak.loop.ema import ModelEma, restore_ema
 from koochak.loop.seed import set_rng_state
 from koochak.loop.state_dicts import match_state_dict_to_model, unwrap_model
@@ -29,16 +31,25 @@ def restore_training_state(
 ) -> int:
     """Load weights, optimizer, scheduler, scaler and EMA state from ``ckpt``; return ``next_step``.
 
-    The model may be wrapped (DDP, compile) or not; the optimizer moves its state onto the
-    parameters' devices itself. RNG is restored separately (``restore_rng``) right before the next
-    step, so nothing between here and there can consume it.
+    The model may be wrapped (DDP, compile) or not, or sharded with FSDP: then the global tensors
+    of the checkpoint are cut into this rank's shards (the optimizer state too), so a checkpoint
+    of any world size loads. The optimizer moves its state onto the parameters' devices itself.
+    RNG is restored separately (``restore_rng``) right before the next step, so nothing between
+    here and there can consume it.
     """
+    if is_lazy(ckpt):  # chosen by resolve_sharded: read this rank's slabs (every rank at once)
+        ckpt = materialize(ckpt, model, optimizer, ema)
     target = unwrap_model(model)
-    target.load_state_dict(match_state_dict_to_model(target, ckpt["model"]))
+    state = match_state_dict_to_model(target, ckpt["model"])
+    sharded = any(is_dtensor(p) for p in target.parameters())
+    if sharded:
+        state = fsdp.localize(state, target.state_dict())
+    target.load_state_dict(state)
     if optimizer is not None:
         if ckpt.get("optimizer") is None:
             raise ValueError("checkpoint has no 'optimizer' state but an optimizer was given")
-        optimizer.load_state_dict(ckpt["optimizer"])
+        saved = ckpt["optimizer"]
+        optimizer.load_state_dict(fsdp.localize_optimizer(saved, optimizer) if sharded else saved)
     if scheduler is not None and ckpt.get("scheduler") is not None:
         scheduler.load_state_dict(ckpt["scheduler"])
     if scaler is not None and ckpt.get("scaler") is not None and hasattr(scaler, "load_state_dict"):

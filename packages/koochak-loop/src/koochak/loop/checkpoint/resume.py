@@ -248,6 +248,8 @@ def resume_checkpoint(
     location: Locations | None,
     checkpoint_dict: Mapping[str, Any] | None = None,
     auto_resume_path: str | None = None,
+    *,
+    sharded: bool = False,
 ) -> ResumePoint | None:
     """The checkpoint this run continues from, or None to start fresh (``training_loop``'s lookup).
 
@@ -255,7 +257,9 @@ def resume_checkpoint(
     dataset) wins. Otherwise ``resume="auto"`` selects the highest valid published checkpoint
     (over every tier when ``location`` is a list): rank 0 chooses, every other rank reads and
     verifies the same commit (the same SHA256, from whichever tier it can reach), so all ranks
-    agree.
+    agree. ``sharded`` (FSDP): ``sharded.resolve_sharded`` instead (first tier only: sharded saves
+    are not replicated), whose checkpoint holds references that ``restore_training_state`` reads
+    as this rank's slabs.
     """
     if resume is not None and resume not in RESUME_MODES:
         raise ValueError(
@@ -269,6 +273,12 @@ def resume_checkpoint(
         raise ValueError(
             "resume='auto' needs train.checkpoint_dir or train.out_dir to know where to look"
         )
+    if sharded:  # FSDP: every rank verifies a share of the parts; tensors read at restore
+        from koochak.loop.checkpoint.sharded_read import resolve_sharded
+
+        first = location[0] if isinstance(location, (list, tuple)) else location
+        found_sharded = resolve_sharded(first)
+        return ResumePoint(*found_sharded) if found_sharded is not None else None
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return resolve_auto_resume(location)
     found, failure = None, None
@@ -315,6 +325,15 @@ def _read_same(stores: Sequence[Store], tier: int, step: int, sha256: str) -> Re
         f"rank 0 resumes from {name} (SHA256 {sha256}) but this rank cannot read that commit: "
         + "; ".join(problems)
     )
+
+
+def read_published(store: Store, name: str) -> ResumePoint:
+    """The published checkpoint ``name`` of ``store`` (either layout), read once and checked
+    against its ready manifest (size, SHA256) and format; InvalidArtifact or ValueError naming
+    it otherwise."""
+    publication, data = artifact.read_verified(store, name)
+    path = publication_path(store, publication)
+    return ResumePoint(path, read_checkpoint(store, name, data, path))
 
 
 def _log_unmanifested(store: Store, chosen: int) -> None:

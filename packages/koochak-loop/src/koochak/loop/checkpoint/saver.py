@@ -88,16 +88,18 @@ def capture_checkpoint(
     wall_time: float,
     metrics: Mapping[str, Any] | None,
     ema: Any = None,
+    data: Callable[[int], Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Build the checkpoint dict; every rank must call it (it gathers per-rank RNG states).
 
     Rank 0's dict carries every rank's RNG state in ``rng_per_rank`` and is the one published;
-    the others get their own state only (what ``training_loop`` returns there).
+    the others get their own state only (what ``training_loop`` returns there). ``data`` gives
+    the elastic data cursor at ``next_step``.
     """
     own = get_rng_state()
     states = ddp.gather_rng_states(own)
     world_size = dist.get_world_size()
-    return build_checkpoint(
+    ckpt = build_checkpoint(  # under FSDP its sharded tensors are this rank's DTensors
         step=step,
         next_step=next_step,
         reason=reason,
@@ -112,7 +114,9 @@ def capture_checkpoint(
         wall_time=wall_time,
         metrics=metrics,
         ema=ema.state_dict() if ema is not None else None,
+        data=data(next_step) if data is not None else None,
     )
+    return ckpt
 
 
 class Checkpointer:
@@ -229,9 +233,22 @@ def make_checkpointer(
     """The loop's Checkpointer: saves every ``train.ckpt_every`` updates to
     ``train.checkpoint_dir`` (else ``out_dir``), keeping ``keep_last_k``, async with
     ``checkpoint_async``, replicated to ``checkpoint_replicas``; only rank 0 publishes, every
-    rank takes part in capturing."""
-    saver = None
-    if rank == 0:
+    rank takes part in capturing. Under ``train.fsdp`` every rank writes its shards
+    (``ShardedSaver``, not replicated: the config refuses replicas with FSDP) and rank 0 commits
+    them."""
+    saver: Any = None
+    if cfg.fsdp.enabled:
+        saver = ShardedSaver(
+            cfg.checkpoint_dir or cfg.out_dir,
+            keep_last_k=cfg.keep_last_k or None,
+            parts=cfg.checkpoint_parts,
+            async_publish=cfg.checkpoint_async,
+            on_checkpoint=on_checkpoint if rank == 0 else None,
+            keep_best=(cfg.keep_best_k, cfg.keep_best_metric, cfg.keep_best_mode)
+            if cfg.keep_best_k
+            else None,
+        )
+    elif rank == 0:
         saver = CheckpointSaver(
             cfg.checkpoint_dir or cfg.out_dir,
             keep_last_k=cfg.keep_last_k or None,
@@ -528,6 +545,113 @@ class CheckpointSaver:
 
 # Checkpoint dicts kept for their on_checkpoint (a checkpoint's tensors are the live ones).
 _HELD_CHECKPOINTS = 8
+
+
+class ShardedSaver:
+    """Every rank's saver under FSDP: ``save`` is collective (every rank writes its shards as
+    parts, rank 0 the index and the manifest; ``koochak.loop.checkpoint.sharded``).
+    ``on_checkpoint`` (rank 0's) is announced once the manifest has committed.
+
+    With ``async_publish`` a periodic save copies this rank's shards into reused host buffers on
+    the training thread and writes them on a background thread, whose collectives run on a gloo
+    group of their own (created here, so every rank must build its saver at the same point);
+    results and failures come back at ``poll``/``drain``, as for ``CheckpointSaver``.
+    ``keep_best`` is ``CheckpointSaver``'s: rank 0 prunes after each commit.
+    """
+
+    # The same keep_best_k pruning as one process's saver (rank 0 runs it, after the commit).
+    _prune_keeping_best = CheckpointSaver._prune_keeping_best
+    _score_of = CheckpointSaver._score_of
+
+    def __init__(
+        self,
+        location: str | os.PathLike[str] | Store | None,
+        *,
+        keep_last_k: int | None = None,
+        parts: int | str = 1,
+        async_publish: bool = False,
+        on_checkpoint: Callable[[dict[str, Any]], None] | None = None,
+        keep_best: tuple[int, str, str] | None = None,
+    ) -> None:
+        self.location = location
+        self.keep_last_k = keep_last_k
+        self.keep_best = keep_best
+        self._scores: dict[str, float | None] = {}
+        self.parts = parts
+        self.async_publish = async_publish
+        self.on_checkpoint = on_checkpoint
+        self._store: Store | None = None
+        self._async: AsyncPublisher | None = None
+        self._buffers = HostBuffers()
+        self._group: Any = None
+        if async_publish and dist.is_initialized() and dist.get_world_size() > 1:
+            self._group = torch.distributed.new_group(backend="gloo")
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            if self.location is None:
+                raise ValueError("cannot save a checkpoint: train.checkpoint_dir and "
+                                 "train.out_dir are both unset; set one of them")  # fmt: skip
+            self._store = checkpoint_store(self.location)
+        return self._store
+
+    def save(self, ckpt: Mapping[str, Any], *, sync: bool = False) -> str | None:
+        """Publish ``ckpt`` (this rank's capture) as ``step{N:09d}.pt``; returns its path (None
+        while a background save is still in flight)."""
+        from koochak.loop.checkpoint.sharded import freeze
+
+        store, name = self.store, checkpoint_name(int(ckpt["step"]))
+        if self.keep_best is not None:
+            self._scores[name] = _score((ckpt.get("metrics") or {}).get(self.keep_best[1]))
+
+        def announce(publication: artifact.Publication) -> str:
+            path = publication_path(store, publication)
+            if self.on_checkpoint is not None:
+                self.on_checkpoint({"step": int(ckpt["step"]), "path": path, "checkpoint": ckpt,
+                                    "publication": publication})  # fmt: skip
+            return path
+
+        if self.async_publish and not sync:
+            if self._async is None:
+                self._async = AsyncPublisher(self._publish_frozen)
+            self._async.drain()  # its writers may still read the host buffers
+            self._async.submit(name, freeze(ckpt, self._buffers), announce)
+            return None
+        self.drain()
+        return announce(self._save(name, ckpt))
+
+    def _save(self, name: str, ckpt: Mapping[str, Any], group: Any = None) -> artifact.Publication:
+        from koochak.loop.checkpoint.sharded import save_sharded
+
+        best = self.keep_best is not None and self.keep_last_k is not None
+        publication = save_sharded(self.store, name, ckpt, parts=self.parts, group=group,
+                                   keep_last_k=None if best else self.keep_last_k)  # fmt: skip
+        if best and dist.get_rank() == 0:
+            self._prune_keeping_best()
+        return publication
+
+    def _publish_frozen(self, name: str, frozen: tuple[Any, HostCopy]) -> artifact.Publication:
+        ckpt, copy = frozen
+        try:
+            return self._save(name, ckpt, self._group)
+        finally:
+            copy.release()
+
+    def poll(self) -> None:
+        """Deliver a finished background save; raises if it failed."""
+        if self._async is not None:
+            self._async.poll()
+
+    def drain(self) -> None:
+        """Wait for the background save in flight (if any) and deliver it."""
+        if self._async is not None:
+            self._async.drain()
+
+    def close(self) -> None:
+        """On an error path: let an in-flight save finish without masking the error."""
+        if self._async is not None:
+            self._async.close()
 
 
 class AsyncPublisher:

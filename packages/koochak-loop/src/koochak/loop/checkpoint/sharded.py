@@ -1,0 +1,329 @@
+"""Saving sharded (FSDP) state: every rank writes its own shards, rank 0 commits.
+
+The layout is the parts layout (docs/formats.md, "Checkpoint parts") with several writers. In
+``save_sharded`` (every rank at once) rank 0 first clears an earlier attempt of the name; then
+every rank writes, in parallel with the others, the local shards of the DTensors in the
+checkpoint (parameters, optimizer state, EMA shadows) as its own parts ``….part-<rank>-NNNNN``,
+rank 0 also the unsharded tensors (buffers, RNG states, scalars) as its part ``00000`` and the
+rest from ``00001``; each rank reports its parts' keys, sizes and SHA256 and where each shard
+lies in its global tensor; rank 0 gathers the reports, only once every rank's parts are durable
+(``put`` returned), builds the one index and publishes it, then the ready manifest. Every rank
+learns the outcome; a failure anywhere fails the save on every rank and leaves no committed
+checkpoint. ``freeze`` copies a capture into host buffers for a save in the background.
+
+Reading them back (selection, slab reads, the restore) is ``sharded_read``'s job; this module
+also holds the few collectives and tree helpers both sides use.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from koochak.loop import dist
+from koochak.loop.checkpoint.parts_index import Extent, Part, PartsIndex, Shard, TensorEntry
+from koochak.loop.checkpoint.parts_io import host_tensor, write_parts
+from koochak.loop.checkpoint.parts_plan import resolve_parts
+from koochak.loop.checkpoint.parts_tree import dtype_name
+from koochak.loop.checkpoint.publication import publish, unpublish_checkpoint
+from koochak.loop.checkpoint.serialization import encode_index, split_checkpoint
+from koochak.loop.dist import is_dtensor, local_tensor, placed_like
+from koochak.storage import artifact
+from koochak.storage.store import Store
+
+log = logging.getLogger("koochak.loop.checkpoint")
+
+
+class ShardedLoadError(RuntimeError):
+    """A sharded checkpoint could not be read on some rank; raised on every rank."""
+
+
+# ----------------------------------------------------------------------------- agreement
+
+
+def _agree(error: str | None, what: str, group: Any = None) -> None:
+    """Every rank's outcome of ``what``; raises on every rank if any rank failed (naming it)."""
+    errors: list[Any] = [error]
+    if dist.get_world_size() > 1:
+        errors = [None] * dist.get_world_size()
+        torch.distributed.all_gather_object(errors, error, group=group)
+    failed = [f"rank {rank}: {e}" for rank, e in enumerate(errors) if e is not None]
+    if failed:
+        raise ShardedLoadError(f"{what}: {'; '.join(failed)}")
+
+
+def _message(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def dtensor_leaves(tree: Any, path: str = "") -> list[tuple[str, Any]]:
+    """``(path, dtensor)`` for every DTensor in ``tree``, depth first in insertion order (the
+    order ``split_tensors`` walks)."""
+    if is_dtensor(tree):
+        return [(path, tree)]
+    if isinstance(tree, Mapping):
+        return [leaf for k, v in tree.items() for leaf in dtensor_leaves(v, f"{path}/{k}")]
+    if isinstance(tree, (list, tuple)):
+        return [leaf for i, v in enumerate(tree) for leaf in dtensor_leaves(v, f"{path}/{i}")]
+    return []
+
+
+def _map(tree: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``tree`` rebuilt with ``leaf(value)`` in place of every value ``leaf`` replaces (returns
+    another object for); dicts (an OrderedDict keeps its type and a state dict's ``_metadata``),
+    lists and tuples are walked, anything else is kept."""
+    replaced = leaf(tree)
+    if replaced is not tree:
+        return replaced
+    if isinstance(tree, Mapping):
+        out: dict[Any, Any] = OrderedDict() if isinstance(tree, OrderedDict) else {}
+        for key, value in tree.items():
+            out[key] = _map(value, leaf)
+        if hasattr(tree, "_metadata"):
+            out._metadata = tree._metadata  # type: ignore[attr-defined]
+        return out
+    if isinstance(tree, list):
+        return [_map(v, leaf) for v in tree]
+    if isinstance(tree, tuple):
+        return tuple(_map(v, leaf) for v in tree)
+    return tree
+
+
+def local_box(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(offsets, shape)`` of this rank's shard of DTensor ``tensor`` in its global shape."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offsets = compute_local_shape_and_global_offset(
+        tensor.shape, tensor.device_mesh, tensor.placements
+    )
+    return tuple(offsets), tuple(shape)
+
+
+@dataclass(frozen=True)
+class _Report:
+    """What one rank tells rank 0 once its parts are durable."""
+
+    paths: tuple[str, ...]  # its DTensors, in order: every rank's must be rank 0's
+    parts: tuple[tuple[str, int, str], ...]  # (key, size, sha256), in number order
+    # (tensor number, offsets, shape, extents as (part, offset, length) in this rank's parts);
+    # tensor numbers >= 0 are rank 0's own (unsharded) tensors, -1 - k is its k-th DTensor
+    shards: tuple[
+        tuple[int, tuple[int, ...], tuple[int, ...], tuple[tuple[int, int, int], ...]], ...
+    ]
+    error: str | None = None
+
+
+def save_sharded(
+    store: Store,
+    name: str,
+    ckpt: Mapping[str, Any],
+    *,
+    parts: int | str = 1,
+    keep_last_k: int | None = None,
+    workers: int | None = None,
+    group: Any = None,
+) -> artifact.Publication:
+    """Publish ``ckpt``, whose sharded tensors are DTensors, as checkpoint ``name``: every rank
+    must call it at once, with its own capture of the same step. Returns the Publication (on
+    every rank) once the ready manifest has committed; raises on every rank otherwise.
+
+    ``parts`` is the number of parts each rank cuts its shards into (``"auto"``: as
+    ``resolve_parts`` decides for its bytes). ``group`` is the process group (of every rank)
+    its few object collectives use: a background save passes a gloo group of its own, so they
+    never meet the training thread's collectives.
+    """
+    rank = dist.get_rank()
+    error = None
+    if rank == 0:
+        try:
+            unpublish_checkpoint(store, name)  # parts are create-only: a retry starts clean
+        except Exception as exc:
+            error = _message(exc)
+    _agree(error, f"saving {name}", group)
+
+    split, numbers, leaves = None, {}, []
+    try:
+        leaves = dtensor_leaves(ckpt)
+        split, numbers = _split_rank0(ckpt, leaves) if rank == 0 else (None, {})
+        report = _write_mine(store, name, split, numbers, leaves, parts, workers)
+    except Exception as exc:
+        report = _Report((), (), (), _message(exc))
+    reports = _gather(report, group)
+
+    outcome: Any = None
+    if rank == 0:
+        try:
+            assert reports is not None and split is not None
+            index = _build_index(name, split, numbers, leaves, reports)
+            publication = publish(store, name, encode_index(index), keep_last_k=keep_last_k)
+            outcome = ("ok", publication)
+        except Exception as exc:
+            _remove_quietly(store, name)
+            outcome = ("error", _message(exc))
+    outcome = _broadcast(outcome, group)
+    if outcome[0] == "error":
+        raise RuntimeError(f"checkpoint {name} was not saved: {outcome[1]}")
+    return outcome[1]
+
+
+def _split_rank0(
+    ckpt: Mapping[str, Any], leaves: list[tuple[str, Any]]
+) -> tuple[Any, dict[int, int]]:
+    """Rank 0's skeleton and tensor list, each DTensor stood in for by a one-element sentinel;
+    returns the split and ``{tensor number: DTensor ordinal}`` for the sentinels (found by their
+    memory, which the split keeps)."""
+    order = {id(dt): k for k, (_, dt) in enumerate(leaves)}
+    sentinels: dict[int, int] = {}
+    keep: list[torch.Tensor] = []  # alive until split: their addresses must stay distinct
+
+    def swap(dt: Any) -> torch.Tensor:
+        stand_in = torch.empty(1)
+        keep.append(stand_in)
+        sentinels[stand_in.data_ptr()] = order[id(dt)]
+        return stand_in
+
+    split = split_checkpoint(_map(ckpt, lambda v: swap(v) if is_dtensor(v) else v))
+    numbers = {
+        i: sentinels[t.data_ptr()] for i, t in enumerate(split.tensors) if t.data_ptr() in sentinels
+    }
+    if len(numbers) != len(leaves):
+        raise RuntimeError(f"{len(leaves)} sharded tensors but {len(numbers)} found in the split")
+    return split, numbers
+
+
+def _write_mine(
+    store: Store,
+    name: str,
+    split: Any,
+    numbers: dict[int, int],
+    leaves: list[tuple[str, Any]],
+    parts: int | str,
+    workers: int | None,
+) -> _Report:
+    rank = dist.get_rank()
+    out_parts: list[tuple[str, int, str]] = []
+    shards: list[Any] = []
+    first = 0
+    if split is not None:  # rank 0: the unsharded tensors, one part of their own
+        plain = [(i, host_tensor(t)) for i, t in enumerate(split.tensors) if i not in numbers]
+        index = write_parts(store, name, [t for _, t in plain], b"", 1, writer=0, workers=workers)
+        out_parts += [(p.key, p.size, p.sha256) for p in index.parts]
+        for (i, t), entry in zip(plain, index.tensors):
+            extents = tuple((e.part, e.offset, e.length) for e in entry.shards[0].extents)
+            shards.append((i, (0,) * t.dim(), tuple(t.shape), extents))
+        first = len(index.parts)
+    mine = []
+    for k, (_, dt) in enumerate(leaves):
+        offsets, shape = local_box(dt)
+        local = local_tensor(dt)
+        if local.numel():
+            mine.append((k, offsets, shape, host_tensor(local)))
+    if mine:
+        nbytes = sum(t.numel() * t.element_size() for *_, t in mine)
+        count = resolve_parts(parts, nbytes, store)
+        index = write_parts(store, name, [t for *_, t in mine], b"", count, writer=rank,
+                            workers=workers, first_number=first)  # fmt: skip
+        for (k, offsets, shape, _), entry in zip(mine, index.tensors):
+            extents = tuple((e.part + first, e.offset, e.length) for e in entry.shards[0].extents)
+            shards.append((-1 - k, offsets, shape, extents))
+        out_parts += [(p.key, p.size, p.sha256) for p in index.parts]
+    return _Report(tuple(path for path, _ in leaves), tuple(out_parts), tuple(shards))
+
+
+def _build_index(
+    name: str,
+    split: Any,
+    numbers: dict[int, int],
+    leaves: list[tuple[str, Any]],
+    reports: Sequence[_Report],
+) -> PartsIndex:
+    """Rank 0: one index from every rank's report (parts by writer, then number)."""
+    failed = [f"rank {r}: {rep.error}" for r, rep in enumerate(reports) if rep.error]
+    if failed:
+        raise RuntimeError("; ".join(failed))
+    for r, rep in enumerate(reports[1:], start=1):
+        if rep.paths != reports[0].paths:
+            raise ValueError(
+                f"rank {r} holds other sharded tensors than rank 0 "
+                f"({len(rep.paths)} vs {len(reports[0].paths)}, first difference at "
+                f"{next((a for a, b in zip(rep.paths, reports[0].paths) if a != b), '-')!r})"
+            )
+    parts: list[Part] = []
+    boxes: dict[int, list[Shard]] = {}
+    for r, rep in enumerate(reports):
+        base = len(parts)
+        parts += [Part(key, r, size, sha) for key, size, sha in rep.parts]
+        for number, offsets, shape, extents in rep.shards:
+            runs = tuple(Extent(base + p, off, n) for p, off, n in extents)
+            boxes.setdefault(number, []).append(Shard(tuple(offsets), tuple(shape), runs))
+    entries = []
+    for i, tensor in enumerate(split.tensors):
+        k = numbers.get(i)
+        if k is None:
+            entries.append(
+                TensorEntry(dtype_name(tensor.dtype), tuple(tensor.shape), tuple(boxes[i]))
+            )
+            continue
+        dt = leaves[k][1]
+        shape = tuple(dt.shape)
+        found = tuple(sorted(boxes.get(-1 - k, ()), key=lambda s: s.offsets))
+        empty = (Shard((0,) * len(shape), shape, ()),)  # a tensor of no elements at all
+        entries.append(TensorEntry(dtype_name(dt.dtype), shape, found or empty))
+    return PartsIndex(name, len(reports), tuple(parts), tuple(entries), split.skeleton)
+
+
+def _remove_quietly(store: Store, name: str) -> None:
+    try:
+        unpublish_checkpoint(store, name)
+    except OSError as exc:
+        log.warning("could not remove the parts of failed checkpoint %s: %s", name, exc)
+
+
+def _gather(value: Any, group: Any = None) -> list[Any] | None:
+    if dist.get_world_size() == 1:
+        return [value]
+    out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    torch.distributed.gather_object(value, out, dst=0, group=group)
+    return out
+
+
+def _broadcast(value: Any, group: Any = None) -> Any:
+    if dist.get_world_size() == 1:
+        return value
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def freeze(ckpt: Mapping[str, Any], buffers: Any) -> tuple[dict[str, Any], Any]:
+    """``(frozen, copy)``: ``ckpt`` with every tensor (a DTensor's local shard included) copied
+    into ``buffers`` (``host_buffers.HostBuffers``), DTensors rebuilt around their copies, so a
+    background ``save_sharded`` writes this step's values while training goes on. Release
+    ``copy`` once the save is done."""
+    sources: list[torch.Tensor] = []
+
+    def collect(tree: Any) -> None:
+        if isinstance(tree, torch.Tensor):
+            sources.append(local_tensor(tree))
+        elif isinstance(tree, Mapping):
+            for value in tree.values():
+                collect(value)
+        elif isinstance(tree, (list, tuple)):
+            for value in tree:
+                collect(value)
+
+    collect(ckpt)
+    copy = buffers.copy(sources)
+
+    copies = iter(copy.tensors)
+    frozen = _map(
+        ckpt, lambda v: placed_like(next(copies), v) if isinstance(v, torch.Tensor) else v
+    )
+    return frozen, copy

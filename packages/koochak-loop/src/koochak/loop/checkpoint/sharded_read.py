@@ -1,0 +1,473 @@
+"""Reading sharded (FSDP) checkpoints: verified slab reads, collective selection, the restore.
+
+- **select** (``resolve_sharded``, every rank at once): rank 0 walks the published checkpoints
+  newest first, checks each one's manifest, index, part sizes, skeleton and cursor, and reads the
+  unsharded tensors; then every rank hashes its share of the parts (part ``p`` by rank
+  ``p % world``), and a checkpoint with any damaged or missing part is skipped on every rank, with
+  the part named, for the next older one. The result holds ``StoredTensor`` references in place
+  of the large tensors.
+- **load** (``materialize``, every rank at once): each reference becomes this rank's slab of its
+  global tensor when a live DTensor will take it (a parameter, its optimizer state, an EMA
+  shadow), else the whole tensor. Only parts that hold wanted bytes are read, each whole, hashed
+  and checked against the index before a byte of it is used; the ranks then agree, so a load that
+  cannot complete fails on every rank, naming the part, instead of leaving the others waiting.
+
+Stored shards and wanted slabs are slabs of dimension 0 (FSDP2's ``Shard(0)``), so every wanted
+piece is a contiguous byte range of a stored shard: resharding is byte copies, exact by
+construction. Writing them is ``sharded``'s job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from koochak.loop import dist
+from koochak.loop.checkpoint.format import CHECKPOINT_PATTERN, check_resume_cursor, check_rng_fields
+from koochak.loop.checkpoint.parts_index import (
+    Extent,
+    PartsIndex,
+    TensorEntry,
+    looks_like_index,
+    parse_index,
+)
+from koochak.loop.checkpoint.parts_io import _Filler
+from koochak.loop.checkpoint.parts_tree import TENSOR_TAG, byte_view, load_skeleton, torch_dtype
+from koochak.loop.checkpoint.publication import publication_path
+from koochak.loop.checkpoint.serialization import _checkpoint_of_payload
+from koochak.loop.checkpoint.sharded import _agree, _broadcast, _map, _message, local_box
+from koochak.loop.dist import is_dtensor, local_tensor, placed_like
+from koochak.storage import artifact
+from koochak.storage.store import Store
+
+log = logging.getLogger("koochak.loop.checkpoint")
+
+_PIECE = 8 << 20  # parts are streamed and hashed in pieces of this size
+# A part read that completes no piece (_PIECE bytes, or the part's end) for this long has stalled
+# (a hung mount or store): the rank reports it naming the part, well within the process group's
+# timeout (NCCL's default is 10 minutes), instead of leaving every other rank waiting in the next
+# collective.
+READ_STALL_SECONDS = 120.0
+
+
+# ----------------------------------------------------------------------------- read
+
+
+@dataclass(frozen=True, eq=False)
+class Source:
+    """A checkpoint in parts being read: its store, parsed index and name for messages."""
+
+    store: Store
+    index: PartsIndex
+    where: str
+
+
+@dataclass(frozen=True, eq=False)
+class StoredTensor:
+    """Tensor ``number`` of ``source``'s index, not read yet (``materialize`` reads it)."""
+
+    source: Source
+    number: int
+
+    @property
+    def entry(self) -> TensorEntry:
+        return self.source.index.tensors[self.number]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.entry.shape
+
+    def dim(self) -> int:
+        return len(self.entry.shape)
+
+
+def read_slabs(
+    source: Source, wanted: Sequence[tuple[int, int, int]], *, workers: int | None = None
+) -> list[torch.Tensor]:
+    """Rows ``[start, start + rows)`` of dimension 0 of each tensor ``(number, start, rows)``
+    (a 0-dim tensor is one row), read from the parts that hold them.
+
+    Each part read is read whole and hashed; it must match its size and SHA256 in the index
+    before any of its bytes is used (ValueError naming ``source`` and the part otherwise).
+    """
+    index = source.index
+    out: list[torch.Tensor] = []
+    targets: dict[int, list[tuple[int, int, memoryview]]] = {}
+    for number, start, rows in wanted:
+        entry = index.tensors[number]
+        shape = entry.shape
+        dest = torch.empty((rows, *shape[1:]) if shape else (), dtype=torch_dtype(entry.dtype))
+        out.append(dest)
+        if dest.numel() == 0:
+            continue
+        row_bytes = dest.element_size() * _numel(shape[1:])
+        view = byte_view(dest)
+        for shard in entry.shards:
+            if shape and (
+                shard.offsets[1:] != (0,) * (len(shape) - 1) or shard.shape[1:] != shape[1:]
+            ):
+                raise ValueError(f"{source.where}: tensor {number} is not stored as slabs of "
+                                 "dimension 0; read it whole with load()")  # fmt: skip
+            first = shard.offsets[0] if shape else 0
+            count = shard.shape[0] if shape else 1
+            lo, hi = max(start, first), min(start + rows, first + count)
+            if lo >= hi:
+                continue
+            _add_range(targets, shard.extents, (lo - first) * row_bytes, (hi - lo) * row_bytes,
+                       view[(lo - start) * row_bytes : (hi - start) * row_bytes])  # fmt: skip
+    _in_parallel(source, [(p, lambda tick, p=p, t=t: _read_part(source, p, t, tick))
+                          for p, t in sorted(targets.items())], workers)  # fmt: skip
+    return out
+
+
+def _add_range(
+    targets: dict[int, list[tuple[int, int, memoryview]]],
+    extents: Sequence[Extent],
+    begin: int,
+    length: int,
+    dest: memoryview,
+) -> None:
+    """Map bytes ``[begin, begin + length)`` of a shard onto its extents' part ranges."""
+    cursor = 0
+    for extent in extents:
+        lo, hi = max(begin, cursor), min(begin + length, cursor + extent.length)
+        if lo < hi:
+            at = extent.offset + lo - cursor
+            targets.setdefault(extent.part, []).append((at, hi - lo, dest[lo - begin : hi - begin]))
+        cursor += extent.length
+
+
+def _read_part(
+    source: Source,
+    number: int,
+    targets: Sequence[tuple[int, int, memoryview]],
+    tick: Callable[[], None] = lambda: None,
+) -> None:
+    """Stream part ``number`` whole, hash it, copy the byte ranges ``targets`` asks for; the
+    digest must match before this returns (the copies are used only then). ``tick`` is called
+    after every piece read (the stall watch)."""
+    part = source.index.parts[number]
+    pending = sorted(targets, key=lambda t: t[0])
+    sha = hashlib.sha256()
+    buffer = bytearray(min(_PIECE, max(part.size, 1)))
+    piece = memoryview(buffer)
+    pos = 0
+    try:
+        stream = source.store.open(part.key)
+    except FileNotFoundError:
+        raise ValueError(f"{source.where}: part {part.key} is missing") from None
+    with stream:
+        filler = _Filler(stream)
+        while pos < part.size:
+            got = filler.fill(piece[: min(len(piece), part.size - pos)])
+            if got == 0:
+                raise ValueError(f"{source.where}: part {part.key} ends after {pos} bytes; the "
+                                 f"index says {part.size}")  # fmt: skip
+            tick()
+            sha.update(piece[:got])
+            end = pos + got
+            for at, length, dest in pending:
+                lo, hi = max(at, pos), min(at + length, end)
+                if lo < hi:
+                    dest[lo - at : hi - at] = piece[lo - pos : hi - pos]
+            pos = end
+        if stream.read(1):
+            raise ValueError(f"{source.where}: part {part.key} is longer than the {part.size} "
+                             "bytes the index says")  # fmt: skip
+    if sha.hexdigest() != part.sha256:
+        raise ValueError(f"{source.where}: part {part.key} has SHA256 {sha.hexdigest()}; the "
+                         f"index says {part.sha256}")  # fmt: skip
+
+
+def verify_parts(source: Source, numbers: Sequence[int], *, workers: int | None = None) -> None:
+    """Hash parts ``numbers`` whole against the index (ValueError naming the first bad one)."""
+    _in_parallel(
+        source, [(p, lambda tick, p=p: _read_part(source, p, (), tick)) for p in numbers], workers
+    )
+
+
+def _in_parallel(
+    source: Source,
+    reads: Sequence[tuple[int, Callable[[Callable[[], None]], None]]],
+    workers: int | None,
+) -> None:
+    """Run part reads ``(part number, read(tick))`` on up to ``workers`` daemon threads and
+    raise the first error; a read that has not ticked for ``READ_STALL_SECONDS`` fails the
+    call with TimeoutError naming its part. Its thread is left behind: a read blocked in the
+    kernel cannot be interrupted, and a daemon thread does not hold up the process's exit."""
+    if not reads:
+        return
+    lock = threading.Lock()
+    queue = list(reads)[::-1]
+    active: dict[int, float] = {}  # part number -> when it last made progress
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        while True:
+            with lock:
+                if not queue or errors:
+                    return
+                number, read = queue.pop()
+                active[number] = time.monotonic()
+
+            def tick(number: int = number) -> None:
+                active[number] = time.monotonic()  # one dict store: atomic under the GIL
+
+            try:
+                read(tick)
+            except BaseException as exc:
+                with lock:
+                    errors.append(exc)
+            finally:
+                with lock:
+                    active.pop(number, None)
+
+    threads = [
+        threading.Thread(target=work, name="koochak-shard-read", daemon=True)
+        for _ in range(min(len(reads), workers or 8))
+    ]
+    for thread in threads:
+        thread.start()
+    stall = READ_STALL_SECONDS
+    while True:
+        for thread in threads:
+            thread.join(timeout=min(1.0, stall / 4))
+            with lock:
+                if errors:
+                    raise errors[0]
+                late = [n for n, t in active.items() if time.monotonic() - t > stall]
+            if late:
+                key = source.index.parts[min(late)].key
+                raise TimeoutError(f"{source.where}: part {key} made no progress for "
+                                   f"{stall:g} s (a stalled store or mount)")  # fmt: skip
+        if not any(thread.is_alive() for thread in threads):
+            with lock:
+                if errors:
+                    raise errors[0]
+            return
+
+
+def _numel(shape: Sequence[int]) -> int:
+    count = 1
+    for n in shape:
+        count *= n
+    return count
+
+
+# ----------------------------------------------------------------------------- select
+
+
+def open_candidate(store: Store, name: str) -> tuple[str, dict[str, Any]]:
+    """``(path, checkpoint)`` of published checkpoint ``name`` read lazily: its manifest, index,
+    part sizes, skeleton, cursor and RNG states checked, the unsharded tensors read, every
+    other tensor a ``StoredTensor``. A single-file checkpoint is read whole. InvalidArtifact or
+    ValueError when any of that does not hold (the part digests are ``verify_parts``'s)."""
+    from koochak.loop.checkpoint.serialization import read_checkpoint
+
+    publication, data = artifact.read_verified(store, name)
+    path = publication_path(store, publication)
+    if not looks_like_index(data):
+        ckpt = read_checkpoint(store, name, data, path)
+    else:
+        index = parse_index(data, path, name)
+        source = Source(store, index, path)
+        for part in index.parts:
+            try:
+                size = store.stat(part.key).size
+            except FileNotFoundError:
+                raise ValueError(f"{path}: part {part.key} is missing") from None
+            if size != part.size:
+                raise ValueError(
+                    f"{path}: part {part.key} has {size} bytes; the index says {part.size}"
+                )
+        refs = [StoredTensor(source, i) for i in range(len(index.tensors))]
+        payload = _join(load_skeleton(index.skeleton, path), refs)
+        for key in ("rng", "rng_per_rank"):  # small, and resume must be able to restore them
+            if payload.get(key) is not None:
+                payload[key] = _read_all(payload[key])
+        ckpt = _checkpoint_of_payload(payload, path)
+    check_resume_cursor(ckpt, name)
+    check_rng_fields(ckpt, path)
+    return path, ckpt
+
+
+def _join(skeleton: Any, refs: Sequence[StoredTensor]) -> Any:
+    """The skeleton with each ``(TENSOR_TAG, i)`` reference replaced by ``refs[i]``."""
+
+    def ref(value: Any) -> Any:
+        is_ref = isinstance(value, tuple) and len(value) == 2 and value[0] == TENSOR_TAG
+        return refs[value[1]] if is_ref else value
+
+    return _map(skeleton, ref)
+
+
+def resolve_sharded(location: Any) -> tuple[str, dict[str, Any]] | None:
+    """The newest published checkpoint every part of which verifies, chosen by every rank
+    together: ``(path, checkpoint)`` with ``StoredTensor`` references, or None to start fresh.
+
+    Rank 0 checks candidates newest first (``open_candidate``); every rank then hashes its share
+    of the chosen one's parts. A candidate that fails anywhere (a damaged, short or missing part)
+    is skipped on every rank with the reason logged; any other error (EIO) is raised on every
+    rank, because rolling a run back silently would waste the work since.
+    """
+    from koochak.loop.checkpoint.publication import checkpoint_store
+
+    store = checkpoint_store(location)
+    names = None
+    if dist.get_rank() == 0:
+        names = [name for _, name in artifact.published_candidates(store, CHECKPOINT_PATTERN)]
+    for name in _broadcast(names):
+        found = _choose(store, name)
+        if found is not None:
+            return found
+    return None
+
+
+def _choose(store: Store, name: str) -> tuple[str, dict[str, Any]] | None:
+    """Candidate ``name`` if every rank finds its share of it sound (collective)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    first = _try(lambda: open_candidate(store, name)) if rank == 0 else ("ok", None)
+    kind, why = _broadcast((first[0], None if first[0] == "ok" else first[1]))
+    if kind == "fatal":
+        raise OSError(f"rank 0 could not read checkpoint {name}: {why}")
+    if kind == "skip":
+        if rank == 0:
+            log.warning("skipping %s (%s): %s", name, store.location, why)
+        return None
+
+    def verify_mine() -> tuple[str, dict[str, Any]]:
+        found = first[1] if rank == 0 else open_candidate(store, name)
+        refs = _refs(found[1])
+        if refs:
+            parts = len(refs[0].source.index.parts)
+            verify_parts(refs[0].source, range(rank, parts, world))
+        return found
+
+    mine = _try(verify_mine)
+    outcomes: list[Any] = [(mine[0], None if mine[0] == "ok" else mine[1])]
+    if world > 1:
+        outcomes = [None] * world
+        torch.distributed.all_gather_object(
+            outcomes, (mine[0], None if mine[0] == "ok" else mine[1])
+        )
+    fatal = [f"rank {r}: {m}" for r, (k, m) in enumerate(outcomes) if k == "fatal"]
+    if fatal:
+        raise OSError(f"checkpoint {name} could not be read: {'; '.join(fatal)}")
+    bad = [f"rank {r}: {m}" for r, (k, m) in enumerate(outcomes) if k == "skip"]
+    if bad:
+        if rank == 0:
+            log.warning("skipping %s (%s): %s", name, store.location, "; ".join(bad))
+        return None
+    return mine[1]
+
+
+def _try(call: Callable[[], Any]) -> tuple[str, Any]:
+    """``("ok", result)``, ``("skip", why)`` for an invalid candidate, ``("fatal", why)``."""
+    try:
+        return ("ok", call())
+    except (artifact.InvalidArtifact, ValueError) as exc:
+        return ("skip", " ".join(str(exc).split()))
+    except Exception as exc:
+        return ("fatal", _message(exc))
+
+
+def _refs(tree: Any) -> list[StoredTensor]:
+    if isinstance(tree, StoredTensor):
+        return [tree]
+    if isinstance(tree, Mapping):
+        return [r for v in tree.values() for r in _refs(v)]
+    if isinstance(tree, (list, tuple)):
+        return [r for v in tree for r in _refs(v)]
+    return []
+
+
+# ----------------------------------------------------------------------------- load
+
+
+def _read_all(tree: Any, likes: Mapping[int, Any] | None = None) -> Any:
+    """``tree`` with every StoredTensor read: this rank's slab where ``likes`` maps it to a live
+    DTensor (returned as a DTensor placed like it), else the whole tensor."""
+    refs = _refs(tree)
+    if not refs:
+        return tree
+    likes = likes or {}
+    by_source: dict[int, list[StoredTensor]] = {}
+    for ref in refs:
+        by_source.setdefault(id(ref.source), []).append(ref)
+    read: dict[int, Any] = {}
+    for group in by_source.values():
+        wanted = []
+        for ref in group:
+            like = likes.get(id(ref))
+            if like is not None:
+                offsets, shape = local_box(like)
+                wanted.append((ref.number, offsets[0], shape[0]))
+            else:
+                wanted.append((ref.number, 0, ref.shape[0] if ref.shape else 1))
+        for ref, tensor in zip(group, read_slabs(group[0].source, wanted)):
+            like = likes.get(id(ref))
+            read[id(ref)] = (
+                tensor if like is None else placed_like(tensor.to(local_tensor(like).device), like)
+            )
+    return _map(tree, lambda v: read[id(v)] if isinstance(v, StoredTensor) else v)
+
+
+def is_lazy(ckpt: Mapping[str, Any]) -> bool:
+    """Whether ``ckpt`` still holds StoredTensor references (from ``resolve_sharded``)."""
+    return bool(_refs(ckpt))
+
+
+def materialize(
+    ckpt: Mapping[str, Any],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    ema: Any = None,
+) -> dict[str, Any]:
+    """``ckpt`` with its StoredTensors read for this rank: the slab of each parameter, its
+    optimizer state and its EMA shadows that the live (sharded) model holds, every other
+    tensor whole. Every rank must call it at once: if any rank cannot read its tensors, all
+    raise ShardedLoadError naming the rank and the part."""
+    from koochak.loop.state_dicts import unwrap_model
+
+    likes: dict[int, Any] = {}
+    live = unwrap_model(model).state_dict()
+
+    def match(state: Any) -> None:
+        if isinstance(state, Mapping):
+            for key, value in state.items():
+                target = live.get(str(key).removeprefix("module."))
+                if (
+                    isinstance(value, StoredTensor)
+                    and is_dtensor(target)
+                    and value.shape == tuple(target.shape)
+                ):
+                    likes[id(value)] = target
+
+    match(ckpt.get("model"))
+    for shadow in (ckpt.get("ema") or {}).get("shadows") or []:
+        match(shadow.get("state_dict") if isinstance(shadow, Mapping) else None)
+    if optimizer is not None and isinstance(ckpt.get("optimizer"), Mapping):
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        for key, entry in (ckpt["optimizer"].get("state") or {}).items():
+            param = params[key] if isinstance(key, int) and 0 <= key < len(params) else None
+            if is_dtensor(param) and isinstance(entry, Mapping):
+                for value in entry.values():
+                    if (
+                        isinstance(value, StoredTensor)
+                        and value.dim()
+                        and value.shape == tuple(param.shape)
+                    ):
+                        likes[id(value)] = param
+    error, result = None, None
+    try:
+        result = _read_all(dict(ckpt), likes)
+    except Exception as exc:
+        error = _message(exc)
+    _agree(error, "loading the sharded checkpoint")
+    return result

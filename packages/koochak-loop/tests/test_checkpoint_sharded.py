@@ -1,0 +1,202 @@
+"""Sharded (FSDP) checkpoints in process, on a gloo group of one rank: the index every rank's
+parts make, slab reads, selection that verifies every part, and a failed load that says which
+part. The multi-rank cases (2 and 4 writers, resharding) run in test_fsdp.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from koochak.loop import fsdp
+from koochak.loop.checkpoint import build_checkpoint, checkpoint_name, load
+from koochak.loop.checkpoint.parts_index import parse_index
+from koochak.loop.checkpoint.resume import resume_checkpoint
+from koochak.loop.checkpoint.sharded import ShardedLoadError, save_sharded
+from koochak.loop.checkpoint.sharded_read import Source, materialize, read_slabs
+from koochak.loop.config import FsdpConfig
+from koochak.storage.store import LocalStore
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 7)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+@pytest.fixture
+def group(tmp_path):
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1
+    )
+    yield
+    torch.distributed.destroy_process_group()
+
+
+def _sharded(seed: int = 0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(Block(), nn.ReLU(), Block(), nn.BatchNorm1d(7))
+    model[2].fc = nn.Linear(7, 7)
+    fsdp.shard_model(model, FsdpConfig(shard_modules=["Block"]), torch.device("cpu"))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 5)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _save(store, step, seed=0, reason="terminal"):
+    model, opt = _sharded(seed)
+    ckpt = build_checkpoint(step=step, next_step=step if reason != "periodic" else step + 1,
+                            reason=reason, model=model, optimizer=opt)  # fmt: skip
+    save_sharded(store, checkpoint_name(step), ckpt)
+    return fsdp.full(ckpt)
+
+
+def test_every_rank_writes_parts_and_the_index_says_where_every_shard_lies(group, tmp_path):
+    store = LocalStore(str(tmp_path / "ckpt"))
+    saved = _save(store, 5)
+    name = checkpoint_name(5)
+    index = parse_index(store.get(name), name, name)
+    assert index.writers == 1
+    assert [p.key for p in index.parts] == [f"{name}.part-00000-00000", f"{name}.part-00000-00001"]
+    loaded = load(tmp_path / "ckpt" / name)  # one process reads it whole
+    for key, value in saved["model"].items():
+        assert torch.equal(loaded["model"][key], value), key
+    doc = json.loads((tmp_path / "ckpt" / f"{name}.ready.json").read_text())
+    assert doc["artifact_id"] == f"checkpoint/{name}"
+
+
+def test_slab_reads_are_exact_rows_of_the_global_tensors(group, tmp_path):
+    store = LocalStore(str(tmp_path))
+    saved = _save(store, 1)
+    name = checkpoint_name(1)
+    source = Source(store, parse_index(store.get(name), name, name), name)
+    full = load(tmp_path / name)
+    from koochak.loop.checkpoint.parts_tree import load_skeleton
+
+    skeleton = load_skeleton(source.index.skeleton, name)
+    number = skeleton["model"]["0.fc.weight"][1]
+    for start, rows in ((0, 7), (0, 1), (3, 4), (6, 1), (2, 0)):
+        (slab,) = read_slabs(source, [(number, start, rows)])
+        assert torch.equal(slab, full["model"]["0.fc.weight"][start : start + rows])
+    assert torch.equal(full["model"]["0.fc.weight"], saved["model"]["0.fc.weight"])
+
+
+def test_a_checkpoint_with_a_damaged_part_is_passed_over_for_the_older_one(group, tmp_path, caplog):
+    store = LocalStore(str(tmp_path))
+    _save(store, 3, seed=1)
+    _save(store, 6, seed=2)
+    part = tmp_path / f"{checkpoint_name(6)}.part-00000-00001"
+    data = bytearray(part.read_bytes())
+    data[10] ^= 1
+    part.chmod(0o644)
+    part.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="koochak.loop.checkpoint"):
+        found = resume_checkpoint("auto", tmp_path, sharded=True)
+    assert found.path.endswith(checkpoint_name(3))
+    assert f"part {part.name} has SHA256" in caplog.text
+
+
+def test_the_chosen_checkpoint_loads_into_a_fresh_sharded_model(group, tmp_path):
+    store = LocalStore(str(tmp_path))
+    saved = _save(store, 4)
+    found = resume_checkpoint("auto", tmp_path, sharded=True)
+    model, opt = _sharded(seed=9)
+    state = materialize(found.checkpoint, model, opt)
+    model.load_state_dict(state["model"])
+    for key, value in fsdp.full(model.state_dict()).items():
+        assert torch.equal(value, saved["model"][key]), key
+
+
+def test_a_part_gone_after_selection_fails_the_load_naming_it(group, tmp_path):
+    store = LocalStore(str(tmp_path))
+    _save(store, 4)
+    found = resume_checkpoint("auto", tmp_path, sharded=True)
+    gone = tmp_path / f"{checkpoint_name(4)}.part-00000-00001"
+    gone.unlink()
+    model, opt = _sharded()
+    with pytest.raises(ShardedLoadError, match=f"rank 0: .*part {gone.name} is missing"):
+        materialize(found.checkpoint, model, opt)
+
+
+def test_a_failed_save_leaves_nothing_committed(group, tmp_path, monkeypatch):
+    import koochak.loop.checkpoint.sharded as sharded
+
+    store = LocalStore(str(tmp_path))
+    monkeypatch.setattr(
+        sharded, "encode_index", lambda index: (_ for _ in ()).throw(OSError(28, "No space left"))
+    )
+    with pytest.raises(RuntimeError, match="step000000002.pt was not saved: OSError"):
+        _save(store, 2)
+    assert not list(tmp_path.glob("step*"))
+
+
+class _Stalled:
+    """A stream that delivers nothing until ``release`` is set (a hung mount)."""
+
+    def __init__(self, release):
+        self.release = release
+
+    def readinto(self, buffer):
+        self.release.wait()
+        return 0
+
+    def read(self, n=-1):
+        self.release.wait()
+        return b""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.fixture
+def stalled_part(monkeypatch):
+    """Opening a key ending in ``.part-00000-00001`` gives a stream that stalls (0.2 s is late)."""
+    import threading
+
+    import koochak.loop.checkpoint.sharded_read as sharded_read
+
+    release = threading.Event()
+    stall = {"on": False}
+    real_open = LocalStore.open
+
+    def open_(self, key):
+        if stall["on"] and key.endswith(".part-00000-00001"):
+            return _Stalled(release)
+        return real_open(self, key)
+
+    monkeypatch.setattr(LocalStore, "open", open_)
+    monkeypatch.setattr(sharded_read, "READ_STALL_SECONDS", 0.2)
+    yield stall
+    release.set()  # let the abandoned reader thread end
+
+
+def test_a_stalled_part_fails_the_load_in_bounded_time_naming_it(group, tmp_path, stalled_part):
+    store = LocalStore(str(tmp_path))
+    _save(store, 4)
+    found = resume_checkpoint("auto", tmp_path, sharded=True)
+    stalled_part["on"] = True
+    model, opt = _sharded()
+    part = f"{checkpoint_name(4)}.part-00000-00001"
+    with pytest.raises(
+        ShardedLoadError, match=f"rank 0: TimeoutError: .*part {part} made no progress"
+    ):
+        materialize(found.checkpoint, model, opt)
+
+
+def test_a_stalled_part_fails_the_selection_instead_of_rolling_back(group, tmp_path, stalled_part):
+    store = LocalStore(str(tmp_path))
+    _save(store, 2)
+    _save(store, 4)
+    stalled_part["on"] = True
+    part = f"{checkpoint_name(4)}.part-00000-00001"
+    with pytest.raises(OSError, match=f"rank 0: TimeoutError: .*part {part} made no progress"):
+        resume_checkpoint("auto", tmp_path, sharded=True)
