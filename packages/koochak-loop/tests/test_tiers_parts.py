@@ -275,3 +275,40 @@ def test_a_checkpoint_from_several_writers_replicates_without_special_cases(tmp_
     back = read_checkpoint(replica, name, data, name)
     assert torch.equal(back["model"]["weight"], rows)
     assert torch.equal(load(replica, name)["model"]["weight"], rows)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1
+    )
+    yield
+    torch.distributed.destroy_process_group()
+
+
+def test_a_sharded_fsdp_checkpoint_replicates_and_reads_back_from_the_replica(
+    one_rank_group, tmp_path
+):
+    from koochak.loop import fsdp
+    from koochak.loop.checkpoint.sharded import save_sharded
+    from koochak.loop.config import FsdpConfig
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+    fsdp.shard_model(model, FsdpConfig(shard_modules=["Linear"]), torch.device("cpu"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 5)).sum().backward()
+    optimizer.step()
+    ckpt = build_checkpoint(step=3, next_step=3, reason="terminal", model=model,
+                            optimizer=optimizer)  # fmt: skip
+    first, replica = LocalStore(tmp_path / "first"), LocalStore(tmp_path / "replica")
+    save_sharded(first, _name(3), ckpt, parts=2)
+    replicate_checkpoint(first, replica, _name(3))
+    objects = checkpoint_objects(first, _name(3))
+    assert len(objects) > 3  # several parts (unsharded tensors, then shards), index, manifest
+    assert checkpoint_objects(replica, _name(3)) == objects
+    assert read_manifest(replica, _name(3))[1] == read_manifest(first, _name(3))[1]
+    back, original = load(replica, _name(3)), load(first, _name(3))
+    assert back["model"].keys() == original["model"].keys()
+    for key, value in original["model"].items():
+        assert torch.equal(back["model"][key], value)
