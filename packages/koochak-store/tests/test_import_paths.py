@@ -18,6 +18,7 @@ STORE = {
     "PUBLISH_MODES": "koochak.storage.keys",
     "TEMP_PREFIX": "koochak.storage.keys",
     "validate_key": "koochak.storage.keys",
+    "check_put_expectations": "koochak.storage.protocol",
     "open_store": "koochak.storage.store",
     "register_store": "koochak.storage.store",
     "ENTRY_POINT_GROUP": "koochak.storage.store",

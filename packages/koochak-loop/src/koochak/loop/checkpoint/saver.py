@@ -561,6 +561,7 @@ class ShardedSaver:
 
     # The same keep_best_k pruning as one process's saver (rank 0 runs it, after the commit).
     _prune_keeping_best = CheckpointSaver._prune_keeping_best
+    _best = CheckpointSaver._best
     _score_of = CheckpointSaver._score_of
 
     def __init__(
