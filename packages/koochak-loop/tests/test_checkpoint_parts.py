@@ -339,19 +339,46 @@ def _damage(tmp_path, how):
 @pytest.mark.parametrize(
     "how, message",
     [
-        ("missing", "part-00000-00001 is missing"),
         ("truncated", "part-00000-00001 has \\d+ bytes; the index says"),
         ("extended", "part-00000-00001 has \\d+ bytes; the index says"),
         ("bit flipped", "part-00000-00001 has SHA256 [0-9a-f]{64}; the index says"),
         ("swapped", "part-00000-00001 has (SHA256|\\d+ bytes)"),
         ("emptied", "part-00000-00001 has 0 bytes"),
-        ("replaced by a directory", "part-00000-00001 is missing"),
     ],
 )
 def test_a_damaged_part_is_refused_naming_it(tmp_path, how, message):
     store = _damage(tmp_path, how)
     with pytest.raises(ValueError, match=message):
         _read(store)
+
+
+@pytest.mark.parametrize("how", ["missing", "replaced by a directory"])
+def test_a_missing_part_is_late_not_damaged(tmp_path, how):
+    """The index names the part, so it existed: missing here is another client not seeing it
+    yet (a mount), an error naming the index once read_settle_seconds pass, never "damaged"."""
+    _damage(tmp_path, how)
+    store = LocalStore(tmp_path, read_settle_seconds=0.2)
+    with pytest.raises(FileNotFoundError, match=f"{NAME} names it") as missing:
+        _read(store)
+    assert not isinstance(missing.value, ValueError)
+    assert missing.value.filename.endswith(part_key(NAME, 0, 1))
+
+
+def test_a_part_that_shows_up_within_read_settle_seconds_is_read(tmp_path):
+    import threading
+
+    store = LocalStore(tmp_path, read_settle_seconds=30)
+    state = _state()
+    _write(store, state, 3)
+    victim = tmp_path / part_key(NAME, 0, 1)
+    data = victim.read_bytes()
+    victim.unlink()
+    later = threading.Timer(0.3, victim.write_bytes, args=(data,))
+    later.start()
+    try:
+        _assert_same(_read(store), state)
+    finally:
+        later.join()
 
 
 def test_a_part_that_changes_after_its_size_was_checked_is_refused(tmp_path):

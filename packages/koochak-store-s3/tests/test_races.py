@@ -92,13 +92,6 @@ def test_racing_puts_have_exactly_one_winner_every_round(moto_store, k):
     assert len(store.list("race/")) == ROUNDS
 
 
-@pytest.mark.xfail(
-    reason="artifact.publish un-publishes a name it finds already there (manifest, then object) "
-    "before putting its own: a racer that sees the winner's object before the winner's manifest "
-    "lands deletes that object, then loses the manifest put and deletes its own, leaving a "
-    "manifest without its object. A koochak.storage.artifact race on every store, not an S3 one.",
-    strict=False,
-)
 @pytest.mark.parametrize("k", [2, 8])
 def test_racing_publishes_leave_one_verified_publication_every_round(moto_store, k):
     store = moto_store

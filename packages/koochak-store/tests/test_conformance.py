@@ -29,7 +29,7 @@ class TestLocalStoreForFuseMounts(StoreConformance):
             publish="exclusive",
             fsync=False,
             verify_readback=True,
-            settle_seconds=1.0,
+            settle_seconds=0.1,  # every put reads back this long after its rename
             read_settle_seconds=1.0,
         )
 

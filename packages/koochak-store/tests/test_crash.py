@@ -72,10 +72,9 @@ def test_a_process_killed_mid_put_leaves_no_visible_object(tmp_path):
 
 @pytest.mark.slow
 def test_a_publish_killed_mid_put_on_an_exclusive_store_is_never_committed(tmp_path):
-    # publish="exclusive" writes under the final name, so a killed writer's partial object can
-    # stay visible (a FUSE mount may even publish it on the implicit close). What keeps readers
-    # safe is the ready manifest: the partial object is never a committed artifact, and the
-    # next publish of the same name replaces it.
+    # publish="exclusive" writes a hidden temp file and renames it into place once whole, so a
+    # killed writer's bytes stay under the temp name (a FUSE mount uploads them there, on the
+    # implicit close), never under the final name; the ready manifest still guards readers.
     root = tmp_path / "store"
     pattern = r"step(\d+)\.pt"
     store = LocalStore(root, publish="exclusive")
@@ -85,7 +84,8 @@ def test_a_publish_killed_mid_put_on_an_exclusive_store_is_never_committed(tmp_p
         "from koochak.storage.artifact import publish; from koochak.storage.store import LocalStore",
         f"publish(LocalStore({str(root)!r}, publish='exclusive'), 'step000000200.pt', chunks())",
     )
-    assert (root / "step000000200.pt").exists()  # the partial object, under its final name
+    assert not (root / "step000000200.pt").exists()
+    assert any(name.startswith(".koochak-tmp-") for name in os.listdir(root))
     assert published_candidates(store, pattern) == [(100, "step000000100.pt")]
     publication, data = highest_valid(store, pattern)
     assert (publication.key, data) == ("step000000100.pt", b"committed")

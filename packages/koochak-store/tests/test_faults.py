@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import errno
+import os
 
 import pytest
 from koochak.storage.keys import TEMP_PREFIX
-from koochak.storage.store import SETTLING_ERRNOS
+from koochak.storage.store import SETTLING_ERRNOS, ObjectCollision
 from koochak.storage.testing import FakeClock, Fault, FaultyStore, visible_files
 
 MODES = ["link", "exclusive"]
@@ -192,25 +193,24 @@ def test_fsync_false_never_fsyncs(tmp_path):
 
 def test_fault_descriptions_are_validated():
     with pytest.raises(ValueError, match="op"):
-        Fault("rename")
+        Fault("truncate")
     with pytest.raises(ValueError, match="short"):
         Fault("fsync", mode="short")
 
 
-def test_a_partial_object_that_cannot_be_removed_is_reported(tmp_path, caplog):
-    # Exclusive mode writes under the final name; if both the write and the cleanup fail, the
-    # put's own error propagates and the leftover is logged so nobody mistakes it for data.
+def test_a_failed_exclusive_put_leaves_at_most_a_hidden_temp_name(tmp_path):
+    # Exclusive mode writes a hidden temp file and renames it into place only once it is whole
+    # (issue 20: a mount uploads whatever a killed writer left under the name it was writing),
+    # so a failed put whose cleanup fails too leaves a hidden temp file, never an object.
     store = FaultyStore(
         tmp_path, [Fault("write", errno=errno.EIO), Fault("unlink", errno=errno.EACCES)],
         publish="exclusive",
     )  # fmt: skip
-    with (
-        caplog.at_level("WARNING", logger="koochak.storage.store"),
-        pytest.raises(OSError) as caught,
-    ):
+    with pytest.raises(OSError) as caught:
         store.put("obj", DATA)
     assert caught.value.errno == errno.EIO
-    assert "could not be removed" in caplog.text and "obj" in caplog.text
+    assert [p.name[: len(TEMP_PREFIX)] for p in tmp_path.iterdir()] == [TEMP_PREFIX]
+    _assert_nothing_visible(store)
 
 
 # -- the calls outside put and the reads go through the same seam ------------------------------
@@ -274,3 +274,39 @@ def test_a_fault_reaches_the_directory_sync_after_a_put(tmp_path, publish):
         store.put("obj", b"payload")
     assert caught.value.errno == errno.EIO
     _assert_nothing_visible(store)
+
+
+class _ReplacingClock(FakeClock):
+    """A fake clock whose first sleep is when another client replaces the object."""
+
+    def __init__(self, path) -> None:
+        super().__init__()
+        self.path = path
+
+    def sleep(self, seconds: float) -> None:
+        if not self.sleeps:
+            other = self.path.with_name(".other-client")
+            other.write_bytes(b"the other client's bytes")
+            os.replace(other, self.path)
+        super().sleep(seconds)
+
+
+def test_an_object_replaced_before_the_read_back_is_a_collision_and_stays(tmp_path):
+    clock = _ReplacingClock(tmp_path / "obj")
+    store = FaultyStore(tmp_path, [], clock=clock, publish="exclusive", verify_readback=True,
+                        settle_seconds=2)  # fmt: skip
+    with pytest.raises(ObjectCollision, match="another client published the same key") as lost:
+        store.put("obj", DATA)
+    assert isinstance(lost.value, FileExistsError)
+    assert sum(clock.sleeps) == pytest.approx(2)  # read back once settle_seconds had passed
+    assert store.get("obj") == b"the other client's bytes"  # nothing of theirs removed
+
+
+def test_an_exclusive_put_renames_under_the_directory_lock_once_the_name_is_free(tmp_path):
+    store = FaultyStore(tmp_path, [], publish="exclusive")
+    store.put("a/obj", b"first")
+    with pytest.raises(FileExistsError):
+        store.put("a/obj", b"second")  # refused before a byte is written
+    assert store.calls["lock"] == 1 and store.calls["rename"] == 1
+    assert store.get("a/obj") == b"first"
+    assert [p.name for p in (tmp_path / "a").iterdir()] == ["obj"]  # no temp left

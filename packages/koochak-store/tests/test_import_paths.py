@@ -14,6 +14,7 @@ STORE = {
     "ObjectInfo": "koochak.storage.protocol",
     "Store": "koochak.storage.protocol",
     "LocalStore": "koochak.storage.local_store",
+    "ObjectCollision": "koochak.storage.local_store",
     "SETTLING_ERRNOS": "koochak.storage.local_store",
     "PUBLISH_MODES": "koochak.storage.keys",
     "TEMP_PREFIX": "koochak.storage.keys",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import itertools
 import logging
 import os
 import re
@@ -38,6 +39,7 @@ class DestLock:
 
     def __init__(self, root_fd: int, root: str) -> None:
         self.token = uuid.uuid4().hex
+        self._counter = itertools.count()  # next() is atomic under the GIL: threads may share it
         self._root_fd = root_fd
         self._where = os.path.join(root, LOCK_NAME)
         self._fd, self.killed_runs, self.locked = _take(root_fd, root, self._where, self.token)
@@ -50,8 +52,12 @@ class DestLock:
             raise
 
     def temp_name(self) -> str:
-        """A fresh hidden name no collection file and nothing already in DEST can have."""
-        return f"{_TEMP_PREFIX}{self.token}-{uuid.uuid4().hex}.tmp"
+        """A fresh hidden name no collection file and nothing already in DEST can have.
+
+        The run's random token makes it unique to this run; a counter (32 hex digits, as the
+        leftover pattern expects) makes it unique within it, without a random draw per file.
+        """
+        return f"{_TEMP_PREFIX}{self.token}-{next(self._counter):032x}.tmp"
 
     def remove_leftovers(self, keep: Container[str]) -> list[str]:
         """Delete the temp files of killed runs anywhere under DEST; return their relative paths.

@@ -16,8 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from koochak.data._concurrent import wait_all
-from koochak.data.collection import FileEntry, PackInfo
+from koochak.data.collection import FILES_KEY, FileEntry, PackInfo
 from koochak.data.pull import merge_ranges
+from koochak.storage.named import get_named, open_named
 
 __all__ = ["PackCache", "fetch_object", "fetch_pack", "read_files"]
 
@@ -109,7 +110,7 @@ def fetch_pack(store: Any, pack: PackInfo, *, retries: int, cache: PackCache | N
         if hit is not None:
             return hit
     data = _with_retries(
-        f"pack {where}", retries, lambda: _checked(store.get(pack.key), pack.size, pack.sha256, where)
+        f"pack {where}", retries, lambda: _checked(get_named(store, pack.key, named_by=FILES_KEY), pack.size, pack.sha256, where)
     )
     if cache is not None:
         cache.put(cache_key, data)
@@ -122,7 +123,9 @@ def fetch_object(store: Any, entry: FileEntry, *, retries: int) -> bytes:
     return _with_retries(
         f"object {where}",
         retries,
-        lambda: _checked(store.get(entry.key), entry.size, entry.sha256, where),
+        lambda: _checked(
+            get_named(store, entry.key, named_by=FILES_KEY), entry.size, entry.sha256, where
+        ),
     )
 
 
@@ -185,7 +188,7 @@ def read_files(
     def read_pack(job: tuple[str, list[FileEntry]]) -> None:
         key, members = job
         where = f"{store.location}/{key}"
-        with store.open(key) as handle:
+        with open_named(store, key, named_by=FILES_KEY) as handle:
             for start, end, group in merge_ranges(
                 members, gap_bytes=gap_bytes, max_range_bytes=max_range_bytes
             ):
@@ -199,7 +202,7 @@ def read_files(
                     keep(e, bytes(view[e.offset - start : e.offset - start + e.size]))
 
     def read_object(e: FileEntry) -> None:
-        keep(e, store.get(e.key))
+        keep(e, get_named(store, e.key, named_by=FILES_KEY))
 
     with ThreadPoolExecutor(max_workers=streams) as pool:
         futures = [pool.submit(read_pack, job) for job in sorted(by_pack.items())]

@@ -30,6 +30,7 @@ from typing import Any
 
 from koochak.data._digest import SHA256_HEX
 from koochak.data._tar import BLOCK, END_OF_ARCHIVE, check_path, padded
+from koochak.storage.named import get_named
 from koochak.storage.strict_json import check_fields, loads_strict, require_version
 
 __all__ = [
@@ -336,6 +337,19 @@ def _gunzip(data: bytes, where: str) -> bytes:
         raise ValueError(f"{where}: not a valid gzip stream ({exc})") from None
 
 
+def _decode_lines(lines: list[bytes], where: str) -> list[object]:
+    """Every line of a JSON-lines table, decoded strictly in one call (as one JSON array).
+
+    One decode of the whole table instead of one per line: a 20,000-file table parses in a
+    fraction of the time. Anything wrong (a blank line, bad JSON, a duplicate field) is then
+    found again line by line, so the error still names its line.
+    """
+    try:
+        return loads_strict(b"[" + b",".join(lines) + b"]", where)  # type: ignore[no-any-return]
+    except ValueError:
+        return [loads_strict(line, f"{where} line {n}") for n, line in enumerate(lines, start=1)]
+
+
 def parse_files_table(data: bytes, manifest: Manifest) -> tuple[FileEntry, ...]:
     """Parse and check ``files.jsonl.gz`` against its manifest.
 
@@ -358,9 +372,9 @@ def parse_files_table(data: bytes, manifest: Manifest) -> tuple[FileEntry, ...]:
     lines = text.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()
-    for number, line in enumerate(lines, start=1):
+    for number, doc in enumerate(_decode_lines(lines, where), start=1):
         w = f"{where} line {number}"
-        raw = _keys(loads_strict(line, w), w, _ENTRY_REQUIRED, _ENTRY_OPTIONAL)
+        raw = _keys(doc, w, _ENTRY_REQUIRED, _ENTRY_OPTIONAL)
         path = check_relative_path(raw["path"], f"{w}: field 'path'")
         if path in paths:
             raise ValueError(f"{w}: field 'path': duplicate path {path!r}")
@@ -475,7 +489,7 @@ def load_collection(store: Any) -> Collection:
         ) from None
     manifest = parse_manifest(data)
     try:
-        table = store.get(FILES_KEY)
+        table = get_named(store, FILES_KEY, named_by=MANIFEST_KEY)
     except FileNotFoundError:
         raise ValueError(
             f"{store.location}: manifest.json is committed but {FILES_KEY} is missing"

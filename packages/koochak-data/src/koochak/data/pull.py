@@ -34,13 +34,20 @@ from typing import Any
 from koochak.data._concurrent import wait_all
 from koochak.data._dest_lock import LOCK_NAME, DestLock
 from koochak.data._digest import CHUNK, sha256_stream
-from koochak.data.collection import FileEntry, load_collection
+from koochak.data.collection import FILES_KEY, FileEntry, load_collection
+from koochak.storage.named import get_named, open_named
 
 __all__ = ["LOCK_NAME", "PullReport", "merge_ranges", "pull_collection"]
 
 DEFAULT_MAX_RANGE_BYTES = 64 << 20
 # Directory descriptors kept open between files; beyond this the idle ones are closed.
 _MAX_OPEN_DIRS = 256
+# linkat() through this gives an O_TMPFILE its name (AT_EMPTY_PATH would need a capability).
+_LINK_VIA = "/proc/self/fd"
+# What open(O_TMPFILE) says where a filesystem (or an old kernel) has no unnamed files.
+_NO_TMPFILE = frozenset(
+    {errno.EOPNOTSUPP, errno.ENOTSUP, errno.EISDIR, errno.EINVAL, errno.ENOENT, errno.ENOSYS}
+)
 
 
 @dataclass
@@ -69,15 +76,20 @@ def merge_ranges(
     costs less than another request) and the range stays within ``max_range_bytes``.
     """
     ranges: list[tuple[int, int, list[FileEntry]]] = []
+    members: list[FileEntry] = []
+    r_start = r_end = 0
     for e in sorted(entries, key=lambda e: e.offset or 0):
         assert e.offset is not None
         start, end = e.offset, e.offset + e.size
-        if ranges:
-            r_start, r_end, members = ranges[-1]
-            if start - r_end <= gap_bytes and end - r_start <= max_range_bytes:
-                ranges[-1] = (r_start, max(r_end, end), members + [e])
-                continue
-        ranges.append((start, end, [e]))
+        if members and start - r_end <= gap_bytes and end - r_start <= max_range_bytes:
+            members.append(e)  # in place: a range of 10,000 small files stays linear
+            r_end = max(r_end, end)
+            continue
+        if members:
+            ranges.append((r_start, r_end, members))
+        members, r_start, r_end = [e], start, end
+    if members:
+        ranges.append((r_start, r_end, members))
     return ranges
 
 
@@ -108,6 +120,12 @@ class _DestTree:
         # Directories this run created: nothing can be present in them yet, so no stat needed.
         self.created: set[str] = set()
         self._lock = threading.RLock()
+        # Unnamed files (O_TMPFILE) linked in once whole, where the kernel and /proc allow it.
+        self._tmpfile = hasattr(os, "O_TMPFILE") and os.path.isdir(_LINK_VIA)
+        self._umask = _umask()
+        self._exact_mtimes = (1, 0)  # an empty range until probe_mtimes shows one
+        self._root_dev = os.fstat(self._root_fd).st_dev
+        self._devs: dict[int, int] = {}
 
     def acquire(self, rel_dir: str) -> int:
         if not rel_dir:
@@ -163,13 +181,44 @@ class _DestTree:
 
     # -- files -------------------------------------------------------------------------------
 
-    def in_new_directory(self, entry: FileEntry) -> bool:
-        """Make (or open) ``entry``'s directory; True when this run created it, so nothing can
-        be in the way and no stat is needed."""
-        rel_dir = entry.path.rpartition("/")[0]
+    def new_directory(self, rel_dir: str) -> bool:
+        """Make (or open) ``rel_dir``; True when this run created it, so nothing can be in the
+        way of its files and no stat is needed."""
         self.acquire(rel_dir)
         self.release(rel_dir)
         return rel_dir in self.created or (not rel_dir and self.root_created)
+
+    def probe_mtimes(self, lowest: int, highest: int) -> None:
+        """Learn whether DEST's filesystem keeps every mtime in [lowest, highest] exactly.
+
+        It does when both ends and an odd nanosecond value read back as set: the range is then
+        inside the filesystem's and its granularity is 1 ns. Files of such mtimes skip the
+        per-file ``fstat`` that catches a clamped or rounded mtime; all others keep it.
+        """
+        values = (lowest, highest, lowest | 1)
+        fd, temp = self._create(self._root_fd, 0o600)
+        try:
+            for value in values:
+                os.utime(fd, ns=(value, value))
+                if os.fstat(fd).st_mtime_ns != value:
+                    return
+            self._exact_mtimes = (lowest, highest)
+        except (OverflowError, ValueError, OSError):
+            return
+        finally:
+            os.close(fd)
+            if temp is not None:
+                os.unlink(temp, dir_fd=self._root_fd)
+
+    def _mtime_needs_check(self, mtime_ns: int, dir_fd: int) -> bool:
+        low, high = self._exact_mtimes
+        return not low <= mtime_ns <= high or self._dev(dir_fd) != self._root_dev
+
+    def _dev(self, dir_fd: int) -> int:
+        dev = self._devs.get(dir_fd)
+        if dev is None:
+            dev = self._devs[dir_fd] = os.fstat(dir_fd).st_dev
+        return dev
 
     def present(self, entry: FileEntry, overwrite: bool) -> bool:
         """True when ``entry`` is already in place; raises for anything in the way."""
@@ -202,17 +251,19 @@ class _DestTree:
             self.release(rel_dir)
 
     def write(self, entry: FileEntry, chunks: Iterable[bytes | memoryview], fsync: bool) -> None:
-        """Write ``entry`` via a temp name; its SHA256 is checked before the rename."""
+        """Write ``entry`` where no one sees it, check its SHA256, then give it its name.
+
+        The file is an unnamed ``O_TMPFILE`` linked to its name once whole (``linkat``, which
+        never replaces), or, where the filesystem has none, a hidden temp name renamed into
+        place. Its mode comes with the create when the umask leaves it intact (else ``fchmod``);
+        its mtime is set exactly and read back unless ``probe_mtimes`` showed it is kept.
+        """
         rel_dir, _, name = entry.path.rpartition("/")
         dir_fd = self.acquire(rel_dir)
-        full = os.path.join(self.root, entry.path)
-        # Random and O_EXCL: never a file of the collection, never anything already there, so
-        # the only file this ever unlinks is the one it just created.
-        temp = self.dest_lock.temp_name()
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            fd = os.open(temp, flags, 0o600, dir_fd=dir_fd)
-            renamed = False
+            mode = entry.mode & 0o777
+            exact_mode = self._umask is not None and not mode & self._umask
+            fd, temp = self._create(dir_fd, mode if exact_mode else 0o600)
             try:
                 sha = hashlib.sha256()
                 size = 0
@@ -228,29 +279,61 @@ class _DestTree:
                         f"{sha.hexdigest()}, the manifest says {entry.size} bytes with "
                         f"{entry.sha256}; not written"
                     )
-                os.fchmod(fd, entry.mode & 0o777)
-                _restore_mtime(fd, entry, full)
+                if not exact_mode:
+                    os.fchmod(fd, mode)
+                check = self._mtime_needs_check(entry.mtime_ns, dir_fd)
+                _restore_mtime(fd, entry, os.path.join(self.root, entry.path), check)
                 if fsync:
                     os.fsync(fd)
-                os.close(fd)
-                fd = -1
-                try:
-                    os.rename(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-                except IsADirectoryError:
-                    raise ValueError(
-                        f"{os.path.join(self.root, entry.path)} is a directory; not replaced"
-                    ) from None
-                renamed = True
+                temp = self._name(fd, temp, dir_fd, name)
             finally:
-                if fd >= 0:
-                    os.close(fd)
-                if not renamed:
+                os.close(fd)
+                if temp is not None:  # not renamed: the temp name is ours alone to remove
                     try:
                         os.unlink(temp, dir_fd=dir_fd)
                     except FileNotFoundError:
                         pass
         finally:
             self.release(rel_dir)
+
+    def _create(self, dir_fd: int, mode: int) -> tuple[int, str | None]:
+        """A new file in ``dir_fd`` that no one can see under a final name: ``(fd, temp)``,
+        ``temp`` being None for an unnamed O_TMPFILE."""
+        if self._tmpfile:
+            try:
+                flags = os.O_WRONLY | os.O_TMPFILE | os.O_CLOEXEC
+                return os.open(".", flags, mode, dir_fd=dir_fd), None
+            except OSError as exc:
+                if exc.errno not in _NO_TMPFILE:
+                    raise
+                self._tmpfile = False  # this filesystem has none: temp names from now on
+        # Random and O_EXCL: never a file of the collection, never anything already there, so
+        # the only file this ever unlinks is the one it just created.
+        temp = self.dest_lock.temp_name()
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        return os.open(temp, flags, mode, dir_fd=dir_fd), temp
+
+    def _name(self, fd: int, temp: str | None, dir_fd: int, name: str) -> None:
+        """Give the whole, checked file its final name; returns None (no temp name left)."""
+        if temp is None:
+            try:
+                os.link(f"{_LINK_VIA}/{fd}", name, dst_dir_fd=dir_fd, follow_symlinks=True)
+                return None
+            except FileExistsError:
+                pass  # --overwrite: name it privately, then rename over the old file
+            temp = self.dest_lock.temp_name()
+            os.link(f"{_LINK_VIA}/{fd}", temp, dst_dir_fd=dir_fd, follow_symlinks=True)
+        try:
+            os.rename(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except IsADirectoryError:
+            os.unlink(temp, dir_fd=dir_fd)
+            raise ValueError(
+                f"{os.path.join(self.root, name)} is a directory; not replaced"
+            ) from None
+        except BaseException:
+            os.unlink(temp, dir_fd=dir_fd)
+            raise
+        return None
 
 
 class _DamagedFile(ValueError):
@@ -263,8 +346,9 @@ class _Unrestorable(_DamagedFile):
     content"."""
 
 
-def _restore_mtime(fd: int, entry: FileEntry, full: str) -> None:
-    """Set ``entry.mtime_ns`` exactly, or raise _Unrestorable naming the file."""
+def _restore_mtime(fd: int, entry: FileEntry, full: str, check: bool = True) -> None:
+    """Set ``entry.mtime_ns`` exactly, or raise _Unrestorable naming the file. ``check=False``
+    skips reading it back, for a value the filesystem is known to keep (``probe_mtimes``)."""
     try:
         os.utime(fd, ns=(time.time_ns(), entry.mtime_ns))
     except (OverflowError, ValueError, OSError) as exc:
@@ -272,12 +356,26 @@ def _restore_mtime(fd: int, entry: FileEntry, full: str) -> None:
             f"{full}: mtime_ns={entry.mtime_ns} cannot be set on this filesystem ({exc}); "
             "not written"
         ) from None
+    if not check:
+        return
     stored = os.fstat(fd).st_mtime_ns
     if stored != entry.mtime_ns:  # the filesystem clamped it to its range
         raise _Unrestorable(
             f"{full}: mtime_ns={entry.mtime_ns} is outside what this filesystem can store (it "
             f"kept {stored}); not written"
         )
+
+
+def _umask() -> int | None:
+    """This process's umask, read without changing it (Linux 4.7+), or None."""
+    try:
+        with open("/proc/self/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _hash_file(dir_fd: int, name: str) -> str:
@@ -347,7 +445,11 @@ def pull_collection(
     try:
         # Directories first, in one pass; only files in directories that already existed are
         # checked (a stat, maybe a hash) on the pool. A fresh DEST costs no per-file task.
-        new = {e.path for e in selected if tree.in_new_directory(e)}
+        directories = sorted({e.path.rpartition("/")[0] for e in selected})
+        fresh = {d for d in directories if tree.new_directory(d)}
+        new = {e.path for e in selected if e.path.rpartition("/")[0] in fresh}
+        if selected:
+            tree.probe_mtimes(min(e.mtime_ns for e in selected), max(e.mtime_ns for e in selected))
         existing = [e for e in selected if e.path not in new]
         with ThreadPoolExecutor(max_workers=streams) as pool:
             there = dict(zip((e.path for e in existing),
@@ -380,7 +482,7 @@ def pull_collection(
 
             def fetch_range(job: tuple[str, tuple[int, int, list[FileEntry]]]) -> None:
                 key, (start, end, entries) = job
-                data = store.get(key, start, end)
+                data = get_named(store, key, start, end, named_by=FILES_KEY)
                 if len(data) != end - start:
                     raise ValueError(
                         f"{store.location}/{key}: bytes [{start}, {end}) requested, "
@@ -392,7 +494,7 @@ def pull_collection(
                     restore(e, [view[e.offset - start : e.offset - start + e.size]])
 
             def fetch_object(e: FileEntry) -> None:
-                with store.open(e.key) as handle:
+                with open_named(store, e.key, named_by=FILES_KEY) as handle:
                     restore(e, iter(lambda: handle.read(CHUNK), b""))
 
             def restore(e: FileEntry, chunks: Iterable[bytes | memoryview]) -> None:

@@ -24,6 +24,7 @@ from koochak.data import _tar
 from koochak.data._digest import SHA256_HEX, sha256_object
 from koochak.data._shard_records import ShardEntry, ShardIndex, _join
 from koochak.data.planning import assign_shards, plan_shards, worker_coordinates
+from koochak.storage.named import open_named
 from koochak.storage.profile import parse_size
 from koochak.storage.store import Store, open_store, validate_key
 from koochak.storage.strict_json import check_fields, loads_strict, require_version
@@ -613,7 +614,7 @@ def _read_whole(
         return None if digest is None else digest.hexdigest()
 
     try:
-        with store.open(key) as f:
+        with open_named(store, key, named_by=expected_by) as f:
             readinto = _readinto_of(f)
             got, piece = 0, _FIRST_PIECE
             while got < size:

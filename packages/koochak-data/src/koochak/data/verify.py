@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from koochak.data._digest import CHUNK, sha256_object
-from koochak.data.collection import Collection, FileEntry, PackInfo, load_collection
+from koochak.data.collection import FILES_KEY, Collection, FileEntry, PackInfo, load_collection
+from koochak.storage.named import open_named, stat_named
 
 __all__ = ["Problem", "VerifyReport", "verify_collection"]
 
@@ -120,7 +121,7 @@ def _report(
 
 def _stat_problem(store: Any, key: str, size: int) -> Problem | None:
     try:
-        found = store.stat(key).size
+        found = stat_named(store, key, named_by=FILES_KEY).size
     except FileNotFoundError:
         return Problem(key, None, "missing")
     if found != size:
@@ -138,7 +139,7 @@ def _check_pack(
     pack_sha = _PackHasher()  # the pack's digest on a helper thread, the files' on this one
     position = 0
     try:
-        with store.open(pack.key) as handle:
+        with open_named(store, pack.key, named_by=FILES_KEY) as handle:
 
             def read(n: int, file_sha: Any = None) -> int:
                 nonlocal position

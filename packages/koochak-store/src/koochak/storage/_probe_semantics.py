@@ -9,7 +9,9 @@ derives the LocalStore settings that are safe on this filesystem.
 from __future__ import annotations
 
 import errno
+import math
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +20,11 @@ from pathlib import Path
 from koochak.storage.store import SETTLING_ERRNOS
 
 _PAYLOAD = b"koochak-probe\n" * 293  # 4102 bytes: not a block multiple, so sizes are exact
+# A delay this short is the poll's own granularity: the object was there at the first look.
+_AT_ONCE = 0.05
+# Recommended waits are rounded up to one of these (seconds), so small differences between runs
+# of the probe do not change its advice.
+_WAIT_GRID = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 @dataclass(frozen=True)
@@ -34,7 +41,7 @@ class Check:
     seconds: float | None = None
 
 
-def _errno_text(exc: OSError) -> str:
+def errno_text(exc: OSError) -> str:
     name = errno.errorcode.get(exc.errno or 0, "OSError")
     return f"{name}: {exc.strerror or exc}"
 
@@ -42,12 +49,12 @@ def _errno_text(exc: OSError) -> str:
 def _write_file(path: Path, data: bytes = _PAYLOAD) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        _write_all(fd, data)
+        write_all(fd, data)
     finally:
         os.close(fd)
 
 
-def _write_all(fd: int, data: bytes) -> None:
+def write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
@@ -63,7 +70,7 @@ def check_exclusive_create(work: Path) -> Check:
     try:
         _write_file(path)
     except OSError as exc:
-        return Check("exclusive_create", False, f"O_CREAT|O_EXCL create failed: {_errno_text(exc)}")
+        return Check("exclusive_create", False, f"O_CREAT|O_EXCL create failed: {errno_text(exc)}")
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
@@ -73,7 +80,7 @@ def check_exclusive_create(work: Path) -> Check:
             )
         return Check("exclusive_create", True, "a second O_EXCL create is refused with EEXIST")
     except OSError as exc:
-        return Check("exclusive_create", False, f"second create failed oddly: {_errno_text(exc)}")
+        return Check("exclusive_create", False, f"second create failed oddly: {errno_text(exc)}")
     os.close(fd)
     return Check("exclusive_create", False, "a second O_EXCL create of an existing file succeeded")
 
@@ -84,7 +91,7 @@ def check_rename(work: Path) -> Check:
         _write_file(old)
         os.rename(old, new)
     except OSError as exc:
-        return Check("rename", False, f"rename failed: {_errno_text(exc)}")
+        return Check("rename", False, f"rename failed: {errno_text(exc)}")
     if old.exists() or _read_file(new) != _PAYLOAD:
         return Check("rename", False, "after rename the old name remains or the content changed")
     return Check("rename", True, "rename moves a file (not used for publication: it can overwrite)")
@@ -96,7 +103,7 @@ def check_hard_links(work: Path) -> Check:
         _write_file(src)
         os.link(src, dst)
     except OSError as exc:
-        return Check("hard_links", False, f"link failed: {_errno_text(exc)}")
+        return Check("hard_links", False, f"link failed: {errno_text(exc)}")
     if os.stat(src).st_nlink != 2 or _read_file(dst) != _PAYLOAD:
         return Check("hard_links", False, "link created but link count or content is wrong")
     # Publication relies on link() never replacing an existing name.
@@ -108,7 +115,7 @@ def check_hard_links(work: Path) -> Check:
         pass
     except OSError as exc:
         return Check(
-            "hard_links", False, f"link onto an existing name failed oddly: {_errno_text(exc)}"
+            "hard_links", False, f"link onto an existing name failed oddly: {errno_text(exc)}"
         )
     else:
         return Check("hard_links", False, "link onto an existing name replaced it")
@@ -124,7 +131,7 @@ def check_symlinks(work: Path) -> Check:
         os.symlink(target.name, link)
         resolved = os.readlink(link)
     except OSError as exc:
-        return Check("symlinks", False, f"symlink failed: {_errno_text(exc)}")
+        return Check("symlinks", False, f"symlink failed: {errno_text(exc)}")
     if resolved != target.name or _read_file(link) != _PAYLOAD:
         return Check("symlinks", False, "symlink created but does not resolve to its target")
     return Check("symlinks", True, "relative symlinks work (a `latest` link can be kept)")
@@ -134,22 +141,22 @@ def check_fsync(work: Path) -> Check:
     path = work / "fsync"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        _write_all(fd, _PAYLOAD)
+        write_all(fd, _PAYLOAD)
         os.fsync(fd)
     except OSError as exc:
-        return Check("fsync", False, f"fsync of a file failed: {_errno_text(exc)}")
+        return Check("fsync", False, f"fsync of a file failed: {errno_text(exc)}")
     finally:
         os.close(fd)
     try:
         dfd = os.open(work, os.O_RDONLY)
     except OSError as exc:
         return Check(
-            "fsync", True, f"file fsync works; directory cannot be opened: {_errno_text(exc)}"
+            "fsync", True, f"file fsync works; directory cannot be opened: {errno_text(exc)}"
         )
     try:
         os.fsync(dfd)
     except OSError as exc:
-        return Check("fsync", True, f"file fsync works; directory fsync fails: {_errno_text(exc)}")
+        return Check("fsync", True, f"file fsync works; directory fsync fails: {errno_text(exc)}")
     finally:
         os.close(dfd)
     return Check("fsync", True, "file and directory fsync work")
@@ -162,12 +169,12 @@ def check_in_place_writes(work: Path) -> Check:
         fd = os.open(path, os.O_WRONLY)
         try:
             os.lseek(fd, 100, os.SEEK_SET)
-            _write_all(fd, b"XXXX")
+            write_all(fd, b"XXXX")
         finally:
             os.close(fd)
     except OSError as exc:
         return Check(
-            "in_place_writes", False, f"rewriting bytes of a closed file failed: {_errno_text(exc)}"
+            "in_place_writes", False, f"rewriting bytes of a closed file failed: {errno_text(exc)}"
         )
     expected = _PAYLOAD[:100] + b"XXXX" + _PAYLOAD[104:]
     if _read_file(path) != expected:
@@ -180,9 +187,9 @@ def check_unclosed_visibility(work: Path) -> Check:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except OSError as exc:
-        return Check("unclosed_visibility", None, f"cannot create a file: {_errno_text(exc)}")
+        return Check("unclosed_visibility", None, f"cannot create a file: {errno_text(exc)}")
     try:
-        _write_all(fd, _PAYLOAD)
+        write_all(fd, _PAYLOAD)
         listed = path.name in os.listdir(work)
         try:
             size = os.stat(path).st_size
@@ -202,38 +209,93 @@ def check_unclosed_visibility(work: Path) -> Check:
 
 
 def check_read_back(
-    work: Path, timeout: float = 10.0, clock: Callable[[], float] = time.monotonic
+    work: Path,
+    timeout: float = 10.0,
+    clock: Callable[[], float] = time.monotonic,
+    rounds: int = 1,
 ) -> Check:
-    """Time from close() until a fresh open reads the full content; note settling errnos seen."""
-    path = work / "read-back"
-    data = os.urandom(1 << 16)
-    try:
-        _write_file(path, data)
-    except OSError as exc:
-        return Check("read_back", None, f"cannot write a file: {_errno_text(exc)}")
-    start = clock()
+    """How long after close() a fresh open reads the full content, and what a read costs.
+
+    The delay runs from close() to the *start* of the first read that returned the whole
+    content, so a mount that shows an object at once but answers every read in 30 ms has no
+    delay; the reads' own duration is reported apart (median). ``rounds`` files are timed and the
+    largest delay counts. Settling errnos, ENOENT and short content met on the way are noted.
+    """
+    delays: list[float] = []
+    latencies: list[float] = []
     seen: set[str] = set()
-    while True:
+    for round_ in range(rounds):
+        path = work / f"read-back-{round_}"
+        data = os.urandom(1 << 16)
         try:
-            if _read_file(path) == data:
-                delay = clock() - start
-                extra = f" (after {', '.join(sorted(seen))})" if seen else ""
-                return Check(
-                    "read_back", not seen, f"content readable after {delay:.3f} s{extra}", delay
-                )
-            seen.add("short or stale content")
+            _write_file(path, data)
         except OSError as exc:
-            if exc.errno not in SETTLING_ERRNOS and not isinstance(exc, FileNotFoundError):
-                return Check("read_back", False, f"reading back failed: {_errno_text(exc)}")
-            seen.add(errno.errorcode.get(exc.errno or 0, "ENOENT"))
-        if clock() - start > timeout:
-            return Check(
-                "read_back",
-                False,
-                f"content still not readable after {timeout:.0f} s ({', '.join(sorted(seen))})",
-                None,
-            )
-        time.sleep(0.05)
+            return Check("read_back", None, f"cannot write a file: {errno_text(exc)}")
+        closed = clock()
+        while True:
+            started = clock()
+            try:
+                if _read_file(path) == data:
+                    latencies.append(clock() - started)
+                    delays.append(started - closed)
+                    break
+                seen.add("short or stale content")
+            except OSError as exc:
+                if exc.errno not in SETTLING_ERRNOS and not isinstance(exc, FileNotFoundError):
+                    return Check("read_back", False, f"reading back failed: {errno_text(exc)}")
+                seen.add(errno.errorcode.get(exc.errno or 0, "ENOENT"))
+            if clock() - closed > timeout:
+                return Check(
+                    "read_back",
+                    False,
+                    f"content still not readable after {timeout:.0f} s ({', '.join(sorted(seen))})",
+                    None,
+                )
+            time.sleep(0.05)
+        for _ in range(2):  # the object is visible now: these time the read alone
+            started = clock()
+            _read_file(path)
+            latencies.append(clock() - started)
+    delay = max(delays)
+    latency = f"a read takes {statistics.median(latencies) * 1e3:.1f} ms (median)"
+    if delay <= _AT_ONCE:
+        detail = f"readable at once after close in {rounds} of {rounds} rounds; {latency}"
+    else:
+        detail = (
+            f"content readable {delay:.3f} s after close (max of {rounds}, median "
+            f"{statistics.median(delays):.3f} s); {latency}"
+        )
+    extra = f" (after {', '.join(sorted(seen))})" if seen else ""
+    return Check("read_back", not seen, detail + extra, delay)
+
+
+def check_publish_lock(work: Path) -> Check:
+    """Does flock() on a directory exclude a second descriptor (on this host)?
+
+    LocalStore's exclusive publication checks that a key is free and renames into it while
+    holding this lock, so two writers on one client cannot both take the name.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        return Check("publish_lock", False, "no fcntl module on this platform")
+    first = os.open(work, os.O_RDONLY | os.O_DIRECTORY)
+    second = os.open(work, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(first, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            return Check("publish_lock", False, f"flock on a directory fails: {errno_text(exc)}")
+        try:
+            fcntl.flock(second, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return Check("publish_lock", True, "flock on a directory excludes other writers here")
+        except OSError as exc:
+            return Check("publish_lock", False, f"a second flock fails oddly: {errno_text(exc)}")
+        return Check("publish_lock", False, "a second flock on the same directory succeeded")
+    finally:
+        os.close(second)
+        os.close(first)
 
 
 ALL_CHECKS: tuple[Callable[[Path], Check], ...] = (
@@ -245,51 +307,91 @@ ALL_CHECKS: tuple[Callable[[Path], Check], ...] = (
     check_in_place_writes,
     check_unclosed_visibility,
     check_read_back,
+    check_publish_lock,
 )
 
 
-def run_checks(scratch: Path, read_back_timeout: float = 10.0) -> list[Check]:
+def run_checks(scratch: Path, read_back_timeout: float = 10.0, rounds: int = 1) -> list[Check]:
     """Run every check, each in its own subdirectory of ``scratch``."""
     results = []
     for check in ALL_CHECKS:
         work = scratch / check.__name__.removeprefix("check_")
         work.mkdir()
         if check is check_read_back:
-            results.append(check_read_back(work, read_back_timeout))
+            results.append(check_read_back(work, read_back_timeout, rounds=rounds))
         else:
             results.append(check(work))
     return results
 
 
-def recommend_settings(checks: list[Check]) -> dict[str, object]:
-    """LocalStore keyword arguments that are safe given ``checks``.
+def wait_on_grid(seconds: float) -> float:
+    """The smallest value of the probe's wait grid that is at least ``seconds``."""
+    for value in _WAIT_GRID:
+        if seconds <= value:
+            return value
+    return math.ceil(seconds / 300.0) * 300.0
 
-    Raises ValueError when the filesystem can publish create-only neither by hard link nor by
-    O_EXCL: no LocalStore setting is safe there.
+
+def recommend_settings(checks: list[Check]) -> dict[str, object]:
+    """LocalStore keyword arguments that are safe given ``checks`` (local and ``--peer`` ones).
+
+    * ``publish``: ``link`` where no-replace hard links work, else ``exclusive`` (a hidden temp
+      file renamed into place) where ``O_EXCL`` and rename work. ValueError when neither: no
+      LocalStore setting makes objects appear whole there.
+    * ``verify_readback``: where fsync fails, where reading back met errors or stale content,
+      where the ``publish_lock`` does not exclude, or where a peer showed that create-only does
+      not hold between clients: then reading the object back once another client could have
+      replaced it is how a collision is caught.
+    * ``settle_seconds``: the longest delay measured before an object is seen (here after close,
+      by the peer, or here for the peer's objects), with a 1.25x margin, rounded up to a grid.
+    * ``read_settle_seconds``: 300 where settling errnos were met; else three times the longest
+      cross-client delay, on the grid: how long a missing object a manifest names is waited for.
     """
     by_name = {check.name: check for check in checks}
-    links = by_name.get("hard_links")
-    exclusive = by_name.get("exclusive_create")
-    if links is not None and links.supported:
+
+    def works(name: str) -> bool | None:
+        check = by_name.get(name)
+        return None if check is None else check.supported
+
+    if works("hard_links"):
         publish = "link"
-    elif exclusive is not None and exclusive.supported:
+    elif works("exclusive_create") and works("rename") is not False:
         publish = "exclusive"
+    elif works("exclusive_create"):
+        raise ValueError(
+            "this filesystem has neither no-replace hard links nor rename: no LocalStore publish "
+            "mode makes an object appear whole on it"
+        )
     else:
         raise ValueError(
             "this filesystem supports neither no-replace hard links nor O_EXCL create; "
             "no LocalStore publish mode is safe on it"
         )
-    fsync = bool(by_name.get("fsync") and by_name["fsync"].supported)
+    fsync = bool(works("fsync"))
     read_back = by_name.get("read_back")
-    delay = read_back.seconds if read_back is not None else None
-    settling = read_back is not None and not read_back.supported
-    # Without fsync, or when a closed file is not immediately readable, the only proof that the
-    # bytes landed is reading them back.
-    verify_readback = not fsync or settling or (delay is not None and delay > 0.01)
-    settle_seconds = 0.0 if delay is None or delay <= 0.01 else round(max(delay * 2, 0.1), 2)
+    settling = read_back is not None and read_back.supported is False
+    local_delay = read_back.seconds if read_back is not None and read_back.seconds else 0.0
+    peer_delays = [
+        by_name[name].seconds or 0.0
+        for name in ("peer_sees_new_objects", "new_objects_from_peer")
+        if name in by_name
+    ]
+    collisions = works("exclusive_create_across_clients") is False or (
+        publish == "exclusive" and works("publish_lock") is False
+    )
+    # Without fsync, after stale reads, or where two clients can both take a name, the only
+    # proof that an object holds what was written is reading it back.
+    verify_readback = not fsync or settling or collisions
+    delay = max([local_delay, *peer_delays])
+    settle_seconds = wait_on_grid(1.25 * delay) if delay > _AT_ONCE else 0.0
     # Errnos while reading back mean readers on other nodes will see them too: retry reads for
-    # minutes, as the spec describes for object-storage mounts.
-    read_settle_seconds = 300.0 if settling else 0.0
+    # minutes, as the spec describes for object-storage mounts. A reader on another client waits
+    # for an object its manifest names as long as that client may take to see it.
+    cross = max(peer_delays, default=0.0)
+    if settling:
+        read_settle_seconds = 300.0
+    else:
+        read_settle_seconds = wait_on_grid(3 * cross) if cross > _AT_ONCE else 0.0
     return {
         "publish": publish,
         "fsync": fsync,

@@ -9,10 +9,14 @@ overrides one method). The two calls Python's ``os`` module lacks, ``sync_file_r
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import sys
 from collections.abc import Callable, Iterator
+
+# flock refusals of filesystems that do not support it (some network and FUSE mounts).
+_NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL})
 
 
 class _Syscalls:
@@ -64,6 +68,22 @@ class _Syscalls:
 
     def link(self, src: str, dst: str) -> None:
         os.link(src, dst)
+
+    def rename(self, src: str, dst: str) -> None:
+        os.rename(src, dst)
+
+    def lock(self, fd: int) -> bool:
+        """Take an exclusive ``flock`` on ``fd`` (waiting for it); False where the filesystem
+        has no flock. Released when ``fd`` is closed, also by a killed process's exit."""
+        import fcntl
+
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as exc:
+            if exc.errno in _NO_FLOCK:
+                return False
+            raise
+        return True
 
     def unlink(self, path: str) -> None:
         os.unlink(path)

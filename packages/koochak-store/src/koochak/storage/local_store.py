@@ -1,11 +1,13 @@
 """LocalStore: the Store on a local or mounted filesystem, and its two publish modes.
 
 A put is admitted once (key, expectations, no existing object, parent directory), its bytes are
-written and hashed in one pass (``_payload``) through the fault seam (``_syscalls``), and then
-the object appears in one of two ways. Link mode hard-links a written, synced temp file to the
-key: ``_put_link``, and ``put_many`` for a batch with one flush. Exclusive mode creates the key
-itself with ``O_EXCL`` and relies on the mount publishing on close: ``_put_exclusive``, the one
-place that mode publishes (``put_many`` puts each object in turn there).
+written and hashed in one pass (``_payload``) through the fault seam (``_syscalls``) under a
+hidden temp name, and then the object appears whole in one of two ways. Link mode hard-links the
+written, synced temp file to the key (``link`` never replaces): ``_put_link``, and ``put_many``
+for a batch with one flush. Exclusive mode, for object-storage FUSE mounts (no hard links),
+renames the closed temp file to the key under a lock on its directory after checking the key is
+free, and can read the object back once another client could have replaced it:
+``_put_exclusive``, the one place that mode publishes (``put_many`` puts each object in turn).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from koochak.storage.protocol import ObjectInfo, check_put_expectations
 if TYPE_CHECKING:
     from koochak.storage.profile import StoreProfile
 
-__all__ = ["LocalStore", "SETTLING_ERRNOS"]
+__all__ = ["LocalStore", "ObjectCollision", "SETTLING_ERRNOS"]
 
 _T = TypeVar("_T")
 # Named for the module LocalStore lived in before it had its own, so logging set up for
@@ -43,8 +45,18 @@ SETTLING_ERRNOS = frozenset(
     {errno.ETIME, errno.EIO, errno.ECONNABORTED, errno.ECONNRESET, errno.ENOTCONN}
 )
 
-# How a put creates its file (a temp name, or the key itself): never an existing one.
+# How a put creates its temp file: never an existing one.
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+
+
+class ObjectCollision(FileExistsError):
+    """Another writer published the same key: what it holds is not what this put wrote.
+
+    Raised by an exclusive-mode put with ``verify_readback`` when the read-back, done once
+    ``settle_seconds`` have passed since the object appeared, finds other bytes there: two
+    clients of an object-storage mount both took the name, and the later upload won. Nothing is
+    removed (the object is the other writer's).
+    """
 
 
 @dataclass(frozen=True)
@@ -61,16 +73,21 @@ class _Admitted:
 class LocalStore:
     """A Store on a local or mounted filesystem, rooted at ``root``.
 
-    ``publish="link"`` (POSIX filesystems) writes a hidden temp file in the target directory,
-    fsyncs it, then hard-links it to the key (``os.link`` never replaces) and removes the temp
-    name. ``publish="exclusive"`` (object-storage FUSE mounts without hard links) creates the key
-    itself with ``O_CREAT|O_EXCL`` and relies on the mount publishing the object on close; a put
-    that fails removes what it created.
+    Both publish modes write a hidden temp file in the target directory first (``fsync``ed and
+    closed), so a killed writer leaves at most a hidden temp file, never part of an object under
+    its key. ``publish="link"`` (POSIX filesystems) then hard-links it to the key (``os.link``
+    never replaces) and removes the temp name. ``publish="exclusive"`` (object-storage FUSE
+    mounts, which have no hard links but upload a renamed file as one whole object) renames it
+    to the key while holding an ``flock`` on the directory, after checking the key is free, so
+    writers on this host never both take a name.
 
     ``fsync=False`` skips fsync for mounts that reject it; ``verify_readback=True`` re-reads and
-    re-hashes every object after writing it; ``settle_seconds`` waits for a just-closed object to
-    appear with its full size; ``read_settle_seconds`` retries reads (get, open, stat, list) that
-    fail with one of ``SETTLING_ERRNOS`` until that deadline. Writes are never retried.
+    re-hashes every object; ``settle_seconds`` is how long other clients may take to see an
+    object: a put waits that long for its object to show its full size, and in exclusive mode
+    with ``verify_readback`` it reads the object back only once that long has passed since it
+    appeared, so that a client which took the same name meanwhile is caught (ObjectCollision).
+    ``read_settle_seconds`` retries reads (get, open, stat, list) that fail with one of
+    ``SETTLING_ERRNOS`` until that deadline. Writes are never retried.
     """
 
     def __init__(
@@ -387,39 +404,66 @@ class LocalStore:
         return ObjectInfo(key=target.key, size=size, mtime_ns=st.st_mtime_ns, sha256=digest)
 
     def _put_exclusive(self, target: _Admitted, data: object) -> ObjectInfo:
-        # Opened outside the try: if O_EXCL fails, the existing file is someone else's.
-        fd = self._sys.open(target.final, _CREATE_FLAGS, 0o644)
-        committed = False
+        # Read back before the rename unless the read-back waits for other clients (below).
+        later = self.verify_readback and self.settle_seconds > 0
+        temp, size, digest = self._write_temp(target, data, verify=not later)
         try:
-            # The mount publishes on close, so a failed close is a failed put.
-            size, digest = self._fill_and_close(fd, target, data)
-            if self.fsync:
-                self._fsync_dir(target.parent)
-            st = self._wait_visible(target.key, target.final, size)
-            if self.verify_readback:
-                self._verify_bytes(target.key, target.final, size, digest)
-            committed = True
-        finally:
-            if not committed:
+            lock = self._sys.open(target.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except BaseException:
+            self._discard_temp(temp)
+            raise
+        try:
+            # Writers on this host take turns between the check and the rename, which replaces.
+            self._sys.lock(lock)
+            try:
+                if os.path.lexists(target.final):
+                    raise FileExistsError(errno.EEXIST, "object already exists", target.final)
+                self._sys.rename(temp, target.final)
+            except BaseException:
+                self._discard_temp(temp)
+                raise
+            appeared = self._clock()
+            try:
+                if self.fsync:
+                    self._fsync_dir(target.parent)
+                # This client sees its own rename at once, so this rarely waits.
+                st = self._wait_visible(target.key, target.final, size)
+            except BaseException:
+                # Not known durable or readable: a put that raises leaves nothing behind. Still
+                # under the lock, so no writer on this host can have replaced it meanwhile.
                 self._remove_failed(target.final)
+                raise
+        finally:
+            self._sys.close(lock)
+        # From here the object may be another client's (a mount cannot refuse a name another
+        # client takes), so a failure leaves it where it is.
+        if later:
+            self._sleep_until(appeared + self.settle_seconds)
+            self._verify_bytes(target.key, target.final, size, digest, collision=True)
+            st = self._sys.stat(target.final)
         return ObjectInfo(key=target.key, size=size, mtime_ns=st.st_mtime_ns, sha256=digest)
+
+    def _sleep_until(self, moment: float) -> None:
+        while (left := moment - self._clock()) > 0:
+            self._sleep(left)
 
     # -- writing the bytes -----------------------------------------------------------------
 
     def _write_temp(
-        self, target: _Admitted, data: object, fsync: bool | None = None
+        self, target: _Admitted, data: object, fsync: bool | None = None, verify: bool = True
     ) -> tuple[str, int, str]:
         """Write ``data`` to a new hidden temp file beside the key; return (temp, size, SHA256).
 
         The file is checked, fsynced (``fsync``, default the store's setting), closed and, with
-        ``verify_readback``, read back; if any of that fails the temp name is removed again.
+        ``verify_readback`` (and ``verify``), read back; if any of that fails the temp name is
+        removed again.
         """
         name = os.path.basename(target.final)
         temp = os.path.join(target.parent, f"{TEMP_PREFIX}{uuid.uuid4().hex}-{name[:120]}")
         fd = self._sys.open(temp, _CREATE_FLAGS, 0o644)
         try:
             size, digest = self._fill_and_close(fd, target, data, fsync=fsync)
-            if self.verify_readback:
+            if self.verify_readback and verify:
                 self._verify_bytes(target.key, temp, size, digest)
         except BaseException:
             self._discard_temp(temp)
@@ -527,7 +571,14 @@ class LocalStore:
             self._sleep(min(delay, remaining))
             delay = min(delay * 2, 2.0)
 
-    def _verify_bytes(self, key: str, path: str, size: int, digest: str) -> None:
+    def _verify_bytes(
+        self, key: str, path: str, size: int, digest: str, collision: bool = False
+    ) -> None:
+        """Read ``path`` back and compare it with what was written; raise on any difference.
+
+        ``collision``: the path is the published key, read once other clients could have
+        replaced it, so a difference is an ObjectCollision (nothing is removed).
+        """
         sha = hashlib.sha256()
         got = 0
         fd = self._sys.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -540,13 +591,19 @@ class LocalStore:
                 got += len(block)
         finally:
             self._sys.close(fd)
-        if got != size or sha.hexdigest() != digest:
-            raise OSError(
-                errno.EIO,
-                f"put({key!r}): read-back gave {got} bytes with SHA256 {sha.hexdigest()}, "
-                f"wrote {size} bytes with SHA256 {digest}",
+        if got == size and sha.hexdigest() == digest:
+            return
+        found = f"read-back gave {got} bytes with SHA256 {sha.hexdigest()}, wrote {size} bytes "
+        found += f"with SHA256 {digest}"
+        if collision:
+            raise ObjectCollision(
+                errno.EEXIST,
+                f"put({key!r}): {found}, {self.settle_seconds:g} s after it appeared: another "
+                "client published the same key (a mount cannot refuse it) or the storage changed "
+                "it; left in place",
                 path,
             )
+        raise OSError(errno.EIO, f"put({key!r}): {found}", path)
 
     def _sync_filesystems(self, directories: Iterable[str], files: Sequence[str]) -> None:
         """Make everything written under ``directories`` durable with one ``syncfs`` per

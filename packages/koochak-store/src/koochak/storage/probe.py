@@ -4,7 +4,10 @@
 directory it creates under the location and removes afterwards, even on Ctrl-C:
 
 1. semantics, with plain ``os`` calls: exclusive create, rename, hard links, symlinks, fsync,
-   in-place writes, visibility of unclosed files, read-back delay -> recommended LocalStore
+   in-place writes, visibility of unclosed files, read-back delay, the publish lock; with
+   ``--peer`` (a second view of the same storage) also what other clients see: how long until
+   they find and list a new object, whether create-only holds between clients, whether fsync
+   puts the bytes on the server, whether a rename appears whole -> recommended LocalStore
    settings;
 2. measurements through the Store API: small-object latency, listing, cold and cached single
    stream, concurrent objects, parallel ranges of one object -> a recommended StoreProfile;
@@ -53,7 +56,7 @@ __all__ = [
     "PROBE_MODES_GROUP",
 ]
 
-REPORT_VERSION = 1
+REPORT_VERSION = 2
 SCRATCH_PREFIX = "koochak-probe-"
 # Entry points that measure what koochak-store cannot import: "dataset_shards" (koochak-data).
 PROBE_MODES_GROUP = "koochak.probe_modes"
@@ -100,6 +103,8 @@ def probe(
     read_back_timeout: float = 10.0,
     drop_caches: bool = True,
     stage: Callable[[str], None] | None = None,
+    peer: str | os.PathLike[str] | Store | None = None,
+    rounds: int = 3,
 ) -> ProbeReport:
     """Probe ``location`` (a directory, ``file://`` URI or any ``open_store`` URI).
 
@@ -107,6 +112,11 @@ def probe(
     and removes it before returning, also when interrupted. Before cold reads the page cache of
     the objects read is dropped with posix_fadvise; ``drop_caches=True`` also writes
     /proc/sys/vm/drop_caches when that is allowed (root), which drops the whole node's cache.
+
+    ``peer`` is another view of the same storage (another mount point of the bucket, the same
+    directory through another path, or an ``open_store`` location of it): the cross-client
+    checks write on one side and watch the other. Each timed check runs ``rounds`` times and
+    the recommendations use the medians and maxima, rounded to a grid, so reruns agree.
     """
     _check_arguments(
         read_bytes,
@@ -119,6 +129,8 @@ def probe(
         readers,
         read_back_timeout,
     )
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"probe: rounds must be an int >= 1, got {rounds!r}")
     dataset = _dataset_mode() if dataset_shards else None  # fail before writing anything
     say = stage or (lambda _message: None)
     store, root = _resolve(location)
@@ -142,13 +154,22 @@ def probe(
             say("checking filesystem semantics")
             semantics = scratch_dir / "semantics"
             semantics.mkdir()
-            checks = run_checks(semantics, read_back_timeout)
+            checks = run_checks(semantics, read_back_timeout, rounds)
+            if peer is not None:
+                say("checking what the peer sees")
+                checks += _peer_checks(scratch_dir, name, peer, rounds, read_back_timeout)
+            notes += _peer_notes(checks, peer)
             try:
                 settings = recommend_settings(checks)
             except ValueError as exc:
                 notes.append(str(exc))
+        elif peer is not None:
+            notes.append("--peer needs a directory location (or a scheme that is a directory)")
         if store is None and settings is not None:
-            work = LocalStore(scratch_dir / "store", **settings)  # type: ignore[arg-type, operator]
+            # With verify_readback every put would wait settle_seconds before reading back (to
+            # catch another client's replacement): a fixed wait per put, not a cost to measure.
+            measured = {**settings, "settle_seconds": 0.0}
+            work = LocalStore(scratch_dir / "store", **measured)  # type: ignore[arg-type, operator]
         elif isinstance(store, LocalStore):
             work = store.child(f"{name}/store")
             notes.append(f"measured with the configured store settings of {store.location}")
@@ -163,7 +184,7 @@ def probe(
             say(f"timing {small_objects} small objects")
             measurements += measure_small_objects(work, dropper, small_objects)
             say(f"reading {human_size(read_bytes)} with {', '.join(map(str, streams))} streams")
-            measurements += measure_reads(work, dropper, read_bytes, streams)
+            measurements += measure_reads(work, dropper, read_bytes, streams, rounds)
             profile = recommend_profile(measurements)
             if checkpoint_bytes:
                 say(f"writing a {human_size(checkpoint_bytes)} checkpoint")
@@ -193,6 +214,67 @@ def probe(
     finally:
         say("removing the scratch directory")
         _shielded(lambda: _cleanup(scratch_dir, work if scratch_dir is None else None))
+
+
+def _peer_checks(
+    scratch_dir: Path, name: str, peer: str | os.PathLike[str] | Store, rounds: int, timeout: float
+) -> list[Check]:
+    """The cross-client checks in ``scratch_dir/peer``, seen through ``peer``."""
+    from koochak.storage._probe_peer import PeerView, run_peer_checks, unreachable
+
+    view = PeerView(peer, name)
+    work = scratch_dir / "peer"
+    work.mkdir()
+    # A peer that caches listings for minutes would make every check time out: give up early,
+    # naming the setting, when it cannot even see a marker object.
+    problem = unreachable(work, view, "peer", timeout)
+    if problem is not None:
+        raise ValueError(f"probe: {problem}")
+    return run_peer_checks(work, view, "peer", rounds, timeout)
+
+
+def _peer_notes(checks: Sequence[Check], peer: object) -> list[str]:
+    """What the report must say about cross-client facts: unchecked, or what they mean."""
+    if peer is None:
+        return [
+            "no --peer given: how long other clients take to see new objects, whether "
+            "create-only holds between clients and whether fsync puts the bytes on the server "
+            "were not checked; the recommended settings cover this client only. Run again with "
+            "--peer <another view of the same storage>"
+        ]
+    by_name = {check.name: check for check in checks}
+    notes = []
+    fsync = by_name.get("fsync_reaches_server")
+    if fsync is not None and fsync.supported is False and fsync.seconds is not None:
+        if fsync.seconds <= 0.5:
+            notes.append(
+                "fsync does not put the bytes on the server but close() does: put closes "
+                "before it returns, so it returns once the server has them"
+            )
+        else:
+            notes.append(
+                f"the peer saw a closed file only {fsync.seconds:.1f} s after close(): unless "
+                "the peer itself caches that long, this mount uploads after close and put "
+                "returns before the server has the bytes; a crash then loses them (rclone "
+                "mount: use --vfs-cache-mode off, which uploads before close returns)"
+            )
+    listed, found = by_name.get("peer_lists_new_objects"), by_name.get("peer_sees_new_objects")
+    if (
+        listed is not None
+        and found is not None
+        and (listed.seconds or 0) > (found.seconds or 0) + 2
+    ):
+        notes.append(
+            f"the peer lists new objects only after {listed.seconds:.0f} s: a reader there "
+            "resuming from the newest checkpoint may not see it (rclone mount: --dir-cache-time)"
+        )
+    exclusive = by_name.get("exclusive_create_across_clients")
+    if exclusive is not None and exclusive.supported is False:
+        notes.append(
+            "two clients can both create one name: verify_readback (with settle_seconds) makes "
+            "the writer whose object was replaced fail loudly instead of succeeding silently"
+        )
+    return notes
 
 
 def _check_arguments(
@@ -536,6 +618,20 @@ def _parser() -> argparse.ArgumentParser:
         help="how long to wait for a closed file to read back (default 10)",
     )
     parser.add_argument(
+        "--peer",
+        default=None,
+        metavar="PATH_OR_URI",
+        help="another view of the same storage (another mount of the bucket, or a URI of it): "
+        "also check what other clients see",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        metavar="N",
+        help="repeat each timed check and throughput figure N times; advice uses medians (default 3)",
+    )
+    parser.add_argument(
         "--no-drop-caches",
         action="store_true",
         help="never write /proc/sys/vm/drop_caches (per-file fadvise still runs)",
@@ -550,8 +646,8 @@ def _stage_bar(args: argparse.Namespace):  # -> tqdm | None
         from tqdm import tqdm
     except ImportError:
         return None
-    # semantics, small objects, reads, [checkpoint], [dataset], cleanup
-    total = 4 + bool(args.checkpoint_bytes) + bool(args.dataset_shards)
+    # semantics, [peer], small objects, reads, [checkpoint], [dataset], cleanup
+    total = 4 + bool(args.peer) + bool(args.checkpoint_bytes) + bool(args.dataset_shards)
     return tqdm(total=total, unit="stage", leave=False)
 
 
@@ -585,6 +681,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             read_back_timeout=args.read_back_timeout,
             drop_caches=not args.no_drop_caches,
             stage=stage,
+            peer=args.peer,
+            rounds=args.rounds,
         )
     except KeyboardInterrupt:
         print("koochak-probe: interrupted; scratch directory removed", file=sys.stderr)

@@ -14,13 +14,17 @@ import hashlib
 import logging
 import os
 import re
+import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, BinaryIO, TypeVar
 
+from koochak.storage import _publish_intent
+from koochak.storage._publish_intent import INTENT_SUFFIX
 from koochak.storage.fsutil import fsync_dir
 from koochak.storage.keys import TEMP_PREFIX, validate_key
+from koochak.storage.named import get_named
 from koochak.storage.ready_manifest import (
     MANIFEST_VERSION,
     READY_SUFFIX,
@@ -63,8 +67,9 @@ class Publication:
 
 def _check_name(name: str) -> str:
     validate_key(name)
-    if name.endswith(READY_SUFFIX):
-        raise ValueError(f"artifact name {name!r} ends in {READY_SUFFIX!r}, which marks manifests")
+    for suffix, marks in ((READY_SUFFIX, "manifests"), (INTENT_SUFFIX, "intent records")):
+        if name.endswith(suffix):
+            raise ValueError(f"artifact name {name!r} ends in {suffix!r}, which marks {marks}")
     return name
 
 
@@ -82,10 +87,17 @@ def publish(
     """Publish ``data`` as ``name`` and commit it with ``name + READY_SUFFIX``.
 
     The object is put create-only and is durable before its manifest is written, so a reader
-    that finds the manifest finds the whole object. If ``name`` already exists it is first
-    un-committed (manifest, then object). ``keep_last_k`` prunes older publications whose keys
-    fully match ``pattern`` (group 1 = the number), manifest before object; without
-    ``pattern`` it is derived from a numbered ``name`` (``numbered_pattern``:
+    that finds the manifest finds the whole object. Before the object, ``publish`` puts an intent
+    record ``name + ".publishing.json"`` (who is publishing, and by when it commits or gives
+    up) and it deletes it after the manifest. A publisher never deletes an object it did not
+    create: the intent goes first, and while another publisher's intent stands (one not proven
+    dead: same host, that process is gone; any host, its deadline passed) publish raises
+    FileExistsError naming it and touches nothing. Holding the intent, a committed ``name``
+    (object and manifest) is a finished publication and is replaced (manifest first), and an
+    object without its manifest is a dead publisher's (or a plain put's) leftover, replaced. Losing a race for the name to another publisher is a
+    FileExistsError too, and removes nothing of theirs. ``keep_last_k`` prunes older
+    publications whose keys fully match ``pattern`` (group 1 = the number), manifest before
+    object; without ``pattern`` it is derived from a numbered ``name`` (``numbered_pattern``:
     ``step000000100.pt`` -> ``step(\\d+)\\.pt``). ``latest`` names a symlink to the new
     object; the default (True) is ``latest<suffix>`` beside a numbered name (``latest.pt``),
     False or None keeps none. It is kept only on ``LocalStore(publish="link")`` stores:
@@ -111,9 +123,22 @@ def publish(
         )
     manifest_key = name + READY_SUFFIX
 
-    if _exists(store, manifest_key) or _exists(store, name):
-        unpublish(store, name)
-    info = store.put(name, data)
+    # The intent first: while it stands no other publisher (one that honours intents) touches
+    # the name, so what is found under it below is a finished publication or a dead one's.
+    intent = _claim(store, name)
+    try:
+        if _exists(store, manifest_key):
+            unpublish(store, name)  # a finished publication: replaced, manifest first
+        elif _exists(store, name):
+            # Uncommitted, and no live publisher holds the name: the leftover of one that died
+            # (its intent proved it, in _claim) or of a plain put.
+            _log.warning("replacing %s/%s: an object without its ready manifest, whose publisher "
+                         "is gone", store.location, name)  # fmt: skip
+            store.delete(name)
+        info = store.put(name, data)
+    except BaseException:
+        _drop(store, intent)
+        raise
     sha256 = info.sha256 if info.sha256 is not None else _sha_of_object(store, name)
     doc = {
         "version": MANIFEST_VERSION,
@@ -126,15 +151,28 @@ def publish(
         "provenance": provenance,
     }
     try:
+        if time.time() > intent.deadline:
+            # Past its deadline another publisher may already have proven this one dead and
+            # taken the name: committing now could pair this manifest with its object.
+            raise TimeoutError(
+                f"publish({name!r}): the object took past the intent's deadline "
+                f"({_publish_intent.LEASE_SECONDS:.0f} s); not committed"
+            )
         store.put(manifest_key, _manifest_bytes(doc))
+    except FileExistsError:
+        # Another publisher committed the name: the object may be theirs now. Leave both.
+        _drop(store, intent)
+        raise
     except BaseException:
-        # Without its manifest the object is invisible to readers; remove it so a failed publish
-        # leaves no stray bytes, then report the original error.
+        # Without its manifest the object is invisible to readers; remove it (this put made it)
+        # so a failed publish leaves no stray bytes, then report the original error.
         try:
             store.delete(name)
         except OSError:
             pass
+        _drop(store, intent)
         raise
+    _drop(store, intent)
     publication = Publication(
         artifact_id=doc["artifact_id"],
         key=name,
@@ -213,6 +251,55 @@ def prune_keep_last_k(directory: str | os.PathLike[str] | Store, pattern: str, k
     return _prune(store, regex, pattern, k)
 
 
+def _claim(store: Store, name: str) -> _publish_intent.Intent:
+    """Put this process's intent to publish ``name``; FileExistsError while another publisher
+    (one not provably dead) holds it. A dead publisher's intent is removed first."""
+    intent = _publish_intent.ours(name)
+    key = name + INTENT_SUFFIX
+    try:
+        store.put(key, intent.to_bytes())
+    except FileExistsError:
+        _clear_dead_intent(store, name)  # raises unless its publisher is provably dead
+        store.put(key, intent.to_bytes())
+    return intent
+
+
+def _drop(store: Store, intent: _publish_intent.Intent) -> None:
+    try:
+        store.delete(intent.key + INTENT_SUFFIX)
+    except OSError as exc:
+        _log.warning("could not remove the intent record %s%s: %s", intent.key, INTENT_SUFFIX, exc)
+
+
+def _clear_dead_intent(store: Store, name: str) -> None:
+    """Remove the intent record of ``name`` if it proves its publisher dead; else FileExistsError
+    naming that publisher, removing nothing."""
+    key = name + INTENT_SUFFIX
+    where = f"{store.location}/{key}"
+    try:
+        intent = _publish_intent.parse(store.get(key), where)
+    except FileNotFoundError:
+        return  # its publisher finished meanwhile: try again
+    except ValueError as exc:
+        raise FileExistsError(
+            errno.EEXIST, f"{name} is being published, and its intent record is unreadable "
+            f"({exc}); remove {key} once no publisher of it runs", where,
+        ) from None  # fmt: skip
+    why = _publish_intent.why_dead(intent)
+    if why is None:
+        raise FileExistsError(
+            errno.EEXIST,
+            f"{name} is being published by {intent.describe()}; not replaced",
+            f"{store.location}/{name}",
+        )
+    _log.warning("%s/%s: its publisher, %s, is gone (%s); taking the name over",
+                 store.location, name, intent.describe(), why)  # fmt: skip
+    try:
+        store.delete(key)
+    except FileNotFoundError:
+        pass
+
+
 def unpublish(store: Store, name: str) -> None:
     """Un-commit ``name``: delete its manifest, then the object. Missing parts are fine."""
     _check_name(name)
@@ -259,16 +346,21 @@ def read_verified(store: Store, name: str) -> tuple[Publication, bytes]:
     """Read ``name`` once and check it against its ready manifest.
 
     Raises InvalidArtifact when the manifest is missing, malformed or of an unknown version, or
-    when the object is missing or its size or SHA256 differ. Any other OSError propagates: an
-    unreadable object is not evidence that it is invalid.
+    when the object's size or SHA256 differ. An object the manifest names but this client does
+    not see is waited for (the store's ``read_settle_seconds``, ``koochak.storage.named``) and
+    then raises FileNotFoundError, never InvalidArtifact: a late object is not an invalid one.
+    Any other OSError propagates: an unreadable object is not evidence that it is invalid.
     """
     committed, _ = read_manifest(store, name)
+    manifest_key = committed.manifest_key
+    where = f"{store.location}/{manifest_key}"
     try:
-        data = store.get(name)
+        # Missing here may only mean not visible yet on this client: wait read_settle_seconds.
+        data = get_named(store, name, named_by=manifest_key)
     except FileNotFoundError:
-        raise InvalidArtifact(
-            f"{store.location}/{name}: object missing although its manifest exists"
-        ) from None
+        if not _exists(store, manifest_key):  # unpublished meanwhile (pruned): skip it
+            raise InvalidArtifact(f"{where}: unpublished while it was read") from None
+        raise  # named by a manifest that is still there: never "absent"
     if len(data) != committed.size:
         raise InvalidArtifact(
             f"{store.location}/{name}: {len(data)} bytes, manifest says {committed.size}"
@@ -344,11 +436,15 @@ def _literal_prefix(pattern: str) -> str:
 
 
 def _candidates(store: Store, regex: re.Pattern[str], pattern: str) -> list[tuple[int, str]]:
+    # A manifest makes a candidate, whether or not this client lists its object yet: through a
+    # mount the object may show later (read_verified waits for it), and skipping it would roll
+    # resume back to an older checkpoint. An object without its manifest is not committed.
     listed = {info.key for info in store.list(_literal_prefix(pattern))}
     found = []
-    for key in listed:
-        if key.endswith(READY_SUFFIX) or key + READY_SUFFIX not in listed:
+    for manifest in listed:
+        if not manifest.endswith(READY_SUFFIX):
             continue
+        key = manifest[: -len(READY_SUFFIX)]
         match = regex.fullmatch(key)
         if match is None:
             continue

@@ -21,13 +21,14 @@ from collections.abc import Callable
 from urllib.parse import unquote
 
 from koochak.storage.keys import PUBLISH_MODES, TEMP_PREFIX, validate_key
-from koochak.storage.local_store import SETTLING_ERRNOS, LocalStore
+from koochak.storage.local_store import SETTLING_ERRNOS, LocalStore, ObjectCollision
 from koochak.storage.protocol import ObjectInfo, Store, check_put_expectations
 
 __all__ = [
     "ObjectInfo",
     "Store",
     "LocalStore",
+    "ObjectCollision",
     "PUBLISH_MODES",
     "SETTLING_ERRNOS",
     "TEMP_PREFIX",

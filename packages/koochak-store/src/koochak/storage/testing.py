@@ -46,7 +46,8 @@ __all__ = [
 ]
 
 FAULT_OPS = (
-    "open", "read", "write", "fsync", "syncfs", "close", "stat", "link", "unlink", "list"
+    "open", "read", "write", "fsync", "syncfs", "close", "stat", "link", "rename", "lock",
+    "unlink", "list",
 )  # fmt: skip
 
 
@@ -166,6 +167,14 @@ class _FaultySyscalls(_Syscalls):
     def link(self, src: str, dst: str) -> None:
         self._fault("link")
         super().link(src, dst)
+
+    def rename(self, src: str, dst: str) -> None:
+        self._fault("rename")
+        super().rename(src, dst)
+
+    def lock(self, fd: int) -> bool:
+        self._fault("lock")
+        return super().lock(fd)
 
     def unlink(self, path: str) -> None:
         self._fault("unlink")

@@ -32,6 +32,7 @@ from koochak.loop.checkpoint.parts_index import (
 )
 from koochak.loop.checkpoint.parts_plan import plan_parts
 from koochak.loop.checkpoint.parts_tree import byte_view, dtype_name, torch_dtype
+from koochak.storage.named import open_named, stat_named
 from koochak.storage.store import Store
 
 log = logging.getLogger("koochak.loop.checkpoint")
@@ -222,10 +223,10 @@ def _add_targets(
 
 
 def _stat_size(store: Store, part: Part, source: str) -> int:
-    try:
-        return store.stat(part.key).size
-    except FileNotFoundError:
-        raise ValueError(f"{source}: part {part.key} is missing") from None
+    # A part the index names is late, not absent (another client's, through a mount): waited
+    # for up to the store's read_settle_seconds, then FileNotFoundError naming the index, so
+    # resume never skips back past a checkpoint this client does not see whole yet.
+    return stat_named(store, part.key, named_by=source).size
 
 
 def _read_part(
@@ -233,11 +234,7 @@ def _read_part(
 ) -> None:
     sha = hashlib.sha256()
     got = 0
-    try:
-        stream = store.open(part.key)
-    except FileNotFoundError:
-        raise ValueError(f"{source}: part {part.key} is missing") from None
-    with stream:
+    with open_named(store, part.key, named_by=source) as stream:
         filler = _Filler(stream)
         for _, dest in sorted(targets, key=lambda item: item[0]):
             # The index tiles each part, so the extents follow one another with no gaps.

@@ -1,0 +1,150 @@
+"""publish never deletes an object it did not create: the intent record says who is publishing,
+and only a provably dead publisher's leftovers are removed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from koochak.storage import _publish_intent
+from koochak.storage.artifact import READY_SUFFIX, publish, read_verified
+from koochak.storage.store import LocalStore
+
+NAME = "step000000007.pt"
+INTENT = NAME + _publish_intent.INTENT_SUFFIX
+
+
+@pytest.fixture(params=["link", "exclusive"])
+def store(request, tmp_path):
+    return LocalStore(tmp_path / "ckpt", publish=request.param)
+
+
+def _leave_uncommitted(store, intent: _publish_intent.Intent) -> None:
+    """What a publisher leaves between its object and its manifest."""
+    store.put(INTENT, intent.to_bytes())
+    store.put(NAME, b"their bytes")
+
+
+def _keys(store) -> set[str]:
+    return {info.key for info in store.list()}
+
+
+def test_a_publication_leaves_no_intent_record(store):
+    publish(store, NAME, b"mine")
+    assert _keys(store) == {NAME, NAME + READY_SUFFIX}
+
+
+def test_a_live_publishers_object_is_never_removed(store):
+    _leave_uncommitted(store, _publish_intent.ours(NAME))  # this very process: alive
+    with pytest.raises(FileExistsError, match=r"being published by pid \d+ on"):
+        publish(store, NAME, b"mine")
+    assert store.get(NAME) == b"their bytes" and _keys(store) == {NAME, INTENT}
+
+
+def test_a_dead_publishers_leftovers_on_this_host_are_replaced(store, caplog):
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    gone = dataclasses.replace(_publish_intent.ours(NAME), pid=int(child.stdout))
+    _leave_uncommitted(store, gone)
+    with caplog.at_level(logging.WARNING, logger="koochak.storage.artifact"):
+        publication = publish(store, NAME, b"mine")
+    assert "is no longer running" in caplog.text
+    assert read_verified(store, NAME) == (publication, b"mine")
+    assert _keys(store) == {NAME, NAME + READY_SUFFIX}
+
+
+def test_a_rebooted_hosts_leftovers_are_replaced(store):
+    _leave_uncommitted(store, dataclasses.replace(_publish_intent.ours(NAME), boot_id="before"))
+    publish(store, NAME, b"mine")
+    assert store.get(NAME) == b"mine"
+
+
+def test_another_hosts_publisher_counts_as_alive_until_its_deadline(store):
+    elsewhere = dataclasses.replace(_publish_intent.ours(NAME), host="node-elsewhere", pid=1)
+    _leave_uncommitted(store, elsewhere)
+    with pytest.raises(FileExistsError, match="node-elsewhere"):
+        publish(store, NAME, b"mine")
+    store.delete(INTENT)
+    late = time.time() - _publish_intent.CLOCK_SKEW_SECONDS - 1
+    store.put(INTENT, dataclasses.replace(elsewhere, deadline=late).to_bytes())
+    publish(store, NAME, b"mine")
+    assert store.get(NAME) == b"mine"
+
+
+def test_an_unreadable_intent_removes_nothing(store):
+    store.put(INTENT, b"{not json")
+    store.put(NAME, b"their bytes")
+    with pytest.raises(FileExistsError, match="intent record is unreadable"):
+        publish(store, NAME, b"mine")
+    assert store.get(NAME) == b"their bytes"
+
+
+def test_an_intent_without_an_object_from_a_dead_publisher_is_cleared(store):
+    store.put(INTENT, dataclasses.replace(_publish_intent.ours(NAME), boot_id="before").to_bytes())
+    publish(store, NAME, b"mine")
+    assert _keys(store) == {NAME, NAME + READY_SUFFIX}
+
+
+def test_losing_the_manifest_to_another_publisher_removes_nothing_of_theirs(store, monkeypatch):
+    real_put = store.put
+
+    def racing_put(key, data, **kwargs):
+        if key == NAME + READY_SUFFIX:  # another publisher committed first
+            real_put(key, json.dumps({"theirs": True}).encode())
+        return real_put(key, data, **kwargs)
+
+    monkeypatch.setattr(store, "put", racing_put)
+    with pytest.raises(FileExistsError):
+        publish(store, NAME, b"mine")
+    assert NAME in _keys(store) and NAME + READY_SUFFIX in _keys(store)
+    assert INTENT not in _keys(store)
+
+
+def test_a_publication_past_its_deadline_is_not_committed(store, monkeypatch):
+    monkeypatch.setattr(_publish_intent, "LEASE_SECONDS", -1.0)
+    with pytest.raises(TimeoutError, match="deadline"):
+        publish(store, NAME, b"mine")
+    assert _keys(store) == set()
+
+
+def test_intent_records_are_strict(tmp_path):
+    good = _publish_intent.ours(NAME)
+    assert _publish_intent.parse(good.to_bytes(), "x") == good
+    doc = json.loads(good.to_bytes())
+    for broken in ({**doc, "extra": 1}, {**doc, "version": 2}, {**doc, "pid": "1"}):
+        with pytest.raises(ValueError, match="x"):
+            _publish_intent.parse(json.dumps(broken).encode(), "x")
+
+
+def test_intent_names_are_not_artifact_names(store):
+    with pytest.raises(ValueError, match="intent records"):
+        publish(store, INTENT, b"x")
+
+
+def test_two_threads_publishing_one_name_commit_exactly_one(store):
+    payloads = [bytes([i]) * 200_000 for i in range(4)]
+    barrier = threading.Barrier(len(payloads))
+    outcomes: list = []
+
+    def run(data):
+        barrier.wait()
+        try:
+            outcomes.append(("ok", publish(store, NAME, data), data))
+        except FileExistsError as exc:
+            outcomes.append(("lost", exc, None))
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in payloads]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    winners = [o for o in outcomes if o[0] == "ok"]
+    assert len(winners) == 1 and len(outcomes) == len(payloads)
+    _, publication, data = winners[0]
+    assert read_verified(store, NAME) == (publication, data)
