@@ -161,6 +161,74 @@ def test_resume_without_a_readable_manifest_only_names_the_selection(
     assert "publication" not in publisher.events[-1].payload
 
 
+def test_a_tiered_resume_republishes_the_replica_tier_commit_only(
+    publisher, train_start, ckpt_info, tmp_path
+):
+    # Tiered checkpoints: the run read step 9 from its fast first tier, but announces (and so
+    # republishes) the copy in the first replica tier, the one path other nodes can read.
+    (tmp_path / "fast").mkdir()
+    (tmp_path / "durable").mkdir()
+    fast = _ready_manifest(tmp_path / "fast", 9)
+    durable = _ready_manifest(tmp_path / "durable", 9)
+    fire(make_event_hooks(publisher), "on_checkpoint", ckpt_info(str(tmp_path / "durable"), 9))
+    (original,) = publisher.events
+    start = {**train_start(step=10), "resumed": True, "resume_path": fast}
+    fire(
+        make_event_hooks(publisher), "on_train_start", {**start, "resume_publication_path": durable}
+    )
+    again, selected = publisher.events[2:]
+    assert (again.id, again.payload) == (original.id, original.payload)
+    assert selected.payload["path"] == fast and selected.payload["artifact_event_id"] == original.id
+    # Not in the replica tier yet: nothing to republish (replication announces it later).
+    publisher.events.clear()
+    fire(make_event_hooks(publisher), "on_train_start", {**start, "resume_publication_path": None})
+    assert publisher.kinds() == ["workload.phase", "workload.milestone"]
+    assert publisher.events[-1].payload == {
+        "milestone": "resume_selected",
+        "step": 10,
+        "path": fast,
+    }
+
+
+def test_replication_commits_are_milestones_and_failures_are_notices(publisher, ckpt_info):
+    hooks = make_event_hooks(publisher)
+    pub = ckpt_info("/durable", 7)["publication"]
+    fire(hooks, "on_replication", {"status": "committed", "step": 7, "name": "step000000007.pt",
+                                   "tier": 2, "location": "archive://run", "path": "/durable/x",
+                                   "publication": pub, "seconds": 1.5, "bytes": 100, "lag": 1,
+                                   "behind_s": 2.0, "error": None, "retry_in_s": None})  # fmt: skip
+    fire(hooks, "on_replication", {"status": "failed", "step": 8, "name": "step000000008.pt",
+                                   "tier": 1, "location": "/scratch/run", "path": None,
+                                   "publication": None, "lag": 2, "retry_in_s": 20.0,
+                                   "error": "OSError: [Errno 28] No space left"})  # fmt: skip
+    fire(hooks, "on_replication", {"status": "dropped", "step": 3, "name": "step000000003.pt",
+                                   "tier": 1, "location": "/scratch/run",
+                                   "error": "superseded"})  # fmt: skip
+    milestone, failed, dropped = publisher.events
+    assert milestone.kind == "workload.milestone"
+    assert milestone.payload == {
+        "milestone": "checkpoint_replicated",
+        "step": 7,
+        "path": "/durable/x",
+        "artifact_id": "checkpoint/step000000007.pt",
+        "metrics": {
+            "behind_seconds": 2.0,
+            "bytes": 100.0,
+            "lag_checkpoints": 1.0,
+            "seconds": 1.5,
+            "tier": 2.0,
+        },  # fmt: skip
+    }
+    assert failed.kind == dropped.kind == "workload.notice"
+    assert failed.payload["level"] == "warning"
+    assert "step000000008.pt to tier 1 (/scratch/run) failed: OSError" in failed.payload["message"]
+    assert "retrying in 20.0 s" in failed.payload["message"]
+    assert "step000000003.pt will not be replicated to tier 1" in dropped.payload["message"]
+    assert publisher.waits == [False, False, False]  # nothing about replication waits
+    for event in publisher.events:
+        assert parse_event(event.to_json()) == event
+
+
 def test_republishing_the_same_checkpoint_reuses_the_event_id(publisher, ckpt_info, tmp_path):
     hooks = make_event_hooks(publisher, job_id="job-1")
     fire(hooks, "on_checkpoint", ckpt_info(str(tmp_path), 5))

@@ -18,6 +18,7 @@ from koochak.storage.artifact import (
     highest_valid,
     publish,
     published_candidates,
+    read_manifest,
     read_verified,
     unpublish,
 )
@@ -185,6 +186,20 @@ def test_read_verified_rejects_damaged_candidates(tmp_path, damage, reason):
     damage(store, _name(3))
     with pytest.raises(InvalidArtifact, match=reason):
         read_verified(store, _name(3))
+
+
+def test_read_manifest_describes_the_commit_without_reading_the_object(tmp_path):
+    store = LocalStore(tmp_path)
+    committed = publish(store, _name(3), b"good bytes here")
+    store.delete(_name(3))  # the object is not read, so its absence goes unnoticed here
+    publication, raw = read_manifest(store, _name(3))
+    assert publication == committed
+    assert raw == store.get(_name(3) + READY_SUFFIX)  # the very bytes, to copy unchanged
+    _edit(store, _name(3), key="other.pt")
+    with pytest.raises(InvalidArtifact, match="describes 'other.pt'"):
+        read_manifest(store, _name(3))
+    with pytest.raises(InvalidArtifact, match="no ready manifest"):
+        read_manifest(store, _name(4))
 
 
 def test_an_object_its_manifest_names_is_late_not_absent(tmp_path):

@@ -31,6 +31,7 @@ ARTIFACT = {
     "Publication": "koochak.storage.publication",
     "publish": "koochak.storage.publication",
     "unpublish": "koochak.storage.publication",
+    "read_manifest": "koochak.storage.publication",
     "read_verified": "koochak.storage.publication",
     "published_candidates": "koochak.storage.publication",
     "highest_valid": "koochak.storage.publication",

@@ -72,6 +72,9 @@ def make_event_hooks(
     - ``on_checkpoint``: a strict ``workload.artifact`` event (``data.publication``) for a
       numbered checkpoint with a local absolute path, published with ``wait=True`` except for
       the evacuation checkpoint (the grace period is short); else a milestone ``checkpoint``;
+    - ``on_replication`` (tiered checkpoints): milestone ``checkpoint_replicated`` with the
+      tier and the lag for a commit in a replica tier; a warning notice for a failed copy
+      (retried) or a checkpoint a tier will not get;
     - ``on_train_end``: status ``completed``, or for an evacuation milestone ``evacuation``
       (status ``checkpointed``, with the terminal checkpoint's publication) and status
       ``evacuated``; neither waits;
@@ -98,6 +101,7 @@ def make_event_hooks(
         "on_log": [emitter.on_log],
         "on_eval_end": [emitter.on_eval_end],
         "on_checkpoint": [_fail_closed(on_checkpoint)],
+        "on_replication": [emitter.on_replication],
         "on_train_end": [emitter.on_train_end],
         "on_exception": [emitter.on_exception],
     }
@@ -174,12 +178,15 @@ class _Emitter:
         self._send("workload.phase", payload)
         resume_path = info.get("resume_path")
         if info.get("resumed") is True and isinstance(resume_path, str):
-            self._republish_resumed(resume_path, _int_or_none(info.get("step")))
+            # Tiered checkpoints name the tier others read (the first replica), which may not
+            # hold it yet (None): replication announces it once it does.
+            announced = info.get("resume_publication_path", resume_path)
+            self._republish_resumed(resume_path, announced, _int_or_none(info.get("step")))
 
-    def _republish_resumed(self, path: str, next_step: int | None) -> None:
+    def _republish_resumed(self, path: str, announced: Any, next_step: int | None) -> None:
         milestone: dict[str, Any] = {"milestone": "resume_selected", "step": next_step}
         milestone["path"] = path
-        pub = _publication.from_ready_manifest(path)
+        pub = _publication.from_ready_manifest(announced) if isinstance(announced, str) else None
         if pub is not None:
             # The very event the first attempt sent (same data, same id): deduplicated where it
             # arrived, and it releases gated consumers where it did not (or came from an older
@@ -240,6 +247,37 @@ class _Emitter:
         # and the retried attempt republishes it at resume anyway.
         evacuating = _reason_of(info.get("checkpoint")) == "evacuation"
         self._send_artifact(pub, step, wait=not evacuating)
+
+    def on_replication(self, info: dict[str, Any]) -> None:
+        if not self.active or self.ended:
+            return
+        status, tier = info.get("status"), info.get("tier")
+        where = f"tier {tier} ({info.get('location')})"
+        if status == "committed":
+            metrics = {"tier": tier, "lag_checkpoints": info.get("lag"),
+                       "seconds": info.get("seconds"), "behind_seconds": info.get("behind_s"),
+                       "bytes": info.get("bytes")}  # fmt: skip
+            payload: dict[str, Any] = {
+                "milestone": "checkpoint_replicated",
+                "step": _int_or_none(info.get("step")),
+                "path": info.get("path"),
+                "metrics": _scalars({k: v for k, v in metrics.items() if v is not None}) or {},
+            }
+            artifact_id = getattr(info.get("publication"), "artifact_id", None)
+            if isinstance(artifact_id, str):
+                payload["artifact_id"] = artifact_id
+            self._send("workload.milestone", payload)
+        elif status in ("failed", "dropped"):
+            if status == "failed":
+                message = (f"checkpoint replication of {info.get('name')} to {where} failed: "
+                           f"{info.get('error')}; retrying in {info.get('retry_in_s')} s")  # fmt: skip
+            else:
+                message = (
+                    f"{info.get('name')} will not be replicated to {where}: {info.get('error')}"
+                )
+            # A store's error text is foreign output: the run's named secrets never leave.
+            message = mask_secrets(message, self.secrets)
+            self._send("workload.notice", {"message": message, "level": "warning"})
 
     def _send_artifact(self, pub: dict[str, Any], step: int, *, wait: bool) -> None:
         payload = {"artifact_type": "checkpoint", "step": step, "publication": pub}

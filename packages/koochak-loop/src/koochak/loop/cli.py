@@ -27,6 +27,7 @@ from functools import partial
 from typing import Any, NoReturn
 
 from koochak.loop.checkpoint import checkpoint_store, resolve_auto_resume
+from koochak.loop.checkpoint.tiers import checkpoint_locations
 from koochak.loop.config import (
     ConfigError,
     format_summary,
@@ -245,9 +246,9 @@ def _find_resume(cfg: DictConfig, mode: str) -> tuple[str | None, dict[str, Any]
         from koochak.loop.device import get_device
 
         setup_ddp(resolve_train_config(cfg.train), get_device(str(cfg.train.device)))
-        found = resume_checkpoint("auto", location, sharded=True)
+        found = resume_checkpoint("auto", location, sharded=True)  # first tier only
     else:
-        found = resolve_auto_resume(location)
+        found = resolve_auto_resume(checkpoint_locations(cfg.train))  # every tier
     return (None, None) if found is None else (str(found[0]), found[1])
 
 
@@ -260,7 +261,8 @@ def _check_launch(cfg: DictConfig) -> None:
     get_device(str(cfg.train.device))
     if cfg.train.ddp or cfg.train.fsdp.enabled:
         check_launch_environment()
-    checkpoint_store(str(cfg.train.checkpoint_dir or cfg.train.out_dir))
+    for location in checkpoint_locations(cfg.train):
+        checkpoint_store(location)
 
 
 def _prepare(args: argparse.Namespace) -> dict[str, Any]:

@@ -109,6 +109,12 @@ class TrainConfig:
     warn_unsharded: bool = True
     checkpoint_async: bool = False
     checkpoint_parts: Union[int, str] = 1  # 1: one file; N >= 2 or auto: N parts in parallel
+    # Durable tiers behind checkpoint_dir (docs/checkpoints.md, "Tiers"): locations, or mappings
+    # {location, keep_last_k}; each checkpoint is copied there in the background once it commits.
+    checkpoint_replicas: list[Any] = field(default_factory=list)
+    checkpoint_replication_max_lag: int = 2  # checkpoints a replica may trail before saves wait
+    checkpoint_replication_retry_s: float = 10.0  # first retry after a failed copy (doubles)
+    checkpoint_prune_unreplicated: bool = False  # prune the first tier before a replica holds it
     evacuation_enabled: bool = False
     evacuation_signal: str = "USR1"
     gpu_health_every: Optional[int] = None  # CUDA only; null or 0: no GPU health checks
@@ -241,7 +247,13 @@ _CHOICES = {
 # Accepted values of train.device (device.get_device resolves them).
 DEVICE_PATTERN = r"auto|cpu|cuda|cuda:\d+|mps"
 DEVICE_CHOICES = "auto|cpu|cuda|cuda:N|mps"
-_POSITIVE = ("train.log_every", "train.grad_accum", "train.ema.update_every", "data.batch_size")
+_POSITIVE = (
+    "train.log_every",
+    "train.grad_accum",
+    "train.checkpoint_replication_max_lag",
+    "train.ema.update_every",
+    "data.batch_size",
+)
 _POSITIVE_OR_NULL = ("train.max_steps",)
 _NON_NEGATIVE_OR_NULL = (
     "train.eval_every",
@@ -391,6 +403,13 @@ def _check_values(values: Mapping[str, Any], section: str) -> None:
             f"train.checkpoint_parts: expected an integer >= 1 (1 = one file) or 'auto', "
             f"got {parts!r}"
         )
+    if section == "train" and values.get("checkpoint_replication_retry_s", 0) < 0:
+        raise ConfigError(
+            "train.checkpoint_replication_retry_s: expected a number >= 0, got "
+            f"{values['checkpoint_replication_retry_s']!r}"
+        )
+    if section == "train" and "checkpoint_replicas" in values:
+        check_replicas(values["checkpoint_replicas"])
     if section == "train" and values.get("grad_clip") is not None and values["grad_clip"] <= 0:
         raise ConfigError(
             f"train.grad_clip: expected a positive number or null, got {values['grad_clip']!r}"
@@ -404,6 +423,12 @@ def _check_values(values: Mapping[str, Any], section: str) -> None:
         raise ConfigError(
             "train.fsdp.enabled and train.ddp are both true: FSDP already keeps the ranks' "
             "gradients in step; set train.ddp: false"
+        )
+    if isinstance(fsdp, Mapping) and fsdp.get("enabled") and values.get("checkpoint_replicas"):
+        raise ConfigError(
+            "train.checkpoint_replicas with train.fsdp.enabled: sharded checkpoints are not "
+            "replicated between tiers yet; remove train.checkpoint_replicas (or set "
+            "train.checkpoint_dir to durable storage every rank reaches)"
         )
     if section == "optim.optimizer" and values.get("param_groups"):
         _check_param_groups(values)
@@ -437,6 +462,61 @@ def _check_param_groups(values: Mapping[str, Any]) -> None:
         check_rules(values["param_groups"], group_options(name), "optim.optimizer.param_groups")
     except (TypeError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """One entry of ``train.checkpoint_replicas``: where, and how many checkpoints it keeps
+    (``keep_last_k`` None: as many as the first tier, ``train.keep_last_k``; 0: every one)."""
+
+    location: str
+    keep_last_k: Optional[int] = None
+
+
+def check_replicas(replicas: Any) -> tuple[ReplicaConfig, ...]:
+    """``train.checkpoint_replicas`` as ReplicaConfig records; ConfigError naming the entry.
+
+    Each entry is a location (a directory or ``scheme://`` URI) or a mapping with ``location``
+    and optionally ``keep_last_k`` (an integer >= 0, or null for every checkpoint).
+    """
+    where = "train.checkpoint_replicas"
+    if replicas is None:
+        return ()
+    if isinstance(replicas, (str, Mapping)) or not isinstance(replicas, Sequence):
+        raise ConfigError(f"{where}: expected a list of locations, got {replicas!r}")
+    found: list[ReplicaConfig] = []
+    for i, entry in enumerate(replicas):
+        if isinstance(entry, str):
+            entry = {"location": entry}
+        if not isinstance(entry, Mapping):
+            raise ConfigError(
+                f"{where}[{i}]: expected a location or a mapping {{location, keep_last_k}}, "
+                f"got {entry!r}"
+            )
+        unknown = sorted(str(k) for k in entry if k not in ("location", "keep_last_k"))
+        if unknown:
+            raise ConfigError(
+                f"{where}[{i}]: unknown key(s) {unknown}; expected location and keep_last_k"
+            )
+        location = entry.get("location")
+        if not isinstance(location, str) or not location.strip():
+            raise ConfigError(
+                f"{where}[{i}].location: expected a directory or scheme:// URI, got {location!r}"
+            )
+        if "keep_last_k" not in entry:  # as many as the first tier
+            found.append(ReplicaConfig(location))
+            continue
+        keep = entry["keep_last_k"]
+        if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 0):
+            raise ConfigError(
+                f"{where}[{i}].keep_last_k: expected an integer >= 0 or null, got {keep!r}"
+            )
+        found.append(ReplicaConfig(location, keep or 0))  # null or 0: every checkpoint
+    locations = [r.location.rstrip("/") for r in found]
+    for i, location in enumerate(locations):
+        if location in locations[:i]:
+            raise ConfigError(f"{where}[{i}]: {location!r} is listed twice")
+    return tuple(found)
 
 
 def _check_ema(values: Mapping[str, Any], section: str) -> None:

@@ -30,6 +30,7 @@ EVENTS = (
     "on_log",
     "on_eval_end",
     "on_checkpoint",
+    "on_replication",
     "on_train_end",
     "on_exception",
 )

@@ -29,8 +29,9 @@ import torch
 from koochak.loop import ddp, dist, fsdp
 from koochak.loop.batch import to_device
 from koochak.loop.checkpoint.restore import restore_rng, restore_training_state
-from koochak.loop.checkpoint.resume import resume_checkpoint
+from koochak.loop.checkpoint.resume import resume_checkpoint, resume_publication_path
 from koochak.loop.checkpoint.saver import Checkpointer, make_checkpointer
+from koochak.loop.checkpoint.tiers import checkpoint_locations
 from koochak.loop.config import TrainConfig, resolve_train_config
 from koochak.loop.device import get_device, get_lr
 from koochak.loop.elastic import elastic_cursor
@@ -116,9 +117,9 @@ def training_loop(
     #      -> [EMA] -> [restore] -> checkpoints, [GPU health]
     setup = ddp.setup_ddp(cfg, get_device(cfg.device))  # process group; device from LOCAL_RANK
     device, rank, world_size = setup.device, setup.rank, setup.world_size
-    location = cfg.checkpoint_dir or cfg.out_dir
+    tiers = checkpoint_locations(cfg)  # checkpoint_dir (else out_dir), then any replicas
     resume_path, checkpoint_dict = resume_checkpoint(
-        resume, location, checkpoint_dict, auto_resume_path, sharded=cfg.fsdp.enabled
+        resume, tiers, checkpoint_dict, auto_resume_path, sharded=cfg.fsdp.enabled
     ) or (None, None)
     start_step = int(checkpoint_dict["next_step"]) if checkpoint_dict else 0
     if checkpoint_dict is not None:  # the same run, or refuse before anything is built
@@ -159,6 +160,10 @@ def training_loop(
                       "config_json": config_json, "model": raw_model, "num_params": num_params,
                       "rank": rank, "world_size": world_size, "out_dir": cfg.out_dir,
                       "resumed": checkpoint_dict is not None, "resume_path": resume_path}  # fmt: skip
+        if len(tiers) > 1 and rank == 0:  # the path others read it from, once it is announced
+            start_info["resume_publication_path"] = resume_publication_path(
+                tiers, resume_path, checkpoint_dict
+            )
         emit(hooks, "on_train_start", start_info)
         # Compile the bare module first so DDP wraps the compiled graph (torch's recommended order).
         train_model = torch.compile(raw_model) if cfg.compile else raw_model
@@ -174,6 +179,7 @@ def training_loop(
         checkpoints = make_checkpointer(
             cfg, parts, rank=rank, resumed=checkpoint_dict, started=started,
             on_checkpoint=lambda info: fire("on_checkpoint", info),
+            on_replication=lambda info: fire("on_replication", info),
         )  # fmt: skip
         health = make_gpu_health(cfg, device, cfg.out_dir, gpu_health)
 

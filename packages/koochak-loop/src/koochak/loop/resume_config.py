@@ -48,6 +48,8 @@ HARMLESS = (
     "train.compile",
     "train.cuda_prefetch",
     "train.checkpoint_async",
+    "train.checkpoint_replica*",  # tiers: where copies go, not how the run trains
+    "train.checkpoint_prune_unreplicated",
     "train.evacuation_enabled",
     "train.evacuation_signal",
     "train.gpu_health_*",

@@ -3,10 +3,11 @@
 Two halves share one manifest format (``docs/formats.md``, "Ready manifests"), each in its own
 module; this one keeps every name importable from ``koochak.storage.artifact``:
 
-* ``publication`` — store publication: ``publish`` / ``unpublish`` / ``read_verified`` /
-  ``published_candidates`` / ``highest_valid`` / ``prune_keep_last_k``, used by checkpoints:
-  the object is put create-only and synced, then ``<name>.ready.json`` commits it. Removal is
-  always manifest first, so a reader never trusts an object that is going away.
+* ``publication`` — store publication: ``publish`` / ``unpublish`` / ``read_manifest`` /
+  ``read_verified`` / ``published_candidates`` / ``highest_valid`` / ``prune_keep_last_k``,
+  used by checkpoints: the object is put create-only and synced, then ``<name>.ready.json``
+  commits it. Removal is always manifest first, so a reader never trusts an object that is
+  going away.
 * ``local_ready`` — local file/directory manifests: ``write_ready_manifest`` /
   ``read_ready_manifest`` / ``verify_ready``, used by job outputs: targets are read through
   ``O_NOFOLLOW`` descriptors with inode checks, made read-only, and the manifest is published
@@ -25,6 +26,7 @@ from koochak.storage.publication import (
     prune_keep_last_k,
     publish,
     published_candidates,
+    read_manifest,
     read_verified,
     unpublish,
 )
@@ -37,6 +39,7 @@ __all__ = [
     "Publication",
     "publish",
     "unpublish",
+    "read_manifest",
     "read_verified",
     "published_candidates",
     "highest_valid",

@@ -38,6 +38,7 @@ __all__ = [
     "Publication",
     "publish",
     "unpublish",
+    "read_manifest",
     "read_verified",
     "published_candidates",
     "highest_valid",
@@ -309,14 +310,14 @@ def unpublish(store: Store, name: str) -> None:
             pass
 
 
-def read_verified(store: Store, name: str) -> tuple[Publication, bytes]:
-    """Read ``name`` once and check it against its ready manifest.
+def read_manifest(store: Store, name: str) -> tuple[Publication, bytes]:
+    """The publication ``name`` as its ready manifest describes it, and the manifest's bytes.
 
-    Raises InvalidArtifact when the manifest is missing, malformed or of an unknown version, or
-    when the object's size or SHA256 differ. An object the manifest names but this client does
-    not see is waited for (the store's ``read_settle_seconds``, ``koochak.storage.named``) and
-    then raises FileNotFoundError, never InvalidArtifact: a late object is not an invalid one.
-    Any other OSError propagates: an unreadable object is not evidence that it is invalid.
+    Only the manifest is read, not the object: this says what was committed, not that the
+    object is still intact (``read_verified`` checks that). Raises InvalidArtifact when the
+    manifest is missing, malformed, of an unknown version or describes another key; any other
+    OSError propagates. The bytes let a caller copy the manifest unchanged (a replica commits
+    with the very document its source committed with).
     """
     _check_name(name)
     manifest_key = name + READY_SUFFIX
@@ -330,6 +331,29 @@ def read_verified(store: Store, name: str) -> tuple[Publication, bytes]:
         raise InvalidArtifact(
             f"{where}: manifest describes {doc['key']!r} ({doc['type']}), not {name!r}"
         )
+    publication = Publication(
+        artifact_id=doc["artifact_id"],
+        key=name,
+        size=doc["size"],
+        sha256=doc["sha256"],
+        manifest_key=manifest_key,
+        path=store.local_path(name),
+    )
+    return publication, raw
+
+
+def read_verified(store: Store, name: str) -> tuple[Publication, bytes]:
+    """Read ``name`` once and check it against its ready manifest.
+
+    Raises InvalidArtifact when the manifest is missing, malformed or of an unknown version, or
+    when the object's size or SHA256 differ. An object the manifest names but this client does
+    not see is waited for (the store's ``read_settle_seconds``, ``koochak.storage.named``) and
+    then raises FileNotFoundError, never InvalidArtifact: a late object is not an invalid one.
+    Any other OSError propagates: an unreadable object is not evidence that it is invalid.
+    """
+    committed, _ = read_manifest(store, name)
+    manifest_key = committed.manifest_key
+    where = f"{store.location}/{manifest_key}"
     try:
         # Missing here may only mean not visible yet on this client: wait read_settle_seconds.
         data = get_named(store, name, named_by=manifest_key)
@@ -337,24 +361,16 @@ def read_verified(store: Store, name: str) -> tuple[Publication, bytes]:
         if not _exists(store, manifest_key):  # unpublished meanwhile (pruned): skip it
             raise InvalidArtifact(f"{where}: unpublished while it was read") from None
         raise  # named by a manifest that is still there: never "absent"
-    if len(data) != doc["size"]:
+    if len(data) != committed.size:
         raise InvalidArtifact(
-            f"{store.location}/{name}: {len(data)} bytes, manifest says {doc['size']}"
+            f"{store.location}/{name}: {len(data)} bytes, manifest says {committed.size}"
         )
     digest = hashlib.sha256(data).hexdigest()
-    if digest != doc["sha256"]:
+    if digest != committed.sha256:
         raise InvalidArtifact(
-            f"{store.location}/{name}: SHA256 {digest}, manifest says {doc['sha256']}"
+            f"{store.location}/{name}: SHA256 {digest}, manifest says {committed.sha256}"
         )
-    publication = Publication(
-        artifact_id=doc["artifact_id"],
-        key=name,
-        size=doc["size"],
-        sha256=digest,
-        manifest_key=manifest_key,
-        path=store.local_path(name),
-    )
-    return publication, data
+    return committed, data
 
 
 def published_candidates(store: Store, pattern: str) -> list[tuple[int, str]]:

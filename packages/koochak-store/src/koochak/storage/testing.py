@@ -13,7 +13,9 @@ that makes a fresh, empty store::
 
 ``FaultyStore`` is a LocalStore whose filesystem calls fail on demand (an errno on the Nth open,
 read, write, fsync, link, close or stat; short writes and reads; corrupted reads), with a fake
-clock so tests of settle deadlines never sleep. Importing this module needs pytest.
+clock so tests of settle deadlines never sleep. ``ThrottledStore`` slows any Store to a given
+bandwidth (a slow durable tier or an object-storage link, without a network). Importing this
+module needs pytest.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import hashlib
 import io
 import os
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -32,7 +35,15 @@ import pytest
 from koochak.storage._syscalls import _Syscalls
 from koochak.storage.store import TEMP_PREFIX, LocalStore, ObjectInfo, Store
 
-__all__ = ["StoreConformance", "Fault", "FaultyStore", "FakeClock", "FAULT_OPS", "visible_files"]
+__all__ = [
+    "StoreConformance",
+    "Fault",
+    "FaultyStore",
+    "FakeClock",
+    "FAULT_OPS",
+    "ThrottledStore",
+    "visible_files",
+]
 
 FAULT_OPS = (
     "open", "read", "write", "fsync", "syncfs", "close", "stat", "link", "rename", "lock",
@@ -231,6 +242,101 @@ class FaultyStore:
 
     def put(self, key: str, data: Any, **expected: Any) -> ObjectInfo:
         return self.inner.put(key, data, **expected)
+
+    def stat(self, key: str) -> ObjectInfo:
+        return self.inner.stat(key)
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        return self.inner.list(prefix)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+    def local_path(self, key: str) -> str | None:
+        return self.inner.local_path(key)
+
+
+class ThrottledStore:
+    """Any Store, with its reads and/or writes slowed to ``bytes_per_second``.
+
+    Reads and writes each share one link of that bandwidth (full duplex): concurrent transfers
+    split it rather than multiply it, as on a real network link or a single disk. Bytes wait
+    (``sleep``, by default ``time.sleep``) for their slot on the link and cost no CPU while
+    waiting. Metadata calls (stat, list, delete) are not slowed. ``profile`` is the inner
+    store's, so ``copy_objects`` plans as it would for that store. A test's slow durable tier,
+    a benchmark's 100 MB/s object store.
+    """
+
+    _CHUNK = 1 << 20
+
+    def __init__(
+        self,
+        inner: Store,
+        bytes_per_second: float,
+        *,
+        reads: bool = True,
+        writes: bool = True,
+        sleep: Any = time.sleep,
+    ) -> None:
+        if not bytes_per_second > 0:
+            raise ValueError(
+                f"ThrottledStore: bytes_per_second must be > 0, got {bytes_per_second!r}"
+            )
+        from koochak.storage.profile import profile_of
+
+        self.inner = inner
+        self.location = inner.location
+        self.profile = profile_of(inner)
+        self.bytes_per_second = float(bytes_per_second)
+        self._reads, self._writes = reads, writes
+        self._sleep = sleep
+        self._lock = threading.Lock()
+        self._free_at = {"read": 0.0, "write": 0.0}  # monotonic time each link is free again
+
+    def _transfer(self, link: str, nbytes: int) -> None:
+        """Wait until ``nbytes`` have crossed ``link`` at the configured bandwidth."""
+        if nbytes <= 0:
+            return
+        with self._lock:
+            now = time.monotonic()
+            done = max(now, self._free_at[link]) + nbytes / self.bytes_per_second
+            self._free_at[link] = done
+        delay = done - time.monotonic()
+        if delay > 0:
+            self._sleep(delay)
+
+    def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        data = self.inner.get(key, start, end)
+        if self._reads:
+            self._transfer("read", len(data))
+        return data
+
+    def open(self, key: str) -> BinaryIO:
+        return io.BytesIO(self.get(key))
+
+    def put(self, key: str, data: Any, **expected: Any) -> ObjectInfo:
+        if not self._writes:
+            return self.inner.put(key, data, **expected)
+        if isinstance(data, str):
+            return self.inner.put(key, data, **expected)  # the inner store refuses text
+        return self.inner.put(key, self._slowed(data), **expected)
+
+    def _slowed(self, data: Any) -> Iterator[Any]:
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            view = memoryview(data).cast("B")
+            for offset in range(0, view.nbytes, self._CHUNK):
+                chunk = view[offset : offset + self._CHUNK]
+                self._transfer("write", chunk.nbytes)
+                yield chunk
+            return
+        if hasattr(data, "read"):
+            while chunk := data.read(self._CHUNK):
+                self._transfer("write", len(chunk))
+                yield chunk
+            return
+        for chunk in data:
+            self._transfer("write", memoryview(chunk).nbytes)
+            yield chunk
 
     def stat(self, key: str) -> ObjectInfo:
         return self.inner.stat(key)

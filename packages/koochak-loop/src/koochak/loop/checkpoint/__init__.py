@@ -10,7 +10,9 @@
 - ``resume``: selection (``load``, ``latest``, ``best``, ``highest_valid_published``,
   ``resolve_auto_resume``);
 - ``saver``: what ``training_loop`` does to save (periodic and terminal, sync or async);
-- ``export``: one consolidated weights file for inference (``export_weights``).
+- ``export``: one consolidated weights file for inference (``export_weights``);
+- ``tiers`` and ``replication``: a first tier backed by durable replica tiers
+  (``train.checkpoint_replicas``), copies in the background, resume from any tier.
 
 Import the names below from ``koochak.loop.checkpoint``; see docs/checkpoints.md for how they fit
 together.
@@ -31,6 +33,7 @@ from koochak.loop.checkpoint.publication import (
     publish,
     save,
 )
+from koochak.loop.checkpoint.replication import CheckpointReplicationError
 from koochak.loop.checkpoint.restore import restore_training_state, rng_state_for_rank
 from koochak.loop.checkpoint.resume import (
     ResumePoint,
@@ -42,6 +45,7 @@ from koochak.loop.checkpoint.resume import (
 )
 from koochak.loop.checkpoint.saver import CheckpointPublishError
 from koochak.loop.checkpoint.serialization import deserialize_checkpoint, serialize_checkpoint
+from koochak.loop.checkpoint.tiers import checkpoint_locations
 from koochak.loop.state_dicts import match_state_dict_to_model, unwrap_model
 
 __all__ = [
@@ -49,10 +53,12 @@ __all__ = [
     "CHECKPOINT_VERSION",
     "LATEST_NAME",
     "CheckpointPublishError",
+    "CheckpointReplicationError",
     "ResumePoint",
     "best",
     "build_checkpoint",
     "check_resume_cursor",
+    "checkpoint_locations",
     "checkpoint_name",
     "checkpoint_objects",
     "checkpoint_store",

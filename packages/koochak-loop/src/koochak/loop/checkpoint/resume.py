@@ -10,6 +10,12 @@ cursor validate, all checked on ONE read of the payload: the bytes that were ver
 that get loaded. ``latest.pt`` and unmanifested files never count. An invalid candidate is skipped
 with a logged reason; any other I/O error (EIO on the newest) propagates, because silently rolling
 a run back to an older checkpoint would waste the work since.
+
+Resume considers every tier of a location with replicas (``tiers``): the highest step that
+validates in any of them, the first tier first for equal steps (it is the fastest to read). A
+tier that cannot be listed (unreachable) or is gone (node-local storage after a requeue elsewhere)
+is skipped with one line. An I/O error on a candidate tries the same step in the other tiers and
+is raised when none of them has it: never a silent step back.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from koochak.loop import ddp, dist
@@ -31,12 +37,16 @@ from koochak.loop.checkpoint.format import (
 )
 from koochak.loop.checkpoint.publication import checkpoint_store, publication_path
 from koochak.loop.checkpoint.serialization import read_checkpoint
+from koochak.loop.checkpoint.tiers import Location
 from koochak.storage import artifact
 from koochak.storage.store import Store, open_store
 
 log = logging.getLogger("koochak.loop.checkpoint")
 
 RESUME_MODES = ("auto", "none")
+
+# One location, or a run's tiers: the first tier, then each replica (``checkpoint_locations``).
+Locations = Location | Sequence[Location]
 
 
 class ResumePoint(NamedTuple):
@@ -114,30 +124,128 @@ def best(location: str | os.PathLike[str] | Store, key: str) -> str | None:
     return best_path
 
 
-def highest_valid_published(location: str | os.PathLike[str] | Store) -> str | None:
+def highest_valid_published(location: Locations) -> str | None:
     """Path of the highest numbered checkpoint whose manifest, size, SHA256 and cursor validate."""
     found = resolve_auto_resume(location)
     return found.path if found is not None else None
 
 
-def resolve_auto_resume(location: str | os.PathLike[str] | Store) -> ResumePoint | None:
+def resolve_auto_resume(location: Locations) -> ResumePoint | None:
     """``(path, checkpoint)`` of the highest valid published checkpoint, or None to start fresh.
 
     The checkpoint comes from the same single read whose manifest, size, SHA256 and resume cursor
     were validated. Invalid candidates are skipped (reason logged); any other OSError propagates.
+    ``location`` may be a list of tiers (first tier first): the highest step valid in any of
+    them wins, read from the first tier that has it.
     """
-    store = checkpoint_store(location)
-    found = artifact.highest_valid(store, CHECKPOINT_PATTERN, check=_validated_checkpoint(store))
-    _log_unmanifested(store, found[1]["step"] if found is not None else -1)
+    found = _highest_valid(_tier_stores(location))
     if found is None:
         return None
-    publication, ckpt = found
-    return ResumePoint(publication_path(store, publication), ckpt)
+    return ResumePoint(publication_path(found.store, found.publication), found.checkpoint)
+
+
+class _Found(NamedTuple):
+    tier: int
+    store: Store
+    publication: artifact.Publication
+    checkpoint: dict[str, Any]
+
+
+def _tier_stores(location: Locations) -> list[Store]:
+    if isinstance(location, (list, tuple)):
+        if not location:
+            raise ValueError("resume: expected a checkpoint location or a list of tiers, got []")
+        return [checkpoint_store(tier) for tier in location]
+    return [checkpoint_store(location)]  # type: ignore[arg-type]
+
+
+def _highest_valid(stores: Sequence[Store]) -> _Found | None:
+    """The newest checkpoint that validates in any of ``stores`` (tiers, first tier first).
+
+    Steps are tried newest first, within a step the tiers in order. InvalidArtifact skips one
+    copy; with several tiers an OSError does too, but when no tier yields that step the first
+    such error is raised instead of stepping back. A single location raises every OSError.
+    """
+    candidates: dict[int, list[tuple[int, str]]] = {}
+    listed_stores = []
+    for tier, store in enumerate(stores):
+        try:
+            listed = artifact.published_candidates(store, CHECKPOINT_PATTERN)
+        except OSError as exc:
+            if len(stores) == 1:
+                raise
+            log.warning("skipping checkpoint tier %d (%s): cannot list it (%s: %s)",
+                        tier, store.location, type(exc).__name__, exc)  # fmt: skip
+            continue
+        if not listed and len(stores) > 1 and _vanished(store):
+            log.warning("skipping checkpoint tier %d (%s): it is gone (node-local storage on "
+                        "another node?)", tier, store.location)  # fmt: skip
+        listed_stores.append(store)
+        for number, key in listed:
+            candidates.setdefault(number, []).append((tier, key))
+    chosen = -1
+    found = None
+    for number in sorted(candidates, reverse=True):
+        error: OSError | None = None
+        for tier, key in candidates[number]:
+            store = stores[tier]
+            try:
+                publication, data = artifact.read_verified(store, key)
+                ckpt = _validated_checkpoint(store)(publication, data)
+            except artifact.InvalidArtifact as exc:
+                log.warning("skipping %s #%d (%s): %s", key, number, store.location, exc)
+                continue
+            except OSError as exc:
+                if len(stores) == 1:
+                    raise
+                log.warning("cannot read %s #%d in tier %d (%s): %s: %s", key, number, tier,
+                            store.location, type(exc).__name__, exc)  # fmt: skip
+                error = error or exc
+                continue
+            found = _Found(tier, store, publication, ckpt)
+            break
+        if found is not None:
+            chosen = number
+            break
+        if error is not None:
+            raise error  # this step exists but cannot be read anywhere: never step back silently
+    for store in listed_stores:
+        _log_unmanifested(store, chosen)
+    return found
+
+
+def _vanished(store: Store) -> bool:
+    root = getattr(store, "root", None)
+    return root is not None and not os.path.isdir(root)
+
+
+def resume_publication_path(
+    locations: Sequence[Location], path: str | None, checkpoint: Mapping[str, Any] | None
+) -> str | None:
+    """Where the checkpoint a run resumed from is announced: its path in the first replica tier
+    (the tier ``on_checkpoint`` names) when that tier holds the very commit the run read, else
+    None (not announced there yet: replication commits it there and announces it then)."""
+    if checkpoint is None or len(locations) < 2:
+        return path
+    name = checkpoint_name(int(checkpoint["step"]))
+    stores = [checkpoint_store(location) for location in locations]
+    try:
+        _, announced = artifact.read_manifest(stores[1], name)
+    except (artifact.InvalidArtifact, OSError):
+        return None
+    for store in stores:
+        if path is not None and path == _key_path(store, name):
+            try:
+                _, read = artifact.read_manifest(store, name)
+            except (artifact.InvalidArtifact, OSError):
+                return None
+            return _key_path(stores[1], name) if read == announced else None
+    return None
 
 
 def resume_checkpoint(
     resume: str | None,
-    location: str | os.PathLike[str] | Store | None,
+    location: Locations | None,
     checkpoint_dict: Mapping[str, Any] | None = None,
     auto_resume_path: str | None = None,
     *,
@@ -146,10 +254,12 @@ def resume_checkpoint(
     """The checkpoint this run continues from, or None to start fresh (``training_loop``'s lookup).
 
     A ``checkpoint_dict`` the caller already resolved (``resolve_auto_resume`` before building the
-    dataset) wins. Otherwise ``resume="auto"`` selects the highest valid published checkpoint:
-    rank 0 chooses, every other rank reads and verifies the same object, so all ranks agree.
-    ``sharded`` (FSDP): ``sharded.resolve_sharded`` instead, whose checkpoint holds references
-    that ``restore_training_state`` reads as this rank's slabs.
+    dataset) wins. Otherwise ``resume="auto"`` selects the highest valid published checkpoint
+    (over every tier when ``location`` is a list): rank 0 chooses, every other rank reads and
+    verifies the same commit (the same SHA256, from whichever tier it can reach), so all ranks
+    agree. ``sharded`` (FSDP): ``sharded.resolve_sharded`` instead (first tier only: sharded saves
+    are not replicated), whose checkpoint holds references that ``restore_training_state`` reads
+    as this rank's slabs.
     """
     if resume is not None and resume not in RESUME_MODES:
         raise ValueError(
@@ -166,19 +276,21 @@ def resume_checkpoint(
     if sharded:  # FSDP: every rank verifies a share of the parts; tensors read at restore
         from koochak.loop.checkpoint.sharded_read import resolve_sharded
 
-        found_sharded = resolve_sharded(location)
+        first = location[0] if isinstance(location, (list, tuple)) else location
+        found_sharded = resolve_sharded(first)
         return ResumePoint(*found_sharded) if found_sharded is not None else None
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return resolve_auto_resume(location)
     found, failure = None, None
     if dist.get_rank() == 0:
         try:
-            found = resolve_auto_resume(location)
+            found = _highest_valid(_tier_stores(location))
         except Exception as exc:  # tell the other ranks before raising, or they wait forever
             failure = exc
     chosen = ddp.broadcast_object(
         ("error", f"{type(failure).__name__}: {failure}") if failure is not None
-        else (found.path, int(found.checkpoint["step"])) if found is not None else None,
+        else (found.tier, int(found.checkpoint["step"]), found.publication.sha256)
+        if found is not None else None,
         src=0,
     )  # fmt: skip
     if failure is not None:
@@ -188,9 +300,31 @@ def resume_checkpoint(
     if chosen[0] == "error":
         raise RuntimeError(f"rank 0 could not resolve the checkpoint to resume: {chosen[1]}")
     if found is not None:
-        return found
-    path, step = chosen
-    return read_published(checkpoint_store(location), checkpoint_name(step))
+        return ResumePoint(publication_path(found.store, found.publication), found.checkpoint)
+    return _read_same(_tier_stores(location), *chosen)
+
+
+def _read_same(stores: Sequence[Store], tier: int, step: int, sha256: str) -> ResumePoint:
+    """Rank 0's choice, read by another rank: the same commit from rank 0's tier, or else from
+    any tier that holds it (a node-local first tier is not on every node)."""
+    name = checkpoint_name(step)
+    order = [tier] + [i for i in range(len(stores)) if i != tier]
+    problems = []
+    for index in order:
+        store = stores[index]
+        try:
+            publication, data = artifact.read_verified(store, name)
+            if publication.sha256 != sha256:
+                problems.append(f"tier {index} ({store.location}): another commit of {name}")
+                continue
+            path = publication_path(store, publication)
+            return ResumePoint(path, read_checkpoint(store, name, data, path))
+        except (ValueError, OSError) as exc:  # InvalidArtifact, a damaged part, unreachable
+            problems.append(f"tier {index} ({store.location}): {exc}")
+    raise RuntimeError(
+        f"rank 0 resumes from {name} (SHA256 {sha256}) but this rank cannot read that commit: "
+        + "; ".join(problems)
+    )
 
 
 def read_published(store: Store, name: str) -> ResumePoint:

@@ -14,6 +14,11 @@ publication in flight. Results come back to the training thread, never the other
 at step boundaries, so hooks never run concurrently with training and a failed publication fails
 the next step. ``train.checkpoint_parts`` chooses the layout (1: one file; more, or ``auto``:
 parts written in parallel) for both kinds of save.
+
+With ``train.checkpoint_replicas`` the saver commits in the first tier and hands each checkpoint
+to a ``Replicator`` (``replication``), which copies it to the durable tiers in the background;
+``on_checkpoint`` then names the first replica tier, once the checkpoint commits there, and the
+last save of a run waits for a durable commit.
 """
 
 from __future__ import annotations
@@ -29,7 +34,12 @@ from typing import Any
 import torch
 from koochak.loop import ddp, dist
 from koochak.loop.checkpoint.background import lower_this_threads_priority
-from koochak.loop.checkpoint.format import CHECKPOINT_PATTERN, build_checkpoint, checkpoint_name
+from koochak.loop.checkpoint.format import (
+    CHECKPOINT_PATTERN,
+    build_checkpoint,
+    checkpoint_name,
+    step_of_name,
+)
 from koochak.loop.checkpoint.host_buffers import HostBuffers, HostCopy
 from koochak.loop.checkpoint.publication import (
     checkpoint_store,
@@ -37,11 +47,13 @@ from koochak.loop.checkpoint.publication import (
     publish,
     unpublish_checkpoint,
 )
+from koochak.loop.checkpoint.replication import ReplicaTier, ReplicationEvent, Replicator
 from koochak.loop.checkpoint.serialization import (
     SplitCheckpoint,
     read_checkpoint,
     split_checkpoint,
 )
+from koochak.loop.checkpoint.tiers import ReplicationSettings, replication_settings
 from koochak.loop.config import TrainConfig
 from koochak.loop.seed import get_rng_state
 from koochak.storage import artifact
@@ -175,6 +187,8 @@ class Checkpointer:
             checkpoint = self.capture(step, step, reason, metrics)
             if self.saver is not None and checkpoint is not None and publish:
                 path = self.saver.save(checkpoint, sync=True)
+            elif self.saver is not None and checkpoint is not None:
+                path = self.saver.settle(checkpoint_name(step), reason)  # durable before exit
         except Exception as exc:
             if not best_effort:
                 failure = exc  # raised below, once the other ranks know
@@ -214,11 +228,14 @@ def make_checkpointer(
     resumed: Mapping[str, Any] | None,
     started: float,
     on_checkpoint: Callable[[dict[str, Any]], None] | None,
+    on_replication: Callable[[dict[str, Any]], None] | None = None,
 ) -> Checkpointer:
     """The loop's Checkpointer: saves every ``train.ckpt_every`` updates to
     ``train.checkpoint_dir`` (else ``out_dir``), keeping ``keep_last_k``, async with
-    ``checkpoint_async``; only rank 0 publishes, every rank takes part in capturing. Under
-    ``train.fsdp`` every rank writes its shards (``ShardedSaver``) and rank 0 commits them."""
+    ``checkpoint_async``, replicated to ``checkpoint_replicas``; only rank 0 publishes, every
+    rank takes part in capturing. Under ``train.fsdp`` every rank writes its shards
+    (``ShardedSaver``, not replicated: the config refuses replicas with FSDP) and rank 0 commits
+    them."""
     saver: Any = None
     if cfg.fsdp.enabled:
         saver = ShardedSaver(
@@ -241,6 +258,9 @@ def make_checkpointer(
             keep_best=(cfg.keep_best_k, cfg.keep_best_metric, cfg.keep_best_mode)
             if cfg.keep_best_k
             else None,
+            replication=replication_settings(cfg),
+            on_replication=on_replication,
+            resumed=checkpoint_name(int(resumed["step"])) if resumed else None,
         )
     return Checkpointer(parts, saver, every=cfg.ckpt_every, max_steps=cfg.max_steps,
                         resumed=resumed, started=started)  # fmt: skip
@@ -267,6 +287,13 @@ class CheckpointSaver:
     An async save copies the checkpoint's tensors into host buffers that this saver keeps and
     reuses (pinned for CUDA tensors), so its extra host memory is one checkpoint's tensors,
     however many saves it makes.
+
+    With ``replication`` (``train.checkpoint_replicas``) ``location`` is the first tier: each
+    commit there is replicated in the background, ``on_checkpoint`` fires (with ``tier`` and
+    ``location`` added) once the checkpoint commits in the first replica tier, and
+    ``on_replication(info)`` hears of every commit, failure and drop in every replica tier. A
+    ``sync`` save waits for a durable commit. ``resumed`` names the checkpoint the run continues
+    from: pulled back into the first tier if only a replica holds it.
     """
 
     def __init__(
@@ -278,6 +305,9 @@ class CheckpointSaver:
         parts: int | str = 1,
         on_checkpoint: Callable[[dict[str, Any]], None] | None = None,
         keep_best: tuple[int, str, str] | None = None,
+        replication: ReplicationSettings | None = None,
+        on_replication: Callable[[dict[str, Any]], None] | None = None,
+        resumed: str | None = None,
     ) -> None:
         self.location = location
         self.keep_last_k = keep_last_k
@@ -287,9 +317,26 @@ class CheckpointSaver:
         self.async_publish = async_publish
         self.parts = parts
         self.on_checkpoint = on_checkpoint
+        self.on_replication = on_replication
         self._store: Store | None = None
         self._async: AsyncPublisher | None = None
         self._buffers = HostBuffers()
+        self._replicator: Replicator | None = None
+        self._held: dict[str, Mapping[str, Any]] = {}  # saved, not yet announced
+        if replication is not None:
+            self._replicator = Replicator(
+                self.store,
+                [
+                    ReplicaTier(tier.index, checkpoint_store(tier.location), tier.keep_last_k)
+                    for tier in replication.replicas
+                ],
+                first_keep_last_k=keep_last_k,
+                max_lag=replication.max_lag,
+                retry_s=replication.retry_s,
+                prune_unreplicated=replication.prune_unreplicated,
+                pull=resumed,
+                spare=self._best if keep_best is not None else None,
+            )
 
     @property
     def store(self) -> Store:
@@ -303,15 +350,22 @@ class CheckpointSaver:
         return self._store
 
     def save(self, ckpt: Mapping[str, Any], *, sync: bool = False) -> str | None:
-        """Publish ``ckpt`` as ``step{N:09d}.pt``; returns its path (None while still in flight)."""
+        """Publish ``ckpt`` as ``step{N:09d}.pt``; returns its path (None while still in flight).
+
+        Replicated: a ``sync`` save returns once a durable tier holds it, and the path there.
+        """
         name = checkpoint_name(int(ckpt["step"]))
         store = self.store
         if self.keep_best is not None:
             self._scores[name] = _score((ckpt.get("metrics") or {}).get(self.keep_best[1]))
+        replicator = self._replicator
+        if replicator is not None:
+            replicator.wait_for_room()  # the lag bound: the run slows rather than piling up
+            self._hold(name, ckpt)
 
         def announce(publication: artifact.Publication) -> str:
             path = publication_path(store, publication)
-            if self.on_checkpoint is not None:
+            if self.on_checkpoint is not None and replicator is None:
                 self.on_checkpoint(
                     {
                         "step": int(ckpt["step"]),
@@ -335,12 +389,39 @@ class CheckpointSaver:
             return None
         self.drain()
         # Training waits here, so the tensors cannot change: write straight from them.
-        return announce(self._publish(name, ckpt))
+        path = announce(self._publish(name, ckpt))
+        if sync and replicator is not None:
+            return self.settle(name, str(ckpt.get("reason", "terminal")))
+        return path
+
+    def settle(self, name: str, reason: str) -> str | None:
+        """At the end of a run: wait until ``name`` is committed in a durable tier (for a
+        ``terminal`` or ``stopped`` save in every replica tier that does not give up), deliver
+        what happened, stop replicating; return its path in the first replica tier holding it.
+        Raises CheckpointReplicationError when none does. Without replicas: None.
+        """
+        replicator = self._replicator
+        if replicator is None:
+            return None
+        try:
+            # A run that ends normally waits for every tier; one that must leave (evacuation,
+            # a bad GPU) only for the tier on_checkpoint names.
+            held = replicator.settle(name, everywhere=reason in ("terminal", "stopped"))
+        finally:
+            self.poll()
+        replicator.close()
+        where = held[0].store
+        local = where.local_path(name)
+        return local if local is not None else f"{where.location.rstrip('/')}/{name}"
 
     def poll(self) -> None:
-        """Deliver a finished background publication; raises if it failed."""
+        """Deliver a finished background publication (raises if it failed) and what replication
+        did since the last call."""
         if self._async is not None:
             self._async.poll()
+        if self._replicator is not None:
+            for event in self._replicator.take_events():
+                self._deliver(event)
 
     def drain(self) -> None:
         """Wait for the background publication in flight (if any) and deliver it."""
@@ -348,13 +429,24 @@ class CheckpointSaver:
             self._async.drain()
 
     def close(self) -> None:
-        """On an error path: let an in-flight publication finish without masking the error."""
+        """On an error path: let an in-flight publication finish without masking the error;
+        stop replicating after the copies in flight."""
         if self._async is not None:
             self._async.close()
+        if self._replicator is not None:
+            self._replicator.close()
 
     def _publish(
         self, name: str, data: Mapping[str, Any] | SplitCheckpoint
     ) -> artifact.Publication:
+        replicator = self._replicator
+        if replicator is not None:
+            replicator.before_publish(name)
+            # The first tier prunes through the replicator: never a checkpoint no replica holds
+            # yet, never one of the best.
+            publication = publish(self.store, name, data, parts=self.parts)
+            replicator.submit(name)
+            return publication
         if self.keep_best is None or self.keep_last_k is None:
             return publish(self.store, name, data, keep_last_k=self.keep_last_k, parts=self.parts)
         publication = publish(self.store, name, data, parts=self.parts)  # pruned below
@@ -376,32 +468,83 @@ class CheckpointSaver:
         (manifest first, then the object, then any parts). A checkpoint without the metric is
         never among the best."""
         assert self.keep_best is not None and self.keep_last_k is not None
-        k, metric, mode = self.keep_best
         candidates = artifact.published_candidates(self.store, CHECKPOINT_PATTERN)  # newest first
         keep = {name for _, name in candidates[: self.keep_last_k]}
-        scored = [(self._score_of(name, metric), -number, name) for number, name in candidates]
-        ranked = sorted(
-            (t for t in scored if t[0] is not None),
-            key=lambda t: (t[0] if mode == "min" else -t[0], t[1]),  # ties: the newer
-        )
-        keep |= {name for _, _, name in ranked[:k]}
+        keep |= self._best(self.store, [name for _, name in candidates])
         for _, name in candidates:
             if name not in keep:
                 unpublish_checkpoint(self.store, name)
                 self._scores.pop(name, None)
 
-    def _score_of(self, name: str, metric: str) -> float | None:
+    def _best(self, store: Store, names: list[str]) -> set[str]:
+        """The ``keep_best_k`` best of ``names`` (committed in ``store``) by the metric: what
+        no tier's retention removes. A checkpoint without the metric is never among them."""
+        if self.keep_best is None:
+            return set()
+        k, metric, mode = self.keep_best
+        scored = [(self._score_of(store, name, metric), -(step_of_name(name) or 0), name)
+                  for name in names]  # fmt: skip
+        ranked = sorted(
+            (t for t in scored if t[0] is not None),
+            key=lambda t: (t[0] if mode == "min" else -t[0], t[1]),  # ties: the newer
+        )
+        return {name for _, _, name in ranked[:k]}
+
+    def _score_of(self, store: Store, name: str, metric: str) -> float | None:
         """The metric of a published checkpoint: remembered from this run's saves, else read
-        once from the checkpoint (one from an earlier attempt; either layout)."""
+        once from the checkpoint in ``store`` (one from an earlier attempt; either layout)."""
         if name not in self._scores:
             try:
-                _, data = artifact.read_verified(self.store, name)
-                metrics = read_checkpoint(self.store, name, data, name).get("metrics") or {}
+                _, data = artifact.read_verified(store, name)
+                metrics = read_checkpoint(store, name, data, name).get("metrics") or {}
                 self._scores[name] = _score(metrics.get(metric))
             except (artifact.InvalidArtifact, ValueError, OSError) as exc:
                 log.warning("keep_best_k: cannot read %s (%s); it is ranked as not best", name, exc)
                 self._scores[name] = None
         return self._scores[name]
+
+    def _hold(self, name: str, ckpt: Mapping[str, Any]) -> None:
+        """Keep the dict for ``on_checkpoint`` until the first replica commits it (the newest
+        few only: one that is never replicated there is not announced)."""
+        self._held[name] = ckpt
+        while len(self._held) > _HELD_CHECKPOINTS:
+            del self._held[next(iter(self._held))]
+
+    def _deliver(self, event: ReplicationEvent) -> None:
+        info = {
+            "status": event.status,
+            "step": event.step,
+            "name": event.name,
+            "tier": event.tier,
+            "location": event.location,
+            "path": event.path,
+            "publication": event.publication,
+            "seconds": event.seconds,
+            "bytes": event.bytes_copied,
+            "lag": event.lag,
+            "behind_s": event.behind_s,
+            "error": event.error,
+            "retry_in_s": event.retry_in_s,
+        }
+        if self.on_replication is not None:
+            self.on_replication(info)
+        # One tier is named for every checkpoint, so its artifact event always carries the same
+        # path: the first replica, where a consumer on another node can read it.
+        if event.status == "committed" and event.tier == 1 and self.on_checkpoint is not None:
+            self.on_checkpoint(
+                {
+                    "step": event.step,
+                    "path": event.path,
+                    "checkpoint": self._held.pop(event.name, None),
+                    "publication": event.publication,
+                    "tier": event.tier,
+                    "location": event.location,
+                }
+            )
+
+
+# Checkpoint dicts kept for their on_checkpoint (a checkpoint's tensors are the live ones).
+_HELD_CHECKPOINTS = 8
 
 
 class ShardedSaver:
@@ -418,6 +561,7 @@ class ShardedSaver:
 
     # The same keep_best_k pruning as one process's saver (rank 0 runs it, after the commit).
     _prune_keeping_best = CheckpointSaver._prune_keeping_best
+    _best = CheckpointSaver._best
     _score_of = CheckpointSaver._score_of
 
     def __init__(

@@ -1,0 +1,558 @@
+"""Background replication of committed checkpoints from the first tier to the durable tiers.
+
+``Replicator`` runs one worker thread per replica tier, so at most one copy is in flight per
+tier and a slow tier never holds up a fast one. Each tier replicates in save order and never
+skips a checkpoint: a failed copy is reported and retried (after ``retry_s``, doubling up to
+five minutes) while training goes on. Only two things drop a checkpoint from a tier's queue, both
+said in the log: it was pruned from every tier that could be its source, or the tier fell so far
+behind that more than its ``keep_last_k`` newer checkpoints wait, so retention would remove it
+at once.
+
+The training thread never waits for a copy, with two exceptions: a save waits while a healthy
+tier is ``max_lag`` checkpoints behind (the run slows rather than piling up work), and the last
+save of a run waits until the checkpoint is committed in a durable tier (``settle``). Outcomes
+come back to the training thread as records (``take_events``), never the other way round.
+
+Retention: each replica prunes itself to its ``keep_last_k`` after a commit; the first tier
+keeps a checkpoint beyond its ``keep_last_k`` until some replica has committed it (unless
+``prune_unreplicated``). A checkpoint a tier is copying is pruned nowhere until the copy ends.
+
+When a run starts, each worker first compares its tier with the first tier and queues what a
+killed or failed earlier attempt left unreplicated, so the next run completes it. A run that
+resumed from a checkpoint only a durable tier holds (the first tier is node-local and the job
+came back elsewhere) first pulls it back into the first tier.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from koochak.loop.checkpoint.background import lower_this_threads_priority
+from koochak.loop.checkpoint.format import CHECKPOINT_PATTERN, step_of_name
+from koochak.loop.checkpoint.publication import unpublish_checkpoint
+from koochak.loop.checkpoint.tiers import Replicated, describe_tier, replicate_checkpoint
+from koochak.storage import artifact
+from koochak.storage.store import Store
+
+log = logging.getLogger("koochak.loop.checkpoint")
+
+# Longest wait between two attempts of a failing tier, and how many more attempts each tier
+# gets at the end of a run before the run gives up on it.
+MAX_RETRY_S = 300.0
+EXIT_ATTEMPTS = 3
+# Never retry sooner than this, even with retry_s 0: a failing tier must not spin.
+MIN_RETRY_S = 0.05
+
+
+class CheckpointReplicationError(RuntimeError):
+    """The run's last checkpoint could not be committed in any durable tier."""
+
+
+@dataclass(frozen=True)
+class ReplicaTier:
+    """A durable tier as the replicator sees it: its index (1 = the first replica), its store,
+    and how many checkpoints it keeps (None: every one)."""
+
+    index: int
+    store: Store
+    keep_last_k: int | None
+
+
+@dataclass(frozen=True)
+class ReplicationEvent:
+    """What happened to one checkpoint in one tier, delivered on the training thread.
+
+    ``status``: ``committed``, ``failed`` (retried after ``retry_in_s``) or ``dropped`` (will
+    not be replicated there; ``error`` says why). ``lag`` is how many checkpoints the tier still
+    has to copy; ``behind_s`` how long ago the first tier committed this one (None for a
+    checkpoint an earlier attempt saved).
+    """
+
+    status: str
+    name: str
+    step: int | None  # None: not about one checkpoint (comparing the tier with the first)
+    tier: int
+    location: str
+    publication: artifact.Publication | None = None
+    path: str | None = None
+    seconds: float = 0.0
+    bytes_copied: int = 0
+    lag: int = 0
+    behind_s: float | None = None
+    error: str | None = None
+    retry_in_s: float | None = None
+
+
+@dataclass
+class _Lane:
+    """One replica tier's queue and health (guarded by the Replicator's condition)."""
+
+    tier: ReplicaTier
+    queue: deque[str] = field(default_factory=deque)  # names to copy, oldest first
+    busy: str | None = None  # the name being copied
+    source: Store | None = None  # the tier it is read from (the first, else a replica)
+    committed: set[str] = field(default_factory=set)  # names known committed here
+    scanned: bool = False  # compared with the first tier yet
+    failures: int = 0  # consecutive failed attempts
+    retry_at: float = 0.0
+    thread: threading.Thread | None = None
+
+
+class Replicator:
+    """Copies each checkpoint committed in ``first`` to every tier of ``replicas``.
+
+    ``spare(store, names)`` names checkpoints no tier's retention removes (``keep_best_k``).
+    ``submit(name)`` after each first-tier commit (any thread); ``before_publish(name)`` before
+    one (it waits while a tier copies that name, so a re-save never pulls the bytes from under
+    a copy); ``wait_for_room()`` before a save (the lag bound); ``take_events()`` on the
+    training thread; ``settle(name)`` at the end of a run; ``close()`` when done.
+    """
+
+    def __init__(
+        self,
+        first: Store,
+        replicas: Sequence[ReplicaTier],
+        *,
+        first_keep_last_k: int | None,
+        max_lag: int = 2,
+        retry_s: float = 10.0,
+        prune_unreplicated: bool = False,
+        pull: str | None = None,
+        spare: Callable[[Store, list[str]], set[str]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not replicas:
+            raise ValueError("Replicator: needs at least one replica tier")
+        if max_lag < 1:
+            raise ValueError(f"train.checkpoint_replication_max_lag must be >= 1, got {max_lag}")
+        self.first = first
+        self.first_keep = first_keep_last_k
+        self.max_lag = max_lag
+        self.retry_s = float(retry_s)
+        self.prune_unreplicated = prune_unreplicated
+        self._spare = spare
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._lanes = [_Lane(tier) for tier in replicas]
+        self._events: deque[ReplicationEvent] = deque()
+        self._committed_at: dict[str, float] = {}  # first-tier commit time of this run's saves
+        self._held_back: set[str] = set()  # first-tier names kept beyond keep_last_k (logged)
+        self._closed = False
+        self._exiting = False
+        self._pull = pull
+        self._pulled = threading.Event()
+        self._starter = threading.Thread(
+            target=self._start, name="koochak-replicate-start", daemon=True
+        )
+        self._starter.start()
+
+    # ------------------------------------------------------------------ training-side calls
+
+    def before_publish(self, name: str) -> None:
+        """Wait until no tier copies ``name`` and take it off the queues (a new version of it is
+        about to be committed in the first tier; ``submit`` queues that one)."""
+        self._pulled.wait()  # a pull-back writes into the first tier: let it finish first
+        with self._cond:
+            while any(lane.busy == name for lane in self._lanes):
+                self._cond.wait()
+            for lane in self._lanes:
+                if name in lane.queue:
+                    lane.queue.remove(name)
+                lane.committed.discard(name)
+
+    def submit(self, name: str) -> None:
+        """Queue ``name``, just committed in the first tier, for every replica tier."""
+        with self._cond:
+            self._committed_at[name] = self._clock()
+            for lane in self._lanes:
+                if name not in lane.queue:
+                    lane.queue.append(name)
+                self._supersede(lane)
+            self._cond.notify_all()
+        self._prune_first()
+
+    def wait_for_room(self) -> float:
+        """Block while a healthy tier has ``max_lag`` or more checkpoints still to copy; return
+        the seconds waited. A failing tier does not hold training up: it is retried meanwhile."""
+        started = None
+        with self._cond:
+            while not self._closed:
+                behind = [
+                    lane
+                    for lane in self._lanes
+                    if lane.failures == 0 and len(lane.queue) >= self.max_lag
+                ]
+                if not behind:
+                    break
+                if started is None:
+                    started = self._clock()
+                    lane = behind[0]
+                    log.info(
+                        "checkpoint replication to %s is %d checkpoint(s) behind "
+                        "(train.checkpoint_replication_max_lag=%d): the next save waits",
+                        describe_tier(lane.tier.index, lane.tier.store),
+                        len(lane.queue),
+                        self.max_lag,
+                    )
+                self._cond.wait()
+        if started is None:
+            return 0.0
+        waited = self._clock() - started
+        log.info("checkpoint replication caught up after %.1f s; saving", waited)
+        return waited
+
+    def take_events(self) -> list[ReplicationEvent]:
+        """Everything that happened since the last call, oldest first."""
+        with self._cond:
+            events = list(self._events)
+            self._events.clear()
+        return events
+
+    def committed_in(self, name: str) -> list[ReplicaTier]:
+        """The replica tiers known to hold ``name`` committed, in tier order."""
+        with self._cond:
+            return [lane.tier for lane in self._lanes if name in lane.committed]
+
+    def settle(self, name: str, *, everywhere: bool) -> list[ReplicaTier]:
+        """Wait until ``name`` is committed durably; return the tiers holding it, in tier order.
+
+        Waits for the first replica tier (the one ``on_checkpoint`` names), or, should it give
+        up, for any other; ``everywhere``: for every tier. Failing tiers are retried at once and
+        then every ``retry_s`` (no longer doubling); a tier gives up after EXIT_ATTEMPTS more
+        failures. Raises CheckpointReplicationError when no tier holds ``name`` in the end: the
+        node's storage may not come back, so the run must not report success.
+        """
+        with self._cond:
+            self._exiting = True
+            start = {id(lane): lane.failures for lane in self._lanes}
+            now = self._clock()
+            for lane in self._lanes:
+                lane.retry_at = min(lane.retry_at, now)
+            self._cond.notify_all()
+            announce = self._lanes[0]
+            while not self._closed:
+                done = [ln for ln in self._lanes if name in ln.committed and ln.busy != name]
+                trying = [
+                    lane
+                    for lane in self._lanes
+                    if lane not in done
+                    and (name in lane.queue or lane.busy == name or not lane.scanned)
+                    and lane.failures - start[id(lane)] < EXIT_ATTEMPTS
+                ]
+                if not trying:
+                    break
+                if not everywhere and (announce in done or (announce not in trying and done)):
+                    break
+                self._cond.wait()
+            done = [ln for ln in self._lanes if name in ln.committed and ln.busy != name]
+            failed = [lane for lane in self._lanes if lane not in done]
+        for lane in failed:
+            if lane.failures > start[id(lane)]:
+                log.error("checkpoint %s could not be committed in %s", name,
+                          describe_tier(lane.tier.index, lane.tier.store))  # fmt: skip
+            else:
+                log.info("checkpoint %s is still being copied to %s; the next run completes it",
+                         name, describe_tier(lane.tier.index, lane.tier.store))  # fmt: skip
+        if not done:
+            where = ", ".join(describe_tier(ln.tier.index, ln.tier.store) for ln in self._lanes)
+            raise CheckpointReplicationError(
+                f"checkpoint {name} is committed only in the first tier ({self.first.location}); "
+                f"no durable tier took it ({where}); see the log for each tier's error. It stays "
+                "valid there, so a retry on this node resumes from it"
+            )
+        return [lane.tier for lane in done]
+
+    def close(self) -> None:
+        """Stop the workers after their current copy (nothing half-copied is ever committed)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ workers
+
+    def _start(self) -> None:
+        # Yield the CPU to training; the workers this thread starts, and their copy threads,
+        # inherit the lower priority.
+        lower_this_threads_priority()
+        if self._pull is not None:
+            try:
+                self._pull_back(self._pull)
+            except Exception as exc:  # the durable copy stays; only the fast path is lost
+                log.warning("could not pull %s back into the first tier (%s): %s: %s",
+                            self._pull, self.first.location, type(exc).__name__, exc)  # fmt: skip
+        self._pulled.set()
+        for lane in self._lanes:
+            lane.thread = threading.Thread(
+                target=self._work,
+                args=(lane,),
+                name=f"koochak-replicate-tier{lane.tier.index}",
+                daemon=True,
+            )
+            lane.thread.start()
+
+    def _pull_back(self, name: str) -> None:
+        """Copy ``name`` from the first replica holding it into the first tier, if it lacks it."""
+        try:
+            artifact.read_manifest(self.first, name)
+            return  # already there
+        except artifact.InvalidArtifact:
+            pass
+        for lane in self._lanes:
+            try:
+                result = replicate_checkpoint(lane.tier.store, self.first, name)
+            except artifact.InvalidArtifact:
+                continue
+            log.info("pulled %s back into the first tier (%s) from %s: %d bytes", name,
+                     self.first.location, describe_tier(lane.tier.index, lane.tier.store),
+                     result.bytes_copied)  # fmt: skip
+            return
+
+    def _work(self, lane: _Lane) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    if self._closed:
+                        return
+                    now = self._clock()
+                    if lane.scanned and not lane.queue:
+                        self._cond.wait()
+                    elif now < lane.retry_at:
+                        self._cond.wait(lane.retry_at - now)
+                    else:
+                        break
+                name = lane.queue[0] if lane.scanned else None
+                lane.busy = name
+                lane.source = self.first  # the first source tried (see _copy)
+            if name is None:
+                self._attempt(lane, None, self._scan)
+            else:
+                self._attempt(lane, name, self._copy)
+
+    def _attempt(self, lane: _Lane, name: str | None, job: Callable[..., Any]) -> None:
+        started = self._clock()
+        try:
+            result = job(lane, name) if name is not None else job(lane)
+        except Exception as exc:
+            self._failed(lane, name, exc)
+            return
+        if name is not None:
+            self._done(lane, name, result, self._clock() - started)
+
+    def _scan(self, lane: _Lane) -> None:
+        """Queue what the first tier committed and this tier lacks (an earlier attempt's work)."""
+        store = lane.tier.store
+        here = {key for _, key in artifact.published_candidates(store, CHECKPOINT_PATTERN)}
+        first = artifact.published_candidates(self.first, CHECKPOINT_PATTERN)
+        newest_here = max((step_of_name(key) or 0 for key in here), default=-1)
+        missing = []
+        for number, key in first:
+            if number < newest_here:
+                break
+            if key in here:
+                # The newest step may have been re-saved in the first tier since it was copied.
+                _, ours = artifact.read_manifest(self.first, key)
+                if ours == artifact.read_manifest(store, key)[1]:
+                    continue
+                here.discard(key)
+            missing.append(key)
+        missing.reverse()  # oldest first: replication goes in order
+        with self._cond:
+            lane.committed |= here
+            pending = [key for key in missing if key not in lane.queue]
+            lane.queue = deque(sorted([*pending, *lane.queue], key=lambda k: step_of_name(k) or 0))
+            lane.scanned = True
+            lane.failures = 0
+            self._supersede(lane)
+            self._cond.notify_all()
+        if pending:
+            log.info("%s lacks %d checkpoint(s) the first tier holds (%s...): replicating them",
+                     describe_tier(lane.tier.index, store), len(pending), pending[0])  # fmt: skip
+        self._prune_first()
+
+    def _copy(self, lane: _Lane, name: str) -> Replicated | None:
+        """Copy ``name`` into the lane's tier from the first tier, or else from a replica that
+        holds it; None when no tier holds it any more."""
+        with self._cond:
+            sources = [self.first] + [
+                other.tier.store
+                for other in self._lanes
+                if other is not lane and name in other.committed
+            ]
+        error: Exception | None = None
+        for source in sources:
+            with self._cond:
+                lane.source = source  # retention leaves ``name`` alone there meanwhile
+            try:
+                return replicate_checkpoint(source, lane.tier.store, name)
+            except artifact.InvalidArtifact:
+                continue  # not (or no longer) committed there
+            except ValueError as exc:  # changed or damaged there: another source may be good
+                error = exc
+        if error is not None:
+            raise error
+        return None
+
+    def _done(self, lane: _Lane, name: str, result: Replicated | None, seconds: float) -> None:
+        store = lane.tier.store
+        with self._cond:
+            source, lane.source = lane.source, None  # the copy reads nothing any more
+            if lane.queue and lane.queue[0] == name:
+                lane.queue.popleft()
+            lane.failures = 0
+            if result is not None:
+                lane.committed.add(name)  # lets the first tier prune it; still busy until pruned
+        if result is not None:
+            # Retention before the commit is reported: whoever waits for this commit (the end of
+            # the run) must not exit in the middle of a prune.
+            self._prune_tier(lane)
+            self._prune_first()
+        # A replica this copy read from left ``name`` alone meanwhile: its retention, now.
+        for other in self._lanes:
+            if other is not lane and other.tier.store is source:
+                self._prune_tier(other)
+        with self._cond:
+            lane.busy = None
+            committed_at = self._committed_at.get(name)
+            behind = self._clock() - committed_at if committed_at is not None else None
+            if result is None:
+                event = ReplicationEvent(
+                    "dropped", name, step_of_name(name), lane.tier.index, store.location,
+                    lag=len(lane.queue), error="pruned from every tier before it was copied",
+                )  # fmt: skip
+            else:
+                publication = result.publication
+                event = ReplicationEvent(
+                    "committed", name, step_of_name(name), lane.tier.index, store.location,
+                    publication=publication, path=_path(store, publication), seconds=seconds,
+                    bytes_copied=result.bytes_copied, lag=len(lane.queue), behind_s=behind,
+                )  # fmt: skip
+            self._events.append(event)
+            self._cond.notify_all()
+        if result is None:
+            log.warning("%s: %s will not be replicated: %s",
+                        describe_tier(lane.tier.index, store), name, event.error)  # fmt: skip
+            return
+        rate = result.bytes_copied / seconds / 1e6 if seconds > 0 else 0.0
+        log.info(
+            "replicated %s to %s in %.1f s (%.1f MB, %.0f MB/s); %d checkpoint(s) still to copy "
+            "there%s",
+            name, describe_tier(lane.tier.index, store), seconds, result.bytes_copied / 1e6,
+            rate, len(lane.queue),
+            f", {behind:.1f} s after the first tier committed it" if behind is not None else "",
+        )  # fmt: skip
+
+    def _failed(self, lane: _Lane, name: str | None, exc: Exception) -> None:
+        store = lane.tier.store
+        with self._cond:
+            lane.busy = lane.source = None
+            lane.failures += 1
+            if self._exiting:
+                delay = self.retry_s
+            else:
+                delay = min(self.retry_s * 2 ** (lane.failures - 1), MAX_RETRY_S)
+            delay = max(delay, MIN_RETRY_S)
+            lane.retry_at = self._clock() + delay
+            what = name or "(comparing with the first tier)"
+            error = f"{type(exc).__name__}: {exc}"
+            event = ReplicationEvent(
+                "failed", what, step_of_name(what), lane.tier.index, store.location,
+                lag=len(lane.queue), error=error, retry_in_s=delay,
+            )  # fmt: skip
+            self._events.append(event)
+            self._cond.notify_all()
+        log.error("replicating %s to %s failed (attempt %d): %s; retrying in %.0f s, training "
+                  "goes on", what, describe_tier(lane.tier.index, store), lane.failures, error,
+                  delay)  # fmt: skip
+
+    # ------------------------------------------------------------------ retention
+
+    def _supersede(self, lane: _Lane) -> None:
+        """Drop queued checkpoints the tier's retention would prune as soon as they landed.
+        Called with the condition held."""
+        keep = lane.tier.keep_last_k
+        if keep is None:
+            return
+        head = 1 if lane.busy is not None else 0  # the one being copied stays
+        waiting = list(lane.queue)[head:]
+        if len(waiting) <= keep:
+            return
+        # The best by keep_best_k stay queued too: retention spares them on arrival (the best of
+        # what waits; the tier's own pruning then judges among everything it holds).
+        spared = self._spare(self.first, waiting) if self._spare is not None else set()
+        for dropped in waiting[:-keep]:
+            if dropped in spared:
+                continue
+            lane.queue.remove(dropped)
+            log.warning("%s is %d checkpoints behind: %s will not be replicated there "
+                        "(keep_last_k=%d newer ones are waiting)",
+                        describe_tier(lane.tier.index, lane.tier.store), len(lane.queue) + 1,
+                        dropped, keep)  # fmt: skip
+            event = ReplicationEvent(
+                "dropped", dropped, step_of_name(dropped), lane.tier.index,
+                lane.tier.store.location, lag=len(lane.queue),
+                error=f"superseded: keep_last_k={keep} newer checkpoints wait",
+            )  # fmt: skip
+            self._events.append(event)
+
+    def _prune_tier(self, lane: _Lane) -> None:
+        keep = lane.tier.keep_last_k
+        if keep is None:
+            return
+        store = lane.tier.store
+        candidates = artifact.published_candidates(store, CHECKPOINT_PATTERN)
+        spared = self._spared(store, candidates)
+        for _, key in candidates[keep:]:
+            if key in spared:
+                continue
+            with self._cond:
+                if any(other.busy == key and other.source is store for other in self._lanes):
+                    continue  # another tier copies it from here (pruned once that copy ends)
+                unpublish_checkpoint(store, key)
+                lane.committed.discard(key)
+
+    def _prune_first(self) -> None:
+        """Prune the first tier to its keep_last_k, never removing a checkpoint no replica holds
+        (unless prune_unreplicated) nor one a tier is copying."""
+        if self.first_keep is None:
+            return
+        candidates = artifact.published_candidates(self.first, CHECKPOINT_PATTERN)
+        spared = self._spared(self.first, candidates)
+        held = []
+        with self._cond:
+            for _, key in candidates[self.first_keep :]:
+                if key in spared:
+                    continue
+                if any(lane.busy == key and lane.source is self.first for lane in self._lanes):
+                    continue  # a tier copies it from here right now
+                durable = any(key in lane.committed for lane in self._lanes)
+                if not durable and not self.prune_unreplicated:
+                    held.append(key)
+                    continue
+                unpublish_checkpoint(self.first, key)
+                self._committed_at.pop(key, None)
+            # Until every tier has been compared with the first, "no replica holds it" may only
+            # mean "not looked yet": say so only once it is known.
+            known = all(lane.scanned for lane in self._lanes)
+            fresh = [key for key in held if key not in self._held_back] if known else []
+            if known:
+                self._held_back = set(held)
+        if fresh:
+            log.warning("the first tier (%s) keeps %d checkpoint(s) beyond keep_last_k=%d "
+                        "until a durable tier holds them: %s", self.first.location, len(held),
+                        self.first_keep, ", ".join(fresh))  # fmt: skip
+
+    def _spared(self, store: Store, candidates: list[tuple[int, str]]) -> set[str]:
+        """What ``spare`` (keep_best_k) keeps in ``store`` whatever its keep_last_k says."""
+        if self._spare is None:
+            return set()
+        return self._spare(store, [key for _, key in candidates])
+
+
+def _path(store: Store, publication: artifact.Publication) -> str:
+    return publication.path or f"{store.location.rstrip('/')}/{publication.key}"

@@ -1,0 +1,171 @@
+"""Checkpoint tiers: one checkpoint location backed by a list of stores.
+
+The first tier is ``train.checkpoint_dir`` (else ``out_dir``): every save commits there first,
+where it stalls training least (node-local NVMe, ``/dev/shm``, a burst buffer). Each entry of
+``train.checkpoint_replicas`` is a durable tier behind it (a parallel filesystem, object
+storage). A checkpoint committed in one tier is copied to another with ``copy_objects`` (the only
+way bytes move between tiers) and committed there by its own ready manifest, a byte-for-byte copy
+of the source's, written last. So every tier is an ordinary checkpoint location: resume, ``load``
+and ``best`` read any of them alone.
+
+This module holds the tier list and the copy of one checkpoint between two tiers;
+``replication`` runs the copies in the background, ``resume`` selects across tiers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from koochak.loop.checkpoint.parts_index import looks_like_index, parse_index
+from koochak.loop.checkpoint.publication import unpublish_checkpoint
+from koochak.loop.config import TrainConfig, as_train_config, check_replicas
+from koochak.storage import artifact
+from koochak.storage.store import Store
+from koochak.storage.transfer import CopyItem, copy_objects
+
+Location = str | os.PathLike[str] | Store
+
+
+@dataclass(frozen=True)
+class Tier:
+    """One checkpoint tier: its place in the list (0 is the first tier), where it is, and how
+    many checkpoints it keeps (None: every one)."""
+
+    index: int
+    location: Location
+    keep_last_k: int | None
+
+
+def checkpoint_tiers(train_cfg: TrainConfig | Mapping[str, Any]) -> tuple[Tier, ...]:
+    """The tiers of a run: ``checkpoint_dir`` (else ``out_dir``) first, then each replica.
+
+    A replica keeps ``keep_last_k`` checkpoints when its entry says so (0 or null: every one),
+    else as many as the first tier (``train.keep_last_k``).
+    """
+    cfg = as_train_config(train_cfg)
+    keep = cfg.keep_last_k or None
+    first = cfg.checkpoint_dir or cfg.out_dir
+    tiers = [Tier(0, first, keep)]
+    for index, replica in enumerate(check_replicas(cfg.checkpoint_replicas), start=1):
+        replica_keep = keep if replica.keep_last_k is None else (replica.keep_last_k or None)
+        tiers.append(Tier(index, replica.location, replica_keep))
+    return tuple(tiers)
+
+
+def checkpoint_locations(train_cfg: TrainConfig | Mapping[str, Any]) -> list[Location]:
+    """Every tier's location, first tier first: what ``resolve_auto_resume`` takes for a run
+    with replicas (a single location when there are none)."""
+    return [tier.location for tier in checkpoint_tiers(train_cfg)]
+
+
+@dataclass(frozen=True)
+class ReplicationSettings:
+    """How a run replicates: the replica tiers and ``train.checkpoint_replication_*``."""
+
+    replicas: tuple[Tier, ...]
+    max_lag: int = 2
+    retry_s: float = 10.0
+    prune_unreplicated: bool = False
+
+
+def replication_settings(
+    train_cfg: TrainConfig | Mapping[str, Any],
+) -> ReplicationSettings | None:
+    """The run's replication settings, or None without ``train.checkpoint_replicas``."""
+    cfg = as_train_config(train_cfg)
+    replicas = checkpoint_tiers(cfg)[1:]
+    if not replicas:
+        return None
+    return ReplicationSettings(
+        replicas,
+        max_lag=cfg.checkpoint_replication_max_lag,
+        retry_s=cfg.checkpoint_replication_retry_s,
+        prune_unreplicated=cfg.checkpoint_prune_unreplicated,
+    )
+
+
+def describe_tier(index: int, store: Store) -> str:
+    """How messages name a tier: ``tier 1 (archive://runs/exp0)``."""
+    return f"tier {index} ({store.location})"
+
+
+@dataclass(frozen=True)
+class Replicated:
+    """One checkpoint committed in a target tier: its publication there, and the bytes the copy
+    moved (0 when the target already held the very same commit)."""
+
+    publication: artifact.Publication
+    bytes_copied: int
+
+
+def checkpoint_copy_items(
+    store: Store, name: str, committed: artifact.Publication
+) -> list[CopyItem]:
+    """Every object of checkpoint ``name`` in ``store`` except its manifest, in commit order, as
+    ``copy_objects`` items carrying the size and SHA256 its commit promises (so every copied
+    byte is verified): a one-file checkpoint is its file; one in parts is its parts, then its
+    index (the object the manifest describes).
+
+    The index is read once and checked against the manifest before its part digests are
+    trusted; ValueError when it does not match (changed or damaged since it was committed).
+    """
+    last = CopyItem(name, committed.size, committed.sha256)
+    if committed.size == 0 or not looks_like_index(store.get(name, 0, 1)):
+        return [last]
+    where = f"{store.location}/{name}"
+    raw = store.get(name, 0, committed.size + 1)
+    if len(raw) != committed.size or hashlib.sha256(raw).hexdigest() != committed.sha256:
+        raise ValueError(f"{where}: the index does not match its ready manifest")
+    index = parse_index(raw, where, name)
+    return [CopyItem(part.key, part.size, part.sha256) for part in index.parts] + [last]
+
+
+def replicate_checkpoint(
+    source: Store, target: Store, name: str, *, streams: int | None = None
+) -> Replicated:
+    """Copy the committed checkpoint ``name`` from ``source`` to ``target`` and commit it there.
+
+    The objects move with ``copy_objects`` (a checkpoint's parts in parallel, then its object,
+    each verified against its size and SHA256 while it is written); the source's ready manifest
+    is copied unchanged, last, so the checkpoint exists in ``target`` only once every byte is
+    there. A target that already holds the same commit (an identical manifest) is left as it is.
+    Any other ``name`` in the target (an older save of the same step, or what a killed copy
+    left) is un-committed first, manifest, then object, then parts, and replaced: the re-save
+    rule of a single tier.
+
+    Raises InvalidArtifact when ``source`` has no valid commit of ``name``; ValueError when a
+    source object does not match its commit (it changed or was damaged since); any store error
+    as it comes. Whatever fails, ``target`` is left without a manifest for ``name``, so nothing
+    half-copied is ever resume evidence.
+    """
+    committed, manifest = artifact.read_manifest(source, name)
+    try:
+        _, existing = artifact.read_manifest(target, name)
+    except artifact.InvalidArtifact:
+        existing = None
+    if existing != manifest:
+        unpublish_checkpoint(target, name)
+        *parts, last = checkpoint_copy_items(source, name, committed)
+        moved = 0
+        # Commit order, as in a save: the parts (in parallel), the object, then the manifest,
+        # the same document, so one artifact id and digest name the checkpoint in every tier.
+        digest = hashlib.sha256(manifest).hexdigest()
+        commit = CopyItem(committed.manifest_key, len(manifest), digest)
+        for batch in ([parts] if parts else []) + [[last], [commit]]:
+            report = copy_objects(source, target, batch, streams=streams, show_progress=False)
+            moved += report.bytes_copied
+    else:
+        moved = 0
+    publication = artifact.Publication(
+        artifact_id=committed.artifact_id,
+        key=name,
+        size=committed.size,
+        sha256=committed.sha256,
+        manifest_key=committed.manifest_key,
+        path=target.local_path(name),
+    )
+    return Replicated(publication, moved)
