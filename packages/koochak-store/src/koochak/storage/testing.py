@@ -196,7 +196,35 @@ class _FaultySyscalls(_Syscalls):
             yield dirpath, dirnames, filenames
 
 
-class FaultyStore:
+class _Delegating:
+    """A Store that hands every call to ``inner``; the test stores below override what they
+    change."""
+
+    inner: Store
+
+    def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        return self.inner.get(key, start, end)
+
+    def open(self, key: str) -> BinaryIO:
+        return self.inner.open(key)
+
+    def put(self, key: str, data: Any, **expected: Any) -> ObjectInfo:
+        return self.inner.put(key, data, **expected)
+
+    def stat(self, key: str) -> ObjectInfo:
+        return self.inner.stat(key)
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        return self.inner.list(prefix)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+    def local_path(self, key: str) -> str | None:
+        return self.inner.local_path(key)
+
+
+class FaultyStore(_Delegating):
     """A LocalStore at ``root`` whose filesystem calls fail as ``faults`` say.
 
     ``calls`` counts every operation so tests can aim a fault (e.g. "the 3rd write"). The
@@ -234,29 +262,8 @@ class FaultyStore:
         self._syscalls.faults = tuple(faults)
         self._syscalls.calls.clear()
 
-    def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
-        return self.inner.get(key, start, end)
 
-    def open(self, key: str) -> BinaryIO:
-        return self.inner.open(key)
-
-    def put(self, key: str, data: Any, **expected: Any) -> ObjectInfo:
-        return self.inner.put(key, data, **expected)
-
-    def stat(self, key: str) -> ObjectInfo:
-        return self.inner.stat(key)
-
-    def list(self, prefix: str = "") -> list[ObjectInfo]:
-        return self.inner.list(prefix)
-
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
-
-    def local_path(self, key: str) -> str | None:
-        return self.inner.local_path(key)
-
-
-class ThrottledStore:
+class ThrottledStore(_Delegating):
     """Any Store, with its reads and/or writes slowed to ``bytes_per_second``.
 
     Reads and writes each share one link of that bandwidth (full duplex): concurrent transfers
@@ -337,18 +344,6 @@ class ThrottledStore:
         for chunk in data:
             self._transfer("write", memoryview(chunk).nbytes)
             yield chunk
-
-    def stat(self, key: str) -> ObjectInfo:
-        return self.inner.stat(key)
-
-    def list(self, prefix: str = "") -> list[ObjectInfo]:
-        return self.inner.list(prefix)
-
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
-
-    def local_path(self, key: str) -> str | None:
-        return self.inner.local_path(key)
 
 
 def _sha(data: bytes) -> str:
