@@ -48,6 +48,8 @@ def _records(run_file: Path) -> list:
         if length == 0 and kind == 0:
             pos += left
             continue
+        if pos + 7 + length > len(data):
+            break  # the writer is still appending this record
         pending += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # FULL or LAST chunk completes a record
@@ -74,12 +76,19 @@ def _read_attempts(out_dir: Path, run_id: str) -> list[dict]:
 
 def _read_run_file(run_file: Path) -> dict:
     # wandb's service process may still be flushing after finish(); wait for the exit record.
+    # A read racing its writes may also catch a record half-written: read again.
+    from google.protobuf.message import DecodeError
+
     deadline = time.monotonic() + 30
-    records = _records(run_file)
-    while not any(r.WhichOneof("record_type") == "exit" for r in records):
+    while True:
+        try:
+            records = _records(run_file)
+        except DecodeError:
+            records = []
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
+            break
         assert time.monotonic() < deadline, "wandb never wrote the run's exit record"
         time.sleep(0.1)
-        records = _records(run_file)
     config, history, artifacts, versions = {}, [], [], []
     for record in records:
         kind = record.WhichOneof("record_type")
