@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import pytest
 import torch
@@ -200,3 +201,15 @@ def test_a_stalled_part_fails_the_selection_instead_of_rolling_back(group, tmp_p
     part = f"{checkpoint_name(4)}.part-00000-00001"
     with pytest.raises(OSError, match=f"rank 0: TimeoutError: .*part {part} made no progress"):
         resume_checkpoint("auto", tmp_path, sharded=True)
+
+
+def test_the_sharded_saver_answers_every_call_the_checkpointer_makes(tmp_path):
+    """Checkpointer drives either saver: a rerun of a finished FSDP run reaches ``settle`` (its
+    terminal checkpoint is already published), which must not be an AttributeError."""
+    import inspect
+
+    from koochak.loop.checkpoint import saver as saver_module
+
+    called = set(re.findall(r"self\.saver\.([a-z_]+)", inspect.getsource(saver_module.Checkpointer)))
+    assert called and called <= set(dir(saver_module.ShardedSaver))
+    assert saver_module.ShardedSaver(tmp_path).settle(checkpoint_name(3), "terminal") is None

@@ -597,6 +597,11 @@ class ShardedSaver:
             self._store = checkpoint_store(self.location)
         return self._store
 
+    def settle(self, name: str, reason: str) -> str | None:
+        """The end of a rerun whose terminal checkpoint is already published: nothing to wait
+        for, since sharded saves are not replicated (replicas under FSDP are refused)."""
+        return None
+
     def save(self, ckpt: Mapping[str, Any], *, sync: bool = False) -> str | None:
         """Publish ``ckpt`` (this rank's capture) as ``step{N:09d}.pt``; returns its path (None
         while a background save is still in flight)."""
