@@ -131,6 +131,19 @@ def test_two_threads_publishing_one_name_commit_exactly_one(store):
     payloads = [bytes([i]) * 200_000 for i in range(4)]
     barrier = threading.Barrier(len(payloads))
     outcomes: list = []
+    # Make the race real: a publisher that finished before another began would be a re-save,
+    # which replaces it by design. The claimant's object put waits until every other publisher
+    # has met its intent (or 30 s), so all of them overlap however the threads are scheduled.
+    real_put = store.put
+
+    def put(key, data, **expected):
+        if key == NAME:
+            deadline = time.monotonic() + 30
+            while len(outcomes) < len(payloads) - 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return real_put(key, data, **expected)
+
+    store.put = put
 
     def run(data):
         barrier.wait()
