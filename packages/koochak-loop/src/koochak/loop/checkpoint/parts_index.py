@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from koochak.storage.artifact import READY_SUFFIX
-from koochak.storage.strict_json import loads_strict, require_version
+from koochak.storage.strict_json import check_fields, loads_strict, require_version
 
 PARTS_FORMAT = "koochak-checkpoint-parts"
 PARTS_VERSION = 1
@@ -238,7 +238,7 @@ def parse_index(
             f"{where}: field 'format' is {doc.get('format')!r}; a parts index says {PARTS_FORMAT!r}"
         )
     require_version(doc, where, PARTS_VERSION)
-    _exact_keys(doc, _TOP_KEYS, where)
+    check_fields(doc, where, _TOP_KEYS)
     index_name = doc["name"]
     if not isinstance(index_name, str) or not index_name:
         raise ValueError(f"{where}: field 'name' must be a non-empty string")
@@ -270,7 +270,7 @@ def _parse_parts(value: Any, name: str, writers: int, where: str) -> tuple[Part,
         at = f"{where}: parts[{number}]"
         if not isinstance(entry, dict):
             raise ValueError(f"{at} must be an object {{key, writer, size, sha256}}")
-        _exact_keys(entry, _PART_KEYS, at)
+        check_fields(entry, at, _PART_KEYS)
         writer = _int(entry["writer"], f"{at}.writer")
         if writer >= writers:
             raise ValueError(f"{at}.writer is {writer}; the index has writers={writers}")
@@ -296,7 +296,7 @@ def _parse_tensors(value: Any, part_count: int, where: str) -> tuple[TensorEntry
         at = f"{where}: tensors[{number}]"
         if not isinstance(entry, dict):
             raise ValueError(f"{at} must be an object {{dtype, shape, shards}}")
-        _exact_keys(entry, _TENSOR_KEYS, at)
+        check_fields(entry, at, _TENSOR_KEYS)
         dtype = entry["dtype"]
         if not isinstance(dtype, str) or dtype not in _ITEMSIZE:
             raise ValueError(f"{at}.dtype is {dtype!r}; expected one of {DTYPE_NAMES}")
@@ -315,7 +315,7 @@ def _parse_tensors(value: Any, part_count: int, where: str) -> tuple[TensorEntry
 def _parse_shard(value: Any, shape: tuple[int, ...], size: int, part_count: int, at: str) -> Shard:
     if not isinstance(value, dict):
         raise ValueError(f"{at} must be an object {{offsets, shape, extents}}")
-    _exact_keys(value, _SHARD_KEYS, at)
+    check_fields(value, at, _SHARD_KEYS)
     offsets = _dims(value["offsets"], f"{at}.offsets")
     box = _dims(value["shape"], f"{at}.shape")
     if len(offsets) != len(shape) or len(box) != len(shape):
@@ -335,7 +335,7 @@ def _parse_shard(value: Any, shape: tuple[int, ...], size: int, part_count: int,
         where = f"{at}.extents[{i}]"
         if not isinstance(extent, dict):
             raise ValueError(f"{where} must be an object {{part, offset, length}}")
-        _exact_keys(extent, _EXTENT_KEYS, where)
+        check_fields(extent, where, _EXTENT_KEYS)
         part = _int(extent["part"], f"{where}.part")
         if part >= part_count:
             raise ValueError(f"{where}.part is {part}; the index lists {part_count} parts")
@@ -394,15 +394,6 @@ def _check_parts_tiled(parts: Sequence[Part], tensors: Sequence[TensorEntry], wh
             raise ValueError(
                 f"{where}: extents in part {part.key} cover {cursor} bytes; it has {part.size}"
             )
-
-
-def _exact_keys(doc: dict[str, Any], keys: frozenset[str], where: str) -> None:
-    unknown = sorted(set(doc) - keys)
-    if unknown:
-        raise ValueError(f"{where}: unknown field {unknown[0]!r}")
-    missing = sorted(keys - set(doc))
-    if missing:
-        raise ValueError(f"{where}: missing field {missing[0]!r}")
 
 
 def _int(value: Any, where: str, minimum: int = 0) -> int:
