@@ -142,6 +142,12 @@ def quiet():
 
 def run_raw(w: Workload, data) -> float:
     model, opt = fresh(w)
+    return _raw_steps(model, opt, data)
+
+
+def _raw_steps(model: nn.Module, opt, data) -> float:
+    """The hand-written loop both raw contenders time: to(device), forward, backward, step,
+    zero_grad, the loss read on log steps."""
     device = torch.device("cpu")
     logged = []
     start = CLOCK()
@@ -298,17 +304,7 @@ def run_lightning(w: Workload, data) -> float:
 def run_raw_ddp(w: Workload, data) -> float:
     """The hand-written DDP loop: DistributedDataParallel, rank-local loss read on log steps."""
     model, opt = fresh(w)
-    ddp_model = nn.parallel.DistributedDataParallel(model)
-    logged = []
-    start = CLOCK()
-    for step, (x, y) in enumerate(data):
-        loss = F.mse_loss(ddp_model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if is_log_step(step, len(data)):
-            logged.append(loss.item())
-    return (CLOCK() - start) / len(data)
+    return _raw_steps(nn.parallel.DistributedDataParallel(model), opt, data)
 
 
 def run_koochak_ddp(w: Workload, data) -> float:
