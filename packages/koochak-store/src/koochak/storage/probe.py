@@ -44,7 +44,13 @@ from koochak.storage._probe_measure import (
 )
 from koochak.storage._probe_semantics import Check, recommend_settings, run_checks
 from koochak.storage.profile import StoreProfile, parse_size
-from koochak.storage.store import LocalStore, Store, open_store
+from koochak.storage.store import (
+    LocalStore,
+    Store,
+    StoreCapabilities,
+    capabilities_of,
+    open_store,
+)
 
 __all__ = [
     "ProbeReport",
@@ -170,8 +176,8 @@ def probe(
             # catch another client's replacement): a fixed wait per put, not a cost to measure.
             measured = {**settings, "settle_seconds": 0.0}
             work = LocalStore(scratch_dir / "store", **measured)  # type: ignore[arg-type, operator]
-        elif isinstance(store, LocalStore):
-            work = store.child(f"{name}/store")
+        elif store is not None and root is not None:
+            work = _Prefixed(store, f"{name}/store/")
             notes.append(f"measured with the configured store settings of {store.location}")
         elif store is not None:
             work = _Prefixed(store, f"{name}/")
@@ -359,17 +365,17 @@ def _resolve(location: str | os.PathLike[str]) -> tuple[Store | None, Path | Non
     scheme, sep, _ = text.partition("://")
     if sep and scheme.lower() != "file":
         store = open_store(text)
-        root = store.root if isinstance(store, LocalStore) else None
+        declared = capabilities_of(store).root
+        root = Path(declared) if declared is not None else None
         if root is not None and not root.is_dir():
             raise FileNotFoundError(f"probe: {text} resolves to {root}, which is not a directory")
         return store, root
-    local = open_store(text)  # plain paths and file:// URIs
-    assert isinstance(local, LocalStore)
-    if not local.root.is_dir():
+    local = capabilities_of(open_store(text)).root  # plain paths and file:// URIs: a LocalStore
+    if local is None or not Path(local).is_dir():
         raise FileNotFoundError(
-            f"probe: {local.root} is not a directory; pass an existing directory"
+            f"probe: {local or text} is not a directory; pass an existing directory"
         )
-    return None, local.root
+    return None, Path(local)
 
 
 def _host() -> str:
@@ -406,19 +412,35 @@ def _store_checks(store: Store, prefix: str) -> list[Check]:
     """The semantics a non-local store checks about itself, under ``prefix``.
 
     A backend that can say more than the Store API shows (an S3 store: whether conditional
-    writes are honoured) offers ``probe_checks(prefix)`` returning rows of ``Check`` fields.
+    writes are honoured) declares ``probe_checks`` and offers ``probe_checks(prefix)`` returning
+    rows of ``Check`` fields.
     """
-    report = getattr(store, "probe_checks", None)
-    return [Check(**row) for row in report(prefix)] if callable(report) else []
+    if not capabilities_of(store).probe_checks:
+        return []
+    return [Check(**row) for row in store.probe_checks(prefix)]  # type: ignore[attr-defined]
 
 
 class _Prefixed:
-    """A view of a non-local store under a key prefix (the probe's scratch area)."""
+    """A view of a store under a key prefix (the probe's scratch area), with its settings.
+
+    It declares what the store declares, less what a prefix would make wrong: its root moves
+    down by the prefix, and the store's own checks and batch put are not offered through it.
+    """
 
     def __init__(self, store: Store, prefix: str) -> None:
         self._store, self._prefix = store, prefix
         self.location = f"{store.location}/{prefix}"
-        self.profile = getattr(store, "profile", None)
+        declared = capabilities_of(store)
+        root = declared.root
+        self._capabilities = StoreCapabilities(
+            publish=declared.publish,
+            root=os.path.join(root, prefix.rstrip("/")) if root is not None else None,
+            read_settle_seconds=declared.read_settle_seconds,
+            profile=declared.profile,
+        )
+
+    def capabilities(self) -> StoreCapabilities:
+        return self._capabilities
 
     def get(self, key, start=None, end=None):
         return self._store.get(self._prefix + key, start, end)
