@@ -47,6 +47,7 @@ def test_probe_of_a_directory_checks_measures_recommends_and_cleans_up(tmp_path)
         "unclosed_visibility",
         "read_back",
         "publish_lock",
+        *semantics.CROSS_CLIENT_CHECKS,  # without --peer: reported, as unmeasured
     }
     assert checks["exclusive_create"].supported and checks["hard_links"].supported
     assert report.settings is not None and report.settings["publish"] == "link"
