@@ -672,6 +672,21 @@ class StoreConformance:
 
         assert read_settle_seconds(store) == capabilities_of(store).read_settle_seconds >= 0
 
+    # -- built on the contract: a lease works on every store ---------------------------------
+
+    def test_a_lease_admits_one_holder_and_is_released(self, store: Store) -> None:
+        from koochak.storage.lease import LeaseHeld, acquire_lease, read_lease
+
+        held = acquire_lease(store, purpose="conformance")
+        with pytest.raises(LeaseHeld, match="conformance"):
+            acquire_lease(store)
+        held.renew()
+        assert read_lease(store) == held.record
+        held.release()
+        assert store.list() == []
+        acquire_lease(store).release()
+        assert store.list() == []
+
     def test_local_path_is_absolute_or_none(self, store: Store) -> None:
         store.put("p/q", b"1")
         path = store.local_path("p/q")
