@@ -80,13 +80,13 @@ def test_another_hosts_lease_is_taken_over_only_once_its_renewals_expired(store)
     old = _elsewhere(now - 3600)
     store.put(leases.LEASE_KEY, old.to_bytes())
     # ... but renewed a minute ago: still alive
-    store.put(f"{leases.LEASE_KEY}.renewals/{old.token}-000000001.json",
+    store.put(f"{leases.LEASE_KEY}.renewed-{old.token}-000000001.json",
               b'{"version": 1, "token": "%s", "renewed": %f}' % (old.token.encode(), now - 60))  # fmt: skip
     with pytest.raises(leases.LeaseHeld):
         leases.acquire_lease(store)
     assert leases.why_gone(store, leases.LEASE_KEY, old, now=now + 901) is not None
     assert leases.why_gone(store, leases.LEASE_KEY, old, now=now + 800) is None
-    store.delete(f"{leases.LEASE_KEY}.renewals/{old.token}-000000001.json")
+    store.delete(f"{leases.LEASE_KEY}.renewed-{old.token}-000000001.json")
     taken = leases.acquire_lease(store)  # its last sign of life, the start, is an hour old
     assert leases.read_lease(store).token == taken.record.token
     taken.release()
@@ -97,8 +97,8 @@ def test_renewals_keep_one_object_and_a_taken_over_holder_learns_it(store, caplo
     held = leases.acquire_lease(store, ttl_seconds=10, renew_seconds=1)
     held.renew()
     held.renew()
-    renewals = [i.key for i in store.list(f"{leases.LEASE_KEY}.renewals/")]
-    assert renewals == [f"{leases.LEASE_KEY}.renewals/{held.record.token}-000000002.json"]
+    renewals = [i.key for i in store.list(f"{leases.LEASE_KEY}.renewed-")]
+    assert renewals == [f"{leases.LEASE_KEY}.renewed-{held.record.token}-000000002.json"]
     store.delete(leases.LEASE_KEY)  # as a takeover by another run would
     other = _elsewhere(time.time())
     store.put(leases.LEASE_KEY, other.to_bytes())

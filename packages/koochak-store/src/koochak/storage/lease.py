@@ -3,7 +3,7 @@
 ``acquire_lease(store)`` puts ``koochak-run.lease.json`` (docs/formats.md) create-only: who
 holds it (host, boot id, pid namespace, pid and the pid's start time), since when, and for how
 long it stays valid without renewal (``ttl_seconds``). While the holder lives it renews the lease
-every ``renew_seconds`` by putting a small renewal object (``<key>.renewals/<token>-<n>.json``)
+every ``renew_seconds`` by putting a small renewal object (``<key>.renewed-<token>-<n>.json``, beside it)
 and deleting the one before, so the lease itself is never rewritten: any Store can hold it — a
 directory, an object-storage mount (exclusive mode) or S3 (conditional writes).
 
@@ -17,7 +17,7 @@ holder is provably gone:
   ``ttl_seconds + CLOCK_SKEW_SECONDS`` (15 minutes by default) after its last renewal.
 
 A gone holder's lease is taken over with one warning. Two acquirers that both find it gone race
-for a takeover marker (``<key>.takeover/<token>``, create-only), so only one deletes it.
+for a takeover marker (``<key>.takeover-<token>``, create-only), so only one deletes it.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def read_lease(store: Store, key: str = LEASE_KEY) -> LeaseRecord | None:
 
 
 def _renewal_prefix(key: str, token: str) -> str:
-    return f"{key}.renewals/{token}-"
+    return f"{key}.renewed-{token}-"
 
 
 def _last_renewed(store: Store, key: str, record: LeaseRecord) -> float | None:
@@ -319,7 +319,7 @@ def acquire_lease(
 
 def _take_over(store: Store, key: str, holder: LeaseRecord, ours: LeaseRecord) -> bool:
     """Remove ``holder``'s lease if we win its takeover marker; True when we removed it."""
-    marker = f"{key}.takeover/{holder.token}"
+    marker = f"{key}.takeover-{holder.token}"
     try:
         store.put(marker, ours.to_bytes())
     except FileExistsError:
