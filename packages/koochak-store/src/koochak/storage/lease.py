@@ -33,7 +33,7 @@ import uuid
 from dataclasses import asdict, dataclass
 
 from koochak.storage._publish_intent import CLOCK_SKEW_SECONDS, _boot_id, _pid_ns, _start_ticks
-from koochak.storage.protocol import Store
+from koochak.storage.protocol import Store, capabilities_of
 from koochak.storage.strict_json import loads_strict, require_version
 
 __all__ = [
@@ -186,8 +186,16 @@ class Lease:
     """A lease this process holds. ``keep_renewed()`` renews it on a daemon thread until
     ``release()`` (also a context manager); ``lost`` says whether someone took it over."""
 
-    def __init__(self, store: Store, key: str, record: LeaseRecord, renew_seconds: float) -> None:
+    def __init__(
+        self,
+        store: Store,
+        key: str,
+        record: LeaseRecord,
+        renew_seconds: float,
+        created: str | None = None,
+    ) -> None:
         self.store, self.key, self.record = store, key, record
+        self._created = created  # the store's root directory, when taking the lease made it
         self.renew_seconds = float(renew_seconds)
         self.lost = False
         self._seq = 0
@@ -251,6 +259,11 @@ class Lease:
                 _delete_quietly(self.store, self.key)
             for info in _list_quietly(self.store, _renewal_prefix(self.key, self.record.token)):
                 _delete_quietly(self.store, info.key)
+            if self._created is not None:  # a run that wrote nothing leaves nothing behind
+                try:
+                    os.rmdir(self._created)
+                except OSError:
+                    pass  # not empty: the run wrote there
 
     def __enter__(self) -> Lease:
         return self
@@ -282,6 +295,8 @@ def acquire_lease(
         )
     where = f"{store.location}/{key}"
     ours = _ours(ttl_seconds, purpose)
+    root = capabilities_of(store).root
+    created = root if root is not None and "/" not in key and not os.path.isdir(root) else None
     for attempt in range(5):
         if attempt:
             time.sleep(0.05 * attempt)  # another acquirer is mid-takeover: let it finish
@@ -291,7 +306,7 @@ def acquire_lease(
             pass
         else:
             _ACTIVE.add(ours.token)
-            return Lease(store, key, ours, renew_seconds)
+            return Lease(store, key, ours, renew_seconds, created)
         try:
             holder = read_lease(store, key)
         except ValueError as exc:

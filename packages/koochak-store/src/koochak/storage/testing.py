@@ -257,10 +257,11 @@ class FaultyStore(_Delegating):
         self.profile = self.inner.profile
 
     def capabilities(self) -> StoreCapabilities:
-        """The LocalStore's, less ``put_many`` (which this wrapper does not forward)."""
-        from dataclasses import replace
-
-        return replace(capabilities_of(self.inner), put_many=False)
+        """The LocalStore's profile only: no root or publish mode, so that nothing reaches its
+        files by path around the fault seam (a ``latest`` symlink, a probe), no read settling
+        (named reads would sleep for real, not on the fake clock), no ``put_many`` (not
+        forwarded)."""
+        return StoreCapabilities(profile=self.inner.profile)
 
     @property
     def calls(self) -> Counter[str]:
@@ -314,12 +315,9 @@ class ThrottledStore(_Delegating):
         self._free_at = {"read": 0.0, "write": 0.0}  # monotonic time each link is free again
 
     def capabilities(self) -> StoreCapabilities:
-        """The inner store's, with its profile; no batch put or self-checks (not forwarded)."""
-        from dataclasses import replace
-
-        return replace(
-            capabilities_of(self.inner), profile=self.profile, put_many=False, probe_checks=False
-        )
+        """The inner store's profile only: no root or publish mode (nothing may reach its files
+        by path, unthrottled), no batch put or self-checks (not forwarded)."""
+        return StoreCapabilities(profile=self.profile)
 
     def _transfer(self, link: str, nbytes: int) -> None:
         """Wait until ``nbytes`` have crossed ``link`` at the configured bandwidth."""
