@@ -14,18 +14,15 @@ self-checks, a remote profile, no read settling).
 
 ``koochak.storage.testing.StoreConformance`` checks this contract, and that a store does what it
 declares: a backend subclasses it with a ``store`` fixture. Import these names from
-``koochak.storage.store`` or ``koochak.storage``; this module imports nothing from Koochak at run
-time, so it is the whole story for a backend's author.
+``koochak.storage.store`` or ``koochak.storage``; this module imports nothing from Koochak at
+all, so it is the whole story for a backend's author.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, runtime_checkable
-
-if TYPE_CHECKING:  # only for annotations: this module imports nothing from Koochak at run time
-    from koochak.storage.profile import StoreProfile
+from typing import Any, BinaryIO, Protocol, runtime_checkable
 
 __all__ = [
     "ObjectInfo",
@@ -174,7 +171,7 @@ class StoreCapabilities:
     root: str | None = None
     read_settle_seconds: float = 0.0
     put_many: bool = False
-    profile: StoreProfile | None = None
+    profile: Any = None  # a koochak.storage.profile.StoreProfile (not imported: see above)
     probe_checks: bool = False
 
     def __post_init__(self) -> None:
