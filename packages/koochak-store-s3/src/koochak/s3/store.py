@@ -124,8 +124,9 @@ class S3Store:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise TypeError(f"get({key!r}): {name} must be an int or None, got {value!r}")
         if (start is not None and start < 0) or (end is not None and end < 0):
-            begin, stop, _ = slice(start, end).indices(self.stat(key).size)
-            return read_range(reader, begin, stop) if stop > begin else b""
+            size = self.stat(key).size
+            begin, stop, _ = slice(start, end).indices(size)
+            return read_range(reader, begin, stop, size) if stop > begin else b""
         begin = start or 0
         if end is not None and end <= begin:
             self.stat(key)  # a missing key still raises
