@@ -214,9 +214,12 @@ class S3Store:
     def _trusts_conditional_writes(self) -> bool:
         """True when the server honours If-None-Match; False only for a single-writer store."""
         endpoint = endpoint_of(self._client)
-        honoured = honours_if_none_match(
-            self._client, endpoint, self.config.bucket, self.config.prefix, self.retry
-        )
+        try:
+            honoured = honours_if_none_match(
+                self._client, endpoint, self.config.bucket, self.config.prefix, self.retry
+            )
+        except (bce.ClientError, bce.BotoCoreError) as exc:
+            raise translate(exc, self.location) from None
         if honoured:
             return True
         if self.config.single_writer:
