@@ -15,9 +15,10 @@ Every answer is checked against its request, because HTTP lets a server or proxy
 ``Range``: a ``206`` must carry a ``Content-Range`` whose first byte, last byte and total match
 the request and the object's known size (else ``OSError`` naming both windows); a body shorter
 than its ``Content-Range`` is retried like a broken connection. A ``200`` (the whole object) to
-a ranged request is sliced when the object is at most ``part_bytes`` long (``WHOLE_OBJECT_BOUND``:
-one part, the memory a read already budgets for one request) and refused otherwise, without
-reading its body, with ``RangeIgnored``.
+a ranged request is sliced when the object is at most ``part_bytes`` long (one part: the
+memory a read already budgets for one request) and refused otherwise, without reading its
+body, with ``RangeIgnored``. (``rclone serve s3`` answers ranged GETs with 200 and a correct
+``Content-Range``: an answer that carries one is checked as the partial answer it is.)
 """
 
 from __future__ import annotations
