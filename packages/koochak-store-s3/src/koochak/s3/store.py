@@ -24,7 +24,13 @@ from koochak.s3.errors import ConditionalWritesIgnored, is_missing, translate
 from koochak.s3.retry import DEFAULT_RETRY, RetryPolicy
 from koochak.s3.upload import Upload, put_object
 from koochak.storage.profile import StoreProfile
-from koochak.storage.store import TEMP_PREFIX, ObjectInfo, check_put_expectations, validate_key
+from koochak.storage.store import (
+    TEMP_PREFIX,
+    ObjectInfo,
+    StoreCapabilities,
+    check_put_expectations,
+    validate_key,
+)
 
 __all__ = ["S3Store", "S3_PROFILE"]
 
@@ -97,6 +103,10 @@ class S3Store:
     def local_path(self, key: str) -> str | None:
         validate_key(key)
         return None
+
+    def capabilities(self) -> StoreCapabilities:
+        """No filesystem (create-only by conditional writes), its profile, its own probe checks."""
+        return StoreCapabilities(profile=self.profile, probe_checks=True)
 
     def _where(self, key: str) -> str:
         return f"s3://{self.config.bucket}/{self.config.prefix}{key}"
