@@ -260,7 +260,7 @@ def _check_launch(cfg: DictConfig) -> None:
 
     get_device(str(cfg.train.device))
     if cfg.train.ddp or cfg.train.fsdp.enabled:
-        check_launch_environment()
+        check_launch_environment("train.fsdp.enabled" if cfg.train.fsdp.enabled else "train.ddp")
     for location in checkpoint_locations(cfg.train):
         checkpoint_store(location)
 
