@@ -1,7 +1,8 @@
 """One DDP rank for test_launch.py: ``launch_rank.py OUT_DIR MAX_STEPS``.
 
-It writes ``OUT_DIR/pid-<rank>`` first, then sleeps ``STARTUP_DELAY`` seconds before importing
-torch (a rank still starting: no evacuation handler yet), then trains on 2 gloo ranks with
+It ties itself to the launcher (as koochak-train does), writes ``OUT_DIR/pid-<rank>``, then
+sleeps ``STARTUP_DELAY`` seconds (a rank still starting: no evacuation handler yet), then trains
+on 2 gloo ranks with
 evacuation on, ``STEP_DELAY`` seconds per step (only on rank ``SLOW_RANK`` when set: the other
 waits for it in the gradient all-reduce), touching ``OUT_DIR/stepped-<rank>`` once it has done an
 update; it ends with the loop's code (75 when evacuated) like koochak-train does.
@@ -14,6 +15,9 @@ import traceback
 
 out_dir, max_steps = sys.argv[1], int(sys.argv[2])
 rank = os.environ["RANK"]
+from koochak.loop.parent_death import tie_to_parent  # noqa: E402  (koochak-train's first call)
+
+tie_to_parent()
 with open(os.path.join(out_dir, f"pid-{rank}"), "w") as f:
     f.write(str(os.getpid()))
 time.sleep(float(os.environ.get("STARTUP_DELAY", "0")))

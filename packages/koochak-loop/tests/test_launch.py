@@ -165,3 +165,30 @@ def test_an_evacuation_asked_for_while_the_ranks_start_exits_75(tmp_path):
     assert "SIGUSR1 held for 2 rank(s) still starting" in err
     _, checkpoint = resolve_auto_resume(tmp_path)
     assert checkpoint["reason"] == "evacuation" and checkpoint["next_step"] < 50
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_launcher_takes_its_ranks(tmp_path):
+    """Each rank has its own session, so nothing but the tie reaches them."""
+    launcher = _launch(tmp_path, 100000, STEP_DELAY="0.2")
+    try:
+        _wait_for(tmp_path / "stepped-0", tmp_path / "stepped-1", proc=launcher)
+        ranks = [int((tmp_path / f"pid-{r}").read_text()) for r in (0, 1)]
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 30
+        while not all(map(_gone, ranks)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(map(_gone, ranks)), "ranks outlived the launcher"
+    finally:
+        for pid in ranks:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" in f.read()
+    except FileNotFoundError:
+        return True

@@ -42,6 +42,7 @@ from koochak.loop.evacuation import Evacuated, make_evacuation
 from koochak.loop.health import GpuUnhealthy
 from koochak.loop.logging.wandb_logger import check_restart_settings
 from koochak.loop.masking import mask_text, masked_output, masking_active
+from koochak.loop.parent_death import tie_to_parent
 from koochak.loop.scruffy_exit import checkpoint_exit_code
 from omegaconf import DictConfig
 
@@ -395,6 +396,7 @@ def run_with_one_line_errors(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    tie_to_parent()  # under `uv run` or the launcher: no orphan trainer when it is killed
     args = _parser().parse_args(argv)
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         with masked_output():

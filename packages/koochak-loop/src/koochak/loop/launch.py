@@ -37,6 +37,8 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from koochak.loop.parent_death import LAUNCHER_PID_ENV
+
 __all__ = [
     "FORWARDED_SIGNALS",
     "SignalHold",
@@ -214,6 +216,7 @@ def launch(argv: Sequence[str]) -> int:
         parser = torchrun.get_args_parser()
         parser.prog = _PROG
         args = parser.parse_args(list(argv))
+        os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # ranks die with it (tie_to_parent)
         with _recording_stops() as stopped:
             try:
                 torchrun.run(args)
