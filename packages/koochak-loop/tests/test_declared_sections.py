@@ -139,3 +139,16 @@ def test_the_rules_as_functions():
     listed.config_keys = "c"
     with pytest.raises(ConfigError, match="config_keys must be a list of key names"):
         declared_keys(listed, "entry.model='m:listed'")
+
+
+def test_koochak_train_refuses_a_resume_into_a_wider_model_naming_the_shapes(project, capsys):
+    """Issue 27: the refusal used to suggest train.resume_allow_changes=[model.width], which
+    then ended in load_state_dict's size-mismatch dump. Now: exit 2, one line, no override."""
+    _, config = project
+    assert main(["--config", str(config)]) == 0
+    capsys.readouterr()
+    for extra in ([], ["train.resume_allow_changes=[model.width]"]):
+        assert main(["--config", str(config), "model.width=8", "train.max_steps=4", *extra]) == 2
+        line = _error(capsys)
+        assert "model parameter '0.weight' has shape [6, 3] in the checkpoint but [8, 3]" in line
+        assert "cannot be resumed" in line and "resume_allow_changes" not in line
