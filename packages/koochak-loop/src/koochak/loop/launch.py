@@ -5,7 +5,7 @@ Plain ``torchrun`` turns any rank's non-zero exit into ``ChildFailedError`` and 
 evacuation (every rank publishes, then exits 75) reaches Slurm or Scruffy as a failure, not a
 requeue; and SIGUSR1 sent to torchrun itself kills it (the signal's default action), orphaning
 the ranks. This launcher is torch's own launcher (``torch.distributed.run``, which drives
-``torch.distributed.launcher.api.elastic_launch``) with the same options, plus three things:
+``torch.distributed.launcher.api.elastic_launch``) with the same options, plus four things:
 
 - it exits with the ranks' status (`workload_exit_code`): 0 when every rank succeeded; else, of
   the ranks that failed on their own (not those the launcher then stopped), the first that died
@@ -19,7 +19,9 @@ the ranks. This launcher is torch's own launcher (``torch.distributed.run``, whi
 - such a signal is held for a rank that cannot take it yet (still starting: it has no handler for
   it, so the signal's default action would kill it) and delivered as soon as the rank installs
   one (`SignalHold`); an evacuation asked for during start-up therefore still ends in 75. A rank
-  that never handles it (``train.evacuation_enabled`` false) never gets it.
+  that never handles it (``train.evacuation_enabled`` false) never gets it;
+- it sets ``KOOCHAK_LAUNCHER_PID`` for the ranks, so a ``koochak-train`` rank dies with the
+  launcher even when the launcher is killed with SIGKILL (`koochak.loop.parent_death`).
 
 SIGTERM/SIGINT/SIGHUP/SIGQUIT keep torch's handling (stop the ranks with the same signal); the
 launcher then exits 128+N. Exit codes, what to kill and the Slurm recipe: docs/loop.md and
