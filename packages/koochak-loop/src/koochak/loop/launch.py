@@ -54,6 +54,7 @@ __all__ = [
 FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 _PROG = "python -m koochak.loop.launch"
 _HOLD_POLL_S = 0.1
+_HOLD_POLL_MAX_S = 2.0
 
 
 def first_cause(
@@ -138,15 +139,19 @@ class SignalHold:
         self._requests.put(signum)
 
     def _run(self) -> None:
+        wait = _HOLD_POLL_S  # backs off to _HOLD_POLL_MAX_S while a rank still cannot take it
         while True:
             try:
-                signum = self._requests.get(timeout=_HOLD_POLL_S if self._pending else None)
+                signum = self._requests.get(timeout=wait if self._pending else None)
             except queue.Empty:
                 signum = 0
             if signum < 0:
                 return
             if signum:
                 self._pending[signum] = set()
+                wait = _HOLD_POLL_S
+            else:
+                wait = min(wait * 1.5, _HOLD_POLL_MAX_S)
             held = self._deliver()
             if signum and held:
                 print(f"{_PROG}: {signal.Signals(signum).name} held for {len(held)} rank(s) "
