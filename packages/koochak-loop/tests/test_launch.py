@@ -153,7 +153,8 @@ def test_kill_9_of_rank_1_exits_137(tmp_path):
 def test_an_evacuation_asked_for_while_the_ranks_start_exits_75(tmp_path):
     from koochak.loop.checkpoint import resolve_auto_resume
 
-    launcher = _launch(tmp_path, 50, STARTUP_DELAY="3")
+    # 50 steps of 0.1 s: the run is still going when the held request is delivered.
+    launcher = _launch(tmp_path, 50, STARTUP_DELAY="3", STEP_DELAY="0.1")
     try:
         _wait_for(tmp_path / "pid-0", tmp_path / "pid-1", proc=launcher)  # alive, no handler yet
         launcher.send_signal(signal.SIGUSR1)

@@ -35,6 +35,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -53,8 +54,9 @@ __all__ = [
 
 FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 _PROG = "python -m koochak.loop.launch"
-_HOLD_POLL_S = 0.1
-_HOLD_POLL_MAX_S = 2.0
+_HOLD_POLL_S = 0.1  # while ranks start (the first _HOLD_FAST_S after a request)
+_HOLD_FAST_S = 60.0
+_HOLD_POLL_SLOW_S = 1.0  # then, for a rank that never takes the signal
 
 
 def first_cause(
@@ -139,8 +141,10 @@ class SignalHold:
         self._requests.put(signum)
 
     def _run(self) -> None:
-        wait = _HOLD_POLL_S  # backs off to _HOLD_POLL_MAX_S while a rank still cannot take it
+        since = time.monotonic()  # of the last request: polls slow down after _HOLD_FAST_S
         while True:
+            fast = time.monotonic() - since < _HOLD_FAST_S
+            wait = _HOLD_POLL_S if fast else _HOLD_POLL_SLOW_S
             try:
                 signum = self._requests.get(timeout=wait if self._pending else None)
             except queue.Empty:
@@ -149,9 +153,7 @@ class SignalHold:
                 return
             if signum:
                 self._pending[signum] = set()
-                wait = _HOLD_POLL_S
-            else:
-                wait = min(wait * 1.5, _HOLD_POLL_MAX_S)
+                since = time.monotonic()
             held = self._deliver()
             if signum and held:
                 print(f"{_PROG}: {signal.Signals(signum).name} held for {len(held)} rank(s) "
