@@ -30,16 +30,19 @@ from koochak.loop.checkpoint import checkpoint_store, resolve_auto_resume
 from koochak.loop.checkpoint.tiers import checkpoint_locations
 from koochak.loop.config import (
     ConfigError,
+    _blame,
     format_summary,
     get_section,
     load_config_with_report,
     to_container,
 )
+from koochak.loop.declared import check_declared_sections, keyword_values
 from koochak.loop.dist import exit_distributed_process
 from koochak.loop.evacuation import Evacuated, make_evacuation
 from koochak.loop.health import GpuUnhealthy
 from koochak.loop.logging.wandb_logger import check_restart_settings
 from koochak.loop.masking import mask_text, masked_output, masking_active
+from koochak.loop.parent_death import tie_to_parent
 from koochak.loop.scruffy_exit import checkpoint_exit_code
 from omegaconf import DictConfig
 
@@ -181,14 +184,17 @@ def _build(key: str, path: str, fn: Callable[..., Any], *args: Any, **kwargs: An
 
 
 def _call_builder(fn: Callable[..., Any], cfg: DictConfig, start_step: int | None = None) -> Any:
+    """A dataset builder: ``fn(cfg)``, plus ``start_step=`` when it takes it and the ``data``
+    keys it declares as keyword-only parameters (`koochak.loop.declared`)."""
+    declared = keyword_values(fn, to_container(cfg.data))
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # some callables have no signature: call them plainly
         return fn(cfg)
     accepts_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
     if start_step is not None and ("start_step" in params or accepts_kwargs):
-        return fn(cfg, start_step=start_step)
-    return fn(cfg)
+        return fn(cfg, start_step=start_step, **declared)
+    return fn(cfg, **declared)
 
 
 def build_hooks(cfg: DictConfig) -> dict[str, list[Callable[[dict[str, Any]], None]]]:
@@ -260,7 +266,7 @@ def _check_launch(cfg: DictConfig) -> None:
 
     get_device(str(cfg.train.device))
     if cfg.train.ddp or cfg.train.fsdp.enabled:
-        check_launch_environment()
+        check_launch_environment("train.fsdp.enabled" if cfg.train.fsdp.enabled else "train.ddp")
     for location in checkpoint_locations(cfg.train):
         checkpoint_store(location)
 
@@ -290,13 +296,19 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
     eval_fn = import_entry(entry.eval_fn, "entry.eval_fn") if entry.eval_fn else None
     if (make_eval is None) != (eval_fn is None):
         raise ConfigError("entry.eval_dataset and entry.eval_fn must be given together")
+    builders = [("entry.model", entry.model, make_model), ("entry.dataset", entry.dataset,
+                make_dataset)] + ([("entry.eval_dataset", entry.eval_dataset, make_eval)]
+                                  if make_eval is not None else [])  # fmt: skip
+    check_declared_sections(to_container(cfg), builders, lambda key: _blame(key, args.config,
+                            args.overrides), strict=bool(cfg.train.strict_config))  # fmt: skip
 
     set_all_seeds(int(cfg.train.seed))
     resume_path, checkpoint = _find_resume(cfg, args.resume)
     start_step = int(checkpoint["next_step"]) if checkpoint is not None else 0
     if checkpoint is not None and cfg.wandb.enabled and cfg.wandb.mode != "disabled":
         check_restart_settings(to_container(cfg.wandb), start_step)
-    model = _build("entry.model", entry.model, make_model, cfg)
+    model = _build("entry.model", entry.model, make_model, cfg,
+                   **keyword_values(make_model, to_container(cfg.model)))  # fmt: skip
     optimizer: Any = _optimizer_for(model, cfg)
     # A resumed run with a longer train.max_steps continues the checkpoint's schedule.
     scheduler: Any = build_scheduler(
@@ -384,6 +396,7 @@ def run_with_one_line_errors(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    tie_to_parent()  # under `uv run` or the launcher: no orphan trainer when it is killed
     args = _parser().parse_args(argv)
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         with masked_output():

@@ -49,7 +49,8 @@ def setup_ddp(train_cfg: TrainConfig | Mapping[str, Any], device: torch.device) 
             device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    created = dist.init_process_group(backend=backend)
+    key = "train.fsdp.enabled" if cfg.fsdp.enabled else "train.ddp"
+    created = dist.init_process_group(backend=backend, key=key)
     return DdpSetup(True, dist.get_rank(), dist.get_world_size(), local_rank, created, device)
 
 

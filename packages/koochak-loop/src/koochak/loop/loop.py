@@ -44,10 +44,12 @@ from koochak.loop.metric_reduction import CountedBatches, reduce_eval, reduce_lo
 from koochak.loop.precision import Scaler, autocast_factory
 from koochak.loop.prefetch import cuda_prefetch
 from koochak.loop.resume_config import (
+    check_model_shapes,
     check_resume_config,
     format_change,
     schedule_follows_max_steps,
 )
+from koochak.loop.state_dicts import match_state_dict_to_model, unwrap_model
 
 _NULL = contextlib.nullcontext()
 _END = object()
@@ -123,6 +125,7 @@ def training_loop(
     ) or (None, None)
     start_step = int(checkpoint_dict["next_step"]) if checkpoint_dict else 0
     if checkpoint_dict is not None:  # the same run, or refuse before anything is built
+        _check_resumed_model(checkpoint_dict, model, resume_path)
         _check_resumed_config(checkpoint_dict, _config_of(config_json, cfg), cfg, resume_path, rank)
     # A run a hook stopped is over: resuming it trains no further (like one that reached max_steps).
     stopped_before = checkpoint_dict is not None and checkpoint_dict.get("reason") == "stopped"
@@ -700,6 +703,17 @@ def _with_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
     return merge(defaults(), config)
 
 
+def _check_resumed_model(
+    checkpoint: Mapping[str, Any], model: torch.nn.Module, where: str | None
+) -> None:
+    """Refuse, before anything is built, a checkpoint whose weights this model cannot take."""
+    target = unwrap_model(model)
+    saved = checkpoint.get("model")
+    if isinstance(saved, Mapping):
+        live = target.state_dict()
+        check_model_shapes(match_state_dict_to_model(target, saved), live, where or "")
+
+
 def _check_resumed_config(
     checkpoint: Mapping[str, Any],
     config: Mapping[str, Any],
@@ -708,7 +722,16 @@ def _check_resumed_config(
     rank: int,
 ) -> None:
     """Refuse a resume whose config makes it a different run; say once what else changed."""
-    old, new = _with_defaults(checkpoint.get("config") or {}), _with_defaults(config)
+    if not checkpoint.get("config"):  # built by user code or an older tool: nothing to compare
+        if rank == 0:
+            warnings.warn(
+                f"resume from {where or 'the checkpoint'}: the checkpoint recorded no config, so "
+                "this run's config cannot be compared with it; resuming it as the same run",
+                UserWarning,
+                stacklevel=3,
+            )
+        return
+    old, new = _with_defaults(checkpoint["config"]), _with_defaults(config)
     drift = check_resume_config(old, new, cfg.resume_allow_changes, where or "")
     if drift.harmless and rank == 0:
         note = ""
