@@ -11,8 +11,10 @@ every save, load and selection goes through.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import time
 from collections.abc import Generator, Iterable, Mapping
 from typing import Any
 
@@ -29,6 +31,8 @@ from koochak.loop.checkpoint.serialization import (
 )
 from koochak.storage import artifact
 from koochak.storage.store import Store, open_store
+
+log = logging.getLogger("koochak.loop.checkpoint")
 
 
 def checkpoint_store(location: str | os.PathLike[str] | Store) -> Store:
@@ -81,34 +85,100 @@ def publish(
             "always one file"
         )
     if count > 1:
-        unpublish_checkpoint(store, name)  # parts are create-only: clear a previous attempt's
-        data = write_checkpoint_parts(store, name, data, count, workers=workers)
-    elif isinstance(data, SplitCheckpoint):
-        data = split_checkpoint_chunks(data)
-    elif isinstance(data, Mapping):
-        data = serialize_checkpoint_chunks(data)
-    try:
-        publication = artifact.publish(
-            store,
-            name,
-            data,
-            kind="checkpoint",
-            pattern=CHECKPOINT_PATTERN,
-            latest=LATEST_NAME,
-            provenance=dict(provenance) if provenance is not None else None,
-        )
-    except BaseException:
-        if count > 1:  # no index committed them: the parts are only clutter now
-            delete_parts(store, name)
-        raise
-    finally:
-        if isinstance(data, Generator):
-            # A put that failed part-way leaves a streaming serializer waiting; stop it now
-            # rather than whenever the generator happens to be collected.
-            data.close()
+        publication = _publish_parts(store, name, data, count, workers, provenance)
+    else:
+        if isinstance(data, SplitCheckpoint):
+            data = split_checkpoint_chunks(data)
+        elif isinstance(data, Mapping):
+            data = serialize_checkpoint_chunks(data)
+        try:
+            publication = artifact.publish(
+                store,
+                name,
+                data,
+                kind="checkpoint",
+                pattern=CHECKPOINT_PATTERN,
+                latest=LATEST_NAME,
+                provenance=dict(provenance) if provenance is not None else None,
+            )
+        finally:
+            if isinstance(data, Generator):
+                # A put that failed part-way leaves a streaming serializer waiting; stop it
+                # now rather than whenever the generator happens to be collected.
+                data.close()
     if keep_last_k is not None:
         prune_checkpoints(store, keep_last_k)
     return publication
+
+
+def _publish_parts(
+    store: Store,
+    name: str,
+    split: SplitCheckpoint,
+    count: int,
+    workers: int | None,
+    provenance: Mapping[str, Any] | None,
+) -> artifact.Publication:
+    """Publish ``split`` as ``count`` parts plus an index under ``name``, holding the name first.
+
+    The intent record goes before anything is touched: while another live publisher holds the
+    name this raises FileExistsError and deletes nothing (not its parts, not its index). Holding
+    it, whatever lies under the name is a finished publication (un-committed, manifest first)
+    or a dead publisher's leftovers, and is cleared; then this publisher's parts are written and
+    its index committed. A failure deletes only the parts this publisher wrote, and only while
+    its claim still stands (before its deadline, nobody can have taken the name over).
+    """
+    with artifact.claimed(store, name) as intent:
+        _clear_under(store, name)
+        raw = write_checkpoint_parts(store, name, split, count, workers=workers)
+        written = [part.key for part in parse_index(raw, f"{store.location}/{name}", name).parts]
+        try:
+            return artifact.publish(
+                store,
+                name,
+                raw,
+                kind="checkpoint",
+                pattern=CHECKPOINT_PATTERN,
+                latest=LATEST_NAME,
+                provenance=dict(provenance) if provenance is not None else None,
+                intent=intent,
+            )
+        except FileExistsError:
+            raise  # a manifest someone else committed meanwhile: its objects are not ours to judge
+        except BaseException:
+            if time.time() <= intent.deadline:  # no index committed them: only clutter now
+                _delete_quietly(store, written)
+            raise
+
+
+def _clear_under(store: Store, name: str) -> None:
+    """Holding ``name``'s intent: remove a finished publication of it (manifest first), or the
+    objects a dead publisher left (an uncommitted index and its parts)."""
+    if _exists(store, name + artifact.READY_SUFFIX):
+        unpublish_checkpoint(store, name)
+        return
+    leftover = delete_parts(store, name, also_object=True)
+    if leftover:
+        log.warning("removed %d object(s) of %s/%s without a ready manifest, left by a publisher "
+                    "that is gone", len(leftover), store.location, name)  # fmt: skip
+
+
+def _exists(store: Store, key: str) -> bool:
+    try:
+        store.stat(key)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _delete_quietly(store: Store, keys: Iterable[str]) -> None:
+    for key in keys:
+        try:
+            store.delete(key)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # the publish's own error is what matters; an orphan is harmless
+            log.warning("could not remove %s/%s of a failed save: %s", store.location, key, exc)
 
 
 def save(
