@@ -28,6 +28,7 @@ from koochak.loop.checkpoint.format import check_checkpoint_format
 from koochak.loop.checkpoint.parts_index import encode_index, looks_like_index, parse_index
 from koochak.loop.checkpoint.parts_io import host_tensor, read_parts, write_parts
 from koochak.loop.checkpoint.parts_tree import (
+    check_depth,
     join_tensors,
     load_skeleton,
     skeleton_bytes,
@@ -186,7 +187,10 @@ def deserialize_checkpoint(data: bytes | bytearray | memoryview, source: str) ->
 
 
 def _checkpoint_of_payload(ckpt: Any, source: str) -> dict[str, Any]:
-    """Check a loaded payload's format and decode its RNG states; ValueError naming ``source``."""
+    """Check a loaded payload's format and decode its RNG states; ValueError naming ``source``
+    (InvalidArtifact for containers nested past ``parts_tree.MAX_DEPTH``, measured without
+    recursion before anything walks them)."""
+    check_depth(ckpt, source)
     check_checkpoint_format(ckpt, source)
     for key in ("rng", "rng_per_rank"):
         if ckpt.get(key) is not None:

@@ -38,7 +38,7 @@ from koochak.loop.checkpoint.parts_index import (
     parse_index,
 )
 from koochak.loop.checkpoint.parts_io import _Filler
-from koochak.loop.checkpoint.parts_tree import TENSOR_TAG, byte_view, load_skeleton, torch_dtype
+from koochak.loop.checkpoint.parts_tree import byte_view, join_tensors, load_skeleton, torch_dtype
 from koochak.loop.checkpoint.publication import publication_path
 from koochak.loop.checkpoint.serialization import _checkpoint_of_payload
 from koochak.loop.checkpoint.sharded import _agree, _broadcast, _map, _message, local_box
@@ -287,7 +287,7 @@ def open_candidate(store: Store, name: str) -> tuple[str, dict[str, Any]]:
                     f"{path}: part {part.key} has {size} bytes; the index says {part.size}"
                 )
         refs = [StoredTensor(source, i) for i in range(len(index.tensors))]
-        payload = _join(load_skeleton(index.skeleton, path), refs)
+        payload = _join(load_skeleton(index.skeleton, path), refs, path)
         for key in ("rng", "rng_per_rank"):  # small, and resume must be able to restore them
             if payload.get(key) is not None:
                 payload[key] = _read_all(payload[key])
@@ -297,14 +297,11 @@ def open_candidate(store: Store, name: str) -> tuple[str, dict[str, Any]]:
     return path, ckpt
 
 
-def _join(skeleton: Any, refs: Sequence[StoredTensor]) -> Any:
-    """The skeleton with each ``(TENSOR_TAG, i)`` reference replaced by ``refs[i]``."""
-
-    def ref(value: Any) -> Any:
-        is_ref = isinstance(value, tuple) and len(value) == 2 and value[0] == TENSOR_TAG
-        return refs[value[1]] if is_ref else value
-
-    return _map(skeleton, ref)
+def _join(skeleton: Any, refs: Sequence[StoredTensor], source: str) -> Any:
+    """The skeleton with each ``(TENSOR_TAG, i)`` reference replaced by ``refs[i]``: walked
+    iteratively, InvalidArtifact naming ``source`` for a bad reference or a skeleton nested too
+    deeply (``parts_tree.join_tensors``)."""
+    return join_tensors(skeleton, refs, source)
 
 
 def resolve_sharded(location: Any) -> tuple[str, dict[str, Any]] | None:
