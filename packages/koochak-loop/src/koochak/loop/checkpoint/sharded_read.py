@@ -44,6 +44,7 @@ from koochak.loop.checkpoint.serialization import _checkpoint_of_payload
 from koochak.loop.checkpoint.sharded import _agree, _broadcast, _map, _message, local_box
 from koochak.loop.dist import is_dtensor, local_tensor, placed_like
 from koochak.storage import artifact
+from koochak.storage.named import open_named, stat_named
 from koochak.storage.store import Store
 
 log = logging.getLogger("koochak.loop.checkpoint")
@@ -159,8 +160,8 @@ def _read_part(
     piece = memoryview(buffer)
     pos = 0
     try:
-        stream = source.store.open(part.key)
-    except FileNotFoundError:
+        stream = open_named(source.store, part.key, named_by=source.where)
+    except FileNotFoundError:  # still missing after the store's read_settle_seconds
         raise ValueError(f"{source.where}: part {part.key} is missing") from None
     with stream:
         filler = _Filler(stream)
@@ -279,8 +280,8 @@ def open_candidate(store: Store, name: str) -> tuple[str, dict[str, Any]]:
         source = Source(store, index, path)
         for part in index.parts:
             try:
-                size = store.stat(part.key).size
-            except FileNotFoundError:
+                size = stat_named(store, part.key, named_by=path).size
+            except FileNotFoundError:  # still missing after the store's read_settle_seconds
                 raise ValueError(f"{path}: part {part.key} is missing") from None
             if size != part.size:
                 raise ValueError(
@@ -370,6 +371,8 @@ def _try(call: Callable[[], Any]) -> tuple[str, Any]:
         return ("ok", call())
     except (artifact.InvalidArtifact, ValueError) as exc:
         return ("skip", " ".join(str(exc).split()))
+    except FileNotFoundError as exc:  # the file or index, missing after read_settle_seconds
+        return ("skip", f"{exc.filename or exc} is missing (after read_settle_seconds)")
     except Exception as exc:
         return ("fatal", _message(exc))
 
