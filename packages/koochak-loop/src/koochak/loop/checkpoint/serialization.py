@@ -76,6 +76,12 @@ def serialize_checkpoint_chunks(ckpt: Mapping[str, Any]) -> Iterator[bytes | mem
     return _stream(payload)
 
 
+def stream_torch_save(obj: Any) -> Iterator[bytes | memoryview]:
+    """``torch.save(obj)``'s bytes, streamed as ``serialize_checkpoint_chunks`` streams a
+    checkpoint (tensor storages as views, never held whole); for any object, no format check."""
+    return _stream(obj)
+
+
 # Writes at least this large go over as views; smaller ones are copied into batches this large.
 _ZERO_COPY_BYTES = 1 << 20
 
