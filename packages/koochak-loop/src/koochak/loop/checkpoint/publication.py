@@ -19,7 +19,7 @@ from collections.abc import Generator, Iterable, Mapping
 from typing import Any
 
 from koochak.loop.checkpoint.format import CHECKPOINT_PATTERN, LATEST_NAME, checkpoint_name
-from koochak.loop.checkpoint.parts_index import looks_like_index, object_keys, parse_index
+from koochak.loop.checkpoint.parts_index import parse_index
 from koochak.loop.checkpoint.parts_io import delete_parts
 from koochak.loop.checkpoint.parts_plan import resolve_parts
 from koochak.loop.checkpoint.serialization import (
@@ -227,14 +227,13 @@ def checkpoint_objects(location: str | os.PathLike[str] | Store, name: str) -> l
     """Every object key of checkpoint ``name``, in commit order: parts, object, ready manifest.
 
     A one-file checkpoint is its file and its manifest; one in parts is read from its index
-    (nothing is listed, so this is cheap on object storage). What ``copy_objects`` needs to copy
+    (nothing is listed, so this is cheap on object storage); its layout's reader says which
+    (``layout_read.objects``). What ``copy_objects`` needs to copy
     a checkpoint to another store and commit it there last.
     """
-    store = checkpoint_store(location)
-    head = store.get(name, 0, 1)
-    if not looks_like_index(head):
-        return [name, name + artifact.READY_SUFFIX]
-    return object_keys(parse_index(store.get(name), f"{store.location}/{name}", name))
+    from koochak.loop.checkpoint.layout_read import objects
+
+    return objects(checkpoint_store(location), name)
 
 
 def split_checkpoint_path(

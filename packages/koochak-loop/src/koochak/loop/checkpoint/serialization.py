@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 from koochak.loop.checkpoint.format import check_checkpoint_format
-from koochak.loop.checkpoint.parts_index import encode_index, looks_like_index, parse_index
-from koochak.loop.checkpoint.parts_io import host_tensor, read_parts, write_parts
+from koochak.loop.checkpoint.parts_index import encode_index
+from koochak.loop.checkpoint.parts_io import host_tensor, write_parts
 from koochak.loop.checkpoint.parts_tree import (
     check_depth,
     join_tensors,
@@ -189,10 +189,10 @@ def deserialize_checkpoint(data: bytes | bytearray | memoryview, source: str) ->
         raise ValueError(
             f"{source}: not a loadable weights-only checkpoint ({_first_line(exc)})"
         ) from exc
-    return _checkpoint_of_payload(ckpt, source)
+    return checkpoint_of_payload(ckpt, source)
 
 
-def _checkpoint_of_payload(ckpt: Any, source: str) -> dict[str, Any]:
+def checkpoint_of_payload(ckpt: Any, source: str) -> dict[str, Any]:
     """Check a loaded payload's format and decode its RNG states; ValueError naming ``source``
     (InvalidArtifact for containers nested past ``parts_tree.MAX_DEPTH``, measured without
     recursion before anything walks them)."""
@@ -209,6 +209,9 @@ def _checkpoint_of_payload(ckpt: Any, source: str) -> dict[str, Any]:
                     f"{source}: field {key!r} does not decode ({_first_line(exc)})"
                 ) from exc
     return ckpt
+
+
+_checkpoint_of_payload = checkpoint_of_payload  # the name sharded_read used before
 
 
 # -- the parts layout -------------------------------------------------------------------------
@@ -277,21 +280,17 @@ def read_checkpoint(
 ) -> dict[str, Any]:
     """The checkpoint whose object (file or index) holds ``data``, on the CPU, weights-only.
 
-    A ``torch.save`` file is deserialized (``deserialize_checkpoint``). An index has its parts
-    read from ``store`` in parallel, each checked against its size and SHA256 before any of its
-    tensors is used; ``name`` is the key the index was read under (it must match the index's
-    own), or None to trust the index's name. Every fault (a part missing, short, long or of
-    another digest, a malformed index or skeleton) is a ValueError naming ``source``; other
-    OSErrors (EIO) propagate.
+    Read by its layout's reader (``layout_read.read``, the one place that tells the layouts
+    apart): a ``torch.save`` file is deserialized (``deserialize_checkpoint``); an index has its
+    parts read from ``store`` in parallel, each checked against its size and SHA256 before any
+    of its tensors is used; ``name`` is the key the index was read under (it must match the
+    index's own), or None to trust the index's name. Every fault (a part missing, short, long
+    or of another digest, a malformed index or skeleton) is a ValueError naming ``source``
+    (InvalidArtifact for a malformed index); other OSErrors (EIO) propagate.
     """
-    if not looks_like_index(data):
-        return deserialize_checkpoint(data, source)
-    if store is None:
-        raise ValueError(f"{source}: a checkpoint in parts needs the store that holds its parts")
-    index = parse_index(data, source, name)
-    tensors = read_parts(store, index, source, workers=workers)
-    payload = join_tensors(load_skeleton(index.skeleton, source), tensors, source)
-    return _checkpoint_of_payload(payload, source)
+    from koochak.loop.checkpoint.layout_read import read
+
+    return read(store, name, data, source, workers=workers)
 
 
 def _first_line(exc: BaseException) -> str:

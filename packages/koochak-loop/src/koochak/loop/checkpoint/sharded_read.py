@@ -30,17 +30,11 @@ from typing import Any
 import torch
 from koochak.loop import dist
 from koochak.loop.checkpoint.format import CHECKPOINT_PATTERN, check_resume_cursor, check_rng_fields
-from koochak.loop.checkpoint.parts_index import (
-    Extent,
-    PartsIndex,
-    TensorEntry,
-    looks_like_index,
-    parse_index,
-)
+from koochak.loop.checkpoint.parts_index import Extent, PartsIndex, TensorEntry
 from koochak.loop.checkpoint.parts_io import _Filler
 from koochak.loop.checkpoint.parts_tree import byte_view, join_tensors, load_skeleton, torch_dtype
 from koochak.loop.checkpoint.publication import publication_path
-from koochak.loop.checkpoint.serialization import _checkpoint_of_payload
+from koochak.loop.checkpoint.serialization import checkpoint_of_payload
 from koochak.loop.checkpoint.sharded import _agree, _broadcast, _map, _message, local_box
 from koochak.loop.dist import is_dtensor, local_tensor, placed_like
 from koochak.storage import artifact
@@ -267,35 +261,40 @@ def _numel(shape: Sequence[int]) -> int:
 def open_candidate(store: Store, name: str) -> tuple[str, dict[str, Any]]:
     """``(path, checkpoint)`` of published checkpoint ``name`` read lazily: its manifest, index,
     part sizes, skeleton, cursor and RNG states checked, the unsharded tensors read, every
-    other tensor a ``StoredTensor``. A single-file checkpoint is read whole. InvalidArtifact or
-    ValueError when any of that does not hold (the part digests are ``verify_parts``'s)."""
-    from koochak.loop.checkpoint.serialization import read_checkpoint
+    other tensor a ``StoredTensor``. A single-file checkpoint is read whole (its layout's reader
+    decides: ``layout_read.read(..., lazy=True)``). InvalidArtifact or ValueError when any of
+    that does not hold (the part digests are ``verify_parts``'s)."""
+    from koochak.loop.checkpoint.layout_read import read
 
     publication, data = artifact.read_verified(store, name)
     path = publication_path(store, publication)
-    if not looks_like_index(data):
-        ckpt = read_checkpoint(store, name, data, path)
-    else:
-        index = parse_index(data, path, name)
-        source = Source(store, index, path)
-        for part in index.parts:
-            try:
-                size = stat_named(store, part.key, named_by=path).size
-            except FileNotFoundError:  # still missing after the store's read_settle_seconds
-                raise ValueError(f"{path}: part {part.key} is missing") from None
-            if size != part.size:
-                raise ValueError(
-                    f"{path}: part {part.key} has {size} bytes; the index says {part.size}"
-                )
-        refs = [StoredTensor(source, i) for i in range(len(index.tensors))]
-        payload = _join(load_skeleton(index.skeleton, path), refs, path)
-        for key in ("rng", "rng_per_rank"):  # small, and resume must be able to restore them
-            if payload.get(key) is not None:
-                payload[key] = _read_all(payload[key])
-        ckpt = _checkpoint_of_payload(payload, path)
+    ckpt = read(store, name, data, path, lazy=True)
     check_resume_cursor(ckpt, name)
     check_rng_fields(ckpt, path)
     return path, ckpt
+
+
+def open_lazy(store: Store, index: PartsIndex, path: str) -> dict[str, Any]:
+    """The checkpoint of a parsed ``index`` with ``StoredTensor`` references for its tensors:
+    every part's size checked (waiting the store's read_settle_seconds for one not visible
+    yet), the skeleton joined, the RNG states read (resume must be able to restore them) and
+    the format checked. The parts layout's lazy reader (``layout_read``)."""
+    source = Source(store, index, path)
+    for part in index.parts:
+        try:
+            size = stat_named(store, part.key, named_by=path).size
+        except FileNotFoundError:  # still missing after the store's read_settle_seconds
+            raise ValueError(f"{path}: part {part.key} is missing") from None
+        if size != part.size:
+            raise ValueError(
+                f"{path}: part {part.key} has {size} bytes; the index says {part.size}"
+            )
+    refs = [StoredTensor(source, i) for i in range(len(index.tensors))]
+    payload = _join(load_skeleton(index.skeleton, path), refs, path)
+    for key in ("rng", "rng_per_rank"):  # small, and resume must be able to restore them
+        if payload.get(key) is not None:
+            payload[key] = _read_all(payload[key])
+    return checkpoint_of_payload(payload, path)
 
 
 def _join(skeleton: Any, refs: Sequence[StoredTensor], source: str) -> Any:
