@@ -22,7 +22,7 @@ def test_a_plain_file_in_the_destination_is_never_replaced(run, tmp_path, capsys
     out = tmp_path / "out"
     out.mkdir()
     (out / "model.pt").write_bytes(b"the user's own weights")
-    with pytest.raises(ExportExists, match="model.pt exists and is a file without a ready manifest"):
+    with pytest.raises(ExportExists, match="model.pt exists and is a file without a ready"):
         export_weights(run, out)
     assert main([str(run), str(out)]) == 2
     err = capsys.readouterr().err

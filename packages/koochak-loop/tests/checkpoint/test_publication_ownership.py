@@ -78,3 +78,25 @@ def test_a_failed_parts_publish_deletes_only_its_own_parts(tmp_path, make_ckpt):
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
         other.name
     ]
+
+
+def test_resaving_a_checkpoint_in_parts_as_one_file_leaves_no_part(
+    tmp_path, make_ckpt, assert_same
+):
+    store = LocalStore(tmp_path)
+    publish(store, NAME, make_ckpt(5, width=24), parts=3)
+    again = make_ckpt(5)
+    publish(store, NAME, again)  # the same step, now one file (a resumed run, parts: 1)
+    assert set(_snapshot(store)) == {NAME, NAME + artifact.READY_SUFFIX}
+    assert_same(again, load(store, NAME))
+
+
+@pytest.mark.parametrize("parts", [1, 2])
+def test_a_live_publishers_committed_name_is_not_touched(tmp_path, make_ckpt, parts):
+    store = LocalStore(tmp_path)
+    publish(store, NAME, make_ckpt(5), parts=2)
+    store.put(NAME + _publish_intent.INTENT_SUFFIX, _publish_intent.ours(NAME).to_bytes())
+    before = _snapshot(store)  # a live publisher is replacing the committed step 5
+    with pytest.raises(FileExistsError):
+        publish(store, NAME, make_ckpt(50), parts=parts)
+    assert _snapshot(store) == before

@@ -84,28 +84,36 @@ def publish(
             f"publish(parts={parts!r}): parts need the checkpoint dict; serialized bytes are "
             "always one file"
         )
-    if count > 1:
-        publication = _publish_parts(store, name, data, count, workers, provenance)
-    else:
+    # From a checkpoint dict, this publisher writes every object of the checkpoint, so it may
+    # clear what lies under the name. Bytes are an object someone else's objects may belong to
+    # (a sharded index whose parts every rank wrote first): only that object is published.
+    writes_all = isinstance(data, (Mapping, SplitCheckpoint))
+    if count == 1:
         if isinstance(data, SplitCheckpoint):
             data = split_checkpoint_chunks(data)
         elif isinstance(data, Mapping):
             data = serialize_checkpoint_chunks(data)
-        try:
-            publication = artifact.publish(
-                store,
-                name,
-                data,
-                kind="checkpoint",
-                pattern=CHECKPOINT_PATTERN,
-                latest=LATEST_NAME,
-                provenance=dict(provenance) if provenance is not None else None,
-            )
-        finally:
-            if isinstance(data, Generator):
-                # A put that failed part-way leaves a streaming serializer waiting; stop it
-                # now rather than whenever the generator happens to be collected.
-                data.close()
+    try:
+        # The name first: while another live publisher holds it, FileExistsError and nothing
+        # touched (not its parts, not its index). Holding it, what lies under the name is a
+        # finished publication (un-committed, manifest first, parts last) or a dead publisher's
+        # leftovers, and goes; then this publisher's objects are written and committed.
+        with artifact.claimed(store, name) as intent:
+            if writes_all:
+                _clear_under(store, name)
+            if count > 1:
+                publication = _publish_parts(store, name, data, count, workers, provenance, intent)
+            else:
+                publication = artifact.publish(
+                    store, name, data, kind="checkpoint", pattern=CHECKPOINT_PATTERN,
+                    latest=LATEST_NAME, intent=intent,
+                    provenance=dict(provenance) if provenance is not None else None,
+                )  # fmt: skip
+    finally:
+        if isinstance(data, Generator):
+            # A put that failed part-way leaves a streaming serializer waiting; stop it now
+            # rather than whenever the generator happens to be collected.
+            data.close()
     if keep_last_k is not None:
         prune_checkpoints(store, keep_last_k)
     return publication
@@ -118,37 +126,32 @@ def _publish_parts(
     count: int,
     workers: int | None,
     provenance: Mapping[str, Any] | None,
+    intent: Any,
 ) -> artifact.Publication:
-    """Publish ``split`` as ``count`` parts plus an index under ``name``, holding the name first.
+    """Holding ``name`` (``intent``), write ``split`` as ``count`` parts and commit their index.
 
-    The intent record goes before anything is touched: while another live publisher holds the
-    name this raises FileExistsError and deletes nothing (not its parts, not its index). Holding
-    it, whatever lies under the name is a finished publication (un-committed, manifest first)
-    or a dead publisher's leftovers, and is cleared; then this publisher's parts are written and
-    its index committed. A failure deletes only the parts this publisher wrote, and only while
-    its claim still stands (before its deadline, nobody can have taken the name over).
+    A failure deletes only the parts this publisher wrote, and only while its claim still
+    stands (before its deadline nobody can have proven it dead and taken the name over).
     """
-    with artifact.claimed(store, name) as intent:
-        _clear_under(store, name)
-        raw = write_checkpoint_parts(store, name, split, count, workers=workers)
-        written = [part.key for part in parse_index(raw, f"{store.location}/{name}", name).parts]
-        try:
-            return artifact.publish(
-                store,
-                name,
-                raw,
-                kind="checkpoint",
-                pattern=CHECKPOINT_PATTERN,
-                latest=LATEST_NAME,
-                provenance=dict(provenance) if provenance is not None else None,
-                intent=intent,
-            )
-        except FileExistsError:
-            raise  # a manifest someone else committed meanwhile: its objects are not ours to judge
-        except BaseException:
-            if time.time() <= intent.deadline:  # no index committed them: only clutter now
-                _delete_quietly(store, written)
-            raise
+    raw = write_checkpoint_parts(store, name, split, count, workers=workers)
+    written = [part.key for part in parse_index(raw, f"{store.location}/{name}", name).parts]
+    try:
+        return artifact.publish(
+            store,
+            name,
+            raw,
+            kind="checkpoint",
+            pattern=CHECKPOINT_PATTERN,
+            latest=LATEST_NAME,
+            provenance=dict(provenance) if provenance is not None else None,
+            intent=intent,
+        )
+    except FileExistsError:
+        raise  # a manifest someone else committed meanwhile: its objects are not ours to judge
+    except BaseException:
+        if time.time() <= intent.deadline:  # no index committed them: only clutter now
+            _delete_quietly(store, written)
+        raise
 
 
 def _clear_under(store: Store, name: str) -> None:
