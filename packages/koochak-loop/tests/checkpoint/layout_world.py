@@ -6,7 +6,8 @@ the test): ``python layout_world.py OUT SPEC.json`` runs every scenario in SPEC 
 ``{name, first, replicas, async}``) in a row, each rank writing ``<name>.<rank>.json`` (its
 outcome) and rank 0 ``<name>.final.pt`` (the terminal checkpoint's state, gathered), so one
 world start serves every sharded case. ``python layout_world.py --kill ROOT LAYOUT`` publishes
-step 1, then blocks inside step 2's save for the test to kill -9.
+step 1, then blocks inside step 2's save for the test to kill -9; ``--kill-sharded ROOT`` (every
+rank) does the same to a sharded run's step 2.
 
 The first tier of an async run is ``slowdir://`` (a LocalStore whose puts wait 50 ms each), so
 the background writer is still writing while the next updates change the parameters in place:
@@ -166,7 +167,32 @@ def _kill(root: str, layout: str) -> int:
     return 1  # never reached: killed
 
 
+def _kill_sharded(root: str) -> int:
+    """Every rank trains with saves after each update; inside step 2's save every rank's part
+    put stops half-way (its marker written) until the test kills the world with SIGKILL."""
+    from koochak.storage.store import LocalStore, register_store
+
+    torch.distributed.init_process_group("gloo")
+    rank = torch.distributed.get_rank()
+
+    class Stuck(LocalStore):
+        def put(self, key, data, **kwargs):
+            if key.startswith("step000000002.pt.part-"):
+                with open(os.path.join(self.root, key), "wb") as f:
+                    f.write(b"half a part")
+                with open(os.path.join(self.root, f"READY_TO_KILL.{rank}"), "w"):
+                    pass
+                time.sleep(600)
+            return super().put(key, data, **kwargs)
+
+    register_store("stuckdir", lambda path: Stuck("/" + path.lstrip("/")))
+    run(root, [], "sharded", False, checkpoint_dir="stuckdir://" + root)
+    return 1  # never reached: killed
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "--kill":
         sys.exit(_kill(sys.argv[2], sys.argv[3]))
+    if sys.argv[1] == "--kill-sharded":
+        sys.exit(_kill_sharded(sys.argv[2]))
     sys.exit(_world(sys.argv[1], sys.argv[2]))

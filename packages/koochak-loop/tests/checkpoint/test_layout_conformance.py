@@ -335,24 +335,47 @@ def test_a_damaged_or_missing_object_falls_back(trained, tmp_path, layout, tiers
             assert found.path == str(copy / checkpoint_name(SAVES[-2]))
 
 
+def _wait_for(paths, procs, what) -> None:
+    deadline = time.monotonic() + 300
+    while not all(p.exists() for p in paths):
+        assert all(p.poll() is None for p in procs), f"{what}: a process ended first"
+        assert time.monotonic() < deadline, f"{what}: the save never started"
+        time.sleep(0.1)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["one file", "parts"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_kill_9_mid_save_selects_nothing_new(tmp_path, layout):
     root = tmp_path / "first"
     root.mkdir()
-    proc = subprocess.Popen([sys.executable, str(HERE / "layout_world.py"), "--kill", str(root),
-                             layout], cwd=ROOT)  # fmt: skip
+    if layout == "sharded":  # every rank killed inside its part of step 2's save
+        port = _port()
+        procs = [subprocess.Popen(
+            [sys.executable, str(HERE / "layout_world.py"), "--kill-sharded", str(root)],
+            env={**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"},
+            cwd=ROOT, stdout=subprocess.DEVNULL,
+        ) for rank in range(2)]  # fmt: skip
+        markers = [root / f"READY_TO_KILL.{rank}" for rank in range(2)]
+    else:
+        procs = [subprocess.Popen([sys.executable, str(HERE / "layout_world.py"), "--kill",
+                                   str(root), layout], cwd=ROOT)]  # fmt: skip
+        markers = [root / "READY_TO_KILL"]
+    before = 1  # committed before the killed save: step 1 (and, sharded, step 0)
     try:
-        deadline = time.monotonic() + 300
-        while not (root / "READY_TO_KILL").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "the save never started"
-            time.sleep(0.1)
+        _wait_for(markers, procs, layout)
     finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert (root / "step000000002.pt.publishing.json").exists()  # killed mid-publication
+        for proc in procs:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert (root / "step000000002.pt.publishing.json").exists() or layout == "sharded"
+    assert not (root / "step000000002.pt.ready.json").exists()
     path, ckpt = resolve_auto_resume(root)
-    assert ckpt["step"] == 1 and path.endswith("step000000001.pt")
+    assert ckpt["step"] == before and path.endswith(checkpoint_name(before))
+    if layout == "sharded":
+        from koochak.loop.checkpoint.sharded_read import resolve_sharded
+
+        assert resolve_sharded(root)[1]["step"] == before
 
 
 @pytest.mark.slow
