@@ -42,7 +42,7 @@ from koochak.loop.checkpoint.serialization import read_checkpoint
 from koochak.loop.checkpoint.tiers import Location
 from koochak.storage import artifact
 from koochak.storage.named import read_settle_seconds
-from koochak.storage.store import Store, open_store
+from koochak.storage.store import Store, capabilities_of, open_store
 
 log = logging.getLogger("koochak.loop.checkpoint")
 
@@ -233,7 +233,7 @@ def missing_object(exc: FileNotFoundError, store: Store) -> str:
 
 
 def _vanished(store: Store) -> bool:
-    root = getattr(store, "root", None)
+    root = capabilities_of(store).root
     return root is not None and not os.path.isdir(root)
 
 
