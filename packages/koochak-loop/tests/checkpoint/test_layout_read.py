@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from koochak.loop.checkpoint import checkpoint_objects, layout_read, load, resolve_auto_resume, save
+from koochak.loop.checkpoint import (
+    checkpoint_objects,
+    layout_read,
+    load,
+    resolve_auto_resume,
+    save,
+    sharded_read,
+)
 from koochak.loop.checkpoint.export import export_weights
 from koochak.loop.checkpoint.sharded_read import StoredTensor, open_candidate
 from koochak.storage import artifact
@@ -26,7 +33,9 @@ def test_each_layout_has_its_reader_and_every_read_goes_through_it(
     assert checkpoint_objects(store, NAME)[-2:] == [NAME, NAME + artifact.READY_SUFFIX]
     picked = []
     real = layout_read.layout_of
-    monkeypatch.setattr(layout_read, "layout_of", lambda h: picked.append(real(h)) or real(h))
+    spy = lambda h: picked.append(real(h)) or real(h)  # noqa: E731
+    monkeypatch.setattr(layout_read, "layout_of", spy)
+    monkeypatch.setattr(sharded_read, "layout_of", spy)  # the sharded selection asks it too
     load(store, NAME)
     resolve_auto_resume(store)
     _, lazy = open_candidate(store, NAME)  # the sharded selection, on one process

@@ -19,6 +19,7 @@ from collections.abc import Generator, Iterable, Mapping
 from typing import Any
 
 from koochak.loop.checkpoint.format import CHECKPOINT_PATTERN, LATEST_NAME, checkpoint_name
+from koochak.loop.checkpoint.layout_read import objects as _objects_by_layout
 from koochak.loop.checkpoint.parts_index import parse_index
 from koochak.loop.checkpoint.parts_io import delete_parts
 from koochak.loop.checkpoint.parts_plan import resolve_parts
@@ -234,9 +235,7 @@ def checkpoint_objects(location: str | os.PathLike[str] | Store, name: str) -> l
     (``layout_read.objects``). What ``copy_objects`` needs to copy
     a checkpoint to another store and commit it there last.
     """
-    from koochak.loop.checkpoint.layout_read import objects
-
-    return objects(checkpoint_store(location), name)
+    return _objects_by_layout(checkpoint_store(location), name)
 
 
 def split_checkpoint_path(

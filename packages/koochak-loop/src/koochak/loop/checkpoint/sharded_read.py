@@ -30,11 +30,11 @@ from typing import Any
 import torch
 from koochak.loop import dist
 from koochak.loop.checkpoint.format import CHECKPOINT_PATTERN, check_resume_cursor, check_rng_fields
-from koochak.loop.checkpoint.parts_index import Extent, PartsIndex, TensorEntry
+from koochak.loop.checkpoint.layout_read import PARTS, checkpoint_of_payload, layout_of
+from koochak.loop.checkpoint.parts_index import Extent, PartsIndex, TensorEntry, parse_index
 from koochak.loop.checkpoint.parts_io import _Filler
 from koochak.loop.checkpoint.parts_tree import byte_view, join_tensors, load_skeleton, torch_dtype
 from koochak.loop.checkpoint.publication import publication_path
-from koochak.loop.checkpoint.serialization import checkpoint_of_payload
 from koochak.loop.checkpoint.sharded import _agree, _broadcast, _map, _message, local_box
 from koochak.loop.dist import is_dtensor, local_tensor, placed_like
 from koochak.storage import artifact
@@ -261,14 +261,16 @@ def _numel(shape: Sequence[int]) -> int:
 def open_candidate(store: Store, name: str) -> tuple[str, dict[str, Any]]:
     """``(path, checkpoint)`` of published checkpoint ``name`` read lazily: its manifest, index,
     part sizes, skeleton, cursor and RNG states checked, the unsharded tensors read, every
-    other tensor a ``StoredTensor``. A single-file checkpoint is read whole (its layout's reader
-    decides: ``layout_read.read(..., lazy=True)``). InvalidArtifact or ValueError when any of
-    that does not hold (the part digests are ``verify_parts``'s)."""
-    from koochak.loop.checkpoint.layout_read import read
-
+    other tensor a ``StoredTensor``. Another layout (one file) is read whole by its reader
+    (``layout_read``). InvalidArtifact or ValueError when any of that does not hold (the part
+    digests are ``verify_parts``'s)."""
     publication, data = artifact.read_verified(store, name)
     path = publication_path(store, publication)
-    ckpt = read(store, name, data, path, lazy=True)
+    reader = layout_of(data)
+    if reader is PARTS:  # references: each rank reads its slabs at restore
+        ckpt = open_lazy(store, parse_index(data, path, name), path)
+    else:
+        ckpt = reader.read(store, name, data, path)
     check_resume_cursor(ckpt, name)
     check_rng_fields(ckpt, path)
     return path, ckpt
@@ -278,7 +280,7 @@ def open_lazy(store: Store, index: PartsIndex, path: str) -> dict[str, Any]:
     """The checkpoint of a parsed ``index`` with ``StoredTensor`` references for its tensors:
     every part's size checked (waiting the store's read_settle_seconds for one not visible
     yet), the skeleton joined, the RNG states read (resume must be able to restore them) and
-    the format checked. The parts layout's lazy reader (``layout_read``)."""
+    the format checked: the parts layout read lazily."""
     source = Source(store, index, path)
     for part in index.parts:
         try:
