@@ -18,7 +18,6 @@ Import the names below from ``koochak.loop.checkpoint``; see docs/checkpoints.md
 together.
 """
 
-from koochak.loop.checkpoint.export import export_weights
 from koochak.loop.checkpoint.format import (
     CHECKPOINT_PATTERN,
     CHECKPOINT_VERSION,
@@ -76,3 +75,13 @@ __all__ = [
     "serialize_checkpoint",
     "unwrap_model",
 ]
+
+
+def __getattr__(name: str):
+    # export is imported on first use, not with the package: ``python -m
+    # koochak.loop.checkpoint.export`` would otherwise find it imported already (runpy warns).
+    if name == "export_weights":
+        from koochak.loop.checkpoint.export import export_weights
+
+        return export_weights
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,7 +8,9 @@ Every selection is here, so a checkpoint layout with several objects per checkpo
 module. Resume evidence is only a numbered checkpoint whose exact ready manifest, size, SHA256 and resume
 cursor validate, all checked on ONE read of the payload: the bytes that were verified are the bytes
 that get loaded. ``latest.pt`` and unmanifested files never count. An invalid candidate is skipped
-with a logged reason; any other I/O error (EIO on the newest) propagates, because silently rolling
+with a logged reason, and so is one whose object (file, index or a part) is still missing once the
+store's ``read_settle_seconds`` have passed (the spec: "A missing or invalid candidate falls back
+to a lower one"); any other I/O error (EIO on the newest) propagates, because silently rolling
 a run back to an older checkpoint would waste the work since.
 
 Resume considers every tier of a location with replicas (``tiers``): the highest step that
@@ -39,6 +41,7 @@ from koochak.loop.checkpoint.publication import checkpoint_store, publication_pa
 from koochak.loop.checkpoint.serialization import read_checkpoint
 from koochak.loop.checkpoint.tiers import Location
 from koochak.storage import artifact
+from koochak.storage.named import read_settle_seconds
 from koochak.storage.store import Store, capabilities_of, open_store
 
 log = logging.getLogger("koochak.loop.checkpoint")
@@ -113,6 +116,9 @@ def best(location: str | os.PathLike[str] | Store, key: str) -> str | None:
             ckpt = read_checkpoint(store, name, data, _key_path(store, name))
         except (artifact.InvalidArtifact, ValueError) as exc:
             log.warning("best(): skipping %s: %s", name, exc)
+            continue
+        except FileNotFoundError as exc:
+            log.warning("best(): skipping %s: %s", name, missing_object(exc, store))
             continue
         value = (ckpt.get("metrics") or {}).get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
@@ -195,6 +201,10 @@ def _highest_valid(stores: Sequence[Store]) -> _Found | None:
             except artifact.InvalidArtifact as exc:
                 log.warning("skipping %s #%d (%s): %s", key, number, store.location, exc)
                 continue
+            except FileNotFoundError as exc:  # still missing after read_settle_seconds
+                log.warning("skipping %s #%d (%s): %s; trying an older checkpoint", key, number,
+                            store.location, missing_object(exc, store))  # fmt: skip
+                continue
             except OSError as exc:
                 if len(stores) == 1:
                     raise
@@ -212,6 +222,14 @@ def _highest_valid(stores: Sequence[Store]) -> _Found | None:
     for store in listed_stores:
         _log_unmanifested(store, chosen)
     return found
+
+
+def missing_object(exc: FileNotFoundError, store: Store) -> str:
+    """One line for a candidate whose object is missing: which object, and that the store's
+    ``read_settle_seconds`` were waited out first (the named reads wait before they raise)."""
+    where = exc.filename or str(exc)
+    return (f"{where} is missing (after waiting read_settle_seconds="
+            f"{read_settle_seconds(store):g}), so the checkpoint is not whole")  # fmt: skip
 
 
 def _vanished(store: Store) -> bool:
