@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import time
 import warnings
 from collections.abc import Callable, Collection, Iterable, Mapping
@@ -709,10 +710,10 @@ def _check_resumed_config(
 
 
 def _announce_evacuation(step: int, path: str | None) -> None:
-    """What a person watching the run needs: where it stopped and how to go on."""
-    import sys
+    """What a person watching the run needs: where it stopped and how to go on (one line)."""
+    from koochak.loop.console import announce
 
     where = path or "(the checkpoint directory)"
-    print(f"koochak: evacuated after step {step}: terminal checkpoint {where} published; exit "
-          "75. Rerun the same command (koochak-train resumes with --resume auto; your own "
-          "script with resume='auto') to continue.", file=sys.stderr, flush=True)  # fmt: skip
+    announce(f"evacuated after step {step}: terminal checkpoint {where} published; exit 75. "
+             "Rerun the same command (koochak-train resumes with --resume auto; your own script "
+             "with resume='auto') to continue.", level=logging.WARNING)  # fmt: skip

@@ -70,6 +70,8 @@ HARMLESS = (
     "train.reduce_metrics",
     "train.reduce_metrics_exclude",
     "train.resume_allow_changes",
+    "train.tokens_per_sample",  # what the logged rows report, not how the run trains
+    "train.flops_per_step",
     "train.ema",  # shadows average the weights; they do not change how the weights train
     "optim.optimizer.fused",
     "optim.optimizer.foreach",
