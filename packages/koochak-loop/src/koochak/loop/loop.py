@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from koochak.loop import ddp, dist, fsdp
+from koochak.loop import ddp, dist, fsdp, run_history
 from koochak.loop.batch import to_device
 from koochak.loop.checkpoint.restore import restore_rng, restore_training_state
 from koochak.loop.checkpoint.resume import resume_checkpoint, resume_publication_path
@@ -161,6 +161,12 @@ def training_loop(
                       "config_json": config_json, "model": raw_model, "num_params": num_params,
                       "rank": rank, "world_size": world_size, "out_dir": cfg.out_dir,
                       "resumed": checkpoint_dict is not None, "resume_path": resume_path}  # fmt: skip
+        # The attempt record every sink starts with; <out_dir>/attempts.jsonl keeps the history.
+        attempt = run_history.begin_attempt(cfg.out_dir, tiers, resume_path, checkpoint_dict,
+                                            start_step, cfg.max_steps, rank)  # fmt: skip
+        history_first, history_last = run_history.make_history_hooks(cfg.out_dir, attempt)
+        hooks = merge(history_first, hooks, history_last)
+        start_info["attempt"] = attempt
         if len(tiers) > 1 and rank == 0:  # the path others read it from, once it is announced
             start_info["resume_publication_path"] = resume_publication_path(
                 tiers, resume_path, checkpoint_dict
