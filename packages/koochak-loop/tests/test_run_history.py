@@ -105,8 +105,12 @@ def test_a_resumed_attempt_starts_with_its_record_in_every_sink(project, capsys,
     assert end["step"] == 8 and end["metrics"]["attempts"] == 2
     assert end["metrics"]["useful_steps"] == 8 and 0 < end["metrics"]["goodput"] <= 1
 
-    # CSV: two readable columns, attempt and note
+    # CSV: two readable columns, attempt and note; every logged row has its throughput
     rows = read_csv_log(run / "log.csv")
+    logged = [r["metrics"] for r in rows if r["event"] == "log"]
+    assert [m["progress"] for m in logged][-1] == 1.0 and all("eta_s" in m for m in logged)
+    assert [line for line in out.splitlines() if "progress=8/8" in line and "eta=" in line]
+    assert all(m["mfu"] > 0 for m in logged)  # measured FLOPs over the CPU's measured peak
     csv_attempts = [r for r in rows if r["event"] == "attempt"]
     assert [set(r["metrics"]) for r in csv_attempts] == [{"attempt", "note"}] * 2
     assert csv_attempts[1]["metrics"]["note"] == said.split("koochak: ", 1)[1]

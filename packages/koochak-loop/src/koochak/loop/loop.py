@@ -49,6 +49,7 @@ from koochak.loop.resume_config import (
     format_change,
     schedule_follows_max_steps,
 )
+from koochak.loop.throughput import make_throughput_hooks
 
 _NULL = contextlib.nullcontext()
 _END = object()
@@ -165,7 +166,8 @@ def training_loop(
         attempt = run_history.begin_attempt(cfg.out_dir, tiers, resume_path, checkpoint_dict,
                                             start_step, cfg.max_steps, rank)  # fmt: skip
         history_first, history_last = run_history.make_history_hooks(cfg.out_dir, attempt)
-        hooks = merge(history_first, hooks, history_last)
+        rows = make_throughput_hooks(cfg, world_size)  # progress, ETA, tokens/s, MFU per row
+        hooks = merge(history_first, rows, hooks, history_last)
         start_info["attempt"] = attempt
         if len(tiers) > 1 and rank == 0:  # the path others read it from, once it is announced
             start_info["resume_publication_path"] = resume_publication_path(

@@ -28,12 +28,22 @@ _SUMMARY_WIDTH = 100
 _ALWAYS = ("train.max_steps", "train.out_dir")  # shown even at their defaults
 
 
-def format_tsv(event: str, step: int, metrics: Mapping[str, Any]) -> str:
-    """One TSV line: the event, ``step=<n>``, then ``name=value`` per metric in dict order."""
+def format_tsv(
+    event: str, step: int, metrics: Mapping[str, Any], max_steps: int | None = None
+) -> str:
+    """One TSV line: the event, ``step=<n>``, then ``name=value`` per metric in dict order
+    (for people: ``eta_s`` as ``eta=H:MM:SS``, ``progress`` as ``progress=<done>/<max_steps>``
+    when ``max_steps`` is given)."""
     fields = [event, f"step={step}"]
-    fields.extend(
-        f"{name}={format_number(value)}" for name, value in clean_metrics(metrics).items()
-    )
+    for name, value in clean_metrics(metrics).items():
+        if name == "eta_s" and isinstance(value, (int, float)):
+            from koochak.loop.run_history import format_duration
+
+            fields.append(f"eta={format_duration(float(value))}")
+        elif name == "progress" and max_steps:
+            fields.append(f"progress={step + 1}/{max_steps}")
+        else:
+            fields.append(f"{name}={format_number(value)}")
     return "\t".join(fields)
 
 
@@ -121,7 +131,10 @@ def make_stdout_hooks(
         # A progress bar may be drawn on the same terminal: write through it.
         write_line(line, stream if stream is not None else sys.stdout)
 
+    limit: dict[str, Any] = {}
+
     def on_train_start(info: dict[str, Any]) -> None:
+        limit["max_steps"] = info.get("max_steps")
         config = info.get("config_json")
         if config is None and info.get("train_cfg") is not None:
             config = {"train": info.get("train_cfg")}
@@ -152,7 +165,7 @@ def make_stdout_hooks(
         _print("\t".join(fields))
 
     def on_log(info: dict[str, Any]) -> None:
-        _print(format_tsv("log", info["step"], info["metrics"]))
+        _print(format_tsv("log", info["step"], info["metrics"], limit.get("max_steps")))
 
     def on_eval_end(info: dict[str, Any]) -> None:
         _print(format_tsv("eval", info["step"], info["metrics"]))
