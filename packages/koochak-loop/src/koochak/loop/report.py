@@ -239,10 +239,12 @@ def _markers(ax: Any, attempts: list[Attempt], labels: bool) -> None:
         ax.axvline(attempt.start_step, color="#d62728", linestyle="--", linewidth=1.2,
                    gid=f"restart-{attempt.number}" + ("" if labels else "-rate"))  # fmt: skip
         if labels:
-            ax.annotate(restart_label(attempt), (attempt.start_step, 0.98),
-                        xycoords=("data", "axes fraction"), xytext=(-4, 0),
-                        textcoords="offset points", va="top", ha="right", rotation=90,
-                        fontsize=8, color="#d62728", gid=f"restart-label-{attempt.number}")  # fmt: skip
+            ax.annotate(restart_label(attempt), (attempt.start_step, 0.03),
+                        xycoords=("data", "axes fraction"), xytext=(4, 0),
+                        textcoords="offset points", va="bottom", ha="left", fontsize=8,
+                        color="#d62728", gid=f"restart-label-{attempt.number}",
+                        bbox={"boxstyle": "round", "fc": "white", "ec": "#d62728",
+                              "alpha": 0.85})  # fmt: skip
 
 
 def build_figure(data: RunData) -> Any:
@@ -285,12 +287,12 @@ def build_figure(data: RunData) -> Any:
                      label=f"{rate} (attempt {attempt.number})", gid=f"{rate}-{attempt.number}")  # fmt: skip
         mfus = [r for r in attempt.rows if isinstance(r.get("mfu"), (int, float))]
         if mfus:
-            mfu_ax.plot([r["step"] for r in mfus], [100 * r["mfu"] for r in mfus], color=color,
-                        linestyle="--", alpha=0.7, gid=f"mfu-{attempt.number}")  # fmt: skip
+            mfu_ax.plot([r["step"] for r in mfus], [100 * r["mfu"] for r in mfus], color="black",
+                        linestyle="--", linewidth=0.9, gid=f"mfu-{attempt.number}")  # fmt: skip
     _markers(rate_ax, attempts, labels=False)
     rate_ax.set_xlabel("step")
     rate_ax.set_ylabel(rate.replace("_per_s", "/s"))
-    mfu_ax.set_ylabel("MFU % (dashed)")
+    mfu_ax.set_ylabel("MFU % (black, dashed)")
     rate_ax.set_title("throughput" + (" and MFU" if mfu_ax.get_lines() else " (no MFU logged)"))
 
     # -- checkpoint timeline per tier
