@@ -183,3 +183,15 @@ def test_wandb_gets_the_attempt_record_and_the_goodput(tmp_path, monkeypatch):
     (run,) = runs
     assert run.summary["attempt"] == 2 and run.summary["attempts/2"]["previous_end"] == "failed"
     assert run.summary["goodput"] == 0.5 and run.rows == [(4, {"loss": 1.0})]
+
+
+def test_goodput_counts_from_the_latest_fresh_start():
+    from koochak.loop.run_history import goodput
+
+    records = [{"event": "start", "attempt": 1, "time": 0.0, "step": 0, "resumed": False},
+               {"event": "end", "attempt": 1, "time": 50.0, "step": 10},
+               {"event": "start", "attempt": 2, "time": 100.0, "step": 0, "resumed": False},
+               {"event": "start", "attempt": 3, "time": 140.0, "step": 4, "resumed": True}]  # fmt: skip
+    run = goodput(records, step=10, wall_time=30.0, now=160.0)
+    assert run["attempts"] == 2 and run["useful_steps"] == 10 and run["wall_s"] == 60.0
+    assert run["goodput"] == 0.5 and run["goodput_steps_per_s"] == pytest.approx(10 / 60)

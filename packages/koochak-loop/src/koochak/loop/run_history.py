@@ -163,8 +163,8 @@ def _note(record: Mapping[str, Any], end: Mapping[str, Any] | None,
     if checkpoint is None:
         if not record.get("previous_end"):
             return f"attempt {attempt}: a fresh start at step 0{of}"
-        return (f"attempt {attempt}: no checkpoint to resume from, starting at step 0{of} (the "
-                f"previous attempt {_ended(record, end)} before its first checkpoint)")  # fmt: skip
+        return (f"attempt {attempt}: starting at step 0{of} without a checkpoint (the previous "
+                f"attempt {_ended(record, end)})")  # fmt: skip
     tier = record.get("resumed_tier")
     where = f"{record.get('resumed_from')}" + (f" (tier {tier})" if tier is not None else "")
     redone = record.get("steps_redone", 0)
@@ -206,11 +206,14 @@ def goodput(records: list[dict[str, Any]], step: int, wall_time: float | None,
     """The run so far: attempts, useful steps, wall seconds since the first attempt began, their
     ratio, and the share of that wall time the checkpoint lineage's own training time is."""
     starts = [r for r in records if r.get("event") == "start"]
+    # The run began at its latest fresh start (none resumed): a --resume none begins a new one.
+    fresh = [i for i, r in enumerate(starts) if not r.get("resumed", r.get("resumed_from"))]
+    starts = starts[fresh[-1]:] if fresh else starts
     first = min((float(r["time"]) for r in starts), default=now)
     first_step = int(starts[0].get("step") or 0) if starts else 0
     wall = max(now - first, 1e-9)
     useful = max(0, step - first_step)
-    out = {"attempts": max((int(r.get("attempt") or 0) for r in starts), default=1),
+    out = {"attempts": max(len(starts), 1),
            "useful_steps": useful, "wall_s": wall, "goodput_steps_per_s": useful / wall}  # fmt: skip
     if wall_time is not None:
         out["goodput"] = min(1.0, float(wall_time) / wall)
@@ -233,7 +236,8 @@ def make_history_hooks(
     def on_train_start(info: dict[str, Any]) -> None:
         started.append(True)
         history.append({"event": "start", "attempt": number, "time": attempt["time"],
-                        "step": attempt["start_step"], "resumed_from": attempt.get("resumed_from"),
+                        "step": attempt["start_step"], "resumed": "resumed_from" in attempt,
+                        "resumed_from": attempt.get("resumed_from"),
                         "resumed_tier": attempt.get("resumed_tier")})  # fmt: skip
 
     def on_log(info: dict[str, Any]) -> None:
