@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import textwrap
 import types
@@ -35,6 +37,10 @@ def dataset(cfg, start_step=0):
 def step_fn(model, batch, ctx):
     if ctx.step == int(os.environ.get("HISTORY_FAIL_AT", "-1")):
         raise RuntimeError("the node fell over")
+    if ctx.step == int(os.environ.get("HISTORY_KILL_AT", "-1")):
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)  # kill -9: no end record, no terminal checkpoint
     x, y = batch
     return {"loss": F.mse_loss(model(x), y)}
 """
@@ -195,3 +201,20 @@ def test_goodput_counts_from_the_latest_fresh_start():
     run = goodput(records, step=10, wall_time=30.0, now=160.0)
     assert run["attempts"] == 2 and run["useful_steps"] == 10 and run["wall_s"] == 60.0
     assert run["goodput"] == 0.5 and run["goodput_steps_per_s"] == pytest.approx(10 / 60)
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_says_crashed_after_the_last_logged_step(project):
+    root, config = project
+    cmd = [sys.executable, "-m", "koochak.loop.cli", "--config", str(config)]
+    env = {**os.environ, "HISTORY_KILL_AT": "5", "PYTHONPATH": str(root)}
+    killed = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    env.pop("HISTORY_KILL_AT")
+    resumed = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    (said,) = [line for line in resumed.stderr.splitlines() if "attempt 2: resuming" in line]
+    assert "(tier 0) at step 4 of 8" in said and "crashed or was killed after step 5" in said
+    assert "1 step(s) redone" in said
+    attempt = [r for r in read_jsonl_log(root / "run" / "log.jsonl") if r["event"] == "attempt"]
+    assert attempt[-1]["metrics"]["previous_end"] == "crashed"
