@@ -47,7 +47,7 @@ def read_history(out_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     try:
         with open(history_path(out_dir), encoding="utf-8") as f:
             lines = f.read().splitlines()
-    except (FileNotFoundError, NotADirectoryError):
+    except OSError:  # none yet (or unreadable): the history is for people, never fatal
         return []
     records = []
     for line in lines:
