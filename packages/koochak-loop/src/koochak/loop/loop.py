@@ -1,7 +1,7 @@
 """`training_loop`: the one function that owns the repetitive mechanics of training.
 
 It reads in the order it runs. Setup once: device -> [resume lookup] -> [shard] -> [FSDP] ->
-optimizer -> start hook -> compile -> [DDP] -> [restore]. Then, per update: batch -> micro-steps x grad_accum -> gradient gate
+optimizer -> attempt record -> start hook -> compile -> [DDP] -> [restore]. Then, per update: batch -> micro-steps x grad_accum -> gradient gate
 -> update (optimizer -> scaler -> [EMA] -> scheduler) -> observe (hooks, log) -> [GPU health] ->
 maybe eval -> maybe save -> [evacuate]. Finally the terminal state is packed into a resume-ready
 checkpoint, saved, and returned. Checkpoint mechanics live in the ``checkpoint`` subpackage
