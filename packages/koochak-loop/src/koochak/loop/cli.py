@@ -37,6 +37,7 @@ from koochak.loop.config import (
     to_container,
 )
 from koochak.loop.declared import check_declared_sections, keyword_values
+from koochak.loop.console import console_logging, set_level
 from koochak.loop.dist import exit_distributed_process
 from koochak.loop.evacuation import Evacuated, make_evacuation
 from koochak.loop.health import GpuUnhealthy
@@ -277,6 +278,7 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
     from koochak.loop.seed import set_all_seeds
 
     cfg, report = load_config_with_report(args.config, args.overrides)
+    set_level(cfg.logging.level)  # Koochak's lines on stderr from here on at the configured level
     if int(os.environ.get("RANK", "0")) == 0:
         print(format_summary(report), flush=True)
     _check_launch(cfg)
@@ -412,6 +414,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    # Logging is configured once, before the config is read (its warnings are one line too);
+    # the level follows logging.level as soon as the config is loaded.
+    with console_logging("INFO"):
+        return _run_configured(args)
+
+
+def _run_configured(args: argparse.Namespace) -> int:
     try:
         kwargs = _prepare(args)
     except Exception as exc:

@@ -127,6 +127,11 @@ class TrainConfig:
     reduce_metrics: bool = True  # under DDP: log each scalar's mean over ranks, not rank 0's
     reduce_metrics_exclude: list[str] = field(default_factory=list)  # metrics logged as rank 0's
     resume_allow_changes: list[str] = field(default_factory=list)  # config keys a resume may change
+    # Throughput in the logged rows (docs/logging.md, "Throughput"): tokens in one sample (null:
+    # a step's "tokens" output, else no tokens/s) and the training FLOPs of one update on one rank
+    # (null: measured once with torch's FLOP counter, forward x 3).
+    tokens_per_sample: Optional[int] = None
+    flops_per_step: Optional[float] = None
     ema: EmaConfig = field(default_factory=EmaConfig)
     fsdp: FsdpConfig = field(default_factory=FsdpConfig)
 
@@ -185,6 +190,7 @@ class LoggingConfig:
     print_config: bool = False  # print the whole resolved config at start (else a summary)
     tensorboard: bool = False  # TensorBoard event files (extra: koochak-loop[tensorboard])
     tensorboard_dir: Optional[str] = None  # null: <out_dir>/tensorboard
+    level: str = "INFO"  # koochak-train: Koochak's own log lines on stderr (rank 0) from this level
 
 
 @dataclass(frozen=True)
@@ -243,6 +249,7 @@ _CHOICES = {
     "wandb.mode": ("online", "offline", "disabled"),
     "train.keep_best_mode": ("min", "max"),
     "optim.scheduler.name": ("none", "cosine", "step", "plateau", "cosine_warmup"),
+    "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
 }
 # Accepted values of train.device (device.get_device resolves them).
 DEVICE_PATTERN = r"auto|cpu|cuda|cuda:\d+|mps"
@@ -254,7 +261,7 @@ _POSITIVE = (
     "train.ema.update_every",
     "data.batch_size",
 )
-_POSITIVE_OR_NULL = ("train.max_steps",)
+_POSITIVE_OR_NULL = ("train.max_steps", "train.tokens_per_sample")
 _NON_NEGATIVE_OR_NULL = (
     "train.eval_every",
     "train.ckpt_every",
@@ -394,6 +401,9 @@ def _check_values(values: Mapping[str, Any], section: str) -> None:
     device = values.get("device") if section == "train" else None
     if isinstance(device, str) and not re.fullmatch(DEVICE_PATTERN, device):
         raise ConfigError(f"train.device: expected one of {DEVICE_CHOICES}, got {device!r}")
+    flops = values.get("flops_per_step") if section == "train" else None
+    if flops is not None and (isinstance(flops, bool) or not flops > 0):
+        raise ConfigError(f"train.flops_per_step: expected a positive number or null, got {flops!r}")
     for key in ("gpu_health_max_temperature_c", "gpu_health_max_kernel_seconds"):
         if section == "train" and key in values and values[key] <= 0:
             raise ConfigError(f"train.{key}: expected a positive number, got {values[key]!r}")

@@ -1,7 +1,7 @@
 """`training_loop`: the one function that owns the repetitive mechanics of training.
 
 It reads in the order it runs. Setup once: device -> [resume lookup] -> [shard] -> [FSDP] ->
-optimizer -> start hook -> compile -> [DDP] -> [restore]. Then, per update: batch -> micro-steps x grad_accum -> gradient gate
+optimizer -> attempt record -> start hook -> compile -> [DDP] -> [restore]. Then, per update: batch -> micro-steps x grad_accum -> gradient gate
 -> update (optimizer -> scaler -> [EMA] -> scheduler) -> observe (hooks, log) -> [GPU health] ->
 maybe eval -> maybe save -> [evacuate]. Finally the terminal state is packed into a resume-ready
 checkpoint, saved, and returned. Checkpoint mechanics live in the ``checkpoint`` subpackage
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import time
 import warnings
 from collections.abc import Callable, Collection, Iterable, Mapping
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from koochak.loop import ddp, dist, fsdp
+from koochak.loop import ddp, dist, fsdp, run_history
 from koochak.loop.batch import to_device
 from koochak.loop.checkpoint.restore import restore_rng, restore_training_state
 from koochak.loop.checkpoint.resume import resume_checkpoint, resume_publication_path
@@ -50,6 +51,7 @@ from koochak.loop.resume_config import (
     schedule_follows_max_steps,
 )
 from koochak.loop.state_dicts import match_state_dict_to_model, unwrap_model
+from koochak.loop.throughput import make_throughput_hooks
 
 _NULL = contextlib.nullcontext()
 _END = object()
@@ -164,6 +166,13 @@ def training_loop(
                       "config_json": config_json, "model": raw_model, "num_params": num_params,
                       "rank": rank, "world_size": world_size, "out_dir": cfg.out_dir,
                       "resumed": checkpoint_dict is not None, "resume_path": resume_path}  # fmt: skip
+        # The attempt record every sink starts with; <out_dir>/attempts.jsonl keeps the history.
+        attempt = run_history.begin_attempt(cfg.out_dir, tiers, resume_path, checkpoint_dict,
+                                            start_step, cfg.max_steps, rank)  # fmt: skip
+        history_first, history_last = run_history.make_history_hooks(cfg.out_dir, attempt)
+        rows = make_throughput_hooks(cfg, world_size)  # progress, ETA, tokens/s, MFU per row
+        hooks = merge(history_first, rows, hooks, history_last)
+        start_info["attempt"] = attempt
         if len(tiers) > 1 and rank == 0:  # the path others read it from, once it is announced
             start_info["resume_publication_path"] = resume_publication_path(
                 tiers, resume_path, checkpoint_dict
@@ -749,10 +758,10 @@ def _check_resumed_config(
 
 
 def _announce_evacuation(step: int, path: str | None) -> None:
-    """What a person watching the run needs: where it stopped and how to go on."""
-    import sys
+    """What a person watching the run needs: where it stopped and how to go on (one line)."""
+    from koochak.loop.console import announce
 
     where = path or "(the checkpoint directory)"
-    print(f"koochak: evacuated after step {step}: terminal checkpoint {where} published; exit "
-          "75. Rerun the same command (koochak-train resumes with --resume auto; your own "
-          "script with resume='auto') to continue.", file=sys.stderr, flush=True)  # fmt: skip
+    announce(f"evacuated after step {step}: terminal checkpoint {where} published; exit 75. "
+             "Rerun the same command (koochak-train resumes with --resume auto; your own script "
+             "with resume='auto') to continue.", level=logging.WARNING)  # fmt: skip
