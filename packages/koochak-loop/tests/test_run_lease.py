@@ -13,12 +13,16 @@ import time
 
 import pytest
 import torch
+from koochak.loop import run_lease
 from koochak.loop.cli import main
+from koochak.storage import lease as leases
 from koochak.storage.lease import LEASE_KEY, read_lease
 from koochak.storage.store import LocalStore
 
 USER_CODE = """
 import os
+import threading
+import time
 import torch
 from torch.nn import functional as F
 
@@ -38,6 +42,26 @@ def dataset(cfg, start_step=0):
 def step_fn(model, batch, ctx):
     x, y = batch
     return {"loss": F.mse_loss(model(x), y)}
+
+
+NOTICED = threading.Event()  # the test sets it once the run's renewer saw the takeover
+
+
+def taking_over_step(model, batch, ctx):
+    # Update 3 of the run: another run takes the lease over, as after a suspension past the
+    # bound; the update ends once this run's renewer has noticed.
+    if ctx.step == 2 and not NOTICED.is_set():
+        from koochak.storage.lease import LEASE_KEY, LeaseRecord
+        from koochak.storage.store import LocalStore
+
+        store = LocalStore(os.environ["LEASE_TEST_DIR"])
+        store.delete(LEASE_KEY)
+        store.put(LEASE_KEY, LeaseRecord(token="e" * 32, host="node-b", boot_id="b",
+                                         pid_ns="pid:[1]", pid=4242, pid_start=1,
+                                         started=time.time(), ttl_seconds=600.0,
+                                         purpose="the run that took over").to_bytes())  # fmt: skip
+        assert NOTICED.wait(120), "the renewer never noticed"
+    return step_fn(model, batch, ctx)
 
 
 def waiting_step(model, batch, ctx):
@@ -158,3 +182,39 @@ def test_two_koochak_train_runs_into_one_out_dir(project, tmp_path):
     assert first.returncode == 0, err
     assert torch.load(root / "run" / "step000000003.pt", weights_only=True)["step"] == 3
     assert read_lease(LocalStore(root / "run")) is None
+
+
+def test_a_run_whose_lease_was_taken_over_stops_before_its_next_publish_with_exit_2(
+    project, capsys, monkeypatch
+):
+    """Two writers into one location are what the lease prevents: once the renewer finds the
+    lease taken over, the run publishes nothing more and exits 2 naming the new holder."""
+    import importlib
+
+    root, name, config = project
+    monkeypatch.setattr(leases, "RENEW_SECONDS", 0.05)
+    monkeypatch.setenv("LEASE_TEST_DIR", str(root / "run"))
+    user = importlib.import_module(name)
+
+    class Noticed(logging.Handler):
+        def emit(self, record):
+            if "taken over" in record.getMessage():
+                user.NOTICED.set()
+
+    handler = Noticed(logging.ERROR)
+    logging.getLogger("koochak.storage.lease").addHandler(handler)
+    try:
+        code = main(["--config", str(config), "--resume", "none", "train.max_steps=6",
+                     "train.ckpt_every=2", f"entry.step={name}:taking_over_step"])  # fmt: skip
+    finally:
+        logging.getLogger("koochak.storage.lease").removeHandler(handler)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    (line,) = [ln for ln in err.splitlines() if "koochak-train: error:" in ln]
+    assert f"{root / 'run'}/{leases.LEASE_KEY}: this run's lease" in line
+    assert "pid 4242 on node-b (the run that took over)" in line
+    assert "stopped after 4 updates without publishing" in line
+    published = sorted(p.name for p in (root / "run").glob("step*.pt"))
+    assert published == ["step000000001.pt"]  # the save before the takeover, nothing after
+    assert leases.read_lease(LocalStore(root / "run")).host == "node-b"  # left to its holder
+    assert run_lease._TAKEN == {}

@@ -265,6 +265,22 @@ def _check_launch(cfg: DictConfig) -> None:
         checkpoint_store(location)
 
 
+def _hold_location(cfg: DictConfig) -> None:
+    """Take the run's lease now, before the model and data are built; training_loop finds it.
+    Under DDP/FSDP with several ranks the process group starts here, so that every rank learns
+    of a refusal through one broadcast (training_loop then uses the same group)."""
+    from koochak.loop.config import resolve_train_config
+    from koochak.loop.run_lease import hold_location
+
+    train = resolve_train_config(cfg.train)
+    if (train.ddp or train.fsdp.enabled) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from koochak.loop.ddp import setup_ddp
+        from koochak.loop.device import get_device
+
+        setup_ddp(train, get_device(str(cfg.train.device)))
+    hold_location(checkpoint_locations(cfg.train)[0], train, early=True)
+
+
 def _prepare(args: argparse.Namespace) -> dict[str, Any]:
     """Everything up to the call of training_loop; any error here is a usage error (exit 2)."""
     from koochak.loop.optim import build_scheduler
@@ -274,6 +290,7 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
     if int(os.environ.get("RANK", "0")) == 0:
         print(format_summary(report), flush=True)
     _check_launch(cfg)
+    _hold_location(cfg)  # refuse a second live run here before building anything (exit 2)
     # Install the evacuation handler before building the model and data (which can take minutes):
     # a SIGUSR1 in that window is then recorded and honoured after the first update, instead of
     # killing the process with the signal's default action.
@@ -399,6 +416,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from koochak.loop.run_lease import release_unclaimed
+
+    try:
+        return _train(args)
+    finally:
+        release_unclaimed()  # taken in _prepare for a run that never reached training_loop
+
+
+def _train(args: argparse.Namespace) -> int:
     try:
         kwargs = _prepare(args)
     except Exception as exc:
