@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -28,6 +29,8 @@ from torch.nn import functional as F
 
 
 def make_model(cfg):
+    if os.environ.get("LEASE_TEST_BUILT"):
+        open(os.environ["LEASE_TEST_BUILT"], "w").close()
     torch.manual_seed(0)
     return torch.nn.Linear(3, 1)
 
@@ -123,11 +126,15 @@ def _hold(run_dir) -> subprocess.Popen:
     return holder
 
 
-def test_a_second_run_into_one_out_dir_is_refused_with_exit_2_naming_the_holder(project, capsys):
+def test_a_second_run_into_one_out_dir_is_refused_with_exit_2_naming_the_holder(
+    project, capsys, monkeypatch
+):
     root, _, config = project
+    monkeypatch.setenv("LEASE_TEST_BUILT", str(root / "built"))
     holder = _hold(root / "run")
     try:
         assert main(["--config", str(config), "--resume", "none"]) == 2
+        assert not (root / "built").exists()  # refused before the model was built
         err = capsys.readouterr().err
         assert f"train.out_dir: {root / 'run'}/{LEASE_KEY}" in err
         assert f"another run holds this location: pid {holder.pid}" in err and "the other run" in err
@@ -218,3 +225,67 @@ def test_a_run_whose_lease_was_taken_over_stops_before_its_next_publish_with_exi
     assert published == ["step000000001.pt"]  # the save before the takeover, nothing after
     assert leases.read_lease(LocalStore(root / "run")).host == "node-b"  # left to its holder
     assert run_lease._TAKEN == {}
+
+
+API_RUN = textwrap.dedent(
+    """
+    import sys, torch
+    from koochak.loop import training_loop
+    from koochak.loop.dist import exit_distributed_process
+
+    def data():
+        while True:
+            yield torch.randn(4, 3)
+
+    try:
+        training_loop(model=torch.nn.Linear(3, 1), dataset=data(),
+                      step_fn=lambda m, b, ctx: {"loss": m(b).pow(2).mean()},
+                      optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                      train_cfg={"max_steps": 2, "device": "cpu", "ddp": True,
+                                 "out_dir": sys.argv[1], "progress_bar": False})
+        code = 0
+    except Exception as exc:
+        print(f"api-run: error: {exc}", file=sys.stderr, flush=True)
+        code = 2 if "another run holds" in str(exc) else 1
+    exit_distributed_process(code)
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("route", ["koochak-train", "training_loop"])
+def test_every_ddp_rank_learns_of_the_refusal_and_exits_2_naming_the_holder(project, route):
+    """2 gloo ranks into a held location: rank 0's refusal reaches rank 1 through one broadcast
+    at start (before it, rank 1 waited in its first collective for a rank 0 that had left)."""
+    root, name, config = project
+    holder = _hold(root / "run")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    if route == "koochak-train":
+        args = ["-m", "koochak.loop.cli", "--config", str(config), "--resume", "none",
+                "train.ddp=true"]  # fmt: skip
+    else:
+        args = ["-c", API_RUN, str(root / "run")]
+    procs = []
+    try:
+        for rank in (0, 1):
+            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(root),
+                       LEASE_TEST_BUILT=str(root / f"built{rank}"))  # fmt: skip
+            procs.append(subprocess.Popen([sys.executable, *args], cwd=root, env=env, text=True,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))  # fmt: skip
+        results = [(p.communicate(timeout=180), p.returncode) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        holder.kill()
+        holder.wait()
+    for rank, ((_, err), code) in enumerate(results):
+        assert code == 2, f"rank {rank}: {err}"
+        assert f"another run holds this location: pid {holder.pid}" in err, f"rank {rank}: {err}"
+        assert "the other run" in err
+    if route == "koochak-train":  # refused before the model was built, on every rank
+        assert not (root / "built0").exists() and not (root / "built1").exists()
