@@ -374,11 +374,13 @@ def _fail(prefix: str, exc: BaseException, suffix: str = "", prog: str = "koocha
 
 
 def _debug_traceback(code: int) -> int:
-    """``--debug``: re-raise for the interpreter's traceback; under named secrets print it here,
-    masked, and return ``code`` (the interpreter would print it after the masking ended)."""
-    if not masking_active():
+    """``--debug``: re-raise for the interpreter's traceback; under named secrets, or when the
+    traceback holds a credential (a URL password ...), print it here, masked, and return
+    ``code`` (the interpreter would print it after the masking ended)."""
+    text = traceback.format_exc()
+    if not masking_active() and mask_text(text) == text:
         raise  # called from an except block: re-raises the error being handled
-    traceback.print_exc()
+    sys.stderr.write(text)  # masked on its way out (masked_output)
     return code
 
 
