@@ -91,6 +91,10 @@ def mask_secrets(text: str, secrets: Mapping[str, str]) -> str:
     ``secrets`` as well; see the module docstring)."""
     if not text:
         return text
+    if "://" in text:  # the order of redact_text: URLs and signatures, then values
+        text = _USER_INFO.sub(r"\1***@", text)
+    if "=" in text:
+        text = _SIGNED.sub(r"\1***", text)
     found = {name: os.environ.get(name, "") for name in CREDENTIAL_VARIABLES}
     items = {n: v for n, v in found.items() if len(v) >= MIN_SECRET_CHARS}
     items.update(secrets or {})  # a named secret keeps its own name
@@ -98,10 +102,6 @@ def mask_secrets(text: str, secrets: Mapping[str, str]) -> str:
         pattern, names = _compiled(tuple(sorted(items.items())))
         if pattern is not None:
             text = pattern.sub(lambda m: f"[masked {names[m.group(0)]}]", text)
-    if "://" in text:
-        text = _USER_INFO.sub(r"\1***@", text)
-    if "=" in text:
-        text = _SIGNED.sub(r"\1***", text)
     return text
 
 
