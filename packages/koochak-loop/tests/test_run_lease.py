@@ -53,16 +53,15 @@ NOTICED = threading.Event()  # the test sets it once the run's renewer saw the t
 def taking_over_step(model, batch, ctx):
     # Update 3 of the run: another run takes the lease over, as after a suspension past the
     # bound; the update ends once this run's renewer has noticed.
-    if ctx.step == 2 and not NOTICED.is_set():
+    if ctx.step == 2 and ctx.rank == 0 and not NOTICED.is_set():
         from koochak.storage.lease import LEASE_KEY, LeaseRecord
-        from koochak.storage.store import LocalStore
 
-        store = LocalStore(os.environ["LEASE_TEST_DIR"])
-        store.delete(LEASE_KEY)
-        store.put(LEASE_KEY, LeaseRecord(token="e" * 32, host="node-b", boot_id="b",
-                                         pid_ns="pid:[1]", pid=4242, pid_start=1,
-                                         started=time.time(), ttl_seconds=600.0,
-                                         purpose="the run that took over").to_bytes())  # fmt: skip
+        where = os.path.join(os.environ["LEASE_TEST_DIR"], LEASE_KEY)
+        with open(where + ".tmp", "wb") as f:  # replaced in one step: never seen missing
+            f.write(LeaseRecord(token="e" * 32, host="node-b", boot_id="b", pid_ns="pid:[1]",
+                                pid=4242, pid_start=1, started=time.time(), ttl_seconds=600.0,
+                                purpose="the run that took over").to_bytes())  # fmt: skip
+        os.replace(where + ".tmp", where)
         assert NOTICED.wait(120), "the renewer never noticed"
     return step_fn(model, batch, ctx)
 
@@ -289,3 +288,56 @@ def test_every_ddp_rank_learns_of_the_refusal_and_exits_2_naming_the_holder(proj
         assert "the other run" in err
     if route == "koochak-train":  # refused before the model was built, on every rank
         assert not (root / "built0").exists() and not (root / "built1").exists()
+
+
+TAKEN_OVER_UNDER_DDP = """
+import logging, sys
+import koochak.storage.lease as leases
+
+leases.RENEW_SECONDS = 0.05
+import {name} as user
+
+
+class Noticed(logging.Handler):
+    def emit(self, record):
+        if "taken over" in record.getMessage():
+            user.NOTICED.set()
+
+
+logging.getLogger("koochak.storage.lease").addHandler(Noticed(logging.ERROR))
+from koochak.loop.cli import main
+
+main(["--config", {config!r}, "--resume", "none", "train.ddp=true", "train.max_steps=6",
+      "train.ckpt_every=2", "entry.step={name}:taking_over_step"])
+"""
+
+
+@pytest.mark.slow
+def test_under_ddp_a_lost_lease_stops_every_rank_before_the_next_publish(project):
+    """Only rank 0 holds the lease: its loss reaches rank 1 at the next publish (one all-reduce
+    there), and both ranks exit 2 with the reason, publishing nothing more."""
+    root, name, config = project
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = TAKEN_OVER_UNDER_DDP.format(name=name, config=str(config))
+    procs = []
+    try:
+        for rank in (0, 1):
+            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(root),
+                       LEASE_TEST_DIR=str(root / "run"))  # fmt: skip
+            procs.append(subprocess.Popen([sys.executable, "-c", code], cwd=root, env=env,
+                                          text=True, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE))  # fmt: skip
+        results = [(p.communicate(timeout=240), p.returncode) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rank, ((_, err), code) in enumerate(results):
+        assert code == 2, f"rank {rank}: {err}"
+        assert "this run's lease on its checkpoint location is lost" in err, f"rank {rank}: {err}"
+        assert "pid 4242 on node-b" in err and "stopped after 4 updates" in err
+    assert sorted(p.name for p in (root / "run").glob("step*.pt")) == ["step000000001.pt"]

@@ -242,7 +242,11 @@ class Lease:
                 who = current.describe() if current is not None else "nobody (removed)"
                 _log.error("%s: this run's lease was taken over; it is now held by %s",
                            self.where, who)  # fmt: skip
-                self._lost_reason = f"it was taken over and is now held by {who}"
+                self._lost_reason = (
+                    f"it was taken over and is now held by {who}"
+                    if current is not None
+                    else "it was removed (by another run taking it over, or by hand)"
+                )
                 return
             self._seq += 1
             key = f"{_renewal_prefix(self.key, self.record.token)}{self._seq:09d}.json"
