@@ -18,6 +18,10 @@ holder is provably gone:
 
 A gone holder's lease is taken over with one warning. Two acquirers that both find it gone race
 for a takeover marker (``<key>.takeover-<token>``, create-only), so only one deletes it.
+
+A holder learns that it lost the lease (``Lease.lost``, ``Lease.lost_reason``) when a renewal
+finds another lease in its place, or once its renewals have failed for ``ttl_seconds``: from
+then on it must stop writing (koochak-loop stops the run before its next checkpoint publish).
 """
 
 from __future__ import annotations
