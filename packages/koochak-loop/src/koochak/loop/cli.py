@@ -452,7 +452,7 @@ def _train(args: argparse.Namespace) -> int:
             ),
         )
         return code
-    except ConfigError as exc:  # refused before the first update (a resume that changed the run)
+    except ConfigError as exc:  # a resume that changed the run, or a lost lease (run_lease)
         if args.debug:
             raise
         _fail("error: ", exc)
