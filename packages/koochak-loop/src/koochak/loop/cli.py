@@ -272,6 +272,22 @@ def _check_launch(cfg: DictConfig) -> None:
         checkpoint_store(location)
 
 
+def _hold_location(cfg: DictConfig) -> None:
+    """Take the run's lease now, before the model and data are built; training_loop finds it.
+    Under DDP/FSDP with several ranks the process group starts here, so that every rank learns
+    of a refusal through one broadcast (training_loop then uses the same group)."""
+    from koochak.loop.config import resolve_train_config
+    from koochak.loop.run_lease import hold_location
+
+    train = resolve_train_config(cfg.train)
+    if (train.ddp or train.fsdp.enabled) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from koochak.loop.ddp import setup_ddp
+        from koochak.loop.device import get_device
+
+        setup_ddp(train, get_device(str(cfg.train.device)))
+    hold_location(checkpoint_locations(cfg.train)[0], train, early=True)
+
+
 def _prepare(args: argparse.Namespace) -> dict[str, Any]:
     """Everything up to the call of training_loop; any error here is a usage error (exit 2)."""
     from koochak.loop.optim import build_scheduler
@@ -282,6 +298,7 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
     if int(os.environ.get("RANK", "0")) == 0:
         print(format_summary(report), flush=True)
     _check_launch(cfg)
+    _hold_location(cfg)  # refuse a second live run here before building anything (exit 2)
     # Install the evacuation handler before building the model and data (which can take minutes):
     # a SIGUSR1 in that window is then recorded and honoured after the first update, instead of
     # killing the process with the signal's default action.
@@ -371,11 +388,13 @@ def _fail(prefix: str, exc: BaseException, suffix: str = "", prog: str = "koocha
 
 
 def _debug_traceback(code: int) -> int:
-    """``--debug``: re-raise for the interpreter's traceback; under named secrets print it here,
-    masked, and return ``code`` (the interpreter would print it after the masking ended)."""
-    if not masking_active():
+    """``--debug``: re-raise for the interpreter's traceback; under named secrets, or when the
+    traceback holds a credential (a URL password ...), print it here, masked, and return
+    ``code`` (the interpreter would print it after the masking ended)."""
+    text = traceback.format_exc()
+    if not masking_active() and mask_text(text) == text:
         raise  # called from an except block: re-raises the error being handled
-    traceback.print_exc()
+    sys.stderr.write(text)  # masked on its way out (masked_output)
     return code
 
 
@@ -421,6 +440,15 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _run_configured(args: argparse.Namespace) -> int:
+    from koochak.loop.run_lease import release_unclaimed
+
+    try:
+        return _train(args)
+    finally:
+        release_unclaimed()  # taken in _prepare for a run that never reached training_loop
+
+
+def _train(args: argparse.Namespace) -> int:
     try:
         kwargs = _prepare(args)
     except Exception as exc:
@@ -446,7 +474,7 @@ def _run_configured(args: argparse.Namespace) -> int:
             ),
         )
         return code
-    except ConfigError as exc:  # refused before the first update (a resume that changed the run)
+    except ConfigError as exc:  # a resume that changed the run, or a lost lease (run_lease)
         if args.debug:
             raise
         _fail("error: ", exc)

@@ -33,7 +33,7 @@ from koochak.loop.checkpoint.restore import restore_rng, restore_training_state
 from koochak.loop.checkpoint.resume import resume_checkpoint, resume_publication_path
 from koochak.loop.checkpoint.saver import Checkpointer, make_checkpointer
 from koochak.loop.checkpoint.tiers import checkpoint_locations
-from koochak.loop.config import ConfigError, TrainConfig, resolve_train_config
+from koochak.loop.config import TrainConfig, resolve_train_config
 from koochak.loop.device import get_device, get_lr
 from koochak.loop.elastic import elastic_cursor
 from koochak.loop.ema import ModelEma, make_model_ema
@@ -52,6 +52,7 @@ from koochak.loop.resume_config import (
 )
 from koochak.loop.state_dicts import match_state_dict_to_model, unwrap_model
 from koochak.loop.throughput import make_throughput_hooks
+from koochak.loop.run_lease import check_held, hold_location
 
 _NULL = contextlib.nullcontext()
 _END = object()
@@ -149,7 +150,7 @@ def training_loop(
         step=start_step,
     )
     num_params = sum(p.numel() for p in raw_model.parameters())
-    lease = _hold_location(tiers[0], cfg) if rank == 0 else None  # one live run per location
+    lease = hold_location(tiers[0], cfg)  # one live run per location: a refusal reaches every rank
     if rank == 0:
         print(_param_banner(raw_model, num_params), flush=True)
     step = start_step
@@ -299,7 +300,7 @@ def training_loop(
 
             # ---- protect: GPU health (every rank checks its device; one bad device stops all)
             if health is not None and health.due(step):
-                _check_health(health, step, device, checkpoints, {**metrics, **eval_metrics})
+                _check_health(health, step, device, checkpoints, {**metrics, **eval_metrics}, lease)
 
             # ---- maybe eval
             is_eval = bool(
@@ -313,6 +314,7 @@ def training_loop(
             # ---- maybe save (periodic: keeps its zero-based index, resumes at step + 1)
             is_save = checkpoints.due(step)
             if is_save:
+                check_held(lease, world_size, step + 1)  # lost it: stop, never publish (exit 2)
                 checkpoints.periodic(step, {**metrics, **eval_metrics})
             step += 1
 
@@ -326,6 +328,7 @@ def training_loop(
             # ---- evacuate: all ranks agree at the end of a completed update, then leave (75)
             if evac is not None and evac.should_evacuate():
                 final_metrics = {**metrics, **eval_metrics}
+                check_held(lease, world_size, step)
                 path, checkpoint = checkpoints.terminal("evacuation", step, final_metrics)
                 if rank == 0:
                     _announce_evacuation(step, path)
@@ -341,6 +344,7 @@ def training_loop(
             emit(hooks, "on_log", {"step": step - 1, "metrics": metrics}, warned=warned)
         final_metrics = {**metrics, **eval_metrics}
         reason = "stopped" if stop or stopped_before else "terminal"
+        check_held(lease, world_size, step)
         _, checkpoint = checkpoints.terminal(reason, step, final_metrics)
         end = {"step": step, "checkpoint": checkpoint, "metrics": final_metrics}
         if stop:
@@ -372,20 +376,6 @@ def training_loop(
             lease.release()
         if not finished:
             ddp.release_after_failure(setup)
-
-
-def _hold_location(location: Any, cfg: TrainConfig) -> Any:
-    """The run's lease on its checkpoint location (docs/checkpoints.md#one-live-run-per-location),
-    renewed while it lives; another live run there is a ConfigError naming it (exit 2)."""
-    from koochak.loop.checkpoint.publication import checkpoint_store
-    from koochak.storage.lease import LeaseHeld, acquire_lease
-
-    key = "train.checkpoint_dir" if cfg.checkpoint_dir else "train.out_dir"
-    try:
-        held = acquire_lease(checkpoint_store(location), purpose=f"koochak run in {cfg.out_dir}")
-    except LeaseHeld as exc:
-        raise ConfigError(f"{key}: {exc}") from None
-    return held.keep_renewed()
 
 
 # ------------------------------------------------------------------ per-step helpers, in run order
@@ -594,10 +584,12 @@ def _check_health(
     device: torch.device,
     checkpoints: Checkpointer,
     metrics: Any,
+    lease: Any = None,
 ) -> None:
     """Every rank checks its device; one bad device makes all save a terminal checkpoint, exit 79."""
     verdict = health.check(step)
     if ddp.any_rank(not verdict.healthy, device):
+        check_held(lease, dist.get_world_size(), step + 1)
         path, _ = checkpoints.terminal("gpu_health", step + 1, metrics, best_effort=True)
         raise GpuUnhealthy(step + 1, verdict, path)
 
