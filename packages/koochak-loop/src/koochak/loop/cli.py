@@ -36,8 +36,8 @@ from koochak.loop.config import (
     load_config_with_report,
     to_container,
 )
-from koochak.loop.declared import check_declared_sections, keyword_values
 from koochak.loop.console import console_logging, set_level
+from koochak.loop.declared import check_declared_sections, keyword_values
 from koochak.loop.dist import exit_distributed_process
 from koochak.loop.evacuation import Evacuated, make_evacuation
 from koochak.loop.health import GpuUnhealthy

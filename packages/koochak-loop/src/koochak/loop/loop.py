@@ -50,9 +50,9 @@ from koochak.loop.resume_config import (
     format_change,
     schedule_follows_max_steps,
 )
+from koochak.loop.run_lease import check_held, hold_location
 from koochak.loop.state_dicts import match_state_dict_to_model, unwrap_model
 from koochak.loop.throughput import make_throughput_hooks
-from koochak.loop.run_lease import check_held, hold_location
 
 _NULL = contextlib.nullcontext()
 _END = object()

@@ -276,7 +276,11 @@ def make_history_hooks(
             return  # refused before it started: not an attempt
         exc = info.get("exception")
         reason = "gpu_health" if isinstance(exc, GpuUnhealthy) else "failed"
-        error = f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:300] if exc else None
+        error = None
+        if exc is not None:  # masked before it is cut, like every other line a run writes
+            from koochak.loop.masking import mask_text
+
+            error = mask_text(f"{type(exc).__name__}: {' '.join(str(exc).split())}")[:300]
         end(int(info.get("step", 0)), reason, None, error)
 
     first = {
