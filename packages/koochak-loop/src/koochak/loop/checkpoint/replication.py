@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from koochak.loop.checkpoint import retention
 from koochak.loop.checkpoint.background import lower_this_threads_priority
 from koochak.loop.checkpoint.format import CHECKPOINT_PATTERN, step_of_name
 from koochak.loop.checkpoint.publication import unpublish_checkpoint
@@ -485,9 +486,7 @@ class Replicator:
         # The best by keep_best_k stay queued too: retention spares them on arrival (the best of
         # what waits; the tier's own pruning then judges among everything it holds).
         spared = self._spare(self.first, waiting) if self._spare is not None else set()
-        for dropped in waiting[:-keep]:
-            if dropped in spared:
-                continue
+        for dropped in retention.to_drop(waiting[::-1], keep_last_k=keep, best=spared):
             lane.queue.remove(dropped)
             log.warning("%s is %d checkpoints behind: %s will not be replicated there "
                         "(keep_last_k=%d newer ones are waiting)",
@@ -505,14 +504,12 @@ class Replicator:
         if keep is None:
             return
         store = lane.tier.store
-        candidates = artifact.published_candidates(store, CHECKPOINT_PATTERN)
-        spared = self._spared(store, candidates)
-        for _, key in candidates[keep:]:
-            if key in spared:
-                continue
-            with self._cond:
-                if any(other.busy == key and other.source is store for other in self._lanes):
-                    continue  # another tier copies it from here (pruned once that copy ends)
+        names = retention.committed_names(store)
+        spared = self._spared(store, names)
+        with self._cond:
+            # Another tier copying from here: pruned once that copy ends.
+            copying = {other.busy for other in self._lanes if other.source is store}
+            for key in retention.to_drop(names, keep_last_k=keep, best=spared, in_flight=copying):
                 unpublish_checkpoint(store, key)
                 lane.committed.discard(key)
 
@@ -521,21 +518,21 @@ class Replicator:
         (unless prune_unreplicated) nor one a tier is copying."""
         if self.first_keep is None:
             return
-        candidates = artifact.published_candidates(self.first, CHECKPOINT_PATTERN)
-        spared = self._spared(self.first, candidates)
-        held = []
+        names = retention.committed_names(self.first)
+        spared = self._spared(self.first, names)
         with self._cond:
-            for _, key in candidates[self.first_keep :]:
-                if key in spared:
-                    continue
-                if any(lane.busy == key and lane.source is self.first for lane in self._lanes):
-                    continue  # a tier copies it from here right now
-                durable = any(key in lane.committed for lane in self._lanes)
-                if not durable and not self.prune_unreplicated:
-                    held.append(key)
-                    continue
+            verdict = retention.judge(
+                names,
+                keep_last_k=self.first_keep,
+                best=spared,
+                in_flight={lane.busy for lane in self._lanes if lane.source is self.first},
+                durable=set().union(*(lane.committed for lane in self._lanes)),
+                prune_unreplicated=self.prune_unreplicated,
+            )
+            for key in verdict.drop:
                 unpublish_checkpoint(self.first, key)
                 self._committed_at.pop(key, None)
+            held = verdict.held
             # Until every tier has been compared with the first, "no replica holds it" may only
             # mean "not looked yet": say so only once it is known.
             known = all(lane.scanned for lane in self._lanes)
@@ -547,11 +544,11 @@ class Replicator:
                         "until a durable tier holds them: %s", self.first.location, len(held),
                         self.first_keep, ", ".join(fresh))  # fmt: skip
 
-    def _spared(self, store: Store, candidates: list[tuple[int, str]]) -> set[str]:
+    def _spared(self, store: Store, names: list[str]) -> set[str]:
         """What ``spare`` (keep_best_k) keeps in ``store`` whatever its keep_last_k says."""
         if self._spare is None:
             return set()
-        return self._spare(store, [key for _, key in candidates])
+        return self._spare(store, names)
 
 
 def _path(store: Store, publication: artifact.Publication) -> str:

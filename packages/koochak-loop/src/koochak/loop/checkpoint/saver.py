@@ -33,24 +33,21 @@ from typing import Any
 
 import torch
 from koochak.loop import ddp, dist
+from koochak.loop.checkpoint import retention
 from koochak.loop.checkpoint.background import lower_this_threads_priority
 from koochak.loop.checkpoint.format import (
-    CHECKPOINT_PATTERN,
     build_checkpoint,
     checkpoint_name,
-    step_of_name,
 )
 from koochak.loop.checkpoint.host_buffers import HostBuffers, HostCopy
 from koochak.loop.checkpoint.publication import (
     checkpoint_store,
     publication_path,
     publish,
-    unpublish_checkpoint,
 )
 from koochak.loop.checkpoint.replication import ReplicaTier, ReplicationEvent, Replicator
 from koochak.loop.checkpoint.serialization import (
     SplitCheckpoint,
-    read_checkpoint,
     split_checkpoint,
 )
 from koochak.loop.checkpoint.tiers import ReplicationSettings, replication_settings
@@ -60,15 +57,6 @@ from koochak.storage import artifact
 from koochak.storage.store import Store
 
 log = logging.getLogger("koochak.loop.checkpoint")
-
-
-def _score(value: Any) -> float | None:
-    """A metric value usable for ranking: a finite real number, else None."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        return None
-    return float(value)
 
 
 class CheckpointPublishError(RuntimeError):
@@ -313,7 +301,7 @@ class CheckpointSaver:
         self.keep_last_k = keep_last_k
         # (k, metric, "min"|"max"): the k best checkpoints by metric are never pruned.
         self.keep_best = keep_best
-        self._scores: dict[str, float | None] = {}
+        self._tracker = retention.best_of(keep_best)
         self.async_publish = async_publish
         self.parts = parts
         self.on_checkpoint = on_checkpoint
@@ -356,8 +344,8 @@ class CheckpointSaver:
         """
         name = checkpoint_name(int(ckpt["step"]))
         store = self.store
-        if self.keep_best is not None:
-            self._scores[name] = _score((ckpt.get("metrics") or {}).get(self.keep_best[1]))
+        if self._tracker is not None:
+            self._tracker.note(name, ckpt.get("metrics"))
         replicator = self._replicator
         if replicator is not None:
             replicator.wait_for_room()  # the lag bound: the run slows rather than piling up
@@ -465,43 +453,19 @@ class CheckpointSaver:
 
     def _prune_keeping_best(self) -> None:
         """Keep the newest ``keep_last_k`` and the ``k`` best by the metric; unpublish the rest
-        (manifest first, then the object, then any parts). A checkpoint without the metric is
-        never among the best."""
-        assert self.keep_best is not None and self.keep_last_k is not None
-        candidates = artifact.published_candidates(self.store, CHECKPOINT_PATTERN)  # newest first
-        keep = {name for _, name in candidates[: self.keep_last_k]}
-        keep |= self._best(self.store, [name for _, name in candidates])
-        for _, name in candidates:
-            if name not in keep:
-                unpublish_checkpoint(self.store, name)
-                self._scores.pop(name, None)
+        (manifest first, then the object, then any parts)."""
+        assert self._tracker is not None and self.keep_last_k is not None
+        names = retention.committed_names(self.store)
+        best = self._tracker.best(self.store, names)
+        for name in retention.prune(
+            self.store, retention.to_drop(names, keep_last_k=self.keep_last_k, best=best)
+        ):
+            self._tracker.forget(name)
 
     def _best(self, store: Store, names: list[str]) -> set[str]:
-        """The ``keep_best_k`` best of ``names`` (committed in ``store``) by the metric: what
-        no tier's retention removes. A checkpoint without the metric is never among them."""
-        if self.keep_best is None:
-            return set()
-        k, metric, mode = self.keep_best
-        scored = [(self._score_of(store, name, metric), -(step_of_name(name) or 0), name)
-                  for name in names]  # fmt: skip
-        ranked = sorted(
-            (t for t in scored if t[0] is not None),
-            key=lambda t: (t[0] if mode == "min" else -t[0], t[1]),  # ties: the newer
-        )
-        return {name for _, _, name in ranked[:k]}
-
-    def _score_of(self, store: Store, name: str, metric: str) -> float | None:
-        """The metric of a published checkpoint: remembered from this run's saves, else read
-        once from the checkpoint in ``store`` (one from an earlier attempt; either layout)."""
-        if name not in self._scores:
-            try:
-                _, data = artifact.read_verified(store, name)
-                metrics = read_checkpoint(store, name, data, name).get("metrics") or {}
-                self._scores[name] = _score(metrics.get(metric))
-            except (artifact.InvalidArtifact, ValueError, OSError) as exc:
-                log.warning("keep_best_k: cannot read %s (%s); it is ranked as not best", name, exc)
-                self._scores[name] = None
-        return self._scores[name]
+        """The ``keep_best_k`` best of ``names`` (committed in ``store``): what no tier's
+        retention removes."""
+        return self._tracker.best(store, names) if self._tracker is not None else set()
 
     def _hold(self, name: str, ckpt: Mapping[str, Any]) -> None:
         """Keep the dict for ``on_checkpoint`` until the first replica commits it (the newest
@@ -562,7 +526,6 @@ class ShardedSaver:
     # The same keep_best_k pruning as one process's saver (rank 0 runs it, after the commit).
     _prune_keeping_best = CheckpointSaver._prune_keeping_best
     _best = CheckpointSaver._best
-    _score_of = CheckpointSaver._score_of
 
     def __init__(
         self,
@@ -577,7 +540,7 @@ class ShardedSaver:
         self.location = location
         self.keep_last_k = keep_last_k
         self.keep_best = keep_best
-        self._scores: dict[str, float | None] = {}
+        self._tracker = retention.best_of(keep_best)
         self.parts = parts
         self.async_publish = async_publish
         self.on_checkpoint = on_checkpoint
@@ -608,8 +571,8 @@ class ShardedSaver:
         from koochak.loop.checkpoint.sharded import freeze
 
         store, name = self.store, checkpoint_name(int(ckpt["step"]))
-        if self.keep_best is not None:
-            self._scores[name] = _score((ckpt.get("metrics") or {}).get(self.keep_best[1]))
+        if self._tracker is not None:
+            self._tracker.note(name, ckpt.get("metrics"))
 
         def announce(publication: artifact.Publication) -> str:
             path = publication_path(store, publication)
