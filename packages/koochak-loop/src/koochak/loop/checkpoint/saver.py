@@ -40,16 +40,12 @@ from koochak.loop.checkpoint.format import (
     checkpoint_name,
 )
 from koochak.loop.checkpoint.host_buffers import HostBuffers, HostCopy
+from koochak.loop.checkpoint.layouts import COORDINATOR, FOLLOWER, ROLES, Layout, Whole, layout_for
 from koochak.loop.checkpoint.publication import (
     checkpoint_store,
     publication_path,
-    publish,
 )
 from koochak.loop.checkpoint.replication import ReplicaTier, ReplicationEvent, Replicator
-from koochak.loop.checkpoint.serialization import (
-    SplitCheckpoint,
-    split_checkpoint,
-)
 from koochak.loop.checkpoint.tiers import ReplicationSettings, replication_settings
 from koochak.loop.config import TrainConfig
 from koochak.loop.seed import get_rng_state
@@ -220,36 +216,23 @@ def make_checkpointer(
 ) -> Checkpointer:
     """The loop's Checkpointer: saves every ``train.ckpt_every`` updates to
     ``train.checkpoint_dir`` (else ``out_dir``), keeping ``keep_last_k``, async with
-    ``checkpoint_async``, replicated to ``checkpoint_replicas``; only rank 0 publishes, every
-    rank takes part in capturing. Under ``train.fsdp`` every rank writes its shards
-    (``ShardedSaver``, not replicated: the config refuses replicas with FSDP) and rank 0 commits
-    them."""
-    saver: Any = None
-    if cfg.fsdp.enabled:
-        saver = ShardedSaver(
-            cfg.checkpoint_dir or cfg.out_dir,
-            keep_last_k=cfg.keep_last_k or None,
-            parts=cfg.checkpoint_parts,
-            async_publish=cfg.checkpoint_async,
-            on_checkpoint=on_checkpoint if rank == 0 else None,
-            keep_best=(cfg.keep_best_k, cfg.keep_best_metric, cfg.keep_best_mode)
-            if cfg.keep_best_k
-            else None,
-        )
-    elif rank == 0:
-        saver = CheckpointSaver(
-            cfg.checkpoint_dir or cfg.out_dir,
-            keep_last_k=cfg.keep_last_k or None,
-            async_publish=cfg.checkpoint_async,
-            parts=cfg.checkpoint_parts,
-            on_checkpoint=on_checkpoint,
-            keep_best=(cfg.keep_best_k, cfg.keep_best_metric, cfg.keep_best_mode)
-            if cfg.keep_best_k
-            else None,
-            replication=replication_settings(cfg),
-            on_replication=on_replication,
-            resumed=checkpoint_name(int(resumed["step"])) if resumed else None,
-        )
+    ``checkpoint_async``, replicated to ``checkpoint_replicas``. Every rank holds a saver (rank 0
+    the coordinator, the others followers); the layout decides which of them write: under
+    ``train.fsdp`` every rank writes its shards, otherwise rank 0 alone."""
+    saver = CheckpointSaver(
+        cfg.checkpoint_dir or cfg.out_dir,
+        role=COORDINATOR if rank == 0 else FOLLOWER,
+        layout=layout_for(sharded=cfg.fsdp.enabled, parts=cfg.checkpoint_parts),
+        keep_last_k=cfg.keep_last_k or None,
+        async_publish=cfg.checkpoint_async,
+        on_checkpoint=on_checkpoint if rank == 0 else None,
+        keep_best=(cfg.keep_best_k, cfg.keep_best_metric, cfg.keep_best_mode)
+        if cfg.keep_best_k
+        else None,
+        replication=replication_settings(cfg),
+        on_replication=on_replication if rank == 0 else None,
+        resumed=checkpoint_name(int(resumed["step"])) if resumed else None,
+    )
     return Checkpointer(parts, saver, every=cfg.ckpt_every, max_steps=cfg.max_steps,
                         resumed=resumed, started=started)  # fmt: skip
 
@@ -265,16 +248,21 @@ def is_published_terminal(resumed: Mapping[str, Any] | None, step: int) -> bool:
 
 
 class CheckpointSaver:
-    """Publishes checkpoints to the checkpoint store and announces each one after it commits.
+    """One rank's saver, for every layout: publishes checkpoints, prunes them, replicates them
+    and announces each one after it commits.
+
+    ``role`` is ``"coordinator"`` (rank 0: commits, prunes, replicates, announces) or
+    ``"follower"``; ``layout`` (``layouts.Whole`` by default, ``parts`` its part count, or
+    ``layouts.Sharded``) decides who writes: a follower of the ``Whole`` layout writes nothing
+    and every call returns at once; under ``Sharded`` every rank's ``save`` is collective.
 
     ``on_checkpoint(info)`` receives ``step``, ``path``, ``checkpoint`` and ``publication``. With
     ``async_publish`` periodic saves go through one background thread; ``sync=True`` saves
-    (terminal, evacuation, GPU health) drain it first and publish on the calling thread.
-    ``parts`` is ``publish``'s: 1 for one file, more (or ``"auto"``) for parts.
-
-    An async save copies the checkpoint's tensors into host buffers that this saver keeps and
+    (terminal, evacuation, GPU health) drain it first and publish on the calling thread. An
+    async save copies the checkpoint's tensors into host buffers that this saver keeps and
     reuses (pinned for CUDA tensors), so its extra host memory is one checkpoint's tensors,
-    however many saves it makes.
+    however many saves it makes. A sharded async save's collectives run on a gloo group of its
+    own (created here, so every rank must build its saver at the same point).
 
     With ``replication`` (``train.checkpoint_replicas``) ``location`` is the first tier: each
     commit there is replicated in the background, ``on_checkpoint`` fires (with ``tier`` and
@@ -288,6 +276,8 @@ class CheckpointSaver:
         self,
         location: str | os.PathLike[str] | Store | None,
         *,
+        role: str = COORDINATOR,
+        layout: Layout | None = None,
         keep_last_k: int | None = None,
         async_publish: bool = False,
         parts: int | str = 1,
@@ -297,34 +287,48 @@ class CheckpointSaver:
         on_replication: Callable[[dict[str, Any]], None] | None = None,
         resumed: str | None = None,
     ) -> None:
+        if role not in ROLES:
+            raise ValueError(f"CheckpointSaver(role={role!r}): expected one of {ROLES}")
         self.location = location
+        self.role = role
+        self.layout: Layout = layout if layout is not None else Whole(parts)
+        self.parts = self.layout.parts
+        self.writes = self.layout.writes(role)
         self.keep_last_k = keep_last_k
-        # (k, metric, "min"|"max"): the k best checkpoints by metric are never pruned.
-        self.keep_best = keep_best
+        self.keep_best = keep_best  # (k, metric, "min"|"max"): the k best are never pruned
         self._tracker = retention.best_of(keep_best)
         self.async_publish = async_publish
-        self.parts = parts
         self.on_checkpoint = on_checkpoint
         self.on_replication = on_replication
         self._store: Store | None = None
         self._async: AsyncPublisher | None = None
         self._buffers = HostBuffers()
         self._replicator: Replicator | None = None
+        self._follower: Any = None  # a follower's share of replication (node-local tiers)
         self._held: dict[str, Mapping[str, Any]] = {}  # saved, not yet announced
+        self._group: Any = None
+        collective = self.layout.writes(FOLLOWER)
+        if collective and async_publish and dist.is_initialized() and dist.get_world_size() > 1:
+            self._group = torch.distributed.new_group(backend="gloo")
         if replication is not None:
-            self._replicator = Replicator(
-                self.store,
-                [
-                    ReplicaTier(tier.index, checkpoint_store(tier.location), tier.keep_last_k)
-                    for tier in replication.replicas
-                ],
-                first_keep_last_k=keep_last_k,
-                max_lag=replication.max_lag,
-                retry_s=replication.retry_s,
-                prune_unreplicated=replication.prune_unreplicated,
-                pull=resumed,
-                spare=self._best if keep_best is not None else None,
-            )
+            self._start_replication(replication, resumed)
+
+    def _start_replication(self, replication: ReplicationSettings, resumed: str | None) -> None:
+        if self.role != COORDINATOR:
+            return
+        self._replicator = Replicator(
+            self.store,
+            [
+                ReplicaTier(tier.index, checkpoint_store(tier.location), tier.keep_last_k)
+                for tier in replication.replicas
+            ],
+            first_keep_last_k=self.keep_last_k,
+            max_lag=replication.max_lag,
+            retry_s=replication.retry_s,
+            prune_unreplicated=replication.prune_unreplicated,
+            pull=resumed,
+            spare=self._best if self._tracker is not None else None,
+        )
 
     @property
     def store(self) -> Store:
@@ -338,10 +342,13 @@ class CheckpointSaver:
         return self._store
 
     def save(self, ckpt: Mapping[str, Any], *, sync: bool = False) -> str | None:
-        """Publish ``ckpt`` as ``step{N:09d}.pt``; returns its path (None while still in flight).
+        """Publish ``ckpt`` as ``step{N:09d}.pt``; returns its path (None while still in flight,
+        and on a rank that writes nothing).
 
         Replicated: a ``sync`` save returns once a durable tier holds it, and the path there.
         """
+        if not self.writes:
+            return None
         name = checkpoint_name(int(ckpt["step"]))
         store = self.store
         if self._tracker is not None:
@@ -371,9 +378,7 @@ class CheckpointSaver:
             # training moves on (and mutates the tensors) while it is written. The previous save
             # must be done first: its writers may still read the host buffers.
             self._async.drain()
-            split = split_checkpoint(ckpt)
-            copy = self._buffers.copy(split.tensors)
-            self._async.submit(name, (split.with_tensors(copy.tensors), copy), announce)
+            self._async.submit(name, self.layout.freeze(ckpt, self._buffers), announce)
             return None
         self.drain()
         # Training waits here, so the tensors cannot change: write straight from them.
@@ -386,8 +391,11 @@ class CheckpointSaver:
         """At the end of a run: wait until ``name`` is committed in a durable tier (for a
         ``terminal`` or ``stopped`` save in every replica tier that does not give up), deliver
         what happened, stop replicating; return its path in the first replica tier holding it.
-        Raises CheckpointReplicationError when none does. Without replicas: None.
+        Raises CheckpointReplicationError when none does. Without replicas, or on a follower:
+        None.
         """
+        if self._follower is not None:
+            self._follower.settle()
         replicator = self._replicator
         if replicator is None:
             return None
@@ -423,44 +431,46 @@ class CheckpointSaver:
             self._async.close()
         if self._replicator is not None:
             self._replicator.close()
+        if self._follower is not None:
+            self._follower.close()
 
-    def _publish(
-        self, name: str, data: Mapping[str, Any] | SplitCheckpoint
-    ) -> artifact.Publication:
+    def _publish(self, name: str, data: Any, group: Any = None) -> artifact.Publication:
+        """Write ``name`` in this layout, then (the coordinator) replicate or prune."""
         replicator = self._replicator
+        coordinator = self.role == COORDINATOR
         if replicator is not None:
             replicator.before_publish(name)
+        publication = self.layout.write(self.store, name, data, group)
+        if not coordinator:
+            return publication
+        if replicator is not None:
             # The first tier prunes through the replicator: never a checkpoint no replica holds
             # yet, never one of the best.
-            publication = publish(self.store, name, data, parts=self.parts)
             replicator.submit(name)
-            return publication
-        if self.keep_best is None or self.keep_last_k is None:
-            return publish(self.store, name, data, keep_last_k=self.keep_last_k, parts=self.parts)
-        publication = publish(self.store, name, data, parts=self.parts)  # pruned below
-        self._prune_keeping_best()
+        else:
+            self._prune()
         return publication
 
-    def _publish_copy(
-        self, name: str, frozen: tuple[SplitCheckpoint, HostCopy]
-    ) -> artifact.Publication:
+    def _publish_copy(self, name: str, frozen: tuple[Any, HostCopy]) -> artifact.Publication:
         """The background half of an async save: publish from the host copy, then free it."""
-        split, copy = frozen
+        data, copy = frozen
         try:
-            return self._publish(name, split)
+            return self._publish(name, data, self._group)
         finally:
             copy.release()
 
-    def _prune_keeping_best(self) -> None:
+    def _prune(self) -> None:
         """Keep the newest ``keep_last_k`` and the ``k`` best by the metric; unpublish the rest
         (manifest first, then the object, then any parts)."""
-        assert self._tracker is not None and self.keep_last_k is not None
+        if self.keep_last_k is None:
+            return
         names = retention.committed_names(self.store)
-        best = self._tracker.best(self.store, names)
+        best = self._best(self.store, names)
         for name in retention.prune(
             self.store, retention.to_drop(names, keep_last_k=self.keep_last_k, best=best)
         ):
-            self._tracker.forget(name)
+            if self._tracker is not None:
+                self._tracker.forget(name)
 
     def _best(self, store: Store, names: list[str]) -> set[str]:
         """The ``keep_best_k`` best of ``names`` (committed in ``store``): what no tier's
@@ -509,118 +519,6 @@ class CheckpointSaver:
 
 # Checkpoint dicts kept for their on_checkpoint (a checkpoint's tensors are the live ones).
 _HELD_CHECKPOINTS = 8
-
-
-class ShardedSaver:
-    """Every rank's saver under FSDP: ``save`` is collective (every rank writes its shards as
-    parts, rank 0 the index and the manifest; ``koochak.loop.checkpoint.sharded``).
-    ``on_checkpoint`` (rank 0's) is announced once the manifest has committed.
-
-    With ``async_publish`` a periodic save copies this rank's shards into reused host buffers on
-    the training thread and writes them on a background thread, whose collectives run on a gloo
-    group of their own (created here, so every rank must build its saver at the same point);
-    results and failures come back at ``poll``/``drain``, as for ``CheckpointSaver``.
-    ``keep_best`` is ``CheckpointSaver``'s: rank 0 prunes after each commit.
-    """
-
-    # The same keep_best_k pruning as one process's saver (rank 0 runs it, after the commit).
-    _prune_keeping_best = CheckpointSaver._prune_keeping_best
-    _best = CheckpointSaver._best
-
-    def __init__(
-        self,
-        location: str | os.PathLike[str] | Store | None,
-        *,
-        keep_last_k: int | None = None,
-        parts: int | str = 1,
-        async_publish: bool = False,
-        on_checkpoint: Callable[[dict[str, Any]], None] | None = None,
-        keep_best: tuple[int, str, str] | None = None,
-    ) -> None:
-        self.location = location
-        self.keep_last_k = keep_last_k
-        self.keep_best = keep_best
-        self._tracker = retention.best_of(keep_best)
-        self.parts = parts
-        self.async_publish = async_publish
-        self.on_checkpoint = on_checkpoint
-        self._store: Store | None = None
-        self._async: AsyncPublisher | None = None
-        self._buffers = HostBuffers()
-        self._group: Any = None
-        if async_publish and dist.is_initialized() and dist.get_world_size() > 1:
-            self._group = torch.distributed.new_group(backend="gloo")
-
-    @property
-    def store(self) -> Store:
-        if self._store is None:
-            if self.location is None:
-                raise ValueError("cannot save a checkpoint: train.checkpoint_dir and "
-                                 "train.out_dir are both unset; set one of them")  # fmt: skip
-            self._store = checkpoint_store(self.location)
-        return self._store
-
-    def settle(self, name: str, reason: str) -> str | None:
-        """The end of a rerun whose terminal checkpoint is already published: nothing to wait
-        for, since sharded saves are not replicated (replicas under FSDP are refused)."""
-        return None
-
-    def save(self, ckpt: Mapping[str, Any], *, sync: bool = False) -> str | None:
-        """Publish ``ckpt`` (this rank's capture) as ``step{N:09d}.pt``; returns its path (None
-        while a background save is still in flight)."""
-        from koochak.loop.checkpoint.sharded import freeze
-
-        store, name = self.store, checkpoint_name(int(ckpt["step"]))
-        if self._tracker is not None:
-            self._tracker.note(name, ckpt.get("metrics"))
-
-        def announce(publication: artifact.Publication) -> str:
-            path = publication_path(store, publication)
-            if self.on_checkpoint is not None:
-                self.on_checkpoint({"step": int(ckpt["step"]), "path": path, "checkpoint": ckpt,
-                                    "publication": publication})  # fmt: skip
-            return path
-
-        if self.async_publish and not sync:
-            if self._async is None:
-                self._async = AsyncPublisher(self._publish_frozen)
-            self._async.drain()  # its writers may still read the host buffers
-            self._async.submit(name, freeze(ckpt, self._buffers), announce)
-            return None
-        self.drain()
-        return announce(self._save(name, ckpt))
-
-    def _save(self, name: str, ckpt: Mapping[str, Any], group: Any = None) -> artifact.Publication:
-        from koochak.loop.checkpoint.sharded import save_sharded
-
-        best = self.keep_best is not None and self.keep_last_k is not None
-        publication = save_sharded(self.store, name, ckpt, parts=self.parts, group=group,
-                                   keep_last_k=None if best else self.keep_last_k)  # fmt: skip
-        if best and dist.get_rank() == 0:
-            self._prune_keeping_best()
-        return publication
-
-    def _publish_frozen(self, name: str, frozen: tuple[Any, HostCopy]) -> artifact.Publication:
-        ckpt, copy = frozen
-        try:
-            return self._save(name, ckpt, self._group)
-        finally:
-            copy.release()
-
-    def poll(self) -> None:
-        """Deliver a finished background save; raises if it failed."""
-        if self._async is not None:
-            self._async.poll()
-
-    def drain(self) -> None:
-        """Wait for the background save in flight (if any) and deliver it."""
-        if self._async is not None:
-            self._async.drain()
-
-    def close(self) -> None:
-        """On an error path: let an in-flight save finish without masking the error."""
-        if self._async is not None:
-            self._async.close()
 
 
 class AsyncPublisher:

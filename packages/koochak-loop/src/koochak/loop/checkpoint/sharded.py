@@ -129,6 +129,7 @@ def save_sharded(
     keep_last_k: int | None = None,
     workers: int | None = None,
     group: Any = None,
+    written: list[tuple[str, int, str]] | None = None,
 ) -> artifact.Publication:
     """Publish ``ckpt``, whose sharded tensors are DTensors, as checkpoint ``name``: every rank
     must call it at once, with its own capture of the same step. Returns the Publication (on
@@ -137,7 +138,8 @@ def save_sharded(
     ``parts`` is the number of parts each rank cuts its shards into (``"auto"``: as
     ``resolve_parts`` decides for its bytes). ``group`` is the process group (of every rank)
     its few object collectives use: a background save passes a gloo group of its own, so they
-    never meet the training thread's collectives.
+    never meet the training thread's collectives. ``written`` receives this rank's parts as
+    ``(key, size, sha256)`` (what it replicates from a node-local tier).
     """
     rank = dist.get_rank()
     error = None
@@ -155,6 +157,8 @@ def save_sharded(
         report = _write_mine(store, name, split, numbers, leaves, parts, workers)
     except Exception as exc:
         report = _Report((), (), (), _message(exc))
+    if written is not None:
+        written.extend(report.parts)
     reports = _gather(report, group)
 
     outcome: Any = None
