@@ -236,7 +236,6 @@ def _scruffy_hooks() -> dict[str, list[Callable[[dict[str, Any]], None]]]:
 def _find_resume(cfg: DictConfig, mode: str) -> tuple[str | None, dict[str, Any] | None]:
     if mode != "auto":
         return None, None
-    location = str(cfg.train.checkpoint_dir or cfg.train.out_dir)
     if cfg.train.fsdp.enabled:
         # Every rank verifies a share of the parts and later reads only its own shards: that
         # needs the process group now (training_loop then uses the same one).
@@ -246,7 +245,7 @@ def _find_resume(cfg: DictConfig, mode: str) -> tuple[str | None, dict[str, Any]
         from koochak.loop.device import get_device
 
         setup_ddp(resolve_train_config(cfg.train), get_device(str(cfg.train.device)))
-        found = resume_checkpoint("auto", location, sharded=True)  # first tier only
+        found = resume_checkpoint("auto", checkpoint_locations(cfg.train), sharded=True)
     else:
         found = resolve_auto_resume(checkpoint_locations(cfg.train))  # every tier
     return (None, None) if found is None else (str(found[0]), found[1])

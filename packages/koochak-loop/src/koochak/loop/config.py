@@ -424,12 +424,8 @@ def _check_values(values: Mapping[str, Any], section: str) -> None:
             "train.fsdp.enabled and train.ddp are both true: FSDP already keeps the ranks' "
             "gradients in step; set train.ddp: false"
         )
-    if isinstance(fsdp, Mapping) and fsdp.get("enabled") and values.get("checkpoint_replicas"):
-        raise ConfigError(
-            "train.checkpoint_replicas with train.fsdp.enabled: sharded checkpoints are not "
-            "replicated between tiers yet; remove train.checkpoint_replicas (or set "
-            "train.checkpoint_dir to durable storage every rank reaches)"
-        )
+    if section == "train":
+        _check_node_local(values)
     if section == "optim.optimizer" and values.get("param_groups"):
         _check_param_groups(values)
     if section == "train" and values.get("keep_best_k") and not values.get("keep_best_metric"):
@@ -437,6 +433,28 @@ def _check_values(values: Mapping[str, Any], section: str) -> None:
             f"train.keep_best_k={values['keep_best_k']!r} needs train.keep_best_metric, the "
             "metric that ranks checkpoints (e.g. eval_loss, with keep_best_mode: min)"
         )
+
+
+def _check_node_local(values: Mapping[str, Any]) -> None:
+    """``{node}`` (one directory per node) only in ``train.checkpoint_dir``, and only with a
+    durable tier behind it: the nodes' directories together hold a checkpoint, none alone."""
+    where = values.get("checkpoint_dir")
+    if isinstance(where, str) and re.search(r"\{(?!node\})[^}]*\}", where):
+        raise ConfigError(
+            f"train.checkpoint_dir: {where!r}: the only placeholder is {{node}} (the node's index)"
+        )
+    if isinstance(where, str) and "{node}" in where and not values.get("checkpoint_replicas"):
+        raise ConfigError(
+            f"train.checkpoint_dir: {where!r} is node-local ({{node}}) but "
+            "train.checkpoint_replicas is empty; add a durable tier every node reaches"
+        )
+    for i, replica in enumerate(values.get("checkpoint_replicas") or ()):
+        location = replica.get("location") if isinstance(replica, Mapping) else replica
+        if isinstance(location, str) and "{node}" in location:
+            raise ConfigError(
+                f"train.checkpoint_replicas[{i}]: {location!r}: {{node}} is for the first tier "
+                "(train.checkpoint_dir) only; a replica is shared by every node"
+            )
 
 
 def _check_shard_modules(value: Any) -> None:

@@ -257,9 +257,9 @@ def resume_checkpoint(
     dataset) wins. Otherwise ``resume="auto"`` selects the highest valid published checkpoint
     (over every tier when ``location`` is a list): rank 0 chooses, every other rank reads and
     verifies the same commit (the same SHA256, from whichever tier it can reach), so all ranks
-    agree. ``sharded`` (FSDP): ``sharded.resolve_sharded`` instead (first tier only: sharded saves
-    are not replicated), whose checkpoint holds references that ``restore_training_state`` reads
-    as this rank's slabs.
+    agree. ``sharded`` (FSDP): ``sharded.resolve_sharded`` instead, whose checkpoint holds
+    references that ``restore_training_state`` reads
+    as this rank's slabs (over every tier, as above).
     """
     if resume is not None and resume not in RESUME_MODES:
         raise ValueError(
@@ -276,8 +276,7 @@ def resume_checkpoint(
     if sharded:  # FSDP: every rank verifies a share of the parts; tensors read at restore
         from koochak.loop.checkpoint.sharded_read import resolve_sharded
 
-        first = location[0] if isinstance(location, (list, tuple)) else location
-        found_sharded = resolve_sharded(first)
+        found_sharded = resolve_sharded(location)  # every tier
         return ResumePoint(*found_sharded) if found_sharded is not None else None
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return resolve_auto_resume(location)

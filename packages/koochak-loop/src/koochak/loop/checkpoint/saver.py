@@ -45,8 +45,19 @@ from koochak.loop.checkpoint.publication import (
     checkpoint_store,
     publication_path,
 )
-from koochak.loop.checkpoint.replication import ReplicaTier, ReplicationEvent, Replicator
-from koochak.loop.checkpoint.tiers import ReplicationSettings, replication_settings
+from koochak.loop.checkpoint.replication import (
+    FollowerReplicator,
+    ReplicaTier,
+    ReplicationEvent,
+    Replicator,
+)
+from koochak.loop.checkpoint.tiers import (
+    ReplicationSettings,
+    is_node_local,
+    node_index,
+    on_this_node,
+    replication_settings,
+)
 from koochak.loop.config import TrainConfig
 from koochak.loop.seed import get_rng_state
 from koochak.storage import artifact
@@ -219,8 +230,10 @@ def make_checkpointer(
     ``checkpoint_async``, replicated to ``checkpoint_replicas``. Every rank holds a saver (rank 0
     the coordinator, the others followers); the layout decides which of them write: under
     ``train.fsdp`` every rank writes its shards, otherwise rank 0 alone."""
+    location = cfg.checkpoint_dir or cfg.out_dir
     saver = CheckpointSaver(
-        cfg.checkpoint_dir or cfg.out_dir,
+        on_this_node(location),
+        node_local=is_node_local(location),
         role=COORDINATOR if rank == 0 else FOLLOWER,
         layout=layout_for(sharded=cfg.fsdp.enabled, parts=cfg.checkpoint_parts),
         keep_last_k=cfg.keep_last_k or None,
@@ -286,10 +299,12 @@ class CheckpointSaver:
         replication: ReplicationSettings | None = None,
         on_replication: Callable[[dict[str, Any]], None] | None = None,
         resumed: str | None = None,
+        node_local: bool = False,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"CheckpointSaver(role={role!r}): expected one of {ROLES}")
         self.location = location
+        self.node_local = node_local  # location is this node's directory ({node})
         self.role = role
         self.layout: Layout = layout if layout is not None else Whole(parts)
         self.parts = self.layout.parts
@@ -314,20 +329,34 @@ class CheckpointSaver:
             self._start_replication(replication, resumed)
 
     def _start_replication(self, replication: ReplicationSettings, resumed: str | None) -> None:
+        replicas = [
+            ReplicaTier(tier.index, checkpoint_store(tier.location), tier.keep_last_k)
+            for tier in replication.replicas
+        ]
+        # A node-local first tier under a layout where every rank writes: each node's ranks
+        # replicate their own parts; the coordinator waits for them in each replica.
+        nodes: list[int] = [node_index()]
+        if self.node_local and self.layout.writes(FOLLOWER) and dist.get_world_size() > 1:
+            nodes = [0] * dist.get_world_size()
+            torch.distributed.all_gather_object(nodes, node_index())
+        rank = dist.get_rank()
         if self.role != COORDINATOR:
+            if nodes[rank] != nodes[0]:
+                self._follower = FollowerReplicator(
+                    self.store, replicas, rank=rank, keep_last_k=self.keep_last_k,
+                    retry_s=replication.retry_s,
+                )  # fmt: skip
             return
         self._replicator = Replicator(
             self.store,
-            [
-                ReplicaTier(tier.index, checkpoint_store(tier.location), tier.keep_last_k)
-                for tier in replication.replicas
-            ],
+            replicas,
             first_keep_last_k=self.keep_last_k,
             max_lag=replication.max_lag,
             retry_s=replication.retry_s,
             prune_unreplicated=replication.prune_unreplicated,
             pull=resumed,
             spare=self._best if self._tracker is not None else None,
+            remote_writers={r for r, node in enumerate(nodes) if node != nodes[0]},
         )
 
     @property
@@ -383,7 +412,7 @@ class CheckpointSaver:
         self.drain()
         # Training waits here, so the tensors cannot change: write straight from them.
         path = announce(self._publish(name, ckpt))
-        if sync and replicator is not None:
+        if sync and (replicator is not None or self._follower is not None):
             return self.settle(name, str(ckpt.get("reason", "terminal")))
         return path
 
@@ -396,6 +425,7 @@ class CheckpointSaver:
         """
         if self._follower is not None:
             self._follower.settle()
+            self._follower.close()
         replicator = self._replicator
         if replicator is None:
             return None
@@ -441,6 +471,8 @@ class CheckpointSaver:
         if replicator is not None:
             replicator.before_publish(name)
         publication = self.layout.write(self.store, name, data, group)
+        if self._follower is not None:
+            self._follower.submit(name, getattr(self.layout, "last_written", ()))
         if not coordinator:
             return publication
         if replicator is not None:

@@ -25,7 +25,14 @@ from typing import Any
 
 import torch
 from koochak.loop import dist
-from koochak.loop.checkpoint.parts_index import Extent, Part, PartsIndex, Shard, TensorEntry
+from koochak.loop.checkpoint.parts_index import (
+    PART_INFIX,
+    Extent,
+    Part,
+    PartsIndex,
+    Shard,
+    TensorEntry,
+)
 from koochak.loop.checkpoint.parts_io import host_tensor, write_parts
 from koochak.loop.checkpoint.parts_plan import resolve_parts
 from koochak.loop.checkpoint.parts_tree import dtype_name
@@ -143,11 +150,17 @@ def save_sharded(
     """
     rank = dist.get_rank()
     error = None
-    if rank == 0:
-        try:
+    try:
+        if rank == 0:
             unpublish_checkpoint(store, name)  # parts are create-only: a retry starts clean
-        except Exception as exc:
-            error = _message(exc)
+        else:  # its own, in a directory of its node's (a node-local tier), if any are left
+            for info in store.list(f"{name}{PART_INFIX}{rank:05d}-"):
+                try:
+                    store.delete(info.key)
+                except FileNotFoundError:  # rank 0 cleared it (the tier is shared)
+                    pass
+    except Exception as exc:
+        error = _message(exc)
     _agree(error, f"saving {name}", group)
 
     split, numbers, leaves = None, {}, []
