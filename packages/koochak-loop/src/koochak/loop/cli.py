@@ -262,6 +262,13 @@ def _check_launch(cfg: DictConfig) -> None:
         check_launch_environment()
     for location in checkpoint_locations(cfg.train):
         checkpoint_store(location)
+    from koochak.loop.config import resolve_train_config
+
+    train = resolve_train_config(cfg.train)
+    if len(checkpoint_locations(train)) > 1:  # every tier reachable, writable and this run's
+        from koochak.loop.checkpoint.tier_marker import claim_tiers
+
+        claim_tiers(train, write=int(os.environ.get("RANK", "0")) == 0)
 
 
 def _prepare(args: argparse.Namespace) -> dict[str, Any]:

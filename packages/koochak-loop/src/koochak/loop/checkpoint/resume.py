@@ -168,6 +168,7 @@ def _highest_valid(stores: Sequence[Store]) -> _Found | None:
     """
     candidates: dict[int, list[tuple[int, str]]] = {}
     listed_stores = []
+    gone: list[tuple[int, Store]] = []
     for tier, store in enumerate(stores):
         try:
             listed = artifact.published_candidates(store, CHECKPOINT_PATTERN)
@@ -178,11 +179,15 @@ def _highest_valid(stores: Sequence[Store]) -> _Found | None:
                         tier, store.location, type(exc).__name__, exc)  # fmt: skip
             continue
         if not listed and len(stores) > 1 and _vanished(store):
-            log.warning("skipping checkpoint tier %d (%s): it is gone (node-local storage on "
-                        "another node?)", tier, store.location)  # fmt: skip
+            gone.append((tier, store))
         listed_stores.append(store)
         for number, key in listed:
             candidates.setdefault(number, []).append((tier, key))
+    # Only a tier missing while another holds the run's checkpoints is "gone": in a fresh run
+    # none exists yet, and that is no news.
+    for tier, store in gone if candidates else ():
+        log.warning("skipping checkpoint tier %d (%s): it is gone (node-local storage on "
+                    "another node?)", tier, store.location)  # fmt: skip
     chosen = -1
     found = None
     for number in sorted(candidates, reverse=True):

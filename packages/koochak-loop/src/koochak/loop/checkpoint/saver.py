@@ -84,6 +84,7 @@ def capture_checkpoint(
     metrics: Mapping[str, Any] | None,
     ema: Any = None,
     data: Callable[[int], Mapping[str, Any]] | None = None,
+    run_id: str | None = None,
 ) -> dict[str, Any]:
     """Build the checkpoint dict; every rank must call it (it gathers per-rank RNG states).
 
@@ -110,6 +111,7 @@ def capture_checkpoint(
         metrics=metrics,
         ema=ema.state_dict() if ema is not None else None,
         data=data(next_step) if data is not None else None,
+        run_id=run_id,
     )
     return ckpt
 
