@@ -265,10 +265,12 @@ def _check_launch(cfg: DictConfig) -> None:
     from koochak.loop.config import resolve_train_config
 
     train = resolve_train_config(cfg.train)
-    if len(checkpoint_locations(train)) > 1:  # every tier reachable, writable and this run's
-        from koochak.loop.checkpoint.tier_marker import claim_tiers
+    from koochak.loop.checkpoint.tier_marker import check_reachable, claim_tiers
 
+    if len(checkpoint_locations(train)) > 1:  # every tier reachable, writable and this run's
         claim_tiers(train, write=int(os.environ.get("RANK", "0")) == 0)
+    else:
+        check_reachable(train)
 
 
 def _prepare(args: argparse.Namespace) -> dict[str, Any]:

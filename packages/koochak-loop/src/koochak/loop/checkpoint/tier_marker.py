@@ -140,6 +140,7 @@ def claim_tiers(cfg: TrainConfig, *, write: bool = True) -> str:
         store = None
         try:
             store = checkpoint_store(tier.location)
+            store.list(MARKER_KEY)  # a bucket that does not exist fails here, not as "no marker"
             markers.append(read_marker(store))
             stores.append(store)
         except ValueError as exc:
@@ -203,10 +204,23 @@ def claim_tiers(cfg: TrainConfig, *, write: bool = True) -> str:
 
 
 def _lasting(exc: BaseException) -> bool:
-    """An error a retry will not cure: no such bucket or directory, no access, no credentials."""
+    """An error a retry will not cure: no such bucket or directory, no access, no credentials
+    (a store's transient errors are OSErrors: EIO, a host down, a timeout)."""
     if isinstance(exc, (FileNotFoundError, PermissionError, NotADirectoryError, ValueError)):
         return True
-    return "credential" in str(exc).lower()
+    text = str(exc).lower()
+    return not isinstance(exc, OSError) or "credential" in text or "does not exist" in text
+
+
+def check_reachable(cfg: TrainConfig) -> None:
+    """Every tier can be listed (a bucket that does not exist, missing credentials: refused,
+    ConfigError naming the key); what ``claim_tiers`` checks first, for a run without replicas."""
+    for tier, key in zip(checkpoint_tiers(cfg), tier_keys(cfg)):
+        try:
+            checkpoint_store(tier.location).list(MARKER_KEY)
+        except Exception as exc:
+            if _lasting(exc):
+                raise _fail(key, tier.location, "cannot be read", exc) from None
 
 
 def _check_parent(key: str, location: Any) -> None:
