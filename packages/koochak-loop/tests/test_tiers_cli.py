@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import test_cli  # noqa: E402
 from koochak.loop.cli import main  # noqa: E402
-from test_cli import project  # noqa: E402,F401  (the fixture: a user project and its config)
+
+project = test_cli.project  # the fixture: a user project in the working directory, its config
 
 
 def _train(config, *overrides):
