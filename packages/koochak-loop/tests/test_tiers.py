@@ -177,6 +177,11 @@ def test_replicas_with_fsdp_are_accepted_and_node_local_first_tiers_are_checked(
     )  # fmt: skip
     cfg = load_config(path)
     assert checkpoint_locations(cfg.train) == [str(tmp_path / "n0"), "/a"]
+    from koochak.loop.checkpoint.settings import CheckpointConfig
+
+    typed = CheckpointConfig.of(cfg.train)  # the component's one typed record of train.*
+    assert typed.location == str(tmp_path / "n0") and typed.node_local and typed.sharded
+    assert [t.location for t in typed.replication.replicas] == ["/a"]
     with pytest.raises(ConfigError, match=r"train.checkpoint_dir: .*train.checkpoint_replicas"):
         load_config(None, [f"train.checkpoint_dir='{tmp_path}/n{{node}}'"])
     with pytest.raises(ConfigError, match=r"train.checkpoint_replicas\[0\].*first tier"):

@@ -51,12 +51,10 @@ from koochak.loop.checkpoint.replication import (
     ReplicationEvent,
     Replicator,
 )
+from koochak.loop.checkpoint.settings import CheckpointConfig
 from koochak.loop.checkpoint.tiers import (
     ReplicationSettings,
-    is_node_local,
     node_index,
-    on_this_node,
-    replication_settings,
 )
 from koochak.loop.config import TrainConfig
 from koochak.loop.seed import get_rng_state
@@ -218,7 +216,7 @@ class Checkpointer:
 
 
 def make_checkpointer(
-    cfg: TrainConfig,
+    cfg: TrainConfig | CheckpointConfig,
     parts: Mapping[str, Any],
     *,
     rank: int,
@@ -227,28 +225,27 @@ def make_checkpointer(
     on_checkpoint: Callable[[dict[str, Any]], None] | None,
     on_replication: Callable[[dict[str, Any]], None] | None = None,
 ) -> Checkpointer:
-    """The loop's Checkpointer: saves every ``train.ckpt_every`` updates to
+    """The loop's Checkpointer, from the component's typed config (``CheckpointConfig``, built
+    once from the flat ``train.*`` keys): saves every ``train.ckpt_every`` updates to
     ``train.checkpoint_dir`` (else ``out_dir``), keeping ``keep_last_k``, async with
     ``checkpoint_async``, replicated to ``checkpoint_replicas``. Every rank holds a saver (rank 0
     the coordinator, the others followers); the layout decides which of them write: under
     ``train.fsdp`` every rank writes its shards, otherwise rank 0 alone."""
-    location = cfg.checkpoint_dir or cfg.out_dir
+    ck = cfg if isinstance(cfg, CheckpointConfig) else CheckpointConfig.of(cfg)
     saver = CheckpointSaver(
-        on_this_node(location),
-        node_local=is_node_local(location),
+        ck.location,
+        node_local=ck.node_local,
         role=COORDINATOR if rank == 0 else FOLLOWER,
-        layout=layout_for(sharded=cfg.fsdp.enabled, parts=cfg.checkpoint_parts),
-        keep_last_k=cfg.keep_last_k or None,
-        async_publish=cfg.checkpoint_async,
+        layout=layout_for(sharded=ck.sharded, parts=ck.parts),
+        keep_last_k=ck.keep_last_k,
+        async_publish=ck.async_publish,
         on_checkpoint=on_checkpoint if rank == 0 else None,
-        keep_best=(cfg.keep_best_k, cfg.keep_best_metric, cfg.keep_best_mode)
-        if cfg.keep_best_k
-        else None,
-        replication=replication_settings(cfg),
+        keep_best=ck.keep_best,
+        replication=ck.replication,
         on_replication=on_replication if rank == 0 else None,
         resumed=checkpoint_name(int(resumed["step"])) if resumed else None,
     )
-    return Checkpointer(parts, saver, every=cfg.ckpt_every, max_steps=cfg.max_steps,
+    return Checkpointer(parts, saver, every=ck.every, max_steps=ck.max_steps,
                         resumed=resumed, started=started)  # fmt: skip
 
 
