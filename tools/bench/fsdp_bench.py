@@ -324,7 +324,8 @@ def run_tiered(data: list[torch.Tensor], first: str, replicas: list[str]) -> flo
             optimizer=lambda model: torch.optim.AdamW(model.parameters(), lr=1e-3),
             train_cfg={"max_steps": len(data), "log_every": LOG_EVERY, "device": "cpu",
                        "out_dir": os.path.dirname(first.rstrip("/")), "checkpoint_dir": first,
-                       "checkpoint_replicas": replicas, "ckpt_every": max(1, len(data) // 4),
+                       "checkpoint_replicas": [{"location": r, "create": True} for r in replicas],
+                       "ckpt_every": max(1, len(data) // 4),
                        "keep_last_k": 2, "progress_bar": False, "shard_dataset": False,
                        "warn_unsharded": False,
                        "fsdp": {"enabled": True, "shard_modules": ["Block"]}},  # fmt: skip

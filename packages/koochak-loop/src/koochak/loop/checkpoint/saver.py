@@ -340,7 +340,7 @@ class CheckpointSaver:
             torch.distributed.all_gather_object(nodes, node_index())
         rank = dist.get_rank()
         if self.role != COORDINATOR:
-            if nodes[rank] != nodes[0]:
+            if len(nodes) > rank and nodes[rank] != nodes[0]:
                 self._follower = FollowerReplicator(
                     self.store, replicas, rank=rank, keep_last_k=self.keep_last_k,
                     retry_s=replication.retry_s,
