@@ -384,6 +384,9 @@ def scenario(out: str, what: str) -> None:
         os.environ["KOOCHAK_NODE_INDEX"] = str(rank())
         run(out, f"tiers{w}", checkpoint_dir=os.path.join(out, f"tiers{w}", "node{node}"),
             checkpoint_replicas=[os.path.join(out, f"tiers{w}", "durable")])  # fmt: skip
+    elif what == "tiersshared":  # one first tier every rank writes to, a durable one behind it
+        run(out, f"tiersshared{w}", checkpoint_replicas=[os.path.join(out, f"tiersshared{w}.d")],
+            checkpoint_async=True)  # fmt: skip
     elif what.startswith("tierscut"):  # tierscut<S>: resume tiers<S>'s step from the durable tier
         os.environ["KOOCHAK_NODE_INDEX"] = str(rank())
         source, name = what[len("tierscut") :], f"tierscut{what[len('tierscut'):]}to{w}"

@@ -5,6 +5,7 @@ directory every rank reaches is the durable tier behind it.
 - each node's directory holds its own ranks' parts, the coordinator's also the index and the
   manifest; the durable tier holds every committed checkpoint whole, committed there only
   once every rank's parts were verified;
+- a first tier every rank shares (async saves) replicates each sharded checkpoint whole;
 - with every first-tier directory gone, the checkpoint resumes from the durable tier on 2
   ranks (bit-identical to the uninterrupted run) and on 1 process (every sample exactly once,
   the same weights to float tolerance).
@@ -30,7 +31,7 @@ from test_fsdp import _final, _ids, _launch  # noqa: E402
 @pytest.fixture(scope="module")
 def out(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("fsdp_tiers")
-    _launch(out, 2, ["tiers", "tierscut2"])
+    _launch(out, 2, ["tiers", "tierscut2", "tiersshared"])
     _launch(out, 1, ["tierscut2"])
     return out
 
@@ -84,3 +85,15 @@ def test_with_the_first_tier_gone_1_process_resumes_from_the_durable_tier(out):
     final, resumed = _final(out, "tiers2")["model"], _final(out, "tierscut2to1")["model"]
     for key in final:
         assert torch.allclose(final[key], resumed[key], atol=1e-5, rtol=0), key
+
+
+def test_a_shared_first_tier_replicates_async_sharded_saves_whole(out):
+    from koochak.loop.checkpoint import checkpoint_name, load
+
+    steps = [checkpoint_name(world.SAVE_AT), checkpoint_name(world.MAX_STEPS)]
+    assert _manifests(out / "tiersshared2") == _manifests(out / "tiersshared2.d") == steps
+    durable = load(out / "tiersshared2.d" / steps[0])
+    first = load(out / "tiersshared2" / steps[0])
+    assert world.diff(first["model"], durable["model"], "model") == []
+    assert world.diff(_final(out, "tiersshared2")["model"], _final(out, "tiers2")["model"],
+                      "final") == []  # the same run whatever its tiers  # fmt: skip
