@@ -383,7 +383,8 @@ def scenario(out: str, what: str) -> None:
     elif what == "tiers":  # a node-local first tier ({node}: node = rank here) and a durable one
         os.environ["KOOCHAK_NODE_INDEX"] = str(rank())
         run(out, f"tiers{w}", checkpoint_dir=os.path.join(out, f"tiers{w}", "node{node}"),
-            checkpoint_replicas=[os.path.join(out, f"tiers{w}", "durable")])  # fmt: skip
+            checkpoint_replicas=[{"location": os.path.join(out, f"tiers{w}", "durable"),
+                                  "create": True}])  # fmt: skip
     elif what == "tiersshared":  # one first tier every rank writes to, a durable one behind it
         run(out, f"tiersshared{w}", checkpoint_replicas=[os.path.join(out, f"tiersshared{w}.d")],
             checkpoint_async=True)  # fmt: skip

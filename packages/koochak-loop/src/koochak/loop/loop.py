@@ -119,7 +119,8 @@ def training_loop(
     setup = ddp.setup_ddp(cfg, get_device(cfg.device))  # process group; device from LOCAL_RANK
     device, rank, world_size = setup.device, setup.rank, setup.world_size
     tiers = checkpoint_locations(cfg)  # checkpoint_dir (else out_dir), then any replicas
-    run_id = run_identity(cfg, rank)  # with replicas: every tier checked and marked first
+    # With replicas every tier is checked and marked first; the caller's checkpoint names the run.
+    run_id = run_identity(cfg, rank, checkpoint_dict)
     resume_path, checkpoint_dict = resume_checkpoint(
         resume, tiers, checkpoint_dict, auto_resume_path, sharded=cfg.fsdp.enabled
     ) or (None, None)

@@ -3,7 +3,8 @@
 ``claim_tiers`` runs once at the start of a run (rank 0), before any checkpoint is selected or
 written:
 
-1. the run's id: ``train.run_id``, else the first tier's marker's (a retry of the same run),
+1. the run's id: ``train.run_id``, else that of the checkpoint the caller resumes (a
+   ``checkpoint_dict`` passed to ``training_loop``), else the first tier's marker's (a retry),
    else one derived from ``train.out_dir``'s absolute path (``default_run_id``: a retry whose
    node-local first tier is gone is still the same run);
 2. every tier's marker ``koochak-tier.json`` (docs/formats.md, "Tier marker") is read, and
@@ -27,6 +28,7 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,10 +127,11 @@ def _fail(key: str, location: Any, what: str, exc: BaseException | None = None) 
     return ConfigError(f"{key} ({location}): {what}{why}")
 
 
-def claim_tiers(cfg: TrainConfig, *, write: bool = True) -> str:
+def claim_tiers(cfg: TrainConfig, *, write: bool = True, resumed_run: str | None = None) -> str:
     """Check and mark every tier of the run; return the run's id (see the module's docstring).
     ConfigError naming the key for every refusal. ``write=False`` (a rank other than 0 in a
-    preflight): every check that needs no write, nothing written."""
+    preflight): every check that needs no write, nothing written. ``resumed_run``: the run id
+    of a checkpoint the caller already chose to resume (it names the run, after ``train.run_id``)."""
     tiers = checkpoint_tiers(cfg)
     keys = tier_keys(cfg)
     replicas = check_replicas(cfg.checkpoint_replicas)
@@ -153,7 +156,8 @@ def claim_tiers(cfg: TrainConfig, *, write: bool = True) -> str:
             stores.append(store)
             markers.append(_UNREADABLE)
     first = markers[0] if markers[0] is not _UNREADABLE else None
-    run_id = cfg.run_id or (first.run_id if first is not None else None) or default_run_id(cfg)
+    run_id = (cfg.run_id or resumed_run or (first.run_id if first is not None else None)
+              or default_run_id(cfg))  # fmt: skip
     held: list[tuple[int, TierMarker]] = []
     for i, (store, marker, key) in enumerate(zip(stores, markers, keys)):
         location = tiers[i].location
@@ -239,17 +243,21 @@ def _check_parent(key: str, location: Any) -> None:
         )
 
 
-def run_identity(cfg: TrainConfig, rank: int) -> str:
+def run_identity(cfg: TrainConfig, rank: int, resumed: Mapping[str, Any] | None = None) -> str:
     """The run's id on every rank; with replicas, rank 0 first claims the tiers (``claim_tiers``)
-    and every rank raises the same ConfigError when it refuses one."""
+    and every rank raises the same ConfigError when it refuses one. ``resumed``: a checkpoint
+    the caller already chose to resume; its ``run_id`` names the run unless ``train.run_id``
+    does."""
+    resumed_run = resumed.get("run_id") if resumed is not None else None
+    resumed_run = resumed_run if isinstance(resumed_run, str) and resumed_run else None
     if len(checkpoint_tiers(cfg)) < 2:
-        return cfg.run_id or default_run_id(cfg)
+        return cfg.run_id or resumed_run or default_run_id(cfg)
     from koochak.loop import ddp
 
     outcome: tuple[str, str] | None = None
     if rank == 0:
         try:
-            outcome = ("ok", claim_tiers(cfg))
+            outcome = ("ok", claim_tiers(cfg, resumed_run=resumed_run))
         except ConfigError as exc:
             outcome = ("refused", str(exc))
         except Exception as exc:  # tell the other ranks before raising, or they wait forever
