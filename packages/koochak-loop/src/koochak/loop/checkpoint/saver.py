@@ -1,8 +1,10 @@
 """Saving a run's checkpoints: when, how (sync or async), and which rank does what.
 
 ``training_loop`` holds one ``Checkpointer``. Every rank captures each checkpoint
-(``capture_checkpoint`` gathers the per-rank RNG states); only rank 0's ``CheckpointSaver``
-publishes. Periodic saves come every ``train.ckpt_every`` updates; terminal ones (the end, an
+(``capture_checkpoint`` gathers the per-rank RNG states) and holds one ``CheckpointSaver``, the
+same class for every rank and layout: rank 0 is its coordinator (commits, prunes through
+``retention``, replicates, announces), the others followers; the layout (``layouts``) decides who
+writes (one file or parts: rank 0; sharded, under FSDP: every rank). Periodic saves come every ``train.ckpt_every`` updates; terminal ones (the end, an
 evacuation, a GPU-health stop) are synchronous, and every rank learns rank 0's outcome.
 
 With ``train.checkpoint_async`` periodic saves go through ``AsyncPublisher``: the training
