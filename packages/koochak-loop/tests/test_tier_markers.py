@@ -101,7 +101,7 @@ def test_a_second_run_sharing_a_replica_is_refused_and_the_first_run_keeps_its_c
     assert torch.equal(ckpt["model"]["weight"], first_a["model"]["weight"])
 
 
-def test_retries_are_one_run_and_an_explicit_run_id_is_kept_in_every_checkpoint(tmp_path):
+def test_retries_are_one_run_and_an_explicit_run_id_is_kept_in_every_checkpoint(tmp_path, caplog):
     shared = str(tmp_path / "shared")
     _run(tmp_path / "a", [shared], max_steps=3, run_id="exp-7")
     _run(tmp_path / "a", [shared], max_steps=5, run_id="exp-7")  # a longer retry
@@ -113,8 +113,11 @@ def test_retries_are_one_run_and_an_explicit_run_id_is_kept_in_every_checkpoint(
     import shutil
 
     shutil.rmtree(tmp_path / "c")
-    final = _run(tmp_path / "c", [str(tmp_path / "d")], max_steps=4)
+    with caplog.at_level(logging.WARNING, logger="koochak.loop.checkpoint"):
+        final = _run(tmp_path / "c", [str(tmp_path / "d")], max_steps=4)
     assert final["step"] == 4 and _committed(tmp_path / "c")
+    gone = [r.getMessage() for r in caplog.records if "it is gone" in r.getMessage()]
+    assert len(gone) == 1 and "train.checkpoint_replicas[0]" in gone[0]
 
 
 def test_a_marker_whose_run_committed_nothing_is_taken_over_with_one_line(tmp_path, caplog):

@@ -159,6 +159,8 @@ def claim_tiers(cfg: TrainConfig, *, write: bool = True, resumed_run: str | None
     run_id = (cfg.run_id or resumed_run or (first.run_id if first is not None else None)
               or default_run_id(cfg))  # fmt: skip
     held: list[tuple[int, TierMarker]] = []
+    if write and first is None and markers[0] is not _UNREADABLE:
+        _say_if_gone(stores, markers, keys, tiers, run_id)
     for i, (store, marker, key) in enumerate(zip(stores, markers, keys)):
         location = tiers[i].location
         if marker is _UNREADABLE:
@@ -205,6 +207,25 @@ def claim_tiers(cfg: TrainConfig, *, write: bool = True, resumed_run: str | None
             raise _fail(keys[i], tiers[i].location, f"belongs to run {marker.run_id!r}, not to "
                         f"this run {run_id!r} (another run marked it just now)")  # fmt: skip
     return run_id
+
+
+def _say_if_gone(stores: list[Store], markers: list[Any], keys: list[str], tiers: Any,
+                 run_id: str) -> None:  # fmt: skip
+    """One line when the first tier holds no marker while a replica holds this run's
+    checkpoints: the first tier is gone (node-local storage on another node, wiped)."""
+    for i in range(1, len(stores)):
+        marker = markers[i]
+        if marker is None or marker is _UNREADABLE or marker.run_id != run_id:
+            continue
+        try:
+            held = retention.committed_names(stores[i])
+        except Exception:
+            continue
+        if held:
+            log.warning("checkpoint tier 0 (%s) holds nothing of run %r although %s does: it is "
+                        "gone (node-local storage on another node?); resuming from the durable "
+                        "tiers", tiers[0].location, run_id, keys[i])  # fmt: skip
+            return
 
 
 def _lasting(exc: BaseException) -> bool:
