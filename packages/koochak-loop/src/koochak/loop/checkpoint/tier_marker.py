@@ -139,7 +139,7 @@ def claim_tiers(cfg: TrainConfig, *, write: bool = True, resumed_run: str | None
     markers: list[TierMarker | None] = []
     for i, (tier, key) in enumerate(zip(tiers, keys)):
         if i > 0 and not replicas[i - 1].create:
-            _check_parent(key, tier.location)
+            _check_parent(key, tier.location, [tiers[0].location, cfg.out_dir])
         store = None
         try:
             store = checkpoint_store(tier.location)
@@ -248,15 +248,27 @@ def check_reachable(cfg: TrainConfig) -> None:
                 raise _fail(key, tier.location, "cannot be read", exc) from None
 
 
-def _check_parent(key: str, location: Any) -> None:
-    """A directory replica must exist, or at least its parent (else: a typo; create: true)."""
+def _local_path(location: Any) -> str | None:
     if not isinstance(location, (str, os.PathLike)):
-        return
+        return None
     text = os.fspath(location)
     if "://" in text and not text.startswith("file://"):
+        return None
+    return os.path.realpath(os.path.expanduser(text.removeprefix("file://")))
+
+
+def _check_parent(key: str, location: Any, run_dirs: list[Any]) -> None:
+    """A directory replica must exist, or its parent, or its parent must be one this run creates
+    anyway (it holds ``run_dirs``: the first tier, out_dir); else it is a typo, unless
+    ``create: true``."""
+    path = _local_path(location)
+    if path is None:
         return
-    path = os.path.abspath(os.path.expanduser(text.removeprefix("file://")))
+    text = os.fspath(location)
     parent = os.path.dirname(path.rstrip("/"))
+    ours = [p for p in map(_local_path, run_dirs) if p is not None]
+    if any(os.path.commonpath([parent, p]) == parent for p in ours):
+        return
     if not os.path.isdir(path) and not os.path.isdir(parent):
         raise ConfigError(
             f"{key} ({text}): neither it nor its parent directory {parent} exists (a typo?); "
