@@ -248,6 +248,8 @@ class _GatedStore(LocalStore):
         self.puts = 0
 
     def put(self, key, data, **expected):
+        if key == "koochak-tier.json":  # the tier marker, written when the run starts
+            return super().put(key, data, **expected)
         assert self.gate.wait(30), "test gate never opened"
         self.puts += 1
         return super().put(key, data, **expected)
