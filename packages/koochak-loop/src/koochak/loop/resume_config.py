@@ -50,6 +50,7 @@ HARMLESS = (
     "train.checkpoint_async",
     "train.checkpoint_replica*",  # tiers: where copies go, not how the run trains
     "train.checkpoint_prune_unreplicated",
+    "train.run_id",  # persistence: which run owns the tiers, not how it trains
     "train.evacuation_enabled",
     "train.evacuation_signal",
     "train.gpu_health_*",
