@@ -243,7 +243,6 @@ def _scruffy_hooks() -> dict[str, list[Callable[[dict[str, Any]], None]]]:
 def _find_resume(cfg: DictConfig, mode: str) -> tuple[str | None, dict[str, Any] | None]:
     if mode != "auto":
         return None, None
-    location = str(cfg.train.checkpoint_dir or cfg.train.out_dir)
     if cfg.train.fsdp.enabled:
         # Every rank verifies a share of the parts and later reads only its own shards: that
         # needs the process group now (training_loop then uses the same one).
@@ -253,7 +252,7 @@ def _find_resume(cfg: DictConfig, mode: str) -> tuple[str | None, dict[str, Any]
         from koochak.loop.device import get_device
 
         setup_ddp(resolve_train_config(cfg.train), get_device(str(cfg.train.device)))
-        found = resume_checkpoint("auto", location, sharded=True)  # first tier only
+        found = resume_checkpoint("auto", checkpoint_locations(cfg.train), sharded=True)
     else:
         found = resolve_auto_resume(checkpoint_locations(cfg.train))  # every tier
     return (None, None) if found is None else (str(found[0]), found[1])
@@ -270,6 +269,15 @@ def _check_launch(cfg: DictConfig) -> None:
         check_launch_environment("train.fsdp.enabled" if cfg.train.fsdp.enabled else "train.ddp")
     for location in checkpoint_locations(cfg.train):
         checkpoint_store(location)
+    from koochak.loop.config import resolve_train_config
+
+    train = resolve_train_config(cfg.train)
+    from koochak.loop.checkpoint.tier_marker import check_reachable, claim_tiers
+
+    if len(checkpoint_locations(train)) > 1:  # every tier reachable, writable and this run's
+        claim_tiers(train, write=int(os.environ.get("RANK", "0")) == 0)
+    else:
+        check_reachable(train)
 
 
 def _hold_location(cfg: DictConfig) -> None:

@@ -115,6 +115,10 @@ class TrainConfig:
     checkpoint_replication_max_lag: int = 2  # checkpoints a replica may trail before saves wait
     checkpoint_replication_retry_s: float = 10.0  # first retry after a failed copy (doubles)
     checkpoint_prune_unreplicated: bool = False  # prune the first tier before a replica holds it
+    # The run's stable id, kept in every checkpoint and in each tier's marker (docs/formats.md,
+    # "Tier marker"): a tier marked by another run is refused. null: the first tier's marker's
+    # (a retry), else derived from out_dir's absolute path. A persistence key: same run.
+    run_id: Optional[str] = None
     evacuation_enabled: bool = False
     evacuation_signal: str = "USR1"
     gpu_health_every: Optional[int] = None  # CUDA only; null or 0: no GPU health checks
@@ -434,12 +438,9 @@ def _check_values(values: Mapping[str, Any], section: str) -> None:
             "train.fsdp.enabled and train.ddp are both true: FSDP already keeps the ranks' "
             "gradients in step; set train.ddp: false"
         )
-    if isinstance(fsdp, Mapping) and fsdp.get("enabled") and values.get("checkpoint_replicas"):
-        raise ConfigError(
-            "train.checkpoint_replicas with train.fsdp.enabled: sharded checkpoints are not "
-            "replicated between tiers yet; remove train.checkpoint_replicas (or set "
-            "train.checkpoint_dir to durable storage every rank reaches)"
-        )
+    if section == "train":
+        _check_node_local(values)
+        _check_tier_paths(values)
     if section == "optim.optimizer" and values.get("param_groups"):
         _check_param_groups(values)
     if section == "train" and values.get("keep_best_k") and not values.get("keep_best_metric"):
@@ -447,6 +448,70 @@ def _check_values(values: Mapping[str, Any], section: str) -> None:
             f"train.keep_best_k={values['keep_best_k']!r} needs train.keep_best_metric, the "
             "metric that ranks checkpoints (e.g. eval_loss, with keep_best_mode: min)"
         )
+
+
+def _check_tier_paths(values: Mapping[str, Any]) -> None:
+    """No replica may be the first tier, another replica, or a directory inside or above one
+    of them, by real path (a symlink, ``<dir>/.``): its retention would prune the other's
+    checkpoints. Aliases paths cannot show (two mounts of one bucket) are the tier markers'."""
+    replicas = values.get("checkpoint_replicas") or ()
+    if not replicas or not isinstance(replicas, (list, tuple)):
+        return
+    first = values.get("checkpoint_dir") or values.get("out_dir") or "runs/default"
+    first_key = "train.checkpoint_dir" if values.get("checkpoint_dir") else "train.out_dir"
+    named = [(first_key, first)]
+    for i, replica in enumerate(replicas):
+        location = replica.get("location") if isinstance(replica, Mapping) else replica
+        named.append((f"train.checkpoint_replicas[{i}]", location))
+    seen: list[tuple[str, str, str]] = []
+    for key, location in named:
+        real = _real_directory(location)
+        if real is None:
+            continue
+        for other_key, other, other_real in seen:
+            if os.path.commonpath([real, other_real]) in (real, other_real):
+                how = ("is" if real == other_real else
+                       "is inside" if other_real == os.path.commonpath([real, other_real])
+                       else "holds")  # fmt: skip
+                raise ConfigError(
+                    f"{key}: {location!r} {how} {other_key} ({other!r}; both resolve to "
+                    f"{real if real == other_real else real + ' and ' + other_real}); a replica "
+                    "must be a storage of its own, or its retention prunes the other's checkpoints"
+                )
+        seen.append((key, str(location), real))
+
+
+def _real_directory(location: Any) -> str | None:
+    """The real path of a directory location (symlinks, ``.``, ``..`` resolved; ``{node}`` as
+    node 0); None for a URI."""
+    if not isinstance(location, str) or not location.strip():
+        return None
+    if "://" in location and not location.startswith("file://"):
+        return None
+    path = location.removeprefix("file://").replace("{node}", "0")
+    return os.path.realpath(os.path.expanduser(path))
+
+
+def _check_node_local(values: Mapping[str, Any]) -> None:
+    """``{node}`` (one directory per node) only in ``train.checkpoint_dir``, and only with a
+    durable tier behind it: the nodes' directories together hold a checkpoint, none alone."""
+    where = values.get("checkpoint_dir")
+    if isinstance(where, str) and re.search(r"\{(?!node\})[^}]*\}", where):
+        raise ConfigError(
+            f"train.checkpoint_dir: {where!r}: the only placeholder is {{node}} (the node's index)"
+        )
+    if isinstance(where, str) and "{node}" in where and not values.get("checkpoint_replicas"):
+        raise ConfigError(
+            f"train.checkpoint_dir: {where!r} is node-local ({{node}}) but "
+            "train.checkpoint_replicas is empty; add a durable tier every node reaches"
+        )
+    for i, replica in enumerate(values.get("checkpoint_replicas") or ()):
+        location = replica.get("location") if isinstance(replica, Mapping) else replica
+        if isinstance(location, str) and "{node}" in location:
+            raise ConfigError(
+                f"train.checkpoint_replicas[{i}]: {location!r}: {{node}} is for the first tier "
+                "(train.checkpoint_dir) only; a replica is shared by every node"
+            )
 
 
 def _check_shard_modules(value: Any) -> None:
@@ -481,13 +546,15 @@ class ReplicaConfig:
 
     location: str
     keep_last_k: Optional[int] = None
+    create: bool = False  # a directory whose parent does not exist is created, not refused
 
 
 def check_replicas(replicas: Any) -> tuple[ReplicaConfig, ...]:
     """``train.checkpoint_replicas`` as ReplicaConfig records; ConfigError naming the entry.
 
     Each entry is a location (a directory or ``scheme://`` URI) or a mapping with ``location``
-    and optionally ``keep_last_k`` (an integer >= 0, or null for every checkpoint).
+    and optionally ``keep_last_k`` (an integer >= 0, or null for every checkpoint) and
+    ``create`` (true: a directory whose parent does not exist is created; else refused at start).
     """
     where = "train.checkpoint_replicas"
     if replicas is None:
@@ -503,25 +570,28 @@ def check_replicas(replicas: Any) -> tuple[ReplicaConfig, ...]:
                 f"{where}[{i}]: expected a location or a mapping {{location, keep_last_k}}, "
                 f"got {entry!r}"
             )
-        unknown = sorted(str(k) for k in entry if k not in ("location", "keep_last_k"))
+        unknown = sorted(str(k) for k in entry if k not in ("location", "keep_last_k", "create"))
         if unknown:
             raise ConfigError(
-                f"{where}[{i}]: unknown key(s) {unknown}; expected location and keep_last_k"
+                f"{where}[{i}]: unknown key(s) {unknown}; expected location, keep_last_k, create"
             )
+        create = entry.get("create", False)
+        if not isinstance(create, bool):
+            raise ConfigError(f"{where}[{i}].create: expected true or false, got {create!r}")
         location = entry.get("location")
         if not isinstance(location, str) or not location.strip():
             raise ConfigError(
                 f"{where}[{i}].location: expected a directory or scheme:// URI, got {location!r}"
             )
         if "keep_last_k" not in entry:  # as many as the first tier
-            found.append(ReplicaConfig(location))
+            found.append(ReplicaConfig(location, create=create))
             continue
         keep = entry["keep_last_k"]
         if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 0):
             raise ConfigError(
                 f"{where}[{i}].keep_last_k: expected an integer >= 0 or null, got {keep!r}"
             )
-        found.append(ReplicaConfig(location, keep or 0))  # null or 0: every checkpoint
+        found.append(ReplicaConfig(location, keep or 0, create))  # null or 0: every checkpoint
     locations = [r.location.rstrip("/") for r in found]
     for i, location in enumerate(locations):
         if location in locations[:i]:

@@ -32,6 +32,7 @@ from koochak.loop.batch import to_device
 from koochak.loop.checkpoint.restore import restore_rng, restore_training_state
 from koochak.loop.checkpoint.resume import resume_checkpoint, resume_publication_path
 from koochak.loop.checkpoint.saver import Checkpointer, make_checkpointer
+from koochak.loop.checkpoint.tier_marker import run_identity
 from koochak.loop.checkpoint.tiers import checkpoint_locations
 from koochak.loop.config import TrainConfig, resolve_train_config
 from koochak.loop.device import get_device, get_lr
@@ -123,6 +124,8 @@ def training_loop(
     setup = ddp.setup_ddp(cfg, get_device(cfg.device))  # process group; device from LOCAL_RANK
     device, rank, world_size = setup.device, setup.rank, setup.world_size
     tiers = checkpoint_locations(cfg)  # checkpoint_dir (else out_dir), then any replicas
+    # With replicas every tier is checked and marked first; the caller's checkpoint names the run.
+    run_id = run_identity(cfg, rank, checkpoint_dict)
     resume_path, checkpoint_dict = resume_checkpoint(
         resume, tiers, checkpoint_dict, auto_resume_path, sharded=cfg.fsdp.enabled
     ) or (None, None)
@@ -189,7 +192,7 @@ def training_loop(
         # What every checkpoint is captured from (live objects: each capture reads them anew).
         parts = {"model": raw_model, "optimizer": optimizer, "scheduler": scheduler,
                  "scaler": scaler, "ema": ema, "config": _config_of(config_json, cfg),
-                 "data": data_cursor}  # fmt: skip
+                 "data": data_cursor, "run_id": run_id}  # fmt: skip
         checkpoints = make_checkpointer(
             cfg, parts, rank=rank, resumed=checkpoint_dict, started=started,
             on_checkpoint=lambda info: fire("on_checkpoint", info),

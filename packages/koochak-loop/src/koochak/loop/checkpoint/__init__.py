@@ -12,7 +12,10 @@
 - ``saver``: what ``training_loop`` does to save (periodic and terminal, sync or async);
 - ``export``: one consolidated weights file for inference (``export_weights``);
 - ``tiers`` and ``replication``: a first tier backed by durable replica tiers
-  (``train.checkpoint_replicas``), copies in the background, resume from any tier.
+  (``train.checkpoint_replicas``), copies in the background, resume from any tier;
+  ``tier_marker``: whose tier (the run id, ``koochak-tier.json``);
+- ``layouts`` and ``retention``: the two seams (who writes which objects; what a tier drops);
+  ``settings``: the component's typed ``CheckpointConfig``.
 
 Import the names below from ``koochak.loop.checkpoint``; see docs/checkpoints.md for how they fit
 together.

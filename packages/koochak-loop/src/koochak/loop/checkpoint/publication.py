@@ -220,11 +220,10 @@ def prune_checkpoints(store: Store, keep: int) -> list[str]:
     Only committed checkpoints (with a manifest) are counted and removed, each manifest first,
     then its object, then its parts, so a checkpoint still being published is never touched.
     """
-    removed = []
-    for _, name in artifact.published_candidates(store, CHECKPOINT_PATTERN)[keep:]:
-        unpublish_checkpoint(store, name)
-        removed.append(name)
-    return removed
+    from koochak.loop.checkpoint import retention
+
+    names = retention.committed_names(store)
+    return retention.prune(store, retention.to_drop(names, keep_last_k=keep))
 
 
 def checkpoint_objects(location: str | os.PathLike[str] | Store, name: str) -> list[str]:

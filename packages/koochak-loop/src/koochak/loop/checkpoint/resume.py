@@ -174,6 +174,7 @@ def _highest_valid(stores: Sequence[Store]) -> _Found | None:
     """
     candidates: dict[int, list[tuple[int, str]]] = {}
     listed_stores = []
+    gone: list[tuple[int, Store]] = []
     for tier, store in enumerate(stores):
         try:
             listed = artifact.published_candidates(store, CHECKPOINT_PATTERN)
@@ -184,11 +185,15 @@ def _highest_valid(stores: Sequence[Store]) -> _Found | None:
                         tier, store.location, type(exc).__name__, exc)  # fmt: skip
             continue
         if not listed and len(stores) > 1 and _vanished(store):
-            log.warning("skipping checkpoint tier %d (%s): it is gone (node-local storage on "
-                        "another node?)", tier, store.location)  # fmt: skip
+            gone.append((tier, store))
         listed_stores.append(store)
         for number, key in listed:
             candidates.setdefault(number, []).append((tier, key))
+    # Only a tier missing while another holds the run's checkpoints is "gone": in a fresh run
+    # none exists yet, and that is no news.
+    for tier, store in gone if candidates else ():
+        log.warning("skipping checkpoint tier %d (%s): it is gone (node-local storage on "
+                    "another node?)", tier, store.location)  # fmt: skip
     chosen = -1
     found = None
     for number in sorted(candidates, reverse=True):
@@ -275,9 +280,9 @@ def resume_checkpoint(
     dataset) wins. Otherwise ``resume="auto"`` selects the highest valid published checkpoint
     (over every tier when ``location`` is a list): rank 0 chooses, every other rank reads and
     verifies the same commit (the same SHA256, from whichever tier it can reach), so all ranks
-    agree. ``sharded`` (FSDP): ``sharded.resolve_sharded`` instead (first tier only: sharded saves
-    are not replicated), whose checkpoint holds references that ``restore_training_state`` reads
-    as this rank's slabs.
+    agree. ``sharded`` (FSDP): ``sharded.resolve_sharded`` instead, whose checkpoint holds
+    references that ``restore_training_state`` reads
+    as this rank's slabs (over every tier, as above).
     """
     if resume is not None and resume not in RESUME_MODES:
         raise ValueError(
@@ -294,8 +299,7 @@ def resume_checkpoint(
     if sharded:  # FSDP: every rank verifies a share of the parts; tensors read at restore
         from koochak.loop.checkpoint.sharded_read import resolve_sharded
 
-        first = location[0] if isinstance(location, (list, tuple)) else location
-        found_sharded = resolve_sharded(first)
+        found_sharded = resolve_sharded(location)  # every tier
         return ResumePoint(*found_sharded) if found_sharded is not None else None
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return resolve_auto_resume(location)

@@ -310,21 +310,36 @@ def resolve_sharded(location: Any) -> tuple[str, dict[str, Any]] | None:
     """The newest published checkpoint every part of which verifies, chosen by every rank
     together: ``(path, checkpoint)`` with ``StoredTensor`` references, or None to start fresh.
 
-    Rank 0 checks candidates newest first (``open_candidate``); every rank then hashes its share
-    of the chosen one's parts. A candidate that fails anywhere (a damaged, short or missing part)
-    is skipped on every rank with the reason logged; any other error (EIO) is raised on every
-    rank, because rolling a run back silently would waste the work since.
+    ``location`` is one location or a run's tiers (first tier first; each rank passes its own,
+    ``{node}`` resolved): the highest step in any tier wins, the first tier first for equal
+    steps. Rank 0 checks candidates newest first (``open_candidate``); every rank then hashes
+    its share of the chosen one's parts in the same tier. A candidate that fails anywhere (a
+    damaged, short or missing part, or one a node-local tier of another node holds) is skipped
+    on every rank with the reason logged; any other error (EIO) is raised on every rank,
+    because rolling a run back silently would waste the work since.
     """
     from koochak.loop.checkpoint.publication import checkpoint_store
 
-    store = checkpoint_store(location)
-    names = None
+    locations = list(location) if isinstance(location, (list, tuple)) else [location]
+    stores = [checkpoint_store(where) for where in locations]
+    order = None
     if dist.get_rank() == 0:
-        names = [name for _, name in artifact.published_candidates(store, CHECKPOINT_PATTERN)]
-    for name in _broadcast(names):
-        found = _choose(store, name)
-        if found is not None:
-            return found
+        found: list[tuple[int, int, str]] = []
+        for tier, store in enumerate(stores):
+            try:
+                listed = artifact.published_candidates(store, CHECKPOINT_PATTERN)
+            except OSError as exc:
+                if len(stores) == 1:
+                    raise
+                log.warning("skipping checkpoint tier %d (%s): cannot list it (%s: %s)",
+                            tier, store.location, type(exc).__name__, exc)  # fmt: skip
+                continue
+            found += [(-number, tier, name) for number, name in listed]
+        order = [(tier, name) for _, tier, name in sorted(found)]
+    for tier, name in _broadcast(order):
+        chosen = _choose(stores[tier], name)
+        if chosen is not None:
+            return chosen
     return None
 
 
