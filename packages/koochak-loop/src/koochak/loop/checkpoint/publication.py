@@ -18,6 +18,7 @@ import time
 from collections.abc import Generator, Iterable, Mapping
 from typing import Any
 
+import koochak.loop.checkpoint.retention as retention
 from koochak.loop.checkpoint.format import CHECKPOINT_PATTERN, LATEST_NAME, checkpoint_name
 from koochak.loop.checkpoint.layout_read import objects as _objects_by_layout
 from koochak.loop.checkpoint.parts_index import parse_index
@@ -220,10 +221,19 @@ def prune_checkpoints(store: Store, keep: int) -> list[str]:
     Only committed checkpoints (with a manifest) are counted and removed, each manifest first,
     then its object, then its parts, so a checkpoint still being published is never touched.
     """
-    from koochak.loop.checkpoint import retention
-
     names = retention.committed_names(store)
-    return retention.prune(store, retention.to_drop(names, keep_last_k=keep))
+    return remove_checkpoints(store, retention.to_drop(names, keep_last_k=keep))
+
+
+def remove_checkpoints(store: Store, names: Iterable[str]) -> list[str]:
+    """Remove each checkpoint of ``names`` from ``store`` (manifest, object, parts); the names.
+
+    How a retention verdict (``retention.to_drop``) is applied, in every tier."""
+    removed = []
+    for name in names:
+        unpublish_checkpoint(store, name)
+        removed.append(name)
+    return removed
 
 
 def checkpoint_objects(location: str | os.PathLike[str] | Store, name: str) -> list[str]:

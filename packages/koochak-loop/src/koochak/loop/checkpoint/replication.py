@@ -33,7 +33,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from koochak.loop.checkpoint import retention
+import koochak.loop.checkpoint.retention as retention
 from koochak.loop.checkpoint.background import lower_this_threads_priority
 from koochak.loop.checkpoint.format import CHECKPOINT_PATTERN, step_of_name
 from koochak.loop.checkpoint.parts_index import PART_INFIX

@@ -8,7 +8,8 @@ replication queues and ``publication.prune_checkpoints`` all decide through it, 
 changes in one place.
 
 ``BestCheckpoints`` ranks checkpoints by ``train.keep_best_metric``: what ``judge`` takes as
-``best``. ``prune`` applies a verdict to a store (manifest first, then object, then parts).
+``best``. ``publication.remove_checkpoints`` applies a verdict to a store (manifest first, then object,
+then parts).
 """
 
 from __future__ import annotations
@@ -72,17 +73,6 @@ def to_drop(committed: Sequence[str], **rules: Any) -> list[str]:
 def committed_names(store: Store) -> list[str]:
     """The numbered checkpoints committed in ``store``, newest first."""
     return [name for _, name in artifact.published_candidates(store, CHECKPOINT_PATTERN)]
-
-
-def prune(store: Store, names: Iterable[str]) -> list[str]:
-    """Remove each checkpoint of ``names`` from ``store`` (manifest, object, parts); the names."""
-    from koochak.loop.checkpoint.publication import unpublish_checkpoint
-
-    removed = []
-    for name in names:
-        unpublish_checkpoint(store, name)
-        removed.append(name)
-    return removed
 
 
 def score(value: Any) -> float | None:

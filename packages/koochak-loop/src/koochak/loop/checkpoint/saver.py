@@ -33,9 +33,9 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import koochak.loop.checkpoint.retention as retention
 import torch
 from koochak.loop import ddp, dist
-from koochak.loop.checkpoint import retention
 from koochak.loop.checkpoint.background import lower_this_threads_priority
 from koochak.loop.checkpoint.format import (
     build_checkpoint,
@@ -46,6 +46,7 @@ from koochak.loop.checkpoint.layouts import COORDINATOR, FOLLOWER, ROLES, Layout
 from koochak.loop.checkpoint.publication import (
     checkpoint_store,
     publication_path,
+    remove_checkpoints,
 )
 from koochak.loop.checkpoint.replication import (
     FollowerReplicator,
@@ -499,7 +500,7 @@ class CheckpointSaver:
             return
         names = retention.committed_names(self.store)
         best = self._best(self.store, names)
-        for name in retention.prune(
+        for name in remove_checkpoints(
             self.store, retention.to_drop(names, keep_last_k=self.keep_last_k, best=best)
         ):
             if self._tracker is not None:

@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from koochak.loop.checkpoint import retention
+import koochak.loop.checkpoint.retention as retention
 from koochak.loop.checkpoint.publication import checkpoint_store
 from koochak.loop.checkpoint.tiers import checkpoint_tiers
 from koochak.loop.config import ConfigError, TrainConfig, check_replicas
