@@ -22,7 +22,12 @@ def to_device(batch: Any, device: torch.device | str, non_blocking: bool = False
         return batch.to(device, non_blocking=non_blocking)
     kind = type(batch)
     if kind is tuple or kind is list:  # the common case first: cheaper than the Mapping check
-        moved = [to_device(v, device, non_blocking) for v in batch]
+        moved = [
+            v.to(device, non_blocking=non_blocking)
+            if type(v) is torch.Tensor
+            else to_device(v, device, non_blocking)
+            for v in batch
+        ]
         return tuple(moved) if kind is tuple else moved
     if isinstance(batch, Mapping):
         moved = {k: to_device(v, device, non_blocking) for k, v in batch.items()}
