@@ -672,3 +672,22 @@ def test_cadences_fire_on_their_own_steps_also_after_a_resume(tmp_path):
     _, seven = run(None, 7, tmp_path / "b")
     events, _ = run(seven, 23, tmp_path / "c")
     assert sorted(events, key=lambda e: e[1]) == expected(7, 23)
+
+
+def test_the_dataset_is_first_iterated_at_the_first_batch(tmp_path):
+    """``iter(dataset)`` runs when the first batch is needed: after eval at step zero and after
+    a resume restored the RNG (a DataLoader draws its base seed in ``__iter__``)."""
+    order = []
+
+    class Recorded:
+        def __iter__(self):
+            order.append("iter")
+            return iter(regression_batches(3))
+
+    def eval_fn(model, data, ctx):
+        order.append("eval")
+        return {"loss": 0.0}
+
+    sgd_loop(make_model(), Recorded(), mse_step, train_cfg=cfg(tmp_path, max_steps=3,
+             eval_at_step_zero=True), eval_dataset=[0], eval_fn=eval_fn)  # fmt: skip
+    assert order[:2] == ["eval", "iter"]

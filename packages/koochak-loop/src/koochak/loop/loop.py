@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import sys
 import time
 import warnings
@@ -386,10 +385,14 @@ def training_loop(
 def _on_device(
     dataset: Iterable[Any], device: torch.device, prepare_batch_fn: Callable[[Any], Any] | None
 ) -> Iterator[Any]:
-    move = functools.partial(to_device, device=device)
+    # A generator, so that ``iter(dataset)`` runs at the first batch, after the RNG is restored
+    # (a DataLoader draws its base seed there).
     if prepare_batch_fn is None:
-        return map(move, dataset)
-    return map(lambda batch: prepare_batch_fn(move(batch)), dataset)
+        for batch in dataset:
+            yield to_device(batch, device)
+    else:
+        for batch in dataset:
+            yield prepare_batch_fn(to_device(batch, device))
 
 
 def _micro_steps(
