@@ -179,3 +179,13 @@ def test_next_due_is_the_first_update_ending_a_cadence_or_the_last():
     for step in range(40):  # agrees with the modulo definition everywhere
         want = min(s for s in range(step, 100) if (s + 1) % 3 == 0 or (s + 1) % 8 == 0)
         assert _next_due(step, [3, 8], None) == want
+
+
+def test_to_device_pairs_keep_their_kind():
+    t = torch.ones(2)
+    Pair = namedtuple("Pair", "x y")
+    moved = to_device((t, t), "cpu")
+    assert type(moved) is tuple and moved[0] is t  # already there: Tensor.to is a no-op
+    assert to_device((t, {"a": t}), "cpu") == (t, {"a": t})
+    assert type(to_device(Pair(t, t), "cpu")) is Pair  # a named pair stays named
+    assert to_device([t, t], "cpu") == [t, t] and to_device((t, "label"), "cpu") == (t, "label")

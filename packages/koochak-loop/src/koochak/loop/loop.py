@@ -197,6 +197,7 @@ def training_loop(
         # Sharded gradients: norms and finite checks are taken over every rank's shards.
         across = fsdp.ShardReduction(device) if cfg.fsdp.enabled and world_size > 1 else None
         gradient_gate = GradientGate(named_params, scaler, optimizer, clip, across)
+        clip_every_step = gradient_gate.every_step
         poll = checkpoints.poll
         # The cadences, as the index of the next update that ends one of them: ordinary updates
         # compare one integer; the due ones decide which cadence it is.
@@ -279,7 +280,7 @@ def training_loop(
 
             # ---- gradient gate: unscale -> finite check -> clip (only when something needs it)
             gate = host = None
-            if gradient_gate.every_step or due:
+            if due or clip_every_step:
                 gate, host = gradient_gate(outputs, is_log, is_check, step)
 
             # ---- update: optimizer -> scaler -> [EMA] -> scheduler
