@@ -532,6 +532,38 @@ def explain(w: Workload, steps: int = 1000) -> list[tuple[str, float, float]]:
     return rows
 
 
+def opcodes_per_update(w: Workload, steps: int = 300) -> dict[str, dict[str, float]]:
+    """Python bytecodes executed per update by the raw loop and by koochak, by file (``sys.
+    settrace`` opcode events; the difference of a ``steps // 3`` and a ``steps`` run, so setup
+    and teardown cancel). Deterministic: the same on a loaded machine as on an idle one."""
+    import collections
+
+    counts: collections.Counter[str] = collections.Counter()
+
+    def tracer(frame, event, arg):
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            counts[frame.f_code.co_filename.rsplit("/", 1)[-1]] += 1
+        return tracer
+
+    data = make_data(dataclasses.replace(w, steps=steps))
+    result = {}
+    for name in ("raw", "koochak"):
+        run = CONTENDERS[name][1]
+        per: collections.Counter[str] = collections.Counter()
+        for n, sign in ((steps // 3, -1), (steps, 1)):
+            counts.clear()
+            sys.settrace(tracer)
+            try:
+                run(w, data[:n])
+            finally:
+                sys.settrace(None)
+            for file, c in counts.items():
+                per[file] += sign * c
+        result[name] = {f: c / (steps - steps // 3) for f, c in per.items() if c}
+    return result
+
+
 def call_cost() -> float:
     """Microseconds of one call of a small Python function with three arguments, unprofiled:
     what each extra call in `explain` costs outside the profiler."""
@@ -679,6 +711,14 @@ def main(argv: list[str] | None = None) -> int:
               "per update; self time under cProfile, which inflates every call, for the ranking):")
         for name, n, us in rows[:12]:
             print(f"  {name:48} {n:6.2f} calls {us:7.2f} us profiled, ~{n * cost:5.2f} us")
+        ops = opcodes_per_update(w)
+        raw_ops, koochak_ops = sum(ops["raw"].values()), sum(ops["koochak"].values())
+        extra = {f: c - ops["raw"].get(f, 0.0) for f, c in ops["koochak"].items()}
+        top = sorted(((f, c) for f, c in extra.items() if c >= 1), key=lambda fc: -fc[1])[:6]
+        print(f"Python bytecodes per update (deterministic): raw loop {raw_ops:.0f}, koochak "
+              f"{koochak_ops:.0f} (+{koochak_ops - raw_ops:.0f}: "
+              + ", ".join(f"{f} {c:+.0f}" for f, c in top) + ")")
+        rows.append(("bytecodes per update, raw / koochak", raw_ops, koochak_ops))
     load = os.getloadavg()[0]
     print(f"load average at the end: {load:.2f}")
     if args.json:
