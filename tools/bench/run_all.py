@@ -47,7 +47,7 @@ class Row:
 
     @property
     def met(self) -> bool | None:
-        if self.ratio is None:
+        if self.ratio is None or self.goal == "-":
             return None
         op, value = self.goal.split()[:2]
         limit = float(value.rstrip("x"))
@@ -90,6 +90,11 @@ def _loop_rows(text: str) -> list[Row]:
             rows.append(Row(f"loop: koochak vs {name}, {w} (best blocks; < 1 = koochak cheaper)",
                             verdict["ratio"] / f["best_ratio"], "<= 1.00x",
                             f"{name} {f['best_ratio']:.3f}x raw", figures["load"]))  # fmt: skip
+    for label, raw_ops, koochak_ops in (r for r in figures.get("explain", []) if len(r) == 3):
+        if label.startswith("bytecodes"):
+            rows.append(Row("loop: Python bytecodes per update, koochak / raw loop (tiny; "
+                            "deterministic)", koochak_ops / raw_ops, "-",
+                            f"+{koochak_ops - raw_ops:.0f} per update", figures["load"]))  # fmt: skip
     return rows
 
 
@@ -159,7 +164,8 @@ def _load_in(text: str) -> float | None:
 def benches(py: str) -> list[Bench]:
     bench = lambda script: [py, str(HERE / script)]  # noqa: E731
     return [
-        Bench("loop", bench("loop_overhead.py") + ["--anchors", "--repeats", "3", "--json"],
+        Bench("loop", bench("loop_overhead.py") + ["--anchors", "--explain", "--repeats", "3",
+                                              "--json"],
               _loop_rows, 900),  # fmt: skip
         Bench("shards", bench("shards_bench.py") + ["--size", "128M", "--shard-bytes", "16M",
               "--repeat", "3", "--json"], _shards_rows, 300),  # fmt: skip
