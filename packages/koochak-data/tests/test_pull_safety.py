@@ -250,3 +250,34 @@ def test_a_dest_without_flock_still_pulls_and_cleans_up_nothing(tmp_path, monkey
     report = pull_collection(coll, out)
     assert report.written == 1 and report.leftovers_removed == 0
     assert maybe_live.exists() and "not serialized" in caplog.text
+
+
+def test_new_directories_appear_only_whole_and_a_killed_pulls_staged_one_goes(tmp_path):
+    """A directory DEST lacks is filled under a hidden name and renamed into place at the end:
+    while the pull writes, no file of it is visible under its final path."""
+    files = {f"d/sub/f{i}.bin": bytes([i]) * (100 + i) for i in range(6)}
+    files["top.txt"] = b"top"
+    coll = _archive(tmp_path, files)
+    out = tmp_path / "out"
+    out.mkdir()
+    from koochak.data import _dest_lock
+
+    killed = "ab" * 16
+    (out / LOCK_NAME).write_bytes(_dest_lock._MAGIC + f"run {killed} pid 1\n".encode())
+    staged = out / f".koochak-pull-{killed}-{'c' * 32}.tmp"  # a killed pull's staged directory
+    (staged / "sub").mkdir(parents=True)
+    (staged / "sub" / "f0.bin").write_bytes(b"half")
+    seen = []
+
+    def progress(_bytes):
+        seen.append((out / "d").exists())
+
+    report = pull_collection(coll, out, progress=progress, streams=1)
+    assert report.written == 7 and report.leftovers_removed == 1
+    assert len(seen) == 7 and not any(seen)  # d/ appears only once all its files are whole
+    assert (out / "d").is_dir()
+    assert not staged.exists()
+    assert sorted(os.listdir(out)) == ["d", "top.txt"]
+    for rel, data in files.items():
+        assert (out / rel).read_bytes() == data
+    assert not [p for p in out.rglob(".koochak-pull-*")]

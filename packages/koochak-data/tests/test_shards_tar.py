@@ -233,3 +233,54 @@ def test_fuzz_corrupted_valid_archive_only_raises_value_error(offset, garbage) -
                 assert isinstance(sample["__key__"], str)
         except ValueError:
             pass
+
+
+def _general(data: bytes, copy: bool = False):
+    """What the general parser makes of ``data``: its samples, or the ValueError it raises."""
+    try:
+        members = _tar.parse_members(memoryview(data), "t.tar", checksums=False)
+        return [_plain(s) for s in _tar.iter_samples(members, "t.tar", copy=copy)]
+    except ValueError as exc:
+        return str(exc)
+
+
+def _fused(data: bytes, copy: bool = False):
+    try:
+        parsed = _tar.parse_samples(memoryview(data), "t.tar", checksums=False, copy=copy)
+        return [_plain(s) for s in parsed]
+    except ValueError as exc:
+        return str(exc)
+
+
+def _plain(sample: dict) -> dict:
+    return {k: (v if isinstance(v, str) else bytes(v)) for k, v in sample.items()}
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(_keys, _fields), max_size=6, unique_by=lambda kv: kv[0]), st.booleans())
+def test_the_one_pass_parser_agrees_with_the_general_one(pairs, copy) -> None:
+    samples = [{"__key__": key, **fields} for key, fields in pairs]
+    data = _archive(samples)
+    assert _fused(data, copy) == _general(data, copy) == samples
+    if copy:
+        parsed = _tar.parse_samples(memoryview(data), "t.tar", checksums=False, copy=True)
+        assert all(isinstance(v, bytes) for s in parsed for k, v in s.items() if k != "__key__")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 3071), st.binary(min_size=1, max_size=16))
+def test_the_one_pass_parser_accepts_and_refuses_what_the_general_one_does(offset, garbage):
+    data = bytearray(_archive(SAMPLES[:2]))
+    data[offset : offset + len(garbage)] = garbage
+    assert _fused(bytes(data)) == _general(bytes(data))
+
+
+def test_the_one_pass_parser_refuses_repeats_and_odd_names_like_the_general_one() -> None:
+    a, b = _archive([{"__key__": "a", "x": b"1"}]), _archive([{"__key__": "b", "x": b"2"}])
+    end = len(_tar.END_OF_ARCHIVE)
+    again = a[:-end] + b[:-end] + a  # key "a" after "b": not contiguous
+    assert "appears twice" in _fused(again) and _fused(again) == _general(again)
+    twice = _archive([{"__key__": "a", "x": b"1"}])[:-end] * 2 + _tar.END_OF_ARCHIVE
+    assert "twice" in _fused(twice) and _fused(twice) == _general(twice)
+    upper = _archive([{"__key__": "k", "x": b"1"}]).replace(b"k.x\x00", b"k.X\x00", 1)
+    assert _fused(upper) == _general(upper)  # (the header checksum is not checked here)

@@ -80,3 +80,22 @@ def test_check_finite_raises_rather_than_zeroing():
         check_finite(params, step=2)
     assert math.isnan(float(params[0][1].grad[1]))  # left as is, not zeroed
     check_finite(named(torch.ones(3)), step=0)
+
+
+def test_grad_reader_reads_present_grads_and_knows_they_are_uniform():
+    from koochak.loop.gradients import GradReader
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1, bias=False))
+    reader = GradReader(list(model.named_parameters()))
+    assert reader() == [] and reader.uniform and not reader.sharded
+    model(torch.ones(1, 3)).sum().backward()
+    grads = reader()
+    assert len(grads) == 3 and all(g is p.grad for g, p in zip(grads, model.parameters()))
+    model[0].bias.grad = None  # a parameter without a gradient this step is skipped
+    assert len(reader()) == 2
+    torch.testing.assert_close(
+        total_norm(reader(), uniform=True), total_norm(grads_of(list(model.named_parameters())))
+    )
+    mixed = GradReader([("a", torch.nn.Parameter(torch.ones(2))),
+                        ("b", torch.nn.Parameter(torch.ones(2, dtype=torch.float64)))])  # fmt: skip
+    assert not mixed.uniform

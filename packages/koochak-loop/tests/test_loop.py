@@ -640,3 +640,54 @@ def test_compile_wraps_the_training_model_but_checkpoints_the_bare_one(tmp_path,
     )
     assert seen == ["Compiled", "Compiled"]
     assert set(ckpt["model"]) == set(model.state_dict())  # no _orig_mod. prefix
+
+
+def test_cadences_fire_on_their_own_steps_also_after_a_resume(tmp_path):
+    """Logging, eval and periodic saves with co-prime periods, from step 0 and from a resumed odd
+    step: each fires exactly where ``(step + 1) % every == 0`` (and the log at the last step)."""
+    def run(start_from, max_steps, out):
+        events = []
+        hooks = {e: [lambda info, e=e: events.append((e, info["step"]))]
+                 for e in ("on_log", "on_eval_end", "on_checkpoint")}  # fmt: skip
+        model = make_model()
+        result = sgd_loop(
+            model, regression_batches(max_steps), mse_step,
+            train_cfg=cfg(out, max_steps=max_steps, log_every=3, eval_every=5, ckpt_every=4,
+                          nonfinite_grad_check_every=2, keep_last_k=None),
+            eval_dataset=regression_batches(1, seed=1),
+            eval_fn=lambda m, ds, ctx: {"loss": sum(F.mse_loss(m(x), y) for x, y in ds)},
+            hooks=hooks, checkpoint_dict=start_from,
+        )  # fmt: skip
+        return events, result
+
+    def expected(first, last):
+        steps = range(first, last)
+        logs = [("on_log", s) for s in steps if (s + 1) % 3 == 0 or s + 1 == last]
+        evals = [("on_eval_end", s) for s in steps if (s + 1) % 5 == 0]
+        saves = [("on_checkpoint", s) for s in steps if (s + 1) % 4 == 0 and s + 1 != last]
+        return sorted(logs + evals + saves + [("on_checkpoint", last)], key=lambda e: e[1])
+
+    events, _ = run(None, 23, tmp_path / "a")
+    assert sorted(events, key=lambda e: e[1]) == expected(0, 23)
+    _, seven = run(None, 7, tmp_path / "b")
+    events, _ = run(seven, 23, tmp_path / "c")
+    assert sorted(events, key=lambda e: e[1]) == expected(7, 23)
+
+
+def test_the_dataset_is_first_iterated_at_the_first_batch(tmp_path):
+    """``iter(dataset)`` runs when the first batch is needed: after eval at step zero and after
+    a resume restored the RNG (a DataLoader draws its base seed in ``__iter__``)."""
+    order = []
+
+    class Recorded:
+        def __iter__(self):
+            order.append("iter")
+            return iter(regression_batches(3))
+
+    def eval_fn(model, data, ctx):
+        order.append("eval")
+        return {"loss": 0.0}
+
+    sgd_loop(make_model(), Recorded(), mse_step, train_cfg=cfg(tmp_path, max_steps=3,
+             eval_at_step_zero=True), eval_dataset=[0], eval_fn=eval_fn)  # fmt: skip
+    assert order[:2] == ["eval", "iter"]

@@ -166,3 +166,26 @@ def test_shuffled_batches_reject_impossible_sizes():
         next(shuffled_batches(4, 5, seed=0))
     with pytest.raises(ValueError, match="start must be >= 0"):
         next(shuffled_batches(4, 2, seed=0, start=-1))
+
+
+def test_next_due_is_the_first_update_ending_a_cadence_or_the_last():
+    from koochak.loop.loop import _next_due
+
+    assert _next_due(0, [50], None) == 49
+    assert _next_due(49, [50], None) == 49 and _next_due(50, [50], None) == 99
+    assert _next_due(50, [50, 7], None) == 55  # (55 + 1) % 7 == 0
+    assert _next_due(0, [50], 10) == 9  # the last update is always due
+    assert _next_due(12, [], 20) == 19
+    for step in range(40):  # agrees with the modulo definition everywhere
+        want = min(s for s in range(step, 100) if (s + 1) % 3 == 0 or (s + 1) % 8 == 0)
+        assert _next_due(step, [3, 8], None) == want
+
+
+def test_to_device_pairs_keep_their_kind():
+    t = torch.ones(2)
+    Pair = namedtuple("Pair", "x y")
+    moved = to_device((t, t), "cpu")
+    assert type(moved) is tuple and moved[0] is t  # already there: Tensor.to is a no-op
+    assert to_device((t, {"a": t}), "cpu") == (t, {"a": t})
+    assert type(to_device(Pair(t, t), "cpu")) is Pair  # a named pair stays named
+    assert to_device([t, t], "cpu") == [t, t] and to_device((t, "label"), "cpu") == (t, "label")

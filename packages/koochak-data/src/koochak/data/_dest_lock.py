@@ -18,6 +18,7 @@ import itertools
 import logging
 import os
 import re
+import shutil
 import stat
 import uuid
 from collections.abc import Container
@@ -60,7 +61,8 @@ class DestLock:
         return f"{_TEMP_PREFIX}{self.token}-{next(self._counter):032x}.tmp"
 
     def remove_leftovers(self, keep: Container[str]) -> list[str]:
-        """Delete the temp files of killed runs anywhere under DEST; return their relative paths.
+        """Delete the temp files (and staged directories, with what is in them) of killed runs
+        anywhere under DEST; return their relative paths (a directory's ends with ``/``).
 
         Only regular files whose names carry a killed run's token are removed, never a path in
         ``keep`` (the collection's own files), and symlinked directories are not entered.
@@ -71,7 +73,15 @@ class DestLock:
             rf"{re.escape(_TEMP_PREFIX)}(?:{'|'.join(self.killed_runs)})-[0-9a-f]{{32}}\.tmp"
         )
         removed = []
-        for dirpath, _, files, dir_fd in os.fwalk(".", dir_fd=self._root_fd, follow_symlinks=False):
+        for dirpath, dirs, files, dir_fd in os.fwalk(".", dir_fd=self._root_fd, follow_symlinks=False):
+            for sub in [d for d in dirs if name.fullmatch(d)]:
+                # A killed pull's staged directory: nothing below it was ever visible.
+                rel = os.path.normpath(os.path.join(dirpath, sub))
+                if rel in keep:
+                    continue
+                dirs.remove(sub)
+                shutil.rmtree(sub, dir_fd=dir_fd)
+                removed.append(rel + "/")
             for file in files:
                 rel = os.path.normpath(os.path.join(dirpath, file))
                 if not name.fullmatch(file) or rel in keep:

@@ -118,7 +118,12 @@ class _DestTree:
         self._fds: dict[str, int] = {}
         self._users: dict[str, int] = {}
         # Directories this run created: nothing can be present in them yet, so no stat needed.
+        # Each lies under a *staged* one: a directory that did not exist, made under a hidden
+        # temp name in its (existing) parent and renamed to its own name once every file below
+        # it is whole (``publish_staged``). Files below a staged directory are written straight
+        # under their final names, as tar writes them: no one sees them before that rename.
         self.created: set[str] = set()
+        self.staged: dict[str, str] = {}  # rel_dir -> its temp name in its parent
         self._lock = threading.RLock()
         # Unnamed files (O_TMPFILE) linked in once whole, where the kernel and /proc allow it.
         self._tmpfile = hasattr(os, "O_TMPFILE") and os.path.isdir(_LINK_VIA)
@@ -155,14 +160,21 @@ class _DestTree:
             self._users.pop(rel, None)
 
     def _open_dir(self, parent_fd: int, name: str, rel_dir: str) -> int:
-        try:
+        parent = rel_dir.rpartition("/")[0]
+        opened = self.staged.get(rel_dir, name)  # opened again after an eviction: as before
+        if rel_dir in self.created:
+            pass
+        elif parent in self.created:  # inside a staged directory: nobody else sees it
             os.mkdir(name, 0o777, dir_fd=parent_fd)
             self.created.add(rel_dir)
-        except FileExistsError:
-            pass
+        elif _absent(parent_fd, name):
+            opened = self.dest_lock.temp_name()
+            os.mkdir(opened, 0o777, dir_fd=parent_fd)
+            self.staged[rel_dir] = opened
+            self.created.add(rel_dir)
         flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            return os.open(name, flags, dir_fd=parent_fd)
+            return os.open(opened, flags, dir_fd=parent_fd)
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                 raise ValueError(
@@ -170,6 +182,26 @@ class _DestTree:
                     "pull never follows symlinks"
                 ) from None
             raise
+
+    def publish_staged(self) -> None:
+        """Rename every staged directory to its own name (parents first). Call once no file is
+        being written: everything below them is then whole and checked."""
+        problems = []
+        for rel_dir, temp in sorted(self.staged.items()):
+            parent = rel_dir.rpartition("/")[0]
+            parent_fd = self.acquire(parent)
+            try:
+                os.rename(temp, rel_dir.rpartition("/")[2], src_dir_fd=parent_fd,
+                          dst_dir_fd=parent_fd)  # fmt: skip
+            except OSError as exc:  # something took the name meanwhile: keep the files
+                problems.append(f"{os.path.join(self.root, rel_dir)} ({exc.strerror}; its files "
+                                f"are in {os.path.join(self.root, parent, temp)})")  # fmt: skip
+            finally:
+                self.release(parent)
+        self.staged.clear()
+        if problems:
+            raise ValueError("pull could not move staged directories into place: "
+                             + "; ".join(problems))  # fmt: skip
 
     def close(self) -> None:
         with self._lock:
@@ -263,7 +295,13 @@ class _DestTree:
         try:
             mode = entry.mode & 0o777
             exact_mode = self._umask is not None and not mode & self._umask
-            fd, temp = self._create(dir_fd, mode if exact_mode else 0o600)
+            direct = rel_dir in self.created  # below a staged directory: the final name at once
+            if direct:
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                fd = os.open(name, flags, mode if exact_mode else 0o600, dir_fd=dir_fd)
+                temp: str | None = name  # removed unless whole and checked
+            else:
+                fd, temp = self._create(dir_fd, mode if exact_mode else 0o600)
             try:
                 sha = hashlib.sha256()
                 size = 0
@@ -285,7 +323,7 @@ class _DestTree:
                 _restore_mtime(fd, entry, os.path.join(self.root, entry.path), check)
                 if fsync:
                     os.fsync(fd)
-                temp = self._name(fd, temp, dir_fd, name)
+                temp = None if direct else self._name(fd, temp, dir_fd, name)
             finally:
                 os.close(fd)
                 if temp is not None:  # not renamed: the temp name is ours alone to remove
@@ -376,6 +414,14 @@ def _umask() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def _absent(dir_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return True
+    return False
 
 
 def _hash_file(dir_fd: int, name: str) -> str:
@@ -514,7 +560,10 @@ def pull_collection(
                 futures += [pool.submit(fetch_object, e) for e in objects]
                 wait_all(futures)
     finally:
-        tree.close()
+        try:
+            tree.publish_staged()  # every write has ended: what is below them is whole
+        finally:
+            tree.close()
     if damaged:
         damaged.sort(key=str)
         unrestorable = sum(isinstance(exc, _Unrestorable) for exc in damaged)

@@ -550,8 +550,7 @@ def _parse_whole(
     try:
         try:
             # Parsing runs on this thread while the helper thread still hashes.
-            members = _tar.parse_members(data, source, checksums=checksums)
-            samples = list(_tar.iter_samples(members, source, copy=copy))
+            samples = _tar.parse_samples(data, source, checksums=checksums, copy=copy)
         except ValueError as exc:
             samples, error = [], exc
     finally:

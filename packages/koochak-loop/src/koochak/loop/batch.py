@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 import torch
 
 T = TypeVar("T")
+_TENSOR = torch.Tensor
 
 
 def to_device(batch: Any, device: torch.device | str, non_blocking: bool = False) -> Any:
@@ -18,11 +19,22 @@ def to_device(batch: Any, device: torch.device | str, non_blocking: bool = False
     Walks dicts, lists, tuples and named tuples; anything else (strings, numbers) is returned
     unchanged. Tensors already on ``device`` are returned as they are (``Tensor.to`` is a no-op).
     """
+    kind = type(batch)
+    if kind is tuple and len(batch) == 2:  # (inputs, targets), the commonest batch of all
+        first, second = batch
+        if type(first) is _TENSOR and type(second) is _TENSOR:
+            return first.to(device, non_blocking=non_blocking), second.to(
+                device, non_blocking=non_blocking
+            )
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=non_blocking)
-    kind = type(batch)
     if kind is tuple or kind is list:  # the common case first: cheaper than the Mapping check
-        moved = [to_device(v, device, non_blocking) for v in batch]
+        moved = [
+            v.to(device, non_blocking=non_blocking)
+            if type(v) is torch.Tensor
+            else to_device(v, device, non_blocking)
+            for v in batch
+        ]
         return tuple(moved) if kind is tuple else moved
     if isinstance(batch, Mapping):
         moved = {k: to_device(v, device, non_blocking) for k, v in batch.items()}

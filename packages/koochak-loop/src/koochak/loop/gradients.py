@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
-from koochak.loop.dist import local_tensor
+from koochak.loop.dist import is_dtensor, local_tensor
 
 NamedParams = Sequence[tuple[str, torch.nn.Parameter]]
 
@@ -52,20 +52,38 @@ def grads_of(named_params: NamedParams) -> list[torch.Tensor]:
     return [local_tensor(p.grad) for _, p in named_params if p.grad is not None]
 
 
-def total_norm(grads: Sequence[torch.Tensor], across: Across | None = None) -> torch.Tensor:
+class GradReader:
+    """``grads_of(named_params)`` resolved once for a fixed set of parameters: a plain list
+    comprehension unless some parameter is a DTensor, and whether every gradient shares one
+    device and dtype (a gradient always has its parameter's), so `total_norm` need not ask."""
+
+    def __init__(self, named_params: NamedParams) -> None:
+        self.params = [p for _, p in named_params]
+        self.sharded = any(is_dtensor(p) for p in self.params)
+        self.uniform = len({(p.device, p.dtype) for p in self.params}) <= 1
+        self.named_params = named_params
+
+    def __call__(self) -> list[torch.Tensor]:
+        if self.sharded:
+            return grads_of(self.named_params)
+        return [g for g in (p.grad for p in self.params) if g is not None]
+
+
+def total_norm(
+    grads: Sequence[torch.Tensor], across: Across | None = None, *, uniform: bool = False
+) -> torch.Tensor:
     """The L2 norm of all ``grads`` together, on their device, in their dtype (no host sync).
 
     With ``across`` the grads are shards and the norm is the global one: the squares of the
-    local norms summed over ranks (one all-reduce).
+    local norms summed over ranks (one all-reduce). ``uniform`` says the caller knows they share
+    one device and dtype (`GradReader.uniform`), which spares two passes over them.
     """
     if across is not None:
-        local = total_norm(grads).float()
+        local = total_norm(grads, uniform=uniform).float()
         return across.sum(local * local).sqrt()
     if not grads:
         return torch.zeros(())
-    devices = {g.device for g in grads}
-    dtypes = {g.dtype for g in grads}
-    if len(devices) == 1 and len(dtypes) == 1:
+    if uniform or (len({g.device for g in grads}) == 1 and len({g.dtype for g in grads}) == 1):
         return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(grads))))
     # Mixed devices/dtypes are rare (model parallel, mixed-precision params): gather to one.
     first = grads[0]

@@ -19,9 +19,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import sys
 import time
 import warnings
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +40,7 @@ from koochak.loop.device import get_device, get_lr
 from koochak.loop.elastic import elastic_cursor
 from koochak.loop.ema import ModelEma, make_model_ema
 from koochak.loop.evacuation import Evacuated, EvacuationController, make_evacuation
-from koochak.loop.gradients import apply_gate, check_finite, grads_of, total_norm
+from koochak.loop.gradients import GradReader, apply_gate, check_finite, total_norm
 from koochak.loop.health import GpuHealthWatchdog, GpuUnhealthy, make_gpu_health
 from koochak.loop.hooks import StopTraining, emit, merge
 from koochak.loop.metric_reduction import CountedBatches, reduce_eval, reduce_logged
@@ -200,16 +201,24 @@ def training_loop(
         )  # fmt: skip
         health = make_gpu_health(cfg, device, cfg.out_dir, gpu_health)
 
-        # Everything the per-step code needs, looked up once.
+        # Everything the per-step code needs, looked up once: an ordinary update (no logging,
+        # check, eval, save or health step) then costs what a hand-written loop costs.
         named_params = [(n, p) for n, p in raw_model.named_parameters() if p.requires_grad]
         grad_accum, clip, log_every = cfg.grad_accum, cfg.grad_clip, cfg.log_every
         max_steps, check_every = cfg.max_steps, cfg.nonfinite_grad_check_every
+        end_step = max_steps if max_steps is not None else sys.maxsize
         step_scheduler = scheduler is not None and cfg.scheduler_step == "update"
         autocast = ctx.autocast if cfg.amp != "none" else None
         step_end_hooks, log_hooks = hooks.get("on_step_end"), hooks.get("on_log")
         no_sync = _no_sync(train_model, raw_model, cfg)  # skips all but the last micro-step's sync
         # Sharded gradients: norms and finite checks are taken over every rank's shards.
         across = fsdp.ShardReduction(device) if cfg.fsdp.enabled and world_size > 1 else None
+        gradient_gate = GradientGate(named_params, scaler, optimizer, clip, across)
+        clip_every_step = gradient_gate.every_step
+        poll = checkpoints.poll
+        # The cadences, as the index of the next update that ends one of them: ordinary updates
+        # compare one integer; the due ones decide which cadence it is.
+        periods = _periods(cfg, eval_fn, health)
         # Logged scalars are the mean over ranks (one gather per logging step), unless opted out.
         reduce = (
             frozenset(cfg.reduce_metrics_exclude) | {"step_time_s"}
@@ -255,12 +264,13 @@ def training_loop(
         outputs: Mapping[str, Any] | None = None
         last_batch: Any = None
         logged = True
+        next_due = _next_due(step, periods, max_steps)
         optimizer.zero_grad(set_to_none=True)
         if checkpoint_dict is not None:
             restore_rng(checkpoint_dict)  # last thing before the first step: nothing draws after
-        while (max_steps is None or step < max_steps) and not stopped_before:
+        while step < end_step and not stopped_before:
             ctx.step = step
-            checkpoints.poll()  # deliver a finished async publication; raise if it failed
+            poll()  # deliver a finished async publication; raise if it failed
 
             # ---- micro-steps: autocast -> step_fn -> scaled backward, grad_accum times
             pending, batch = _micro_steps(
@@ -270,18 +280,33 @@ def training_loop(
                 optimizer.zero_grad(set_to_none=True)  # a partial update is dropped, not applied
                 break
             outputs, last_batch = pending, batch
-            is_log = (step + 1) % log_every == 0 or step + 1 == max_steps
 
-            # ---- gradient gate: unscale -> finite check -> clip
-            is_check = bool(check_every) and (step + 1) % check_every == 0
-            gate, host = _gradient_gate(
-                named_params, scaler, optimizer, outputs, clip, is_log, is_check, step, across
-            )
+            # ---- cadences: which of log, finite check, GPU health, eval, save end this update
+            due = step == next_due
+            if due:
+                is_log = (step + 1) % log_every == 0 or step + 1 == max_steps
+                is_check = bool(check_every) and (step + 1) % check_every == 0
+                is_health = health is not None and health.due(step)
+                is_eval = bool(eval_fn is not None and cfg.eval_every) and (
+                    (step + 1) % cfg.eval_every == 0
+                )
+                is_save = checkpoints.due(step)
+                next_due = _next_due(step + 1, periods, max_steps)
+            else:
+                is_log = is_check = is_health = is_eval = is_save = False
+
+            # ---- gradient gate: unscale -> finite check -> clip (only when something needs it)
+            gate = host = None
+            if due or clip_every_step:
+                gate, host = gradient_gate(outputs, is_log, is_check, step)
 
             # ---- update: optimizer -> scaler -> [EMA] -> scheduler
             lr = get_lr(optimizer) if is_log else 0.0  # the rate this update used
-            scaler.step(optimizer)  # an fp16 GradScaler skips an update with inf/NaN gradients
-            scaler.update()
+            if scaler.enabled:  # an fp16 GradScaler skips an update with inf/NaN gradients
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
             if ema is not None:
                 ema.update(step + 1)  # host-side decay, multi-tensor lerp: no device sync
             if step_scheduler:
@@ -302,27 +327,23 @@ def training_loop(
             logged = is_log
 
             # ---- protect: GPU health (every rank checks its device; one bad device stops all)
-            if health is not None and health.due(step):
+            if is_health:
                 _check_health(health, step, device, checkpoints, {**metrics, **eval_metrics}, lease)
 
             # ---- maybe eval
-            is_eval = bool(
-                eval_fn is not None and cfg.eval_every and (step + 1) % cfg.eval_every == 0
-            )
             if is_eval:
                 eval_metrics = evaluate(step)
                 if scheduler is not None and cfg.scheduler_step == "eval":
                     _step_scheduler(scheduler, eval_metrics)
 
             # ---- maybe save (periodic: keeps its zero-based index, resumes at step + 1)
-            is_save = checkpoints.due(step)
             if is_save:
                 check_held(lease, world_size, step + 1)  # lost it: stop, never publish (exit 2)
                 checkpoints.periodic(step, {**metrics, **eval_metrics})
             step += 1
 
             # ---- stop: a hook asked for it (early stopping, a budget); every rank agrees
-            if ask_every_step or is_log or is_eval or is_save:
+            if ask_every_step or due:
                 if world_size > 1 and ddp.any_rank(bool(stop), ddp.collective_device()):
                     stop.append("requested by a hook on another rank")
                 if stop:
@@ -386,10 +407,15 @@ def training_loop(
 
 def _on_device(
     dataset: Iterable[Any], device: torch.device, prepare_batch_fn: Callable[[Any], Any] | None
-) -> Any:
-    for batch in dataset:
-        batch = to_device(batch, device)
-        yield prepare_batch_fn(batch) if prepare_batch_fn is not None else batch
+) -> Iterator[Any]:
+    # A generator, so that ``iter(dataset)`` runs at the first batch, after the RNG is restored
+    # (a DataLoader draws its base seed there).
+    if prepare_batch_fn is None:
+        for batch in dataset:
+            yield to_device(batch, device)
+    else:
+        for batch in dataset:
+            yield prepare_batch_fn(to_device(batch, device))
 
 
 def _micro_steps(
@@ -404,6 +430,12 @@ def _micro_steps(
 ) -> tuple[Any, Any]:
     """One update's micro-steps: ``(accumulated outputs, last batch)``, or ``(None, _END)`` when
     the data runs out (a partly accumulated update is dropped, with a warning)."""
+    if grad_accum == 1:  # the common case: one batch, nothing to accumulate or keep local
+        batch = next(batches, _END)
+        if batch is _END:
+            return None, _END
+        ctx.micro_step = 0
+        return _micro_step(step_fn, model, batch, ctx, autocast, scaler, 1), batch
     pending: Any = None
     batch: Any = None
     for micro in range(grad_accum):
@@ -421,7 +453,7 @@ def _micro_steps(
         # Under DDP and FSDP only the last micro-step reduces gradients across ranks.
         with no_sync() if no_sync is not None and micro < grad_accum - 1 else _NULL:
             out = _micro_step(step_fn, model, batch, ctx, autocast, scaler, grad_accum)
-        pending = out if grad_accum == 1 else _accumulate(pending, out, grad_accum)
+        pending = _accumulate(pending, out, grad_accum)
     return pending, batch
 
 
@@ -434,8 +466,11 @@ def _micro_step(
     scaler: Scaler,
     grad_accum: int,
 ) -> Mapping[str, Any]:
-    with autocast() if autocast is not None else _NULL:
+    if autocast is None:
         out = step_fn(model, batch, ctx)
+    else:
+        with autocast():
+            out = step_fn(model, batch, ctx)
     try:
         loss = out["loss"]
     except (KeyError, TypeError, IndexError):
@@ -446,7 +481,7 @@ def _micro_step(
     # Dividing each micro-loss by grad_accum makes k accumulated micro-batches equal one k x batch.
     if grad_accum > 1:
         loss = loss / grad_accum
-    scaler.scale(loss).backward()
+    (scaler.scale(loss) if scaler.enabled else loss).backward()
     return out
 
 
@@ -463,39 +498,47 @@ def _accumulate(
     return total
 
 
-def _gradient_gate(
-    named_params: list[tuple[str, torch.nn.Parameter]],
-    scaler: Scaler,
-    optimizer: torch.optim.Optimizer,
-    outputs: Mapping[str, Any],
-    clip: float | None,
-    is_log: bool,
-    is_check: bool,
-    step: int,
-    across: Any = None,
-) -> tuple[dict[str, float] | None, dict[str, float] | None]:
-    """Unscale -> finite check -> clip, when anything needs the gradients' norm.
+class GradientGate:
+    """Unscale -> finite check -> clip, when anything needs the gradients' norm; built once.
 
-    Returns the gate's metrics and, on logging steps, every logged scalar on the host (read
-    together with the norm, in one device sync). ``across`` makes the norm and checks those of
-    every rank's gradient shards together (FSDP).
+    Called on every update when clipping is on (``every_step``), otherwise only on the updates
+    that log or check. Returns the gate's metrics and, on logging steps, every logged scalar on
+    the host (read together with the norm, in one device sync). ``across`` makes the norm and
+    checks those of every rank's gradient shards together (FSDP).
     """
-    if clip is None and not is_log and not is_check:
-        return None, None
-    scaler.unscale_(optimizer)
-    if is_check and not scaler.enabled:  # under a GradScaler, overflow is a skip
-        check_finite(named_params, step, across)
-    norm = total_norm(grads_of(named_params), across)
-    host: dict[str, float] | None = None
-    if is_log:
-        host = _to_host(outputs, norm)
-        norm_value = host.pop("grad_norm")
-    else:
-        norm_value = norm.item()
-    gate = apply_gate(
-        named_params, norm_value, max_norm=clip, step=step, allow_skip=scaler.enabled, across=across
-    )
-    return gate, host
+
+    def __init__(
+        self,
+        named_params: list[tuple[str, torch.nn.Parameter]],
+        scaler: Scaler,
+        optimizer: torch.optim.Optimizer,
+        clip: float | None,
+        across: Any = None,
+    ) -> None:
+        self.named_params, self.scaler, self.optimizer = named_params, scaler, optimizer
+        self.clip, self.across = clip, across
+        self.every_step = clip is not None
+        self.grads = GradReader(named_params)  # resolved once: sharded or not, one dtype or not
+
+    def __call__(
+        self, outputs: Mapping[str, Any], is_log: bool, is_check: bool, step: int
+    ) -> tuple[dict[str, float] | None, dict[str, float] | None]:
+        clip, scaler, across = self.clip, self.scaler, self.across
+        if clip is None and not is_log and not is_check:
+            return None, None
+        scaler.unscale_(self.optimizer)
+        if is_check and not scaler.enabled:  # under a GradScaler, overflow is a skip
+            check_finite(self.named_params, step, across)
+        norm = total_norm(self.grads(), across, uniform=self.grads.uniform)
+        host: dict[str, float] | None = None
+        if is_log:
+            host = _to_host(outputs, norm)
+            norm_value = host.pop("grad_norm")
+        else:
+            norm_value = norm.item()
+        gate = apply_gate(self.named_params, norm_value, max_norm=clip, step=step,
+                          allow_skip=scaler.enabled, across=across)  # fmt: skip
+        return gate, host
 
 
 def _to_host(outputs: Mapping[str, Any], norm: torch.Tensor | None) -> dict[str, float]:
@@ -516,6 +559,24 @@ def _to_host(outputs: Mapping[str, Any], norm: torch.Tensor | None) -> dict[str,
         values = torch.stack([t.to(device) for t in tensors]).tolist()
         host.update(zip(names, values))
     return host
+
+
+def _periods(cfg: TrainConfig, eval_fn: Any, health: GpuHealthWatchdog | None) -> list[int]:
+    """Every cadence an update can end: logging, the finite check, eval, a periodic save, the
+    GPU health check (each a period in updates)."""
+    periods = [cfg.log_every, cfg.nonfinite_grad_check_every, cfg.ckpt_every,
+               cfg.eval_every if eval_fn is not None else None,
+               getattr(health, "every", 1) if health is not None else None]  # fmt: skip
+    return [int(p) for p in periods if p]
+
+
+def _next_due(step: int, periods: Sequence[int], max_steps: int | None) -> int:
+    """The first update index ``i >= step`` that ends one of ``periods`` (``(i + 1) % p == 0``),
+    or the last update."""
+    due = max_steps - 1 if max_steps is not None else sys.maxsize
+    for period in periods:
+        due = min(due, step + (-(step + 1)) % period)
+    return due
 
 
 def _step_scheduler(scheduler: Any, metrics: Mapping[str, Any]) -> None:
