@@ -9,9 +9,7 @@ retention per tier; replication to the second tier; resume from the replica with
 gone; resume on another world size (sharded -> one process).
 
 Each combination trains once (layout_world.py: 4 updates, a save after each); every behaviour
-then checks that run's tiers. The sharded runs share one world start (slow). Sharded
-checkpoints on tiers are not supported yet (config refuses them): those cases are strict xfails,
-to be un-marked when the support lands (ckpt-tiers).
+then checks that run's tiers. The sharded runs share one world start (slow).
 """
 
 from __future__ import annotations
@@ -48,17 +46,6 @@ SAVES = [0, 1, 2, world.STEPS]
 
 
 
-class RefusedByConfig(AssertionError):
-    """The run was refused as not supported yet ("sharded checkpoints are not replicated")."""
-
-
-# Strict, and only for that refusal: any other failure of these cases fails the suite, and once
-# the support lands they pass and strict turns them into failures to un-mark.
-NEEDS_FSDP_TIERS = pytest.mark.xfail(
-    strict=True, raises=RefusedByConfig, reason="needs FSDP on tiers (ckpt-tiers)"
-)
-
-
 def _combos():
     for layout in LAYOUTS:
         for tiers in TIERS:
@@ -66,8 +53,6 @@ def _combos():
                 marks = []
                 if layout == "sharded":
                     marks.append(pytest.mark.slow)
-                    if tiers != "one tier":
-                        marks.append(NEEDS_FSDP_TIERS)
                 yield pytest.param(layout, tiers, mode, marks=marks,
                                    id=f"{layout}-{tiers}-{mode}".replace(" ", "_"))  # fmt: skip
 
@@ -123,8 +108,6 @@ class Run:
         self.first, self.replicas, self.final, self.error = first, replicas, final, error
 
     def check(self) -> Run:
-        if self.error is not None and "not replicated between tiers" in self.error:
-            raise RefusedByConfig(self.error)
         assert self.error is None, self.error
         return self
 
