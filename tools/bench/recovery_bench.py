@@ -95,12 +95,19 @@ raise SystemExit("no resumed step ran")
 """
 
 
-def _run(script: str, args: list[str]) -> tuple[float, float]:
-    """(wall, CPU) seconds of one child, CPU being its user + system time, all threads."""
+def _run(script: str, args: list[str], tree: str | None = None) -> tuple[float, float]:
+    """(wall, CPU) seconds of one child, CPU being its user + system time, all threads.
+    ``tree``: a checkout whose packages the child imports instead of the installed ones."""
+    env = dict(os.environ)
+    if tree is not None:
+        packages = os.path.join(tree, "packages")
+        env["PYTHONPATH"] = os.pathsep.join(
+            [os.path.join(packages, p, "src") for p in sorted(os.listdir(packages))]
+            + [env.get("PYTHONPATH", "")])  # fmt: skip
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
-                          check=False, timeout=1800)  # fmt: skip
+                          check=False, timeout=1800, env=env)  # fmt: skip
     elapsed = time.perf_counter() - started
     if proc.returncode != 0:
         raise RuntimeError(f"child failed ({proc.returncode}): {proc.stderr[-3000:]}")
@@ -144,6 +151,12 @@ def main() -> None:
     parser.add_argument("--parts", default="1,2", help="layouts to measure: 1 = one file")
     parser.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
                         help="directory for the checkpoints (default /dev/shm)")  # fmt: skip
+    parser.add_argument("--tree", default=None,
+                        help="a checkout whose code the 'koochak' row runs (default: the installed "
+                        "packages); with a snapshot, editing the tree does not change a run")  # fmt: skip
+    parser.add_argument("--before", default=None,
+                        help="a checkout of the code before a change (git archive): measured too, "
+                        "interleaved, as the 'before' row")  # fmt: skip
     args = parser.parse_args()
     size = parse_size(str(args.size))
     parts_list = [int(p) for p in args.parts.split(",")]
@@ -156,9 +169,15 @@ def main() -> None:
             for parts in parts_list:
                 files = _checkpoint_files(firsts[parts])
                 floor = _run(FLOOR, [str(size), plain, *files])
-                ours = _run(KOOCHAK, [str(size), firsts[parts]])
+                ours = _run(KOOCHAK, [str(size), firsts[parts]], args.tree)
+                rows = [("floor", floor), ("koochak", ours)]
+                if args.before:
+                    old = _run(KOOCHAK, [str(size), firsts[parts]], args.before)
+                    rows.append(("before", old))
+                    ratios.setdefault(f"{parts}_before", []).append(old[0] / floor[0])
+                    ratios.setdefault(f"{parts}_before_cpu", []).append(old[1] / floor[1])
                 loads.append(os.getloadavg()[0])
-                for kind, pair in (("floor", floor), ("koochak", ours)):
+                for kind, pair in rows:
                     times.setdefault(f"{kind}{parts}", []).append(pair[0])
                     times.setdefault(f"{kind}{parts}_cpu", []).append(pair[1])
                 ratios.setdefault(str(parts), []).append(ours[0] / floor[0])
@@ -177,6 +196,12 @@ def main() -> None:
               "goal <= 1.25x, quiet <= 1.10x)")  # fmt: skip
         print(f"  {'':9s} CPU:  floor {floor_cpu:6.2f} s  koochak {ours_cpu:6.2f} s  "
               f"ratio {statistics.median(cs):.2f}x (rounds {', '.join(f'{r:.2f}' for r in cs)})")  # fmt: skip
+        if args.before:
+            for unit, suffix in (("wall", ""), ("CPU ", "_cpu")):
+                old = statistics.median(times[f"before{parts}{suffix}"])
+                bs = ratios[f"{parts}_before{suffix}"]
+                print(f"  {'':9s} {unit}: before {old:6.2f} s  ratio "
+                      f"{statistics.median(bs):.2f}x (rounds {', '.join(f'{r:.2f}' for r in bs)})")  # fmt: skip
 
 
 if __name__ == "__main__":

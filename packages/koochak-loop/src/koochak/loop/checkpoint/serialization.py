@@ -185,6 +185,21 @@ def deserialize_checkpoint(data: bytes | bytearray | memoryview, source: str) ->
     return _checkpoint_of_payload(ckpt, source)
 
 
+def load_checkpoint_file(path: str, source: str) -> dict[str, Any]:
+    """``deserialize_checkpoint`` of a ``torch.save`` zip file, mapped rather than read: the
+    tensors are views of the file's pages (``torch.load(mmap=True)``), so nothing is copied
+    until they are restored. Verify the file first (``verified_read``); errors as there."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (MemoryError, OSError):
+        raise
+    except Exception as exc:  # torch raises many types for hostile bytes; all mean "not loadable"
+        raise ValueError(
+            f"{source}: not a loadable weights-only checkpoint ({_first_line(exc)})"
+        ) from exc
+    return _checkpoint_of_payload(ckpt, source)
+
+
 def _checkpoint_of_payload(ckpt: Any, source: str) -> dict[str, Any]:
     """Check a loaded payload's format and decode its RNG states; ValueError naming ``source``."""
     check_checkpoint_format(ckpt, source)
