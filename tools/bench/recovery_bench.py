@@ -29,6 +29,7 @@ import tempfile
 import time
 
 LAYER = 2048  # square linear layers of 2048 x 2048 float32: 16 MiB each
+THREADS: int | None = None  # --torch-threads
 
 MODEL = f"""
 import torch
@@ -99,6 +100,8 @@ def _run(script: str, args: list[str], tree: str | None = None) -> tuple[float, 
     """(wall, CPU) seconds of one child, CPU being its user + system time, all threads.
     ``tree``: a checkout whose packages the child imports instead of the installed ones."""
     env = dict(os.environ)
+    if THREADS is not None:
+        env["OMP_NUM_THREADS"] = str(THREADS)  # torch's intra-op threads, in every row alike
     if tree is not None:
         packages = os.path.join(tree, "packages")
         env["PYTHONPATH"] = os.pathsep.join(
@@ -157,7 +160,12 @@ def main() -> None:
     parser.add_argument("--before", default=None,
                         help="a checkout of the code before a change (git archive): measured too, "
                         "interleaved, as the 'before' row")  # fmt: skip
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="OMP_NUM_THREADS for every child (1 on a loaded machine: idle "
+                        "OpenMP threads spin, which counts as CPU time)")  # fmt: skip
     args = parser.parse_args()
+    global THREADS
+    THREADS = args.torch_threads
     size = parse_size(str(args.size))
     parts_list = [int(p) for p in args.parts.split(",")]
     loads = [os.getloadavg()[0]]
@@ -183,7 +191,8 @@ def main() -> None:
                 ratios.setdefault(str(parts), []).append(ours[0] / floor[0])
                 ratios.setdefault(f"{parts}_cpu", []).append(ours[1] / floor[1])
     print(f"recovery, {size / 2**20:.0f} MiB, {args.rounds} rounds (medians), dir {args.dir}, "
-          f"load average {min(loads):.1f}-{max(loads):.1f}, {os.cpu_count()} cores")  # fmt: skip
+          f"load average {min(loads):.1f}-{max(loads):.1f}, {os.cpu_count()} cores, "
+          f"torch threads {THREADS or 'default'}")  # fmt: skip
     for parts in parts_list:
         label = "one file" if parts == 1 else f"parts={parts}"
         floor = statistics.median(times[f"floor{parts}"])

@@ -107,3 +107,56 @@ def test_small_checkpoints_and_other_stores_take_the_general_path(tmp_path, mapp
     save(build_checkpoint(step=0, next_step=1, model=torch.nn.Linear(3, 2)), tmp_path)
     assert resolve_auto_resume(tmp_path).checkpoint["step"] == 0
     assert not mapped_loads
+
+
+@pytest.fixture
+def mapped_parts(monkeypatch):
+    """How many part files were mapped (rather than read into new tensors)."""
+    calls: list[int] = []
+    mapped = verified_read._mapped_bytes
+
+    def spy(fd, size):
+        calls.append(size)
+        return mapped(fd, size)
+
+    monkeypatch.setattr(verified_read, "_mapped_bytes", spy)
+    return calls
+
+
+def test_parts_are_mapped_and_every_kind_of_tensor_comes_back_exact(tmp_path, mapped_parts):
+    torch.manual_seed(0)
+    state = {
+        "big": torch.randn(300, 700),  # split across the parts: copied out of both mappings
+        "halves": torch.randn(64, 64, dtype=torch.float16),
+        "odd": torch.arange(7, dtype=torch.int8),  # leaves the next tensor unaligned
+        "doubles": torch.randn(33, dtype=torch.float64),
+        "flags": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 4),
+        "tied": None,
+    }
+    state["tied"] = state["big"]
+    ckpt = build_checkpoint(step=5, next_step=6, model=torch.nn.Linear(2, 2))
+    ckpt["model"] = state
+    save(ckpt, tmp_path, parts=2)
+    loaded = resolve_auto_resume(tmp_path).checkpoint
+    assert len(mapped_parts) == 2
+    for key, value in state.items():
+        got = loaded["model"][key]
+        assert got.dtype == value.dtype and got.shape == value.shape and torch.equal(got, value)
+    assert loaded["model"]["tied"] is loaded["model"]["big"]
+    got = loaded["model"]["halves"]
+    got.add_(1)  # the mapping is private: changing a loaded tensor leaves the part file be
+    again = resolve_auto_resume(tmp_path).checkpoint["model"]["halves"]
+    assert torch.equal(again, state["halves"])
+
+
+def test_a_part_of_another_size_is_refused_naming_it(tmp_path, caplog, mapped_parts):
+    _save(tmp_path, 1, parts=2)
+    _save(tmp_path, 2, parts=2)
+    part = sorted(p for p in os.listdir(tmp_path) if "step000000002.pt" in p and "part" in p)[0]
+    with open(tmp_path / part, "ab") as f:
+        f.write(b"\0")
+    with caplog.at_level(logging.WARNING, logger="koochak"):
+        assert resolve_auto_resume(tmp_path).checkpoint["step"] == 1
+    assert f"part {part} has" in caplog.text and "the index says" in caplog.text

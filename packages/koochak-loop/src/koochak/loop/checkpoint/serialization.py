@@ -279,6 +279,7 @@ def read_checkpoint(
     source: str,
     *,
     workers: int | None = None,
+    parts_reader: Any = read_parts,
 ) -> dict[str, Any]:
     """The checkpoint whose object (file or index) holds ``data``, on the CPU, weights-only.
 
@@ -294,7 +295,7 @@ def read_checkpoint(
     if store is None:
         raise ValueError(f"{source}: a checkpoint in parts needs the store that holds its parts")
     index = parse_index(data, source, name)
-    tensors = read_parts(store, index, source, workers=workers)
+    tensors = parts_reader(store, index, source, workers=workers)  # read_parts' contract
     payload = join_tensors(load_skeleton(index.skeleton, source), tensors, source)
     return _checkpoint_of_payload(payload, source)
 

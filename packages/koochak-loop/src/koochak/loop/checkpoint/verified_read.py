@@ -13,11 +13,17 @@ this reads it instead as:
    the tensors are views of the verified pages and the one copy left is restore's into the
    parameters.
 
+A checkpoint in parts (an index, read and verified whole) with local part files is read the
+same way: each part mapped once (by torch, from its open file), hashed through that mapping,
+all parts in parallel, and its tensors made views of the mapping (a tensor whose bytes span
+parts, or sit unaligned, is copied out of them once), so again nothing is copied before restore.
+
 Published objects are create-only and never rewritten, so the mapped pages stay the verified
 bytes; a checkpoint pruned later keeps its pages while the tensors map them.
 
-Everything else (an index of parts, a small object, a store without local files, a platform
-without ``/proc/self/fd``) takes the general path: ``read_verified`` then ``read_checkpoint``.
+Everything else (a small object, a store without local files, a platform without
+``/proc/self/fd``, an index whose tensors are sharded boxes) takes the general path:
+``read_verified`` then ``read_checkpoint`` (``read_parts`` for the parts).
 Errors are those of that path: InvalidArtifact for a size or digest that differs, ValueError
 for bytes torch cannot load, FileNotFoundError for an object a manifest names but this client
 does not see, any other OSError as is.
@@ -28,9 +34,14 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from typing import Any
 
-from koochak.loop.checkpoint.parts_index import looks_like_index
+import torch
+from koochak.loop.checkpoint.parts_index import PartsIndex, looks_like_index
+from koochak.loop.checkpoint.parts_io import read_parts
+from koochak.loop.checkpoint.parts_tree import torch_dtype
 from koochak.loop.checkpoint.serialization import load_checkpoint_file, read_checkpoint
 from koochak.storage import artifact
 from koochak.storage.named import open_named
@@ -60,7 +71,89 @@ def read_published_checkpoint(
             if found is not None:
                 return publication, found
     publication, data = artifact.read_verified(store, name)
-    return publication, read_checkpoint(store, name, data, source)
+    return publication, read_checkpoint(store, name, data, source, parts_reader=read_parts_mapped)
+
+
+def read_parts_mapped(
+    store: Store, index: PartsIndex, source: str, *, workers: int | None = None
+) -> list[torch.Tensor]:
+    """``read_parts`` (same checks, same errors) with the parts mapped rather than read, where
+    the store has local files and every tensor is whole (not sharded boxes)."""
+    if not os.path.isdir(_FD_DIR) or not all(store.local_path(p.key) for p in index.parts):
+        return read_parts(store, index, source, workers=workers)
+    if any(len(e.shards) != 1 or e.shards[0].shape != e.shape for e in index.tensors):
+        return read_parts(store, index, source, workers=workers)
+    with ExitStack() as stack:
+        parts = []  # each part as a flat uint8 tensor over its mapping
+        for part in index.parts:
+            stream = stack.enter_context(open_named(store, part.key, named_by=source))
+            size = os.fstat(stream.fileno()).st_size
+            if size != part.size:
+                raise ValueError(
+                    f"{source}: part {part.key} has {size} bytes; the index says {part.size}"
+                )
+            try:
+                parts.append(_mapped_bytes(stream.fileno(), size))
+            except (RuntimeError, OSError):  # a file system that cannot map: read the parts
+                return read_parts(store, index, source, workers=workers)
+    count = max(1, min(len(parts), workers or len(parts)))
+    with ThreadPoolExecutor(max_workers=count, thread_name_prefix="koochak-part") as pool:
+        digests = list(pool.map(_sha256_hex, parts))
+    for part, digest in zip(index.parts, digests):
+        if digest != part.sha256:
+            raise ValueError(
+                f"{source}: part {part.key} has SHA256 {digest}; the index says {part.sha256}"
+            )
+    return [_tensor_of(entry, index, parts, source) for entry in index.tensors]
+
+
+def _mapped_bytes(fd: int, size: int) -> torch.Tensor:
+    if size == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    storage = torch.UntypedStorage.from_file(f"{_FD_DIR}/{fd}", False, size)  # MAP_PRIVATE
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+
+def _sha256_hex(data: torch.Tensor) -> str:
+    sha = hashlib.sha256()
+    if data.numel():
+        view = memoryview(data.numpy()).cast("B")
+        for begin in range(0, len(view), _HASH_PIECE):
+            sha.update(view[begin : begin + _HASH_PIECE])
+    return sha.hexdigest()
+
+
+def _tensor_of(entry: Any, index: PartsIndex, parts: list[torch.Tensor], source: str) -> Any:
+    dtype = torch_dtype(entry.dtype)
+    extents = entry.shards[0].extents
+    for extent in extents:
+        if extent.offset + extent.length > index.parts[extent.part].size:
+            raise ValueError(f"{source}: an extent lies outside part {index.parts[extent.part].key}")
+    item = torch.empty((), dtype=dtype).element_size()
+    numel = 1
+    for n in entry.shape:
+        numel *= n
+    if sum(e.length for e in extents) != numel * item:
+        raise ValueError(f"{source}: a tensor's extents do not hold its {numel} elements")
+    if len(extents) == 1 and extents[0].offset % item == 0 and numel:
+        extent = extents[0]
+        strides, step = [], 1
+        for n in reversed(entry.shape):
+            strides.append(step)
+            step *= max(n, 1)
+        # Its own storage over its bytes (as torch.load(mmap=True) makes them): some readers
+        # of a tensor (Generator.set_state) use its storage from the start, not its offset.
+        storage = parts[extent.part].untyped_storage()[extent.offset : extent.offset + extent.length]
+        return torch.empty(0, dtype=dtype).set_(storage, 0, entry.shape, tuple(reversed(strides)))
+    tensor = torch.empty(entry.shape, dtype=dtype)
+    flat = tensor.reshape(-1).view(torch.uint8)
+    start = 0
+    for extent in extents:
+        flat[start : start + extent.length] = parts[extent.part][
+            extent.offset : extent.offset + extent.length
+        ]
+        start += extent.length
+    return tensor
 
 
 def _read_mapped(
@@ -72,7 +165,11 @@ def _read_mapped(
     size = os.fstat(fd).st_size
     if size != publication.size:
         raise artifact.InvalidArtifact(f"{where}: {size} bytes, manifest says {publication.size}")
-    with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mapped:
+    try:
+        mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError):  # a file system that cannot map (FUSE direct I/O): read it
+        return None
+    with mapped:
         if looks_like_index(mapped[:1]) or mapped[:2] != b"PK":
             return None  # an index, or not a zip torch can map: read the general way
         if hasattr(mapped, "madvise") and hasattr(mmap, "MADV_SEQUENTIAL"):
