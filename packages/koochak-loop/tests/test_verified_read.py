@@ -160,3 +160,21 @@ def test_a_part_of_another_size_is_refused_naming_it(tmp_path, caplog, mapped_pa
     with caplog.at_level(logging.WARNING, logger="koochak"):
         assert resolve_auto_resume(tmp_path).checkpoint["step"] == 1
     assert f"part {part} has" in caplog.text and "the index says" in caplog.text
+
+
+def test_a_store_whose_open_is_not_a_plain_file_is_read_through_it(
+    tmp_path, mapped_loads, mapped_parts
+):
+    """A wrapper (here a throttled store) is honoured: its local path is not used to map."""
+    from koochak.storage.store import LocalStore
+    from koochak.storage.testing import ThrottledStore
+
+    _save(tmp_path / "one", 1)
+    saved = _save(tmp_path / "parts", 2, parts=2)
+    for root, step in ((tmp_path / "one", 1), (tmp_path / "parts", 2)):
+        store = ThrottledStore(LocalStore(root), 1e12)
+        assert store.local_path("x") is not None
+        assert resolve_auto_resume(store).checkpoint["step"] == step
+    assert not mapped_loads and not mapped_parts
+    ckpt = resolve_auto_resume(ThrottledStore(LocalStore(tmp_path / "parts"), 1e12)).checkpoint
+    assert torch.equal(ckpt["model"]["weight"], saved.weight)

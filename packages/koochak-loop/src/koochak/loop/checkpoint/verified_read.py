@@ -32,6 +32,7 @@ does not see, any other OSError as is.
 from __future__ import annotations
 
 import hashlib
+import io
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -67,7 +68,9 @@ def read_published_checkpoint(
             stream = None  # unpublished meanwhile, or late: the general path tells which
         if stream is not None:
             with stream:
-                found = _read_mapped(store, publication, stream.fileno(), source)
+                found = None
+                if _plain_file(stream):  # not a wrapper (a throttled or faulty test store)
+                    found = _read_mapped(store, publication, stream.fileno(), source)
             if found is not None:
                 return publication, found
     publication, data = artifact.read_verified(store, name)
@@ -87,6 +90,8 @@ def read_parts_mapped(
         parts = []  # each part as a flat uint8 tensor over its mapping
         for part in index.parts:
             stream = stack.enter_context(open_named(store, part.key, named_by=source))
+            if not _plain_file(stream):
+                return read_parts(store, index, source, workers=workers)
             size = os.fstat(stream.fileno()).st_size
             if size != part.size:
                 raise ValueError(
@@ -154,6 +159,11 @@ def _tensor_of(entry: Any, index: PartsIndex, parts: list[torch.Tensor], source:
         ]
         start += extent.length
     return tensor
+
+
+def _plain_file(stream: Any) -> bool:
+    """Whether ``stream`` reads a file directly, so its descriptor can be mapped instead."""
+    return isinstance(stream, (io.BufferedReader, io.FileIO))
 
 
 def _read_mapped(
