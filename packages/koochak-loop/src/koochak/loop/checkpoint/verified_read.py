@@ -35,6 +35,7 @@ import hashlib
 import io
 import mmap
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from typing import Any
@@ -82,7 +83,9 @@ def read_parts_mapped(
 ) -> list[torch.Tensor]:
     """``read_parts`` (same checks, same errors) with the parts mapped rather than read, where
     the store has local files and every tensor is whole (not sharded boxes)."""
-    if not os.path.isdir(_FD_DIR) or not all(store.local_path(p.key) for p in index.parts):
+    if sys.byteorder != "little" or not os.path.isdir(_FD_DIR):  # read_parts refuses big-endian
+        return read_parts(store, index, source, workers=workers)
+    if not all(store.local_path(p.key) for p in index.parts):
         return read_parts(store, index, source, workers=workers)
     if any(len(e.shards) != 1 or e.shards[0].shape != e.shape for e in index.tensors):
         return read_parts(store, index, source, workers=workers)
@@ -132,8 +135,9 @@ def _tensor_of(entry: Any, index: PartsIndex, parts: list[torch.Tensor], source:
     dtype = torch_dtype(entry.dtype)
     extents = entry.shards[0].extents
     for extent in extents:
-        if extent.offset + extent.length > index.parts[extent.part].size:
-            raise ValueError(f"{source}: an extent lies outside part {index.parts[extent.part].key}")
+        inside = 0 <= extent.part < len(parts) and extent.offset >= 0 and extent.length >= 0
+        if not inside or extent.offset + extent.length > index.parts[extent.part].size:
+            raise ValueError(f"{source}: a tensor's extent {extent} lies outside its parts")
     item = torch.empty((), dtype=dtype).element_size()
     numel = 1
     for n in entry.shape:
