@@ -178,3 +178,23 @@ def test_a_store_whose_open_is_not_a_plain_file_is_read_through_it(
     assert not mapped_loads and not mapped_parts
     ckpt = resolve_auto_resume(ThrottledStore(LocalStore(tmp_path / "parts"), 1e12)).checkpoint
     assert torch.equal(ckpt["model"]["weight"], saved.weight)
+
+
+def test_a_file_system_that_cannot_map_is_read_the_general_way(tmp_path, monkeypatch, caplog):
+    one = _save(tmp_path / "one", 1)
+    parts = _save(tmp_path / "parts", 2, parts=2)
+
+    def refuse(*args, **kwargs):
+        raise OSError(19, "No such device")  # ENODEV: what mmap says on FUSE with direct I/O
+
+    def refuse_torch(fd, size):
+        raise RuntimeError("unable to mmap")
+
+    monkeypatch.setattr(verified_read.mmap, "mmap", refuse)
+    monkeypatch.setattr(verified_read, "_mapped_bytes", refuse_torch)
+    with caplog.at_level(logging.WARNING, logger="koochak"):
+        first = resolve_auto_resume(tmp_path / "one").checkpoint
+        second = resolve_auto_resume(tmp_path / "parts").checkpoint
+    assert torch.equal(first["model"]["weight"], one.weight)
+    assert torch.equal(second["model"]["weight"], parts.weight)
+    assert "skipping" not in caplog.text
