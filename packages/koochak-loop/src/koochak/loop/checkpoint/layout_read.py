@@ -41,7 +41,7 @@ from koochak.storage.store import Store
 _NDARRAY_TAG = "__koochak_ndarray__"
 
 __all__ = ["Reader", "ONE_FILE", "PARTS", "layout_of", "read", "objects",
-           "deserialize_checkpoint", "checkpoint_of_payload"]  # fmt: skip
+           "deserialize_checkpoint", "load_checkpoint_file", "checkpoint_of_payload"]  # fmt: skip
 
 
 class Reader(Protocol):
@@ -55,6 +55,7 @@ class Reader(Protocol):
         source: str,
         *,
         workers: int | None = None,
+        parts_reader: Any = read_parts,
     ) -> dict[str, Any]: ...
 
     def objects(self, name: str, head: bytes | bytearray | memoryview, where: str) -> list[str]: ...
@@ -63,7 +64,7 @@ class Reader(Protocol):
 class _OneFile:
     name = "one file"
 
-    def read(self, store, name, head, source, *, workers=None) -> dict[str, Any]:
+    def read(self, store, name, head, source, *, workers=None, parts_reader=None) -> dict[str, Any]:
         return deserialize_checkpoint(head, source)
 
     def objects(self, name, head, where) -> list[str]:
@@ -73,13 +74,15 @@ class _OneFile:
 class _Parts:
     name = "parts"
 
-    def read(self, store, name, head, source, *, workers=None) -> dict[str, Any]:
+    def read(
+        self, store, name, head, source, *, workers=None, parts_reader=read_parts
+    ) -> dict[str, Any]:
         if store is None:
             raise ValueError(
                 f"{source}: a checkpoint in parts needs the store that holds its parts"
             )
         index = parse_index(head, source, name)
-        tensors = read_parts(store, index, source, workers=workers)
+        tensors = parts_reader(store, index, source, workers=workers)  # read_parts' contract
         payload = join_tensors(load_skeleton(index.skeleton, source), tensors, source)
         return checkpoint_of_payload(payload, source)
 
@@ -103,9 +106,14 @@ def read(
     source: str,
     *,
     workers: int | None = None,
+    parts_reader: Any = read_parts,
 ) -> dict[str, Any]:
-    """The checkpoint whose object holds ``head``, by its layout's reader (see the module)."""
-    return layout_of(head).read(store, name, head, source, workers=workers)
+    """The checkpoint whose object holds ``head``, by its layout's reader (see the module).
+    ``parts_reader`` reads a parts index's tensors (``parts_io.read_parts``, or the resume's
+    mapped reader, ``verified_read.read_parts_mapped``)."""
+    return layout_of(head).read(
+        store, name, head, source, workers=workers, parts_reader=parts_reader
+    )
 
 
 def objects(store: Store, name: str) -> list[str]:
@@ -131,6 +139,21 @@ def deserialize_checkpoint(data: bytes | bytearray | memoryview, source: str) ->
     """
     try:
         ckpt = torch.load(io.BytesIO(bytes(data)), map_location="cpu", weights_only=True)
+    except (MemoryError, OSError):
+        raise
+    except Exception as exc:  # torch raises many types for hostile bytes; all mean "not loadable"
+        raise ValueError(
+            f"{source}: not a loadable weights-only checkpoint ({_first_line(exc)})"
+        ) from exc
+    return checkpoint_of_payload(ckpt, source)
+
+
+def load_checkpoint_file(path: str, source: str) -> dict[str, Any]:
+    """``deserialize_checkpoint`` of a ``torch.save`` zip file, mapped rather than read: the
+    tensors are views of the file's pages (``torch.load(mmap=True)``), so nothing is copied
+    until they are restored. Verify the file first (``verified_read``); errors as there."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except (MemoryError, OSError):
         raise
     except Exception as exc:  # torch raises many types for hostile bytes; all mean "not loadable"

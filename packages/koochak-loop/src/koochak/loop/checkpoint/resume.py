@@ -40,6 +40,7 @@ from koochak.loop.checkpoint.format import (
 from koochak.loop.checkpoint.publication import checkpoint_store, publication_path
 from koochak.loop.checkpoint.serialization import read_checkpoint
 from koochak.loop.checkpoint.tiers import Location
+from koochak.loop.checkpoint.verified_read import read_published_checkpoint
 from koochak.storage import artifact
 from koochak.storage.named import read_settle_seconds
 from koochak.storage.store import Store, capabilities_of, open_store
@@ -201,8 +202,7 @@ def _highest_valid(stores: Sequence[Store]) -> _Found | None:
         for tier, key in candidates[number]:
             store = stores[tier]
             try:
-                publication, data = artifact.read_verified(store, key)
-                ckpt = _validated_checkpoint(store)(publication, data)
+                publication, ckpt = _read_validated(store, key)
             except artifact.InvalidArtifact as exc:
                 log.warning("skipping %s #%d (%s): %s", key, number, store.location, exc)
                 continue
@@ -370,18 +370,19 @@ def _log_unmanifested(store: Store, chosen: int) -> None:
             )
 
 
-def _validated_checkpoint(store: Store):
-    def check(publication: artifact.Publication, data: bytes) -> dict[str, Any]:
-        source = _key_path(store, publication.key)
-        try:
-            ckpt = read_checkpoint(store, publication.key, data, source)
-            check_resume_cursor(ckpt, publication.key)
-            check_rng_fields(ckpt, source)
-        except ValueError as exc:
-            raise artifact.InvalidArtifact(str(exc)) from exc
-        return ckpt
-
-    return check
+def _read_validated(store: Store, key: str) -> tuple[artifact.Publication, dict[str, Any]]:
+    """One verified read of ``key`` (``verified_read``), its format, cursor and RNG checked;
+    InvalidArtifact for anything that makes it no resume point."""
+    source = _key_path(store, key)
+    try:
+        publication, ckpt = read_published_checkpoint(store, key, source)
+        check_resume_cursor(ckpt, key)
+        check_rng_fields(ckpt, source)
+    except artifact.InvalidArtifact:
+        raise
+    except ValueError as exc:
+        raise artifact.InvalidArtifact(str(exc)) from exc
+    return publication, ckpt
 
 
 def _key_path(store: Store, key: str) -> str:

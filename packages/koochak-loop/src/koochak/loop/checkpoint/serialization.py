@@ -29,10 +29,11 @@ from koochak.loop.checkpoint.layout_read import (  # the read side lives there; 
     _walk,
     checkpoint_of_payload,
     deserialize_checkpoint,  # noqa: F401
+    load_checkpoint_file,  # noqa: F401
 )
 from koochak.loop.checkpoint.layout_read import read as _read_by_layout
 from koochak.loop.checkpoint.parts_index import encode_index
-from koochak.loop.checkpoint.parts_io import host_tensor, write_parts
+from koochak.loop.checkpoint.parts_io import host_tensor, read_parts, write_parts
 from koochak.loop.checkpoint.parts_tree import (
     join_tensors,
     load_skeleton,
@@ -243,6 +244,7 @@ def read_checkpoint(
     source: str,
     *,
     workers: int | None = None,
+    parts_reader: Any = read_parts,
 ) -> dict[str, Any]:
     """The checkpoint whose object (file or index) holds ``data``, on the CPU, weights-only.
 
@@ -254,7 +256,7 @@ def read_checkpoint(
     or of another digest, a malformed index or skeleton) is a ValueError naming ``source``
     (InvalidArtifact for a malformed index); other OSErrors (EIO) propagate.
     """
-    return _read_by_layout(store, name, data, source, workers=workers)
+    return _read_by_layout(store, name, data, source, workers=workers, parts_reader=parts_reader)
 
 
 def _encode(value: Any) -> Any:
