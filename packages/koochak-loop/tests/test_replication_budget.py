@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from koochak.loop.checkpoint import replication as replication_module
+from koochak.loop.checkpoint import budget as budget_module
 from koochak.loop.checkpoint import save
 from koochak.loop.checkpoint.budget import BandwidthBudget, bandwidth_budget
 from koochak.loop.checkpoint.replication import ReplicaTier, Replicator
@@ -132,7 +132,7 @@ def test_the_replicator_paces_each_tier_with_its_own_budget(tmp_path, monkeypatc
             taken.append(nbytes)
             super().take(nbytes)
 
-    monkeypatch.setattr(replication_module, "BandwidthBudget", Recording)
+    monkeypatch.setattr(budget_module, "BandwidthBudget", Recording)
     first = LocalStore(tmp_path / "first")
     name = _checkpoint(first, 2)
     replicator = Replicator(first, [ReplicaTier(1, LocalStore(tmp_path / "durable"), None)],

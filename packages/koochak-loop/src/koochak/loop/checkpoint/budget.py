@@ -38,7 +38,9 @@ class BandwidthBudget:
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         if isinstance(bytes_per_second, bool) or not bytes_per_second > 0:
-            raise ValueError(f"BandwidthBudget: bytes_per_second must be > 0, got {bytes_per_second!r}")
+            raise ValueError(
+                f"BandwidthBudget: bytes_per_second must be > 0, got {bytes_per_second!r}"
+            )
         if burst_bytes < 0:
             raise ValueError(f"BandwidthBudget: burst_bytes must be >= 0, got {burst_bytes!r}")
         self.rate = float(bytes_per_second)
@@ -74,4 +76,6 @@ class BandwidthBudget:
 
 def bandwidth_budget(mb_per_s: float | None) -> BandwidthBudget | None:
     """The budget for ``train.checkpoint_replication_bandwidth_mb_s`` (None: unlimited)."""
-    return None if mb_per_s is None else BandwidthBudget(mb_per_s * 1e6)
+    if mb_per_s is None:
+        return None
+    return BandwidthBudget(mb_per_s * 1e6)

@@ -35,7 +35,7 @@ from typing import Any
 
 import koochak.loop.checkpoint.retention as retention
 from koochak.loop.checkpoint.background import lower_this_threads_priority
-from koochak.loop.checkpoint.budget import BandwidthBudget
+from koochak.loop.checkpoint.budget import BandwidthBudget, bandwidth_budget
 from koochak.loop.checkpoint.format import CHECKPOINT_PATTERN, step_of_name
 from koochak.loop.checkpoint.parts_index import PART_INFIX
 from koochak.loop.checkpoint.publication import unpublish_checkpoint
@@ -151,10 +151,7 @@ class Replicator:
         self._cond = threading.Condition()
         # train.checkpoint_replication_bandwidth_mb_s: each tier's copies paced to it.
         self.bandwidth_mb_s = bandwidth_mb_s
-        self._lanes = [
-            _Lane(tier, budget=None if bandwidth_mb_s is None else BandwidthBudget(bandwidth_mb_s * 1e6))
-            for tier in replicas
-        ]
+        self._lanes = [_Lane(tier, budget=bandwidth_budget(bandwidth_mb_s)) for tier in replicas]
         self._events: deque[ReplicationEvent] = deque()
         self._committed_at: dict[str, float] = {}  # first-tier commit time of this run's saves
         self._held_back: set[str] = set()  # first-tier names kept beyond keep_last_k (logged)
