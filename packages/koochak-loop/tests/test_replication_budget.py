@@ -4,6 +4,7 @@ copy is still verified, byte-identical and committed last."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -124,7 +125,7 @@ def test_a_paced_copy_moves_every_byte_through_the_budget_and_commits_last(tmp_p
     assert order[-1][0] == manifest
 
 
-def test_the_replicator_paces_each_tier_with_its_own_budget(tmp_path, monkeypatch):
+def test_the_replicator_paces_each_tier_with_its_own_budget(tmp_path, monkeypatch, caplog):
     taken: list[int] = []
 
     class Recording(BandwidthBudget):
@@ -133,6 +134,7 @@ def test_the_replicator_paces_each_tier_with_its_own_budget(tmp_path, monkeypatc
             super().take(nbytes)
 
     monkeypatch.setattr(budget_module, "BandwidthBudget", Recording)
+    caplog.set_level(logging.INFO, logger="koochak.loop.checkpoint")
     first = LocalStore(tmp_path / "first")
     name = _checkpoint(first, 2)
     replicator = Replicator(first, [ReplicaTier(1, LocalStore(tmp_path / "durable"), None)],
@@ -146,3 +148,5 @@ def test_the_replicator_paces_each_tier_with_its_own_budget(tmp_path, monkeypatc
     assert [e.name for e in events] == [name]
     assert sum(taken) == events[0].bytes_copied > 0
     assert _files(tmp_path / "durable") == _files(tmp_path / "first")
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("replicated")]
+    assert len(logged) == 1 and "capped at 50 MB/s" in logged[0]  # the lag's cause is said

@@ -455,11 +455,13 @@ class Replicator:
                         describe_tier(lane.tier.index, store), name, event.error)  # fmt: skip
             return
         rate = result.bytes_copied / seconds / 1e6 if seconds > 0 else 0.0
+        budget = lane.budget
+        capped = f", capped at {budget.rate / 1e6:g} MB/s" if budget is not None else ""
         log.info(
-            "replicated %s to %s in %.1f s (%.1f MB, %.0f MB/s); %d checkpoint(s) still to copy "
+            "replicated %s to %s in %.1f s (%.1f MB, %.0f MB/s%s); %d checkpoint(s) still to copy "
             "there%s",
             name, describe_tier(lane.tier.index, store), seconds, result.bytes_copied / 1e6,
-            rate, len(lane.queue),
+            rate, capped, len(lane.queue),
             f", {behind:.1f} s after the first tier committed it" if behind is not None else "",
         )  # fmt: skip
 
