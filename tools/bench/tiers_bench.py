@@ -72,7 +72,12 @@ def _medians(times: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 def bench_slowdown(
-    root: str, size: int, rate: float, rounds: int, parts: int | str = 1
+    root: str,
+    size: int,
+    rate: float,
+    rounds: int,
+    parts: int | str = 1,
+    bandwidth_mb_s: float | None = None,
 ) -> dict[str, float]:
     from koochak.loop.checkpoint import build_checkpoint, checkpoint_name, save
     from koochak.loop.checkpoint.publication import unpublish_checkpoint
@@ -100,7 +105,10 @@ def bench_slowdown(
             target = LocalStore(target_root)
             if label == "throttled":
                 target = ThrottledStore(target, rate)
-            replicator = Replicator(first, [ReplicaTier(1, target, None)], first_keep_last_k=None)
+            replicator = Replicator(
+                first, [ReplicaTier(1, target, None)], first_keep_last_k=None,
+                bandwidth_mb_s=bandwidth_mb_s,
+            )  # fmt: skip
             started = time.perf_counter()
             replicator.submit(name)
             done = _settle_in_background(replicator, name)
@@ -224,6 +232,9 @@ def main() -> None:
     parser.add_argument("--ckpt-every", type=int, default=100, help="steps between checkpoints")
     parser.add_argument("--dir", default=None, help="directory on the disk to measure")
     parser.add_argument("--parts", default="1", help="checkpoint parts: 1 (one file), N or auto")
+    parser.add_argument("--bandwidth-mb", default="default",
+                        help="train.checkpoint_replication_bandwidth_mb_s for the copies: a "
+                        "number, 'none' (unlimited), or 'default' (the TrainConfig default)")  # fmt: skip
     parser.add_argument("--skip", choices=("slowdown", "recovery"), default=None)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)
@@ -231,6 +242,14 @@ def main() -> None:
     args = parser.parse_args()
     args.size = parse_size(str(args.size))
     args.parts = args.parts if args.parts == "auto" else int(args.parts)
+    if args.bandwidth_mb == "default":
+        from koochak.loop.config import TrainConfig
+
+        args.bandwidth_mb = TrainConfig().checkpoint_replication_bandwidth_mb_s
+    elif args.bandwidth_mb == "none":
+        args.bandwidth_mb = None
+    else:
+        args.bandwidth_mb = float(args.bandwidth_mb)
     if args.child:
         child(args)
         return
@@ -238,12 +257,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.dir) as root:
         if args.skip != "slowdown":
             slow = bench_slowdown(os.path.join(root, "slowdown"), args.size, args.rate_mb * 1e6,
-                                  args.rounds, args.parts)  # fmt: skip
+                                  args.rounds, args.parts, args.bandwidth_mb)  # fmt: skip
         if args.skip != "recovery":
             recovery = bench_recovery(os.path.join(root, "recovery"), args.size, args.rate_mb,
                                       args.rounds, args.parts)  # fmt: skip
     print(f"checkpoint {args.size / 2**20:.0f} MiB in parts={args.parts}, {args.rounds} rounds "
-          f"(medians), durable store {args.rate_mb:.0f} MB/s, "
+          f"(medians), durable store {args.rate_mb:.0f} MB/s, replication budget "
+          f"{'unlimited' if args.bandwidth_mb is None else f'{args.bandwidth_mb:g} MB/s'}, "
           f"load average {os.getloadavg()[0]:.1f}")  # fmt: skip
     if slow is not None:
         _report_slowdown(slow, args.ckpt_every)

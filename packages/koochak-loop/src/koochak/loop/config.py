@@ -114,6 +114,8 @@ class TrainConfig:
     checkpoint_replicas: list[Any] = field(default_factory=list)
     checkpoint_replication_max_lag: int = 2  # checkpoints a replica may trail before saves wait
     checkpoint_replication_retry_s: float = 10.0  # first retry after a failed copy (doubles)
+    # Each replica tier's copies paced to this many MB/s (null: as fast as the stores go)
+    checkpoint_replication_bandwidth_mb_s: Optional[float] = None
     checkpoint_prune_unreplicated: bool = False  # prune the first tier before a replica holds it
     # The run's stable id, kept in every checkpoint and in each tier's marker (docs/formats.md,
     # "Tier marker"): a tier marked by another run is refused. null: the first tier's marker's
@@ -421,6 +423,12 @@ def _check_values(values: Mapping[str, Any], section: str) -> None:
         raise ConfigError(
             "train.checkpoint_replication_retry_s: expected a number >= 0, got "
             f"{values['checkpoint_replication_retry_s']!r}"
+        )
+    bandwidth = values.get("checkpoint_replication_bandwidth_mb_s") if section == "train" else None
+    if bandwidth is not None and (isinstance(bandwidth, bool) or not bandwidth > 0):
+        raise ConfigError(
+            "train.checkpoint_replication_bandwidth_mb_s: expected a positive number of MB/s or "
+            f"null (unlimited), got {bandwidth!r}"
         )
     if section == "train" and "checkpoint_replicas" in values:
         check_replicas(values["checkpoint_replicas"])

@@ -92,6 +92,7 @@ RESUME_CLASSES: dict[str, str] = {
     "train.checkpoint_replicas": _SAME,
     "train.checkpoint_replication_max_lag": _SAME,
     "train.checkpoint_replication_retry_s": _SAME,
+    "train.checkpoint_replication_bandwidth_mb_s": _SAME,
     "train.checkpoint_prune_unreplicated": _SAME,
     "train.ema": _SAME,  # the shadows average the weights; they do not change how they train
     # ---- train: how the run is executed

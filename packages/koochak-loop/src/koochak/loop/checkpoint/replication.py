@@ -35,6 +35,7 @@ from typing import Any
 
 import koochak.loop.checkpoint.retention as retention
 from koochak.loop.checkpoint.background import lower_this_threads_priority
+from koochak.loop.checkpoint.budget import BandwidthBudget, bandwidth_budget
 from koochak.loop.checkpoint.format import CHECKPOINT_PATTERN, step_of_name
 from koochak.loop.checkpoint.parts_index import PART_INFIX
 from koochak.loop.checkpoint.publication import unpublish_checkpoint
@@ -105,6 +106,7 @@ class _Lane:
     failures: int = 0  # consecutive failed attempts
     retry_at: float = 0.0
     thread: threading.Thread | None = None
+    budget: BandwidthBudget | None = None  # paces this tier's copies (None: unlimited)
 
 
 class Replicator:
@@ -130,6 +132,7 @@ class Replicator:
         spare: Callable[[Store, list[str]], set[str]] | None = None,
         clock: Callable[[], float] = time.monotonic,
         remote_writers: Collection[int] = (),
+        bandwidth_mb_s: float | None = None,
     ) -> None:
         if not replicas:
             raise ValueError("Replicator: needs at least one replica tier")
@@ -146,7 +149,9 @@ class Replicator:
         # nodes copy them to each replica (FollowerReplicator); this waits for them there.
         self.remote_writers = frozenset(remote_writers)
         self._cond = threading.Condition()
-        self._lanes = [_Lane(tier) for tier in replicas]
+        # train.checkpoint_replication_bandwidth_mb_s: each tier's copies paced to it.
+        self.bandwidth_mb_s = bandwidth_mb_s
+        self._lanes = [_Lane(tier, budget=bandwidth_budget(bandwidth_mb_s)) for tier in replicas]
         self._events: deque[ReplicationEvent] = deque()
         self._committed_at: dict[str, float] = {}  # first-tier commit time of this run's saves
         self._held_back: set[str] = set()  # first-tier names kept beyond keep_last_k (logged)
@@ -396,8 +401,11 @@ class Replicator:
             with self._cond:
                 lane.source = source  # retention leaves ``name`` alone there meanwhile
             remote = self.remote_writers if source is self.first else ()
+            pace = lane.budget.take if lane.budget is not None else None
             try:
-                return replicate_checkpoint(source, lane.tier.store, name, remote_writers=remote)
+                return replicate_checkpoint(
+                    source, lane.tier.store, name, remote_writers=remote, progress=pace
+                )
             except artifact.InvalidArtifact:
                 continue  # not (or no longer) committed there
             except ValueError as exc:  # changed or damaged there: another source may be good
@@ -447,11 +455,13 @@ class Replicator:
                         describe_tier(lane.tier.index, store), name, event.error)  # fmt: skip
             return
         rate = result.bytes_copied / seconds / 1e6 if seconds > 0 else 0.0
+        budget = lane.budget
+        capped = f", capped at {budget.rate / 1e6:g} MB/s" if budget is not None else ""
         log.info(
-            "replicated %s to %s in %.1f s (%.1f MB, %.0f MB/s); %d checkpoint(s) still to copy "
+            "replicated %s to %s in %.1f s (%.1f MB, %.0f MB/s%s); %d checkpoint(s) still to copy "
             "there%s",
             name, describe_tier(lane.tier.index, store), seconds, result.bytes_copied / 1e6,
-            rate, len(lane.queue),
+            rate, capped, len(lane.queue),
             f", {behind:.1f} s after the first tier committed it" if behind is not None else "",
         )  # fmt: skip
 

@@ -359,6 +359,7 @@ class CheckpointSaver:
             pull=resumed,
             spare=self._best if self._tracker is not None else None,
             remote_writers={r for r, node in enumerate(nodes) if node != nodes[0]},
+            bandwidth_mb_s=replication.bandwidth_mb_s,
         )
 
     @property

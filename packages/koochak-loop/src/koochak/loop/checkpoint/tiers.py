@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,6 +108,7 @@ class ReplicationSettings:
     max_lag: int = 2
     retry_s: float = 10.0
     prune_unreplicated: bool = False
+    bandwidth_mb_s: float | None = None  # per tier; None: as fast as the stores go
 
 
 def replication_settings(
@@ -123,6 +124,7 @@ def replication_settings(
         max_lag=cfg.checkpoint_replication_max_lag,
         retry_s=cfg.checkpoint_replication_retry_s,
         prune_unreplicated=cfg.checkpoint_prune_unreplicated,
+        bandwidth_mb_s=cfg.checkpoint_replication_bandwidth_mb_s,
     )
 
 
@@ -183,6 +185,7 @@ def replicate_checkpoint(
     streams: int | None = None,
     remote_writers: Collection[int] = (),
     wait_s: float = REMOTE_PARTS_WAIT_S,
+    progress: Callable[[int], None] | None = None,
 ) -> Replicated:
     """Copy the committed checkpoint ``name`` from ``source`` to ``target`` and commit it there.
 
@@ -199,6 +202,9 @@ def replicate_checkpoint(
     ``target`` themselves, and this waits (up to ``wait_s``) until each is there and hashes to
     the digest the index promises, before the index and the manifest are copied; TimeoutError
     naming the first missing part otherwise. Other nodes' parts are never deleted here.
+
+    ``progress(n)``: ``copy_objects``'s callback, for each chunk handed to ``target`` (a
+    ``BandwidthBudget.take`` paces the copy by sleeping in it).
 
     Raises InvalidArtifact when ``source`` has no valid commit of ``name``; ValueError when a
     source object does not match its commit (it changed or was damaged since); any store error
@@ -229,7 +235,9 @@ def replicate_checkpoint(
         for batch in ([local] if local else []) + [[last], [commit]]:
             if batch[0] is last and remote:
                 wait_for_parts(target, remote, wait_s)
-            report = copy_objects(source, target, batch, streams=streams, show_progress=False)
+            report = copy_objects(
+                source, target, batch, streams=streams, progress=progress, show_progress=False
+            )
             moved += report.bytes_copied
     else:
         moved = 0
