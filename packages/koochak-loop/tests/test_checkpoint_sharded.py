@@ -223,3 +223,19 @@ def test_one_saver_class_answers_every_call_the_checkpointer_makes_in_every_layo
     follower = saver_module.CheckpointSaver(tmp_path, layout=Whole(), role="follower")
     assert follower.save({"step": 3}) is None  # the whole layout: only the coordinator writes
     assert not any(tmp_path.iterdir())
+
+
+def test_a_sharded_save_never_deletes_what_a_live_publisher_of_its_name_wrote(group, tmp_path):
+    # The rule every layout keeps (issue 27, defect 1's class): rank 0 holds the name before it
+    # clears anything under it, so another live publisher's parts survive and the save fails.
+    from koochak.storage import artifact
+
+    store = LocalStore(str(tmp_path))
+    name = checkpoint_name(3)
+    with artifact.claimed(store, name):  # a live publisher (this very process) holds the name
+        store.put(f"{name}.part-00000-00000", b"the other publisher's bytes")
+        with pytest.raises(RuntimeError, match=f"saving {name}: rank 0: FileExistsError"):
+            _save(store, 3)
+        assert store.get(f"{name}.part-00000-00000") == b"the other publisher's bytes"
+    _save(store, 3)  # once it is gone the name is free again (its leftover part is cleared)
+    assert artifact.read_manifest(store, name) is not None

@@ -11,6 +11,7 @@ every save, load and selection goes through.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -58,6 +59,7 @@ def publish(
     provenance: Mapping[str, Any] | None = None,
     parts: int | str = 1,
     workers: int | None = None,
+    intent: Any = None,
 ) -> artifact.Publication:
     """Publish a checkpoint under ``name`` and prune to the last ``keep_last_k``.
 
@@ -66,7 +68,9 @@ def publish(
     ``parts`` (an int, or ``"auto"``: ``parts_plan.resolve_parts``) above 1 stores a checkpoint
     dict as that many parts written in parallel (at most ``workers`` at once; default one
     each) plus an index under ``name`` (docs/formats.md, "Checkpoint parts"); 1 is one file.
-    Returns the Publication once its ready manifest has committed.
+    Returns the Publication once its ready manifest has committed. ``intent``: the caller
+    already holds the name (``koochak.storage.artifact.claimed``; the sharded save, whose ranks
+    write their parts first); otherwise the name is claimed here.
     """
     if keep_last_k is not None and keep_last_k < 1:
         raise ValueError(f"train.keep_last_k must be null or >= 1, got {keep_last_k}")
@@ -100,7 +104,8 @@ def publish(
         # touched (not its parts, not its index). Holding it, what lies under the name is a
         # finished publication (un-committed, manifest first, parts last) or a dead publisher's
         # leftovers, and goes; then this publisher's objects are written and committed.
-        with artifact.claimed(store, name) as intent:
+        held = contextlib.nullcontext(intent) if intent is not None else None
+        with held or artifact.claimed(store, name) as intent:
             if writes_all:
                 _clear_under(store, name)
             if count > 1:

@@ -17,6 +17,7 @@ also holds the few collectives and tree helpers both sides use.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -150,8 +151,14 @@ def save_sharded(
     """
     rank = dist.get_rank()
     error = None
+    # Rank 0 holds the name (its publish intent) from its first delete to the commit, as a
+    # one-process publish does: while another live publisher holds it, FileExistsError on every
+    # rank and nothing of that publisher's is touched.
+    claim = contextlib.ExitStack()
+    intent = None
     try:
         if rank == 0:
+            intent = claim.enter_context(artifact.claimed(store, name))
             unpublish_checkpoint(store, name)  # parts are create-only: a retry starts clean
         else:  # its own, in a directory of its node's (a node-local tier), if any are left
             for info in store.list(f"{name}{PART_INFIX}{rank:05d}-"):
@@ -161,6 +168,28 @@ def save_sharded(
                     pass
     except Exception as exc:
         error = _message(exc)
+    with claim:
+        return _write_and_commit(store, name, ckpt, error, intent, parts=parts,
+                                 keep_last_k=keep_last_k, workers=workers, group=group,
+                                 written=written)  # fmt: skip
+
+
+def _write_and_commit(
+    store: Store,
+    name: str,
+    ckpt: Mapping[str, Any],
+    error: str | None,
+    intent: Any,
+    *,
+    parts: int | str,
+    keep_last_k: int | None,
+    workers: int | None,
+    group: Any,
+    written: list[tuple[str, int, str]] | None,
+) -> artifact.Publication:
+    """save_sharded's body once the name is held (rank 0: ``intent``): every rank writes its
+    parts, rank 0 commits the index."""
+    rank = dist.get_rank()
     _agree(error, f"saving {name}", group)
 
     split, numbers, leaves = None, {}, []
@@ -179,7 +208,9 @@ def save_sharded(
         try:
             assert reports is not None and split is not None
             index = _build_index(name, split, numbers, leaves, reports)
-            publication = publish(store, name, encode_index(index), keep_last_k=keep_last_k)
+            publication = publish(
+                store, name, encode_index(index), keep_last_k=keep_last_k, intent=intent
+            )
             outcome = ("ok", publication)
         except Exception as exc:
             _remove_quietly(store, name)
