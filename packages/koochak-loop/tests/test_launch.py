@@ -193,3 +193,19 @@ def _gone(pid: int) -> bool:
             return "\nState:\tZ" in f.read()
     except FileNotFoundError:
         return True
+
+
+def test_the_launcher_imports_no_torch_before_it_holds_the_evacuation_signals():
+    # `python -m koochak.loop.launch` imports the koochak.loop package first: were torch imported
+    # there (seconds), a SIGUSR1 in that window would kill the launcher (138) instead of being
+    # held and ending the job as an evacuation (75). The package resolves its names lazily.
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, koochak.loop.launch as launch, koochak.loop as loop; "
+        "assert 'torch' not in sys.modules, 'torch imported'; "
+        "assert callable(loop.training_loop) and 'torch' in sys.modules; print('ok')"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

@@ -2,12 +2,38 @@
 
 ``from koochak.loop import training_loop`` is the entry point; config, hooks and precision
 helpers are re-exported here, everything else lives in its own small module.
+
+The re-exports are resolved on first use (PEP 562), so importing a submodule that needs no
+torch — ``python -m koochak.loop.launch`` above all — does not pay for torch first: the
+launcher takes an evacuation signal from its first instant, not only after torch imported.
 """
 
-from koochak.loop.config import ConfigError, get_section, load_config, to_container
-from koochak.loop.hooks import add, emit, fail_closed, merge, rank0_only
-from koochak.loop.loop import StepContext, training_loop
-from koochak.loop.precision import Scaler, autocast_context
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from koochak.loop.config import ConfigError, get_section, load_config, to_container
+    from koochak.loop.hooks import add, emit, fail_closed, merge, rank0_only
+    from koochak.loop.loop import StepContext, training_loop
+    from koochak.loop.precision import Scaler, autocast_context
+
+_HOME = {
+    "ConfigError": "koochak.loop.config",
+    "get_section": "koochak.loop.config",
+    "load_config": "koochak.loop.config",
+    "to_container": "koochak.loop.config",
+    "add": "koochak.loop.hooks",
+    "emit": "koochak.loop.hooks",
+    "fail_closed": "koochak.loop.hooks",
+    "merge": "koochak.loop.hooks",
+    "rank0_only": "koochak.loop.hooks",
+    "StepContext": "koochak.loop.loop",
+    "training_loop": "koochak.loop.loop",
+    "Scaler": "koochak.loop.precision",
+    "autocast_context": "koochak.loop.precision",
+}
 
 __all__ = [
     "ConfigError",
@@ -24,3 +50,17 @@ __all__ = [
     "to_container",
     "training_loop",
 ]
+assert sorted(__all__) == sorted(_HOME)
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'koochak.loop' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # resolved once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOME])
