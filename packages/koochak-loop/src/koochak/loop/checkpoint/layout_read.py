@@ -137,23 +137,23 @@ def deserialize_checkpoint(data: bytes | bytearray | memoryview, source: str) ->
     field of the wrong type, an array record that does not decode. (Resume relies on this: a
     candidate that raises ValueError is skipped, never a crash.)
     """
-    try:
-        ckpt = torch.load(io.BytesIO(bytes(data)), map_location="cpu", weights_only=True)
-    except (MemoryError, OSError):
-        raise
-    except Exception as exc:  # torch raises many types for hostile bytes; all mean "not loadable"
-        raise ValueError(
-            f"{source}: not a loadable weights-only checkpoint ({_first_line(exc)})"
-        ) from exc
-    return checkpoint_of_payload(ckpt, source)
+    return _loaded(
+        lambda: torch.load(io.BytesIO(bytes(data)), map_location="cpu", weights_only=True), source
+    )
 
 
 def load_checkpoint_file(path: str, source: str) -> dict[str, Any]:
     """``deserialize_checkpoint`` of a ``torch.save`` zip file, mapped rather than read: the
     tensors are views of the file's pages (``torch.load(mmap=True)``), so nothing is copied
     until they are restored. Verify the file first (``verified_read``); errors as there."""
+    return _loaded(
+        lambda: torch.load(path, map_location="cpu", weights_only=True, mmap=True), source
+    )
+
+
+def _loaded(load: Any, source: str) -> dict[str, Any]:
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        ckpt = load()
     except (MemoryError, OSError):
         raise
     except Exception as exc:  # torch raises many types for hostile bytes; all mean "not loadable"
