@@ -136,11 +136,19 @@ def _tiers_rows(text: str) -> list[Row]:
     rows.append(Row("replication: step wall time while a checkpoint replicates at 100 MB/s",
                     float(slow.group(1)) if slow else None, "<= 1.10x",
                     "" if slow else "no figure in tiers_bench's output", load))  # fmt: skip
-    floor = re.search(r"([0-9.]+)x the floor", text)  # once the bench measures it
-    rows.append(Row("recovery vs its floor (import torch + read + SHA256 + mmap load + 1 step)",
-                    float(floor.group(1)) if floor else None, "<= 1.25x",
-                    "" if floor else "the floor is not measured by tiers_bench yet", load))  # fmt: skip
     return rows
+
+
+def _recovery_rows(text: str) -> list[Row]:
+    """recovery_bench.py's medians: wall ratio against the floor, per layout (CPU in the note)."""
+    load = _load_in(text)
+    rows = []
+    pattern = r"(one file|parts=\d+)\s+wall:.*?ratio ([0-9.]+)x.*?\n\s+CPU:.*?ratio ([0-9.]+)x"
+    for label, wall, cpu in re.findall(pattern, text):
+        rows.append(Row(f"recovery vs its floor, {label} (import torch + read + SHA256 + mmap "
+                        "load + 1 step)", float(wall), "<= 1.25x", f"CPU {float(cpu):.2f}x",
+                        load))  # fmt: skip
+    return rows or [Row("recovery vs its floor", None, "<= 1.25x", "no figure", load)]
 
 
 def _parts_rows(text: str) -> list[Row]:
@@ -175,6 +183,8 @@ def benches(py: str) -> list[Bench]:
               "--repeat", "2", "--json"], _pull_rows, 500),  # fmt: skip
         Bench("tiers", bench("tiers_bench.py") + ["--size", "256M", "--rounds", "1"],
               _tiers_rows, 600),  # fmt: skip
+        Bench("recovery", bench("recovery_bench.py") + ["--size", "256M", "--rounds", "2"],
+              _recovery_rows, 500),  # fmt: skip
         Bench("parts", bench("checkpoint_parts_bench.py") + ["--sizes", "256M", "--layouts", "4",
               "--parts", "1,2", "--repeats", "1", "--skip", "load,async", "--shm-sizes", "256M",
               "--json"], _parts_rows, 400),  # fmt: skip
