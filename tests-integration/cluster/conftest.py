@@ -1,6 +1,6 @@
 """Fixtures for the tests on tools/local_cluster.sh's two-node Slurm (node1, node2 in namespaces).
 
-``local_cluster`` makes sure the cluster runs (starting it, one xdist worker at a time, when it
+``cluster_env`` makes sure the cluster runs (starting it, one xdist worker at a time, when it
 is not) and returns where it is; where it cannot run the tests skip with the script's one-line
 reason, except under CI (``CI`` set to a true value), where they fail. ``cluster_env`` points
 this test's Slurm clients (sbatch, scontrol, the Pazuzu stand-in) at the cluster's slurm.conf
@@ -105,15 +105,32 @@ def ensure_cluster() -> LocalCluster:
     return LocalCluster(dict(line.split("=", 1) for line in lines if "=" in line))
 
 
-@pytest.fixture
-def local_cluster() -> LocalCluster:
-    return ensure_cluster()
+def _cluster_lock(mode: int):
+    """Tests share the nodes (LOCK_SH); a test that loses a node has them alone (LOCK_EX), so
+    no other xdist worker's job is on node2 when it dies."""
+    lock = Path(os.environ.get("TMPDIR", "/tmp"), "koochak-cluster.tests.lock")
+    handle = open(lock, "w")  # noqa: SIM115 (closed by the fixture that holds the lock)
+    fcntl.flock(handle, mode)
+    return handle
 
 
-@pytest.fixture
-def cluster_env(local_cluster, monkeypatch) -> LocalCluster:
-    """``local_cluster`` with SLURM_CONF and the S3 settings exported for this test."""
-    monkeypatch.setenv("SLURM_CONF", local_cluster.slurm_conf)
-    for name, value in local_cluster.s3_env.items():
+def _exported(cluster: LocalCluster, monkeypatch) -> LocalCluster:
+    monkeypatch.setenv("SLURM_CONF", cluster.slurm_conf)
+    for name, value in cluster.s3_env.items():
         monkeypatch.setenv(name, value)
-    return local_cluster
+    return cluster
+
+
+@pytest.fixture
+def cluster_env(monkeypatch):
+    """The cluster, with SLURM_CONF and the S3 settings exported for this test."""
+    with _cluster_lock(fcntl.LOCK_SH):
+        yield _exported(ensure_cluster(), monkeypatch)
+
+
+@pytest.fixture
+def cluster_alone(monkeypatch):
+    """``cluster_env`` with no other test on the cluster meanwhile; restores lost nodes after."""
+    with _cluster_lock(fcntl.LOCK_EX):
+        yield _exported(ensure_cluster(), monkeypatch)
+        ensure_cluster()
