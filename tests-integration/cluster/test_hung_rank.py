@@ -1,8 +1,10 @@
 """Scenario 4, a rank hung on node2 (its step_fn blocks forever from step 3): the job ends well
 before its time limit, on every node, with the reason in its log. The bound is the collective
 timeout of the gloo group (rank 0 on node1 gives up waiting for node2 in the gradient
-all-reduce; COLLECTIVE_TIMEOUT_S, torch's default is 30 minutes) plus srun's --wait (node1's
-launcher has ended, so srun kills node2's after KOOCHAK_NODES_WAIT_S, 60 s by default)."""
+all-reduce; COLLECTIVE_TIMEOUT_S, torch's default is 30 minutes) plus srun's --wait. In
+practice node2's launcher loses the rendezvous store with node1's launcher and stops its hung
+rank within seconds; srun kills whatever is left KOOCHAK_NODES_WAIT_S after node1's launcher
+ended (60 s by default)."""
 
 from __future__ import annotations
 
@@ -49,6 +51,6 @@ def test_a_hung_rank_ends_the_job_on_every_node_within_the_bound(
     assert "node1" in err and "node2" in err, err[-4000:]
     # node1: rank 0 gave up on the collective, said so, and its launcher exited with its code.
     assert "koochak-train: training failed" in err and "python -m koochak.loop.launch: rank 0 exited 1" in err, err[-4000:]
-    # node2: srun ended the hung rank's launcher once node1's had ended.
-    assert "node2: task 1" in err, err[-4000:]
+    # node2: its launcher (or srun, at the latest KOOCHAK_NODES_WAIT_S later) ended the hung rank.
+    assert "srun: error: node2: task 1: " in err, err[-4000:]
     assert _processes_of(run.run_dir) == []  # nothing of the run is left on either node
