@@ -42,7 +42,9 @@
 # (proctrack/linuxproc, task/none; no systemd, no cgroups).
 #
 # Everything (config, munge key and socket, state, spools, logs, pid files, node-local disks)
-# lives under $KOOCHAK_CLUSTER_DIR (default: $TMPDIR/koochak-cluster). Run as root.
+# lives under $KOOCHAK_CLUSTER_DIR (default: $TMPDIR/koochak-cluster). Run as root. One cluster
+# per machine: the namespace, veth and bridge names and the addresses are fixed, whatever the
+# directory.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
