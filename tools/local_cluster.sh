@@ -28,7 +28,8 @@
 #   mount    a private copy of the host's mount table in which $DIR/nodelocal/node<N> is bind-
 #            mounted at $KOOCHAK_CLUSTER_LOCAL (default /local), the node's "NVMe", and $DIR/hosts
 #            over /etc/hosts (node1, node2 and the controller by name); the rest of the file
-#            system is the host's, shared by both nodes like a parallel file system.
+#            system is the host's, shared by both nodes like a parallel file system. (The
+#            mount point $KOOCHAK_CLUSTER_LOCAL is created, empty, on the host.)
 # slurmd runs inside each node (NodeName=node<N>, NodeAddr its eth0 address); munged and
 # slurmctld run on the host, slurmctld reachable on the bridge address. Ports 6917 (slurmctld)
 # and 6918 (slurmd), ClusterName koochak-cluster, its own munge key and socket: it coexists with
