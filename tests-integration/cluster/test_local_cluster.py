@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import uuid
 
+import pytest
+
 
 def _run(*cmd: str) -> str:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
@@ -48,3 +50,21 @@ def test_the_single_node_slurm_is_left_alone(cluster_env, monkeypatch):
     monkeypatch.delenv("SLURM_CONF")
     done = subprocess.run(["sinfo", "-h", "-o", "%N"], capture_output=True, text=True, timeout=60)
     assert "node1" not in done.stdout  # /etc/slurm/slurm.conf still names its own cluster
+
+
+@pytest.mark.slow
+def test_start_repairs_what_a_killed_run_left(cluster_alone):
+    """The daemons SIGKILLed (pid files, namespaces, veths, the bridge and the munge socket left
+    behind): `start` brings both nodes back to a working two-node step."""
+    import os
+    import signal
+    from pathlib import Path
+
+    state = Path(cluster_alone.env["KOOCHAK_CLUSTER_DIR"])
+    for pidfile in ("slurmctld.pid", "munge/munged.pid", "slurmd-node1.pid"):
+        os.kill(int((state / pidfile).read_text()), signal.SIGKILL)
+    assert cluster_alone.tool("status").returncode == 1
+    started = cluster_alone.tool("start", timeout=300)
+    assert started.returncode == 0, started.stderr
+    assert cluster_alone.tool("status").returncode == 0
+    assert sorted(_run("srun", "-N2", "--time=1", "hostname").split()) == ["node1", "node2"]
