@@ -8,7 +8,14 @@ Each request is classified (``put``, ``create``, ``part``, ``complete``, ``abort
   mid-part; the server never sees the request);
 * ``"lose"``: forward the request, then close the connection without answering (the server
   did it; the client never hears);
-* ``"cut"``: forward, answer with the headers and half of the body, then close.
+* ``"cut"``: forward, answer with the headers and half of the body, then close;
+* ``"short"``: forward, answer with half of the body and a Content-Length to match (the
+  Content-Range still names the whole window: a server that sends less than it says);
+* ``"short_whole"``: both: Range ignored, and half of the whole object sent;
+* ``"ignore_range"``: forward without the ``Range`` header (the server answers 200 with the
+  whole object, as a server or proxy that ignores Range does);
+* ``"shift_range"``: forward with the requested window moved one byte on (a 206 for another
+  window than the one asked for).
 
 It listens on 127.0.0.1 only and stops with the test.
 """
@@ -16,6 +23,7 @@ It listens on 127.0.0.1 only and stops with the test.
 from __future__ import annotations
 
 import http.client
+import re
 import threading
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -105,6 +113,7 @@ class FaultProxy:
         upstream = http.client.HTTPConnection(*self.upstream, timeout=60)
         try:
             headers = {k: v for k, v in h.headers.items() if k.lower() not in _HOP}
+            headers = _rewrite_range(headers, fault)
             upstream.request(h.command, h.path, body=body, headers=headers)
             answer = upstream.getresponse()
             data = answer.read()
@@ -114,6 +123,8 @@ class FaultProxy:
             h.close_connection = True
             h.connection.shutdown(2)
             return
+        if fault in ("short", "short_whole"):
+            data = data[: len(data) // 2]
         h.send_response(answer.status, answer.reason)
         for name, value in answer.getheaders():
             if name.lower() not in _HOP and name.lower() != "content-length":
@@ -130,3 +141,17 @@ class FaultProxy:
             h.connection.shutdown(2)
             return
         h.wfile.write(data)
+
+
+def _rewrite_range(headers: dict[str, str], fault: str) -> dict[str, str]:
+    if fault not in ("ignore_range", "short_whole", "shift_range"):
+        return headers
+    name = next((k for k in headers if k.lower() == "range"), None)
+    if name is None:
+        return headers
+    if fault in ("ignore_range", "short_whole"):
+        return {k: v for k, v in headers.items() if k != name}
+    match = re.fullmatch(r"bytes=(\d+)-(\d*)", headers[name])
+    assert match, headers[name]
+    last = f"{int(match.group(2)) + 1}" if match.group(2) else ""
+    return {**headers, name: f"bytes={int(match.group(1)) + 1}-{last}"}

@@ -20,6 +20,8 @@ STORE = {
     "TEMP_PREFIX": "koochak.storage.keys",
     "validate_key": "koochak.storage.keys",
     "check_put_expectations": "koochak.storage.protocol",
+    "StoreCapabilities": "koochak.storage.protocol",
+    "capabilities_of": "koochak.storage.protocol",
     "open_store": "koochak.storage.store",
     "register_store": "koochak.storage.store",
     "ENTRY_POINT_GROUP": "koochak.storage.store",

@@ -17,7 +17,7 @@ from koochak.storage import _probe_semantics as semantics
 from koochak.storage._probe_measure import Measurement, recommend_profile
 from koochak.storage.probe import PROBE_MODES_GROUP, REPORT_VERSION, format_report, main, probe
 from koochak.storage.profile import StoreProfile
-from koochak.storage.store import LocalStore, register_store
+from koochak.storage.store import LocalStore, StoreCapabilities, register_store
 
 TINY = dict(
     read_bytes=64 << 10,
@@ -47,6 +47,7 @@ def test_probe_of_a_directory_checks_measures_recommends_and_cleans_up(tmp_path)
         "unclosed_visibility",
         "read_back",
         "publish_lock",
+        *semantics.CROSS_CLIENT_CHECKS,  # without --peer: reported, as unmeasured
     }
     assert checks["exclusive_create"].supported and checks["hard_links"].supported
     assert report.settings is not None and report.settings["publish"] == "link"
@@ -188,6 +189,9 @@ def test_non_local_store_is_measured_through_the_api_and_emptied(tmp_path):
         def local_path(self, key):
             return None
 
+        def capabilities(self):  # declares nothing of the LocalStore it forwards to
+            return StoreCapabilities()
+
     register_store("probetestremote", lambda path: Remote())
     report = probe("probetestremote://bucket", **TINY)
     assert report.checks == () and report.settings is None
@@ -208,6 +212,9 @@ def test_a_non_local_store_may_report_its_own_semantics_checks(tmp_path):
 
         def local_path(self, key):
             return None
+
+        def capabilities(self):
+            return StoreCapabilities(probe_checks=True)
 
         def probe_checks(self, prefix):
             asked.append(prefix)

@@ -102,9 +102,14 @@ def test_a_publish_lock_that_does_not_exclude_asks_for_read_back():
 
 def test_without_a_peer_the_report_says_what_it_could_not_check(tmp_path):
     report = probe(tmp_path, **TINY)
-    assert not any(name.startswith("peer_") for name in _checks(report))
+    checks = _checks(report)
+    for name in semantics.CROSS_CLIENT_CHECKS:
+        assert checks[name].supported is None and "unmeasured" in checks[name].detail, name
+    assert "this client only" in checks["exclusive_create"].detail
     (note,) = [n for n in report.notes if "--peer" in n]
-    assert "were not checked" in note and "create-only holds between clients" in note
+    assert "unmeasured" in note and "second node" in note
+    # hard links publish create-only at the server: a plain directory keeps its advice
+    assert report.settings["publish"] == "link" and report.settings["verify_readback"] is False
     assert os.listdir(tmp_path) == []
 
 

@@ -117,7 +117,9 @@ def test_intent_records_are_strict(tmp_path):
     good = _publish_intent.ours(NAME)
     assert _publish_intent.parse(good.to_bytes(), "x") == good
     doc = json.loads(good.to_bytes())
-    for broken in ({**doc, "extra": 1}, {**doc, "version": 2}, {**doc, "pid": "1"}):
+    # version 1 had no pid_ns field: a version-1 record carrying one is malformed
+    for broken in ({**doc, "extra": 1}, {**doc, "version": 3}, {**doc, "pid": "1"},
+                   {**doc, "pid_ns": 7}, {**doc, "version": 1}):  # fmt: skip
         with pytest.raises(ValueError, match="x"):
             _publish_intent.parse(json.dumps(broken).encode(), "x")
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 from koochak.storage.profile import StoreProfile
-from koochak.storage.store import LocalStore, ObjectInfo
+from koochak.storage.store import LocalStore, ObjectInfo, StoreCapabilities
 from koochak.storage.testing import Fault, FaultyStore, visible_files
 from koochak.storage.transfer import CopyItem, CopyReport, copy_objects
 
@@ -29,7 +29,9 @@ class _Wrapped:
     def __init__(self, inner: LocalStore) -> None:
         self.inner = inner
         self.location = f"wrapped:{inner.location}"
-        self.profile = inner.profile
+
+    def capabilities(self):  # the inner store's profile, no batch put (not forwarded)
+        return StoreCapabilities(profile=self.inner.profile)
 
     def get(self, key, start=None, end=None):
         return self.inner.get(key, start, end)

@@ -942,11 +942,11 @@ def archive_tree(
     leftovers that do not match the plan. With ``dry_run`` nothing is written anywhere.
     """
     from koochak.storage.profile import min_object_bytes, profile_of
-    from koochak.storage.store import open_store
+    from koochak.storage.store import capabilities_of, open_store
 
     root = os.path.abspath(os.fspath(src))
     target = open_store(dest)
-    dest_root = getattr(target, "root", None)
+    dest_root = capabilities_of(target).root
     if dest_root is not None and os.path.exists(dest_root) and not os.path.isdir(dest_root):
         raise ValueError(f"archive DEST {target.location} is a file; expected a directory")
     if dest_root is not None:

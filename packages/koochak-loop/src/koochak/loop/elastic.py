@@ -12,6 +12,18 @@ stores it in every checkpoint (field ``data``) and puts it back on resume, so a 
 ranks and resumed on 2 continues at the very next record: no record is repeated or skipped, and on
 the same number of ranks the batches are exactly those of an uninterrupted run.
 
+``shuffle_window=W`` shuffles, in addition, each window of ``W`` consecutive positions of an
+epoch's ordering (seeded by the seed, the epoch and the window): an ordering that keeps a
+shard's records together (``ShardRecords.shard_order``) then still mixes them within a batch,
+while the reads stay inside a window. It is a bijection of each epoch's positions, a function
+of the position alone, so exactly-once and exact resume on any number of ranks are kept; the
+window is part of the ordering the checkpoint records (``order``), so a resume with another
+window is refused.
+
+``UnpackedRecords`` makes records stored several to a sample (small records, packed densely
+into one tar member each ``per_sample`` of them) addressable one by one, so the cursor still
+counts records: see docs/data.md ("Small records").
+
 The global batch must stay fixed for a run to be the same run. A resume with another
 ``global_batch`` still consumes every record exactly once (the cursor counts records, not
 batches), but updates then see batches of another size and an epoch takes another number of
@@ -21,13 +33,20 @@ updates; rank 0 warns.
 from __future__ import annotations
 
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from koochak.loop import dist
 from torch.utils.data import IterableDataset, get_worker_info
 
-__all__ = ["ELASTIC_STATE_VERSION", "ElasticBatches", "epoch_permutation", "find_elastic"]
+__all__ = [
+    "ELASTIC_STATE_VERSION",
+    "ElasticBatches",
+    "UnpackedRecords",
+    "epoch_permutation",
+    "find_elastic",
+]
 
 ELASTIC_STATE_VERSION = 1
 _STATE_FIELDS = ("version", "cursor", "global_batch", "records", "seed", "order")
@@ -42,7 +61,9 @@ class ElasticBatches(IterableDataset):  # type: ignore[type-arg]
     epoch's ordering (a permutation of ``range(len(records))``) instead of the seeded shuffle
     (``shuffle=False``: the records' own order). ``collate`` turns a list of records into a
     batch (default: ``torch.utils.data.default_collate``). ``rank``/``world_size`` default to the
-    process group's at iteration time. Iterates forever (epoch after epoch); the loop stops it.
+    process group's at iteration time. ``shuffle_window`` (0 or 1: none) shuffles each window of
+    that many consecutive positions of the epoch's ordering, seeded (see the module docstring).
+    Iterates forever (epoch after epoch); the loop stops it.
     """
 
     def __init__(
@@ -57,9 +78,11 @@ class ElasticBatches(IterableDataset):  # type: ignore[type-arg]
         start: int = 0,
         rank: int | None = None,
         world_size: int | None = None,
+        shuffle_window: int = 0,
     ) -> None:
         _check_int("global_batch", global_batch, 1)
         _check_int("start", start, 0)
+        _check_int("shuffle_window", shuffle_window, 0)
         if len(records) < 1:
             raise ValueError("ElasticBatches: records is empty")
         self.records = records
@@ -71,6 +94,7 @@ class ElasticBatches(IterableDataset):  # type: ignore[type-arg]
         self.start = start
         self.rank = rank
         self.world_size = world_size
+        self.shuffle_window = shuffle_window
 
     # -- the global stream
 
@@ -78,12 +102,17 @@ class ElasticBatches(IterableDataset):  # type: ignore[type-arg]
     def order_name(self) -> str:
         """How epochs are ordered, as the checkpoint records it (a resume must use the same)."""
         if self.order is not None:
-            return getattr(self.order, "__qualname__", "custom")
-        return "shuffle" if self.shuffle else "sequential"
+            name = getattr(self.order, "__qualname__", "custom")
+        else:
+            name = "shuffle" if self.shuffle else "sequential"
+        return f"{name}+window{self.shuffle_window}" if self.shuffle_window > 1 else name
 
     def record_at(self, position: int) -> int:
         """The index into ``records`` of global stream position ``position``."""
         epoch, offset = divmod(position, len(self.records))
+        if self.shuffle_window > 1:
+            offset = _window_shuffle(offset, len(self.records), self.shuffle_window, self.seed,
+                                     epoch)  # fmt: skip
         if self.order is not None:
             return int(self._epoch_order(epoch)[offset])
         if not self.shuffle:
@@ -218,6 +247,118 @@ def epoch_permutation(index: int, size: int, seed: int, epoch: int) -> int:
         x = (left << half) | right
         if x < size:
             return x
+
+
+def _window_shuffle(offset: int, size: int, window: int, seed: int, epoch: int) -> int:
+    """Where ``offset`` goes when each ``window`` consecutive offsets of ``range(size)`` are
+    shuffled on their own (the last window may be shorter): a bijection that stays in its window."""
+    first = offset - offset % window
+    span = min(window, size - first)
+    key = _mix((seed & _MASK64) ^ 0x77696E646F77) ^ first  # "window", and which one
+    return first + epoch_permutation(offset - first, span, key, epoch)
+
+
+class UnpackedRecords(Sequence[Any]):
+    """Records stored ``per_sample`` to a sample, addressable one by one.
+
+    Record ``i`` is item ``i % per_sample`` of ``unpack(samples[i // per_sample])``, where
+    ``samples`` is any sequence (e.g. ``ShardRecords``) and ``unpack`` turns one sample into the
+    list of its records. Every sample holds ``per_sample`` records except the last, which holds
+    what is left of ``total`` (default: all full). The last ``cached_samples`` unpacked samples
+    are kept, so a batch or a shuffle window reads each sample once. Use it as
+    ``ElasticBatches``'s records: the cursor then counts records, and a resume on any number of
+    ranks continues at the next record, also inside a sample. ``expand(order)`` turns an
+    ordering of the samples (``ShardRecords.shard_order(seed)``) into one of the records.
+    """
+
+    def __init__(
+        self,
+        samples: Sequence[Any],
+        per_sample: int,
+        unpack: Callable[[Any], Sequence[Any]],
+        *,
+        total: int | None = None,
+        cached_samples: int = 64,
+    ) -> None:
+        _check_int("per_sample", per_sample, 1)
+        _check_int("cached_samples", cached_samples, 1)
+        full = len(samples) * per_sample
+        total = full if total is None else total
+        if isinstance(total, bool) or not isinstance(total, int) or not (
+            full - per_sample < total <= full
+        ):
+            raise ValueError(
+                f"UnpackedRecords: total={total!r} does not fit {len(samples)} samples of "
+                f"{per_sample} records (expected {max(0, full - per_sample + 1)}..{full})"
+            )
+        self.samples, self.per_sample, self.unpack, self.total = samples, per_sample, unpack, total
+        self.cached_samples = cached_samples
+        self._cache: OrderedDict[int, Sequence[Any]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return self.total
+
+    def __getitem__(self, i: int) -> Any:  # type: ignore[override]
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise TypeError(f"UnpackedRecords indices are ints, got {type(i).__name__}")
+        if not -self.total <= i < self.total:
+            raise IndexError(f"record {i} out of range: there are {self.total}")
+        sample, item = divmod(i % self.total, self.per_sample)
+        records = self._cache.get(sample)
+        if records is None:
+            records = self.unpack(self.samples[sample])
+            want = min(self.per_sample, self.total - sample * self.per_sample)
+            if len(records) != want:
+                raise ValueError(f"UnpackedRecords: sample {sample} unpacks to {len(records)} "
+                                 f"records, expected {want}")  # fmt: skip
+            self._cache[sample] = records
+            while len(self._cache) > self.cached_samples:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(sample)
+        return records[item]
+
+    def expand(self, order: Callable[[int], Sequence[int]]) -> Callable[[int], Sequence[int]]:
+        """``epoch -> record order`` from ``order`` (``epoch -> order of the samples``): each
+        sample's records together and in place, in the samples' order."""
+        return _ExpandedOrder(order, self.per_sample, self.total, len(self.samples))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_cache": OrderedDict()}
+
+
+class _ExpandedOrder:
+    def __init__(self, order: Callable[[int], Sequence[int]], per: int, total: int, n: int):
+        self.order, self.per, self.total, self.n = order, per, total, n
+
+    def __call__(self, epoch: int) -> Sequence[int]:
+        return _Expanded(self.order(epoch), self.per, self.total, self.n)
+
+
+class _Expanded(Sequence[int]):
+    """Record positions of one epoch: sample ``base[q]`` covers records ``base[q] * per + j``;
+    the short last sample (if any) covers fewer, wherever the order puts it."""
+
+    def __init__(self, base: Sequence[int], per: int, total: int, n: int) -> None:
+        if len(base) != n:
+            raise ValueError(f"UnpackedRecords.expand: the order has {len(base)} entries for "
+                             f"{n} samples")  # fmt: skip
+        self.base, self.per, self.total = base, per, total
+        self.short = total - (n - 1) * per  # records of the last sample
+        self.short_at = None if self.short == per else list(base).index(n - 1)
+
+    def __len__(self) -> int:
+        return self.total
+
+    def __getitem__(self, i: int) -> int:  # type: ignore[override]
+        if not 0 <= i < self.total:
+            raise IndexError(i)
+        if self.short_at is not None and i >= self.short_at * self.per:
+            if i < self.short_at * self.per + self.short:
+                return int(self.base[self.short_at]) * self.per + i - self.short_at * self.per
+            i += self.per - self.short  # as though the short sample were full
+        sample, item = divmod(i, self.per)
+        return int(self.base[sample]) * self.per + item
 
 
 def _mix(value: int) -> int:

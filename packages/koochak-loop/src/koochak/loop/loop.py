@@ -32,7 +32,7 @@ from koochak.loop.checkpoint.restore import restore_rng, restore_training_state
 from koochak.loop.checkpoint.resume import resume_checkpoint, resume_publication_path
 from koochak.loop.checkpoint.saver import Checkpointer, make_checkpointer
 from koochak.loop.checkpoint.tiers import checkpoint_locations
-from koochak.loop.config import TrainConfig, resolve_train_config
+from koochak.loop.config import ConfigError, TrainConfig, resolve_train_config
 from koochak.loop.device import get_device, get_lr
 from koochak.loop.elastic import elastic_cursor
 from koochak.loop.ema import ModelEma, make_model_ema
@@ -144,6 +144,7 @@ def training_loop(
         step=start_step,
     )
     num_params = sum(p.numel() for p in raw_model.parameters())
+    lease = _hold_location(tiers[0], cfg) if rank == 0 else None  # one live run per location
     if rank == 0:
         print(_param_banner(raw_model, num_params), flush=True)
     step = start_step
@@ -355,8 +356,24 @@ def training_loop(
     finally:
         if evac is not None:
             evac.uninstall()
+        if lease is not None:
+            lease.release()
         if not finished:
             ddp.release_after_failure(setup)
+
+
+def _hold_location(location: Any, cfg: TrainConfig) -> Any:
+    """The run's lease on its checkpoint location (docs/checkpoints.md#one-live-run-per-location),
+    renewed while it lives; another live run there is a ConfigError naming it (exit 2)."""
+    from koochak.loop.checkpoint.publication import checkpoint_store
+    from koochak.storage.lease import LeaseHeld, acquire_lease
+
+    key = "train.checkpoint_dir" if cfg.checkpoint_dir else "train.out_dir"
+    try:
+        held = acquire_lease(checkpoint_store(location), purpose=f"koochak run in {cfg.out_dir}")
+    except LeaseHeld as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+    return held.keep_renewed()
 
 
 # ------------------------------------------------------------------ per-step helpers, in run order

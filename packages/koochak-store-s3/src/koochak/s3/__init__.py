@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from koochak.s3.config import S3Config, config_from_options, config_from_path
+from koochak.s3.download import RangeIgnored
 from koochak.s3.errors import ConditionalWritesIgnored
 from koochak.s3.retry import RetryPolicy
 from koochak.s3.store import S3_PROFILE, S3Store
@@ -19,6 +20,7 @@ from koochak.storage.profile import StoreProfile
 
 __all__ = [
     "ConditionalWritesIgnored",
+    "RangeIgnored",
     "RetryPolicy",
     "S3Config",
     "S3Store",

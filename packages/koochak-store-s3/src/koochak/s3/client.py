@@ -3,7 +3,10 @@
 botocore would otherwise retry any failed request, a conditional commit included, which turns a
 lost response into a false "already exists". Its own retries are off (one attempt per call), its
 automatic CRC32 checksums are off (puts send their SHA256 instead) and the connection pool fits
-the store's concurrency. Bodies are not signed a second time: each carries its SHA256 in
+the store's concurrency. An endpoint URL carrying a user or password is refused, wherever it came
+from (``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL``, a profile's ``endpoint_url``; a stores-file
+``endpoint`` is refused earlier, by ``config``), with the URL shown redacted; the credentials the
+client resolved are remembered so that every message scrubs them (``errors.scrub``). Bodies are not signed a second time: each carries its SHA256 in
 ``x-amz-checksum-sha256``, which the server verifies (botocore skips body signing over https
 anyway; over plain http it would hash every byte once more). Clients are thread-safe and cost tens of milliseconds to build, so one
 is kept per distinct setting for the life of the process.
@@ -11,21 +14,32 @@ is kept per distinct setting for the life of the process.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
 from koochak.s3.config import S3Config
+from koochak.s3.errors import remember_credentials, scrub
+from koochak.storage.redact import has_user_info, redact_url
 
 __all__ = ["client_for", "endpoint_of"]
 
 _CLIENTS: dict[tuple[Any, ...], Any] = {}
+_ENVIRONMENT = (
+    "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_PROFILE", "AWS_DEFAULT_PROFILE",
+    "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE", "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+)  # fmt: skip
 _LOCK = threading.Lock()
 
 
 def client_for(config: S3Config) -> Any:
     """A boto3 S3 client for ``config``'s endpoint, region and addressing style (shared)."""
     pool = max(10, 4 * config.concurrency + 4)  # several puts/gets of one store at once
-    key = (config.endpoint, config.region, config.path_style, pool)
+    # What boto3 reads from the environment is part of the key: a process that changes it
+    # (a test, a tool switching profiles) gets a client for the new settings.
+    key = (config.endpoint, config.region, config.path_style, pool,
+           *(os.environ.get(name) for name in _ENVIRONMENT))  # fmt: skip
     with _LOCK:
         client = _CLIENTS.get(key)
         if client is None:
@@ -54,12 +68,38 @@ def _make_client(config: S3Config, pool: int) -> Any:
     )
     # A session of its own: boto3's default session is shared mutable state of the process.
     session = boto3.session.Session()
-    client = session.client(
-        "s3", endpoint_url=config.endpoint, region_name=config.region, config=settings
-    )
+    try:
+        client = session.client(
+            "s3", endpoint_url=config.endpoint, region_name=config.region, config=settings
+        )
+    except Exception as exc:
+        if scrub(str(exc)) == str(exc):
+            raise
+        raise ValueError(f"S3 client for {config.location}: {scrub(str(exc))}") from None
+    _refuse_user_info(str(client.meta.endpoint_url))
+    credentials = session.get_credentials()
+    if credentials is not None:
+        frozen = credentials.get_frozen_credentials()
+        remember_credentials(frozen.access_key, frozen.secret_key, frozen.token)
     # botocore adds the header in a handler of "before-call.s3"; ours runs after it.
     client.meta.events.register_last("before-call.s3", _no_expect_for_small_bodies)
     return client
+
+
+def _refuse_user_info(endpoint: str) -> None:
+    if not has_user_info(endpoint):
+        return
+    source = next(
+        (name for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+         if has_user_info(os.environ.get(name, ""))),
+        "the AWS configuration's endpoint_url (profile "
+        f"{os.environ.get('AWS_PROFILE') or 'default'})",
+    )  # fmt: skip
+    raise ValueError(
+        f"S3 endpoint {redact_url(endpoint)!r} (from {source}) carries a user or password; "
+        "credentials come from the environment or the AWS configuration, never from the "
+        "endpoint URL"
+    )
 
 
 # botocore sends every PutObject body with "Expect: 100-continue" and waits for the server's

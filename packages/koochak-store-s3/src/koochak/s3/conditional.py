@@ -15,7 +15,7 @@ import uuid
 from typing import Any
 
 import botocore.exceptions as bce
-from koochak.s3.errors import is_precondition_failed
+from koochak.s3.errors import describe, is_precondition_failed
 from koochak.s3.retry import RetryPolicy
 from koochak.storage.store import TEMP_PREFIX
 
@@ -67,4 +67,4 @@ def _probe(client: Any, bucket: str, prefix: str, retry: RetryPolicy) -> bool:
             retry.run("conditional-write check cleanup",
                       lambda: client.delete_object(Bucket=bucket, Key=key))  # fmt: skip
         except Exception as exc:  # hidden and never listed; the answer stands
-            _log.warning("could not remove the conditional-write probe key %s: %s", key, exc)
+            _log.warning("could not remove the conditional-write probe key %s: %s", key, describe(exc))

@@ -14,6 +14,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from koochak.storage.profile import parse_size
+from koochak.storage.redact import has_user_info, redact_url
 from koochak.storage.store import validate_key
 
 __all__ = ["S3Config", "MIN_PART_BYTES", "OPTION_KEYS", "config_from_path", "config_from_options"]
@@ -153,9 +154,9 @@ def _check_endpoint(endpoint: object) -> str:
             f"S3 endpoint {public_endpoint(endpoint)!r} must be an http(s) URL such as "
             "https://s3.example.org"
         )
-    if parts.username or parts.password:
+    if has_user_info(endpoint):
         raise ValueError(
-            f"S3 endpoint {public_endpoint(endpoint)!r} carries a user or password; credentials "
+            f"S3 endpoint {redact_url(endpoint)!r} carries a user or password; credentials "
             "come from the environment or the AWS configuration, never from the endpoint"
         )
     return endpoint.rstrip("/")

@@ -3,16 +3,20 @@
 botocore reports an HTTP error as ``ClientError`` (with the S3 error code and status) and a
 broken connection or timeout as one of its ``BotoCoreError`` subclasses. These helpers sort them,
 and ``translate`` turns the rest into the Python exceptions the Store contract promises, naming
-the store and key. No message here ever includes a credential: botocore's error messages carry
-the operation and the S3 error text, and endpoints are shown without any user or password.
+the store and key. No message here ever includes a credential: every text taken from an
+exception goes through ``scrub`` (``koochak.storage.redact.redact_text``: URL user info,
+signature parameters, the credential variables' values, and the credentials each client resolved
+from the AWS configuration files, remembered by ``remember_credentials``).
 """
 
 from __future__ import annotations
 
 import errno
 import http.client
+import threading
 
 import botocore.exceptions as bce
+from koochak.storage.redact import redact_text
 
 __all__ = [
     "ConditionalWritesIgnored",
@@ -23,6 +27,9 @@ __all__ = [
     "is_conflict",
     "is_transient",
     "translate",
+    "scrub",
+    "describe",
+    "remember_credentials",
 ]
 
 # Throttling and server-side trouble: the request did not take effect (or, for a commit, may
@@ -63,6 +70,35 @@ class ConditionalWritesIgnored(OSError):
 
     def __str__(self) -> str:
         return str(self.strerror)
+
+
+# Credentials the process's clients resolved (from ~/.aws/credentials, a profile, a role): their
+# values are masked like the environment's. Grows with the client cache, one entry per value.
+_RESOLVED: set[tuple[str, str]] = set()
+_RESOLVED_LOCK = threading.Lock()
+
+
+def remember_credentials(access_key: str | None, secret_key: str | None, token: str | None) -> None:
+    """Mask these credential values (a client's resolved credentials) in every ``scrub``."""
+    with _RESOLVED_LOCK:
+        for name, value in (("AWS_ACCESS_KEY_ID", access_key),
+                            ("AWS_SECRET_ACCESS_KEY", secret_key),
+                            ("AWS_SESSION_TOKEN", token)):  # fmt: skip
+            if value:
+                _RESOLVED.add((name, value))
+
+
+def scrub(text: str) -> str:
+    """``text`` with no URL password, signature or known credential value left in it."""
+    with _RESOLVED_LOCK:
+        known = sorted(_RESOLVED)
+    return redact_text(text, known)
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: message`` of ``exc``, scrubbed, for log lines."""
+    text = str(exc)
+    return scrub(f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
 
 
 def status_of(exc: BaseException) -> int | None:
@@ -115,8 +151,10 @@ def translate(exc: BaseException, where: str) -> BaseException:
             where,
         )
     if isinstance(exc, bce.ClientError):
-        return OSError(errno.EIO, f"S3 error {code or status_of(exc)}: {_message(exc)}", where)
-    return OSError(errno.EIO, f"S3 request failed: {type(exc).__name__}: {exc}", where)
+        return OSError(
+            errno.EIO, scrub(f"S3 error {code or status_of(exc)}: {_message(exc)}"), where
+        )
+    return OSError(errno.EIO, f"S3 request failed: {describe(exc)}", where)
 
 
 def _message(exc: bce.ClientError) -> str:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import botocore.exceptions as bce
-from koochak.s3.errors import is_precondition_failed
+from koochak.s3.errors import describe, is_precondition_failed
 
 __all__ = ["semantics_checks"]
 
@@ -64,7 +64,7 @@ def _row(name: str, check: Callable[[], tuple[bool, str]]) -> dict[str, Any]:
     try:
         supported, detail = check()
     except Exception as exc:
-        return {"name": name, "supported": None, "detail": f"could not check: {exc}"[:300],
+        return {"name": name, "supported": None, "detail": f"could not check: {describe(exc)}"[:300],
                 "seconds": None}  # fmt: skip
     return {"name": name, "supported": supported, "detail": detail,
             "seconds": time.perf_counter() - started}  # fmt: skip

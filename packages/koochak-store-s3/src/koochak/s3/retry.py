@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from koochak.s3.errors import is_transient
+from koochak.s3.errors import describe, is_transient
 
 __all__ = ["RetryPolicy", "DEFAULT_RETRY"]
 
@@ -55,8 +55,9 @@ class RetryPolicy:
 
 
 def _short(exc: BaseException) -> str:
-    text = str(exc).splitlines()[0] if str(exc) else ""
-    return f"{type(exc).__name__}: {text}"[:200]
+    # Scrubbed before it is cut: a cut through a credential would leave part of it unmasked.
+    text = describe(exc)
+    return (text.splitlines()[0] if text else "")[:200]
 
 
 DEFAULT_RETRY = RetryPolicy()

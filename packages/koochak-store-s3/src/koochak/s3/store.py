@@ -24,7 +24,13 @@ from koochak.s3.errors import ConditionalWritesIgnored, is_missing, translate
 from koochak.s3.retry import DEFAULT_RETRY, RetryPolicy
 from koochak.s3.upload import Upload, put_object
 from koochak.storage.profile import StoreProfile
-from koochak.storage.store import TEMP_PREFIX, ObjectInfo, check_put_expectations, validate_key
+from koochak.storage.store import (
+    TEMP_PREFIX,
+    ObjectInfo,
+    StoreCapabilities,
+    check_put_expectations,
+    validate_key,
+)
 
 __all__ = ["S3Store", "S3_PROFILE"]
 
@@ -98,6 +104,10 @@ class S3Store:
         validate_key(key)
         return None
 
+    def capabilities(self) -> StoreCapabilities:
+        """No filesystem (create-only by conditional writes), its profile, its own probe checks."""
+        return StoreCapabilities(profile=self.profile, probe_checks=True)
+
     def _where(self, key: str) -> str:
         return f"s3://{self.config.bucket}/{self.config.prefix}{key}"
 
@@ -124,8 +134,9 @@ class S3Store:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise TypeError(f"get({key!r}): {name} must be an int or None, got {value!r}")
         if (start is not None and start < 0) or (end is not None and end < 0):
-            begin, stop, _ = slice(start, end).indices(self.stat(key).size)
-            return read_range(reader, begin, stop) if stop > begin else b""
+            size = self.stat(key).size
+            begin, stop, _ = slice(start, end).indices(size)
+            return read_range(reader, begin, stop, size) if stop > begin else b""
         begin = start or 0
         if end is not None and end <= begin:
             self.stat(key)  # a missing key still raises
@@ -213,9 +224,12 @@ class S3Store:
     def _trusts_conditional_writes(self) -> bool:
         """True when the server honours If-None-Match; False only for a single-writer store."""
         endpoint = endpoint_of(self._client)
-        honoured = honours_if_none_match(
-            self._client, endpoint, self.config.bucket, self.config.prefix, self.retry
-        )
+        try:
+            honoured = honours_if_none_match(
+                self._client, endpoint, self.config.bucket, self.config.prefix, self.retry
+            )
+        except (bce.ClientError, bce.BotoCoreError) as exc:
+            raise translate(exc, self.location) from None
         if honoured:
             return True
         if self.config.single_writer:

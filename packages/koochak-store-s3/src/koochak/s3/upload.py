@@ -31,6 +31,7 @@ from typing import Any
 
 import botocore.exceptions as bce
 from koochak.s3.errors import (
+    describe,
     is_conflict,
     is_missing,
     is_precondition_failed,
@@ -396,7 +397,7 @@ def _abort(up: Upload, upload_id: str) -> None:
             ),
         )
     except Exception as exc:  # invisible either way; the put's own error is what matters
-        _log.warning("could not abort the multipart upload of %s: %s", up.where, exc)
+        _log.warning("could not abort the multipart upload of %s: %s", up.where, describe(exc))
 
 
 def _check_result(up, size, hexdigest, expected_size, expected_sha256) -> None:
@@ -437,7 +438,7 @@ def _remove_ours(up: Upload, token: str) -> None:
         if head is not None and head.get("Metadata", {}).get(WRITER_META) == token:
             up.client.delete_object(Bucket=up.bucket, Key=up.object_key)
     except Exception as exc:
-        _log.warning("could not remove %s after a checksum mismatch: %s", up.where, exc)
+        _log.warning("could not remove %s after a checksum mismatch: %s", up.where, describe(exc))
 
 
 def _composite(part_checksums: list[str]) -> str:

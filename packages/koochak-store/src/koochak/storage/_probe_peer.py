@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from koochak.storage._probe_semantics import Check, errno_text, write_all
-from koochak.storage.store import SETTLING_ERRNOS, LocalStore, Store, open_store
+from koochak.storage.store import SETTLING_ERRNOS, Store, capabilities_of, open_store
 
 _PAYLOAD_BYTES = 1 << 16
 _RENAME_BYTES = 8 << 20  # large enough that a mount uploading it takes a while
@@ -42,8 +42,9 @@ class PeerView:
             self.path = Path(text).expanduser().absolute() / name
         else:
             store = open_store(peer)  # type: ignore[arg-type]
-            if isinstance(store, LocalStore):
-                self.path = store.root / name
+            root = capabilities_of(store).root
+            if root is not None:
+                self.path = Path(root) / name
             else:
                 self.store = store
         self.name = name

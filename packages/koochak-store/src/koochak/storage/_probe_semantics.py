@@ -26,6 +26,22 @@ _AT_ONCE = 0.05
 # of the probe do not change its advice.
 _WAIT_GRID = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
+# What only a second view of the storage (--peer) can measure, and what each check asks.
+CROSS_CLIENT_CHECKS = {
+    "peer_sees_new_objects": "how long until another client reads a just-closed object",
+    "peer_lists_new_objects": "how long until another client lists a new object",
+    "new_objects_from_peer": "how long until this client sees another client's new object",
+    "exclusive_create_across_clients": "whether a name one client created is refused to another",
+    "fsync_reaches_server": "whether fsync puts the bytes where other clients read them",
+    "rename_whole_across_clients": "whether another client only ever sees a renamed file whole",
+}
+# The waits assumed where cross-client visibility is unmeasured on a filesystem without hard
+# links (an object-storage FUSE mount): long enough for the mounts in docs/storage.md with
+# their documented settings (another client sees a new object within ~1 s; an rclone mount
+# with --vfs-cache-mode writes uploads ~5 s after close), with a margin.
+UNMEASURED_SETTLE_SECONDS = 10.0
+UNMEASURED_READ_SETTLE_SECONDS = 60.0
+
 
 @dataclass(frozen=True)
 class Check:
@@ -346,6 +362,12 @@ def recommend_settings(checks: list[Check]) -> dict[str, object]:
       by the peer, or here for the peer's objects), with a 1.25x margin, rounded up to a grid.
     * ``read_settle_seconds``: 300 where settling errnos were met; else three times the longest
       cross-client delay, on the grid: how long a missing object a manifest names is waited for.
+
+    A cross-client check reported unmeasured (``supported`` None: no ``--peer``, or it could not
+    run) is assumed the worst where it matters, in ``exclusive`` mode (no hard links: an
+    object-storage mount, where two clients can both create a name): ``verify_readback``, and at
+    least ``UNMEASURED_SETTLE_SECONDS`` / ``UNMEASURED_READ_SETTLE_SECONDS``. A ``link`` mode
+    publish is create-only at the server (``link`` never replaces, whichever client asks).
     """
     by_name = {check.name: check for check in checks}
 
@@ -381,7 +403,10 @@ def recommend_settings(checks: list[Check]) -> dict[str, object]:
     )
     # Without fsync, after stale reads, or where two clients can both take a name, the only
     # proof that an object holds what was written is reading it back.
-    verify_readback = not fsync or settling or collisions
+    unmeasured = publish == "exclusive" and any(
+        by_name[name].supported is None for name in CROSS_CLIENT_CHECKS if name in by_name
+    )
+    verify_readback = not fsync or settling or collisions or unmeasured
     delay = max([local_delay, *peer_delays])
     settle_seconds = wait_on_grid(1.25 * delay) if delay > _AT_ONCE else 0.0
     # Errnos while reading back mean readers on other nodes will see them too: retry reads for
@@ -392,6 +417,9 @@ def recommend_settings(checks: list[Check]) -> dict[str, object]:
         read_settle_seconds = 300.0
     else:
         read_settle_seconds = wait_on_grid(3 * cross) if cross > _AT_ONCE else 0.0
+    if unmeasured:
+        settle_seconds = max(settle_seconds, UNMEASURED_SETTLE_SECONDS)
+        read_settle_seconds = max(read_settle_seconds, UNMEASURED_READ_SETTLE_SECONDS)
     return {
         "publish": publish,
         "fsync": fsync,

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, BinaryIO, TypeVar
 from koochak.storage import _payload
 from koochak.storage._syscalls import _Syscalls
 from koochak.storage.keys import PUBLISH_MODES, TEMP_PREFIX, _validate_prefix, validate_key
-from koochak.storage.protocol import ObjectInfo, check_put_expectations
+from koochak.storage.protocol import ObjectInfo, StoreCapabilities, check_put_expectations
 
 if TYPE_CHECKING:
     from koochak.storage.profile import StoreProfile
@@ -148,6 +148,16 @@ class LocalStore:
 
     def local_path(self, key: str) -> str:
         return str(self.root / validate_key(key))
+
+    def capabilities(self) -> StoreCapabilities:
+        """Its publish mode, its root, its read settling, ``put_many`` and its profile."""
+        return StoreCapabilities(
+            publish=self.publish,
+            root=str(self.root),
+            read_settle_seconds=self.read_settle_seconds,
+            put_many=True,
+            profile=self.profile,
+        )
 
     # -- reads -----------------------------------------------------------------------------
 

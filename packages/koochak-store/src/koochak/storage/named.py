@@ -4,8 +4,8 @@ A ready manifest, a shard index or a collection's file table names objects that 
 before it was written. Through an object-storage mount another client may see the manifest
 before the objects (listings and lookups are cached per client for a while), so when such an
 object is missing that is the store still settling, not an absent object: these reads retry a
-FileNotFoundError until the store's ``read_settle_seconds`` pass (``LocalStore``'s setting; 0
-for a store without one), and then raise a FileNotFoundError that says a manifest names the
+FileNotFoundError until the store's declared ``read_settle_seconds`` pass
+(``capabilities_of(store)``; 0 for a store that declares none), and then raise a FileNotFoundError that says a manifest names the
 object. They never turn it into "absent": a caller that skips absent objects (resume picking the
 newest valid checkpoint) must not skip one that is only late.
 """
@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import BinaryIO, TypeVar
 
-from koochak.storage.protocol import ObjectInfo, Store
+from koochak.storage.protocol import ObjectInfo, Store, capabilities_of
 
 __all__ = ["get_named", "open_named", "stat_named", "read_settle_seconds"]
 
@@ -28,10 +28,7 @@ _log = logging.getLogger(__name__)
 
 def read_settle_seconds(store: Store) -> float:
     """How long ``store`` asks readers to wait for an object to appear (0 if it does not say)."""
-    value = getattr(store, "read_settle_seconds", 0.0)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        return 0.0
-    return float(value)
+    return float(capabilities_of(store).read_settle_seconds)
 
 
 def get_named(

@@ -42,9 +42,22 @@ from koochak.storage._probe_measure import (
     measure_small_objects,
     recommend_profile,
 )
-from koochak.storage._probe_semantics import Check, recommend_settings, run_checks
+from koochak.storage._probe_semantics import (
+    CROSS_CLIENT_CHECKS,
+    UNMEASURED_READ_SETTLE_SECONDS,
+    UNMEASURED_SETTLE_SECONDS,
+    Check,
+    recommend_settings,
+    run_checks,
+)
 from koochak.storage.profile import StoreProfile, parse_size
-from koochak.storage.store import LocalStore, Store, open_store
+from koochak.storage.store import (
+    LocalStore,
+    Store,
+    StoreCapabilities,
+    capabilities_of,
+    open_store,
+)
 
 __all__ = [
     "ProbeReport",
@@ -158,11 +171,13 @@ def probe(
             if peer is not None:
                 say("checking what the peer sees")
                 checks += _peer_checks(scratch_dir, name, peer, rounds, read_back_timeout)
-            notes += _peer_notes(checks, peer)
+            else:
+                checks = _this_client_only(checks)
             try:
                 settings = recommend_settings(checks)
             except ValueError as exc:
                 notes.append(str(exc))
+            notes += _peer_notes(checks, peer, settings)
         elif peer is not None:
             notes.append("--peer needs a directory location (or a scheme that is a directory)")
         if store is None and settings is not None:
@@ -170,8 +185,8 @@ def probe(
             # catch another client's replacement): a fixed wait per put, not a cost to measure.
             measured = {**settings, "settle_seconds": 0.0}
             work = LocalStore(scratch_dir / "store", **measured)  # type: ignore[arg-type, operator]
-        elif isinstance(store, LocalStore):
-            work = store.child(f"{name}/store")
+        elif store is not None and root is not None:
+            work = _Prefixed(store, f"{name}/store/")
             notes.append(f"measured with the configured store settings of {store.location}")
         elif store is not None:
             work = _Prefixed(store, f"{name}/")
@@ -233,17 +248,56 @@ def _peer_checks(
     return run_peer_checks(work, view, "peer", rounds, timeout)
 
 
-def _peer_notes(checks: Sequence[Check], peer: object) -> list[str]:
-    """What the report must say about cross-client facts: unchecked, or what they mean."""
-    if peer is None:
-        return [
-            "no --peer given: how long other clients take to see new objects, whether "
-            "create-only holds between clients and whether fsync puts the bytes on the server "
-            "were not checked; the recommended settings cover this client only. Run again with "
-            "--peer <another view of the same storage>"
-        ]
+def _this_client_only(checks: list[Check]) -> list[Check]:
+    """Without --peer: say that the local checks saw one client, and add every cross-client
+    property as unmeasured (``supported`` None), so that neither the report nor the settings
+    derived from it claim what one client cannot see."""
+    local = {"exclusive_create", "read_back", "publish_lock"}
+    marked = [
+        Check(c.name, c.supported, f"{c.detail} (this client only)", c.seconds)
+        if c.name in local
+        else c
+        for c in checks
+    ]
+    return marked + [
+        Check(name, None, f"unmeasured without --peer: {what}")
+        for name, what in CROSS_CLIENT_CHECKS.items()
+    ]
+
+
+def _peer_notes(
+    checks: Sequence[Check], peer: object, settings: dict[str, object] | None = None
+) -> list[str]:
+    """What the report must say about cross-client facts: unmeasured, or what they mean."""
     by_name = {check.name: check for check in checks}
     notes = []
+    unmeasured = [name for name in CROSS_CLIENT_CHECKS
+                  if name in by_name and by_name[name].supported is None]  # fmt: skip
+    if unmeasured:
+        assumed = (
+            "the recommended settings assume the worst of them (verify_readback, "
+            f"settle_seconds >= {UNMEASURED_SETTLE_SECONDS:g}, read_settle_seconds >= "
+            f"{UNMEASURED_READ_SETTLE_SECONDS:g})"
+            if settings is not None and settings.get("publish") == "exclusive"
+            else "hard links publish create-only at the server, whichever client asks"
+        )
+        notes.append(
+            f"cross-client semantics are unmeasured ({', '.join(unmeasured)}): one client cannot "
+            f"see what others see; {assumed}. To measure them, run koochak-probe with --peer "
+            "from a second node (or with a second mount of the same storage): --peer "
+            "<that view of the same storage>"
+        )
+        if settings is not None and settings.get("publish") == "exclusive":
+            notes.append(
+                "no hard links here, as on FUSE mounts of object storage (s3fs, rclone, "
+                "Mountpoint), where two clients can both create one name and the last upload "
+                "wins (docs/storage.md): do not rely on publish: exclusive alone there. Write "
+                "through the object store's own API where you can (stores file: backend: s3, "
+                "conditional writes); through the mount keep verify_readback with a "
+                "settle_seconds at least as long as other clients take to see an object"
+            )
+    if peer is None:
+        return notes
     fsync = by_name.get("fsync_reaches_server")
     if fsync is not None and fsync.supported is False and fsync.seconds is not None:
         if fsync.seconds <= 0.5:
@@ -359,17 +413,17 @@ def _resolve(location: str | os.PathLike[str]) -> tuple[Store | None, Path | Non
     scheme, sep, _ = text.partition("://")
     if sep and scheme.lower() != "file":
         store = open_store(text)
-        root = store.root if isinstance(store, LocalStore) else None
+        declared = capabilities_of(store).root
+        root = Path(declared) if declared is not None else None
         if root is not None and not root.is_dir():
             raise FileNotFoundError(f"probe: {text} resolves to {root}, which is not a directory")
         return store, root
-    local = open_store(text)  # plain paths and file:// URIs
-    assert isinstance(local, LocalStore)
-    if not local.root.is_dir():
+    local = capabilities_of(open_store(text)).root  # plain paths and file:// URIs: a LocalStore
+    if local is None or not Path(local).is_dir():
         raise FileNotFoundError(
-            f"probe: {local.root} is not a directory; pass an existing directory"
+            f"probe: {local or text} is not a directory; pass an existing directory"
         )
-    return None, local.root
+    return None, Path(local)
 
 
 def _host() -> str:
@@ -406,19 +460,35 @@ def _store_checks(store: Store, prefix: str) -> list[Check]:
     """The semantics a non-local store checks about itself, under ``prefix``.
 
     A backend that can say more than the Store API shows (an S3 store: whether conditional
-    writes are honoured) offers ``probe_checks(prefix)`` returning rows of ``Check`` fields.
+    writes are honoured) declares ``probe_checks`` and offers ``probe_checks(prefix)`` returning
+    rows of ``Check`` fields.
     """
-    report = getattr(store, "probe_checks", None)
-    return [Check(**row) for row in report(prefix)] if callable(report) else []
+    if not capabilities_of(store).probe_checks:
+        return []
+    return [Check(**row) for row in store.probe_checks(prefix)]  # type: ignore[attr-defined]
 
 
 class _Prefixed:
-    """A view of a non-local store under a key prefix (the probe's scratch area)."""
+    """A view of a store under a key prefix (the probe's scratch area), with its settings.
+
+    It declares what the store declares, less what a prefix would make wrong: its root moves
+    down by the prefix, and the store's own checks and batch put are not offered through it.
+    """
 
     def __init__(self, store: Store, prefix: str) -> None:
         self._store, self._prefix = store, prefix
         self.location = f"{store.location}/{prefix}"
-        self.profile = getattr(store, "profile", None)
+        declared = capabilities_of(store)
+        root = declared.root
+        self._capabilities = StoreCapabilities(
+            publish=declared.publish,
+            root=os.path.join(root, prefix.rstrip("/")) if root is not None else None,
+            read_settle_seconds=declared.read_settle_seconds,
+            profile=declared.profile,
+        )
+
+    def capabilities(self) -> StoreCapabilities:
+        return self._capabilities
 
     def get(self, key, start=None, end=None):
         return self._store.get(self._prefix + key, start, end)
@@ -488,7 +558,14 @@ def format_report(report: ProbeReport) -> str:
             lines.append(f"  {check.name:<{width}}  {verdict:<3}  {check.detail}")
         lines.append("")
     if report.settings is not None:
-        lines.append("Recommended LocalStore settings")
+        unmeasured = any(c.supported is None and c.name in CROSS_CLIENT_CHECKS
+                         for c in report.checks)  # fmt: skip
+        lines.append(
+            "Recommended LocalStore settings (cross-client semantics unmeasured: run --peer "
+            "from a second node)"
+            if unmeasured
+            else "Recommended LocalStore settings"
+        )
         for key, value in report.settings.items():
             shown = str(value).lower() if isinstance(value, bool) else value
             lines.append(f"  {key}: {shown}")

@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
+from koochak.storage.protocol import capabilities_of
+
 __all__ = [
     "StoreProfile",
     "LOCAL_PROFILE",
@@ -90,18 +92,22 @@ REMOTE_PROFILE = StoreProfile(
 
 
 def profile_of(store: object) -> StoreProfile:
-    """The profile attached to ``store``, else a default.
+    """The profile ``store`` declares (``capabilities_of(store).profile``), else a default.
 
-    A LocalStore without a profile gets LOCAL_PROFILE when it publishes with hard links (a POSIX
-    filesystem) and REMOTE_PROFILE when it publishes exclusively (an object-storage mount). Any
-    other store without a ``profile`` attribute gets the conservative REMOTE_PROFILE.
+    A store that declares no profile gets LOCAL_PROFILE when it publishes with hard links on a
+    filesystem (a POSIX filesystem) and REMOTE_PROFILE otherwise: an object-storage mount
+    (exclusive mode), or any store that declares nothing, gets the conservative one.
     """
-    profile = getattr(store, "profile", None)
+    declared = capabilities_of(store)
+    profile = declared.profile
     if isinstance(profile, StoreProfile):
         return profile
     if profile is not None:
-        raise TypeError(f"{store!r}.profile is {type(profile).__name__}; expected a StoreProfile")
-    if getattr(store, "publish", None) == "link" and getattr(store, "local_path", None):
+        raise TypeError(
+            f"{store!r} declares a profile of type {type(profile).__name__}; expected a "
+            "StoreProfile"
+        )
+    if declared.publish == "link" and declared.root is not None:
         return LOCAL_PROFILE
     return REMOTE_PROFILE
 

@@ -6,18 +6,35 @@ because object storage and its FUSE mounts cannot rename, append, overwrite or s
 atomically. Everything durable that Koochak writes goes through it; conveniences (publication,
 copies) are functions on top, never methods a backend must add.
 
-``koochak.storage.testing.StoreConformance`` checks this contract: a backend subclasses it with
-a ``store`` fixture. Import these names from ``koochak.storage.store`` or ``koochak.storage``;
-this module imports nothing from Koochak, so it is the whole story for a backend's author.
+Abilities beyond the seven methods are *declared*, never guessed: a store may offer
+``capabilities() -> StoreCapabilities`` (what it can do beyond the contract, and how it would like
+to be treated), and every caller asks ``capabilities_of(store)``. A store that declares nothing
+gets ``StoreCapabilities()``, the safe defaults (no filesystem root, no batch put, no
+self-checks, a remote profile, no read settling).
+
+``koochak.storage.testing.StoreConformance`` checks this contract, and that a store does what it
+declares: a backend subclasses it with a ``store`` fixture. Import these names from
+``koochak.storage.store`` or ``koochak.storage``; this module imports nothing from Koochak at
+all, so it is the whole story for a backend's author.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import BinaryIO, Protocol, runtime_checkable
+from typing import Any, BinaryIO, Protocol, runtime_checkable
 
-__all__ = ["ObjectInfo", "Store", "check_put_expectations"]
+__all__ = [
+    "ObjectInfo",
+    "PUBLISH_DECLARATIONS",
+    "Store",
+    "StoreCapabilities",
+    "capabilities_of",
+    "check_put_expectations",
+]
+
+# What ``StoreCapabilities.publish`` may say: how a put makes its object appear.
+PUBLISH_DECLARATIONS = ("link", "exclusive", None)
 
 
 @dataclass(frozen=True)
@@ -123,3 +140,78 @@ def check_put_expectations(
             f"put({key!r}): expected_sha256 must be 64 hex digits, got {expected_sha256!r}"
         )
     return digest
+
+
+@dataclass(frozen=True)
+class StoreCapabilities:
+    """What a store can do beyond the Store contract, declared by the store itself.
+
+    ``publish``              how a put makes its object appear on a filesystem: ``"link"`` (a
+                             no-replace hard link: POSIX filesystems; create-only holds between
+                             all clients), ``"exclusive"`` (a rename under a directory lock:
+                             object-storage mounts; create-only holds between this host's
+                             writers only), or ``None`` (not a filesystem: the backend's own
+                             create-only put, e.g. S3's conditional write).
+    ``root``                 the absolute directory that holds the objects (``local_path(key)`` is
+                             ``root/key``), or ``None`` when there is none.
+    ``read_settle_seconds``  how long readers should wait for an object that a manifest names to
+                             become visible (0: it is visible at once).
+    ``put_many``             the store has ``put_many([(key, data, expected_size,
+                             expected_sha256), ...]) -> list[ObjectInfo]``, a create-only batch put.
+    ``profile``              the store's StoreProfile (its costs), or ``None`` for the default
+                             (``koochak.storage.profile.profile_of`` decides).
+    ``probe_checks``         the store has ``probe_checks(prefix) -> list[dict]``, rows of
+                             ``name``, ``supported``, ``detail``, ``seconds`` that koochak-probe
+                             reports.
+
+    The defaults are safe for a store that says nothing about itself.
+    """
+
+    publish: str | None = None
+    root: str | None = None
+    read_settle_seconds: float = 0.0
+    put_many: bool = False
+    profile: Any = None  # a koochak.storage.profile.StoreProfile (not imported: see above)
+    probe_checks: bool = False
+
+    def __post_init__(self) -> None:
+        if self.publish not in PUBLISH_DECLARATIONS:
+            raise ValueError(
+                f"StoreCapabilities publish={self.publish!r}; expected one of "
+                f"{PUBLISH_DECLARATIONS}"
+            )
+        root = self.root
+        if root is not None and (not isinstance(root, str) or not root.startswith("/")):
+            raise ValueError(f"StoreCapabilities root={root!r}; expected an absolute path or None")
+        value = self.read_settle_seconds
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise ValueError(
+                f"StoreCapabilities read_settle_seconds={value!r}; expected a number >= 0"
+            )
+        for name in ("put_many", "probe_checks"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"StoreCapabilities {name}={getattr(self, name)!r}; expected a bool"
+                )
+
+
+_DEFAULTS = StoreCapabilities()
+
+
+def capabilities_of(store: Any) -> StoreCapabilities:
+    """What ``store`` declares it can do (``store.capabilities()``), or the safe defaults.
+
+    The one place that looks at a store for more than the contract: callers ask this, never
+    ``getattr`` or ``isinstance`` of a backend class. A ``capabilities`` that returns anything
+    other than a StoreCapabilities is a TypeError naming the store.
+    """
+    declare = getattr(store, "capabilities", None)
+    if declare is None:
+        return _DEFAULTS
+    declared = declare() if callable(declare) else declare
+    if not isinstance(declared, StoreCapabilities):
+        raise TypeError(
+            f"{type(store).__name__}.capabilities() returned {type(declared).__name__}; "
+            "expected a koochak.storage.protocol.StoreCapabilities"
+        )
+    return declared

@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
 from koochak.storage import _publish_intent
@@ -32,7 +33,7 @@ from koochak.storage.ready_manifest import (
     _manifest_bytes,
     _parse_manifest,
 )
-from koochak.storage.store import LocalStore, Store, open_store
+from koochak.storage.store import Store, capabilities_of, open_store
 
 __all__ = [
     "Publication",
@@ -100,8 +101,9 @@ def publish(
     object; without ``pattern`` it is derived from a numbered ``name`` (``numbered_pattern``:
     ``step000000100.pt`` -> ``step(\\d+)\\.pt``). ``latest`` names a symlink to the new
     object; the default (True) is ``latest<suffix>`` beside a numbered name (``latest.pt``),
-    False or None keeps none. It is kept only on ``LocalStore(publish="link")`` stores:
-    write-once stores cannot replace it atomically, so they never get one.
+    False or None keeps none. It is kept only on stores that declare ``publish="link"`` and a
+    ``root`` (``LocalStore(publish="link")``): write-once stores cannot replace it atomically,
+    so they never get one.
     """
     _check_name(name)
     if not isinstance(kind, str) or not _KIND.fullmatch(kind):
@@ -181,9 +183,10 @@ def publish(
         manifest_key=manifest_key,
         path=store.local_path(name),
     )
-    if latest is not None and isinstance(store, LocalStore) and store.publish == "link":
+    declared = capabilities_of(store)
+    if latest is not None and declared.publish == "link" and declared.root is not None:
         try:
-            _point_latest(store, latest, name)
+            _point_latest(declared.root, latest, name)
         except FileExistsError:
             if not derived_latest:
                 raise
@@ -484,10 +487,13 @@ def _sha_of_object(store: Store, key: str) -> str:
     return sha.hexdigest()
 
 
-def _point_latest(store: LocalStore, latest: str, name: str) -> None:
-    """Swing the ``latest`` symlink to ``name`` atomically (symlink under a temp name, rename)."""
-    link_path = store.root / latest
-    target = os.path.relpath(store.root / name, link_path.parent)
+def _point_latest(root: str, latest: str, name: str) -> None:
+    """Swing the ``latest`` symlink to ``name`` atomically (symlink under a temp name, rename).
+
+    The pointer is a convenience for people: a filesystem that refuses a directory fsync (a
+    link-mode store configured with ``fsync: false``) keeps it without one."""
+    link_path = Path(root) / latest
+    target = os.path.relpath(Path(root) / name, link_path.parent)
     link_path.parent.mkdir(parents=True, exist_ok=True)
     if link_path.exists() and not link_path.is_symlink():
         raise FileExistsError(
@@ -500,5 +506,8 @@ def _point_latest(store: LocalStore, latest: str, name: str) -> None:
     except BaseException:
         os.unlink(temp)
         raise
-    if store.fsync:
+    try:
         fsync_dir(link_path.parent)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EROFS):
+            raise

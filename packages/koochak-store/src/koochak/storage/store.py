@@ -4,7 +4,8 @@
 path (the spec's), so this module also re-exports the names that live in their own files:
 
 * ``protocol.py``   the Store contract: ``Store`` and ``ObjectInfo``, contract first in each
-                    docstring; checked for any backend by ``koochak.storage.testing``;
+                    docstring, and the declared optional abilities (``StoreCapabilities``,
+                    ``capabilities_of``); checked for any backend by ``koochak.storage.testing``;
 * ``local_store.py`` ``LocalStore`` (publish ``link`` / ``exclusive``) and ``SETTLING_ERRNOS``;
 * ``keys.py``       ``validate_key``, ``TEMP_PREFIX``, ``PUBLISH_MODES``.
 
@@ -22,11 +23,19 @@ from urllib.parse import unquote
 
 from koochak.storage.keys import PUBLISH_MODES, TEMP_PREFIX, validate_key
 from koochak.storage.local_store import SETTLING_ERRNOS, LocalStore, ObjectCollision
-from koochak.storage.protocol import ObjectInfo, Store, check_put_expectations
+from koochak.storage.protocol import (
+    ObjectInfo,
+    Store,
+    StoreCapabilities,
+    capabilities_of,
+    check_put_expectations,
+)
 
 __all__ = [
     "ObjectInfo",
     "Store",
+    "StoreCapabilities",
+    "capabilities_of",
     "LocalStore",
     "ObjectCollision",
     "PUBLISH_MODES",

@@ -33,7 +33,14 @@ from typing import Any, BinaryIO
 
 import pytest
 from koochak.storage._syscalls import _Syscalls
-from koochak.storage.store import TEMP_PREFIX, LocalStore, ObjectInfo, Store
+from koochak.storage.store import (
+    TEMP_PREFIX,
+    LocalStore,
+    ObjectInfo,
+    Store,
+    StoreCapabilities,
+    capabilities_of,
+)
 
 __all__ = [
     "StoreConformance",
@@ -249,6 +256,13 @@ class FaultyStore(_Delegating):
         self.location = f"faulty:{self.inner.location}"
         self.profile = self.inner.profile
 
+    def capabilities(self) -> StoreCapabilities:
+        """The LocalStore's profile only: no root or publish mode, so that nothing reaches its
+        files by path around the fault seam (a ``latest`` symlink, a probe), no read settling
+        (named reads would sleep for real, not on the fake clock), no ``put_many`` (not
+        forwarded)."""
+        return StoreCapabilities(profile=self.inner.profile)
+
     @property
     def calls(self) -> Counter[str]:
         return self._syscalls.calls
@@ -299,6 +313,11 @@ class ThrottledStore(_Delegating):
         self._sleep = sleep
         self._lock = threading.Lock()
         self._free_at = {"read": 0.0, "write": 0.0}  # monotonic time each link is free again
+
+    def capabilities(self) -> StoreCapabilities:
+        """The inner store's profile only: no root or publish mode (nothing may reach its files
+        by path, unthrottled), no batch put or self-checks (not forwarded)."""
+        return StoreCapabilities(profile=self.profile)
 
     def _transfer(self, link: str, nbytes: int) -> None:
         """Wait until ``nbytes`` have crossed ``link`` at the configured bandwidth."""
@@ -597,6 +616,73 @@ class StoreConformance:
         ):
             with pytest.raises(ValueError):
                 call()
+        assert store.list() == []
+
+    # -- declared abilities (capabilities_of) -------------------------------------------------
+
+    def test_declared_capabilities_are_a_store_capabilities(self, store: Store) -> None:
+        declared = capabilities_of(store)
+        assert isinstance(declared, StoreCapabilities)
+        if declared.profile is not None:
+            from koochak.storage.profile import StoreProfile
+
+            assert isinstance(declared.profile, StoreProfile)
+
+    def test_a_declared_root_holds_the_objects(self, store: Store) -> None:
+        root = capabilities_of(store).root
+        if root is None:
+            assert capabilities_of(store).publish is None, "a filesystem publish mode needs a root"
+            return
+        store.put("rooted/obj", b"where it says")
+        assert store.local_path("rooted/obj") == os.path.join(root, "rooted", "obj")
+        with open(os.path.join(root, "rooted", "obj"), "rb") as handle:
+            assert handle.read() == b"where it says"
+
+    def test_a_declared_batch_put_is_create_only_and_verified(self, store: Store) -> None:
+        if not capabilities_of(store).put_many:
+            return
+        a, b = _pattern(100, seed=20), _pattern(200, seed=21)
+        batch = store.put_many  # type: ignore[attr-defined]
+        infos = batch([("m/a", a, 100, _sha(a)), ("m/b", b, None, None)])
+        assert [(i.key, i.size, i.sha256) for i in infos] == [
+            ("m/a", 100, _sha(a)),
+            ("m/b", 200, _sha(b)),
+        ]
+        assert store.get("m/a") == a and store.get("m/b") == b
+        with pytest.raises(FileExistsError):
+            batch([("m/a", b"again", None, None)])
+        with pytest.raises(ValueError):
+            batch([("m/c", b"abc", 4, None)])
+        assert store.get("m/a") == a
+        assert [i.key for i in store.list("m/")] == ["m/a", "m/b"]
+
+    def test_declared_self_checks_answer_in_rows(self, store: Store) -> None:
+        if not capabilities_of(store).probe_checks:
+            return
+        rows = store.probe_checks("probe-checks/")  # type: ignore[attr-defined]
+        assert rows, "a store that declares probe_checks reports at least one"
+        for row in rows:
+            assert set(row) == {"name", "supported", "detail", "seconds"}, row
+            assert isinstance(row["name"], str) and row["supported"] in (True, False, None)
+
+    def test_declared_read_settling_reaches_the_named_reads(self, store: Store) -> None:
+        from koochak.storage.named import read_settle_seconds
+
+        assert read_settle_seconds(store) == capabilities_of(store).read_settle_seconds >= 0
+
+    # -- built on the contract: a lease works on every store ---------------------------------
+
+    def test_a_lease_admits_one_holder_and_is_released(self, store: Store) -> None:
+        from koochak.storage.lease import LeaseHeld, acquire_lease, read_lease
+
+        held = acquire_lease(store, purpose="conformance")
+        with pytest.raises(LeaseHeld, match="conformance"):
+            acquire_lease(store)
+        held.renew()
+        assert read_lease(store) == held.record
+        held.release()
+        assert store.list() == []
+        acquire_lease(store).release()
         assert store.list() == []
 
     def test_local_path_is_absolute_or_none(self, store: Store) -> None:

@@ -5,7 +5,7 @@ byte ranges, a few in parallel, and fed in order into ONE create-only ``target.p
 ``range_streams`` parts are held per object, so memory stays bounded however large the object.
 The target's ``put`` hashes while it writes and refuses (leaving nothing visible) when the size
 or the expected SHA256 does not match, so a copy is verified without a second read. Small objects
-go to a target that has ``put_many`` (a LocalStore) in batches, which pays for durability once
+go to a target that declares ``put_many`` (a LocalStore) in batches, which pays for durability once
 per batch instead of twice per object.
 
 Reruns resume: a target that already exists with the expected size was committed by an earlier
@@ -24,7 +24,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from koochak.storage.profile import min_object_bytes, profile_of
-from koochak.storage.store import Store, validate_key
+from koochak.storage.store import Store, capabilities_of, validate_key
 
 __all__ = ["CopyItem", "CopyReport", "copy_objects"]
 
@@ -185,7 +185,7 @@ def _tasks(
     when the target can publish a batch for one flush (``put_many``), else alone too."""
     limit = min(part_bytes, _BATCH_OBJECT_BYTES)
     small = sum(1 for item in todo if item.size <= limit)
-    if small < 2 or not callable(getattr(target, "put_many", None)):
+    if small < 2 or not capabilities_of(target).put_many:
         yield from todo
         return
     # Enough batches to keep every stream busy, each at most part_bytes and _BATCH_ITEMS.

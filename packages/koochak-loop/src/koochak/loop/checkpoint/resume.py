@@ -39,7 +39,7 @@ from koochak.loop.checkpoint.publication import checkpoint_store, publication_pa
 from koochak.loop.checkpoint.serialization import read_checkpoint
 from koochak.loop.checkpoint.tiers import Location
 from koochak.storage import artifact
-from koochak.storage.store import Store, open_store
+from koochak.storage.store import Store, capabilities_of, open_store
 
 log = logging.getLogger("koochak.loop.checkpoint")
 
@@ -215,7 +215,7 @@ def _highest_valid(stores: Sequence[Store]) -> _Found | None:
 
 
 def _vanished(store: Store) -> bool:
-    root = getattr(store, "root", None)
+    root = capabilities_of(store).root
     return root is not None and not os.path.isdir(root)
 
 
