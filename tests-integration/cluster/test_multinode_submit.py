@@ -36,6 +36,7 @@ def test_the_rendered_batch_script_is_the_recipe():
     argv = shlex.split(script.rsplit("\n\n", 1)[1])  # the command after the last blank line
     assert argv[:2] == ["exec", "bash"] and argv[2] == "-c"
     assert argv[3] == NODES_SCRIPT == _recipe_code()
+    assert NODES_SCRIPT in (RECIPE.parents[3] / "docs" / "jobs.md").read_text()  # what users read
     assert argv[4:7] == ["koochak-nodes", "1", sys.executable]
     assert "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n" in script
     assert "python -m koochak.loop.launch" not in NODES_SCRIPT  # the run's own Python, -I
