@@ -1,6 +1,6 @@
 """A prepared run through the project's own submission path on two nodes: submit_pazuzu with
 nodes=2 renders a batch script that starts `srun ... python -m koochak.loop.launch` on each node
-(c10d rendezvous on the first), one rank per node, each under its own runner, DDP on gloo. The
+(c10d rendezvous on the first), two ranks per node, each under its own runner, DDP on gloo. The
 rendered script runs the recipe examples/jobs/slurm_nodes/nodes.sbatch word for word."""
 
 from __future__ import annotations
@@ -55,14 +55,15 @@ def test_a_prepared_run_trains_on_both_nodes_through_submit_pazuzu(cluster_env, 
     from slurm_jobs import exit_code
 
     run = prepare(tmp_path, "two-nodes", CONFIG)
-    handle = submit(run, resources(nodes=2))
+    handle = submit(run, resources(nodes=2, ranks_per_node=2))
     fields = wait_for(handle.job_id, ended, 300, "the end")
     assert (fields["JobState"], exit_code(fields)) == ("COMPLETED", 0), logs(handle)
     assert fields["NodeList"] == "node[1-2]"
     seen = sample_log(Path(run.run_dir))
-    assert {(s.host, s.world) for s in seen} == {("node1", 2), ("node2", 2)}
-    assert {s.rank for s in seen} == {0, 1}
+    assert {(s.host, s.world) for s in seen} == {("node1", 4), ("node2", 4)}
+    ranks = {host: {s.rank for s in seen if s.host == host} for host in ("node1", "node2")}
+    assert sorted(ranks.values(), key=min) == [{0, 1}, {2, 3}]  # two ranks on each node
     ids = sorted(i for s in seen for i in s.ids)
     assert ids == list(range(12 * 4))  # 12 steps of a global batch of 4, each record once
     final = load(str(Path(run.run_dir) / "step000000012.pt"))
-    assert final["world_size"] == 2
+    assert final["world_size"] == 4
