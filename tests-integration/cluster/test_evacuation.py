@@ -35,7 +35,7 @@ def test_usr1_evacuates_both_nodes_slurm_requeues_and_the_rerun_is_bit_identical
     from slurm_jobs import exit_code, wait_for_path
 
     config = CONFIG.replace("max_steps: 12", f"max_steps: {STEPS}")
-    evacuated = prepare(tmp_path, "evacuated", config, STEP_SLEEP="0.5")
+    evacuated = prepare(tmp_path, "evacuated", config, STEP_SLEEP="1")
     straight = prepare(tmp_path, "straight", config)
     first, reference = submit(evacuated, resources()), submit(straight, resources())
     wait_for_path(Path(evacuated.run_dir) / "started", timeout=300, job_id=first.job_id)
