@@ -45,8 +45,29 @@ def parse_rows(text: str) -> list[tuple[str, list[str]]]:
     return rows
 
 
+def parse_removed(text: str) -> list[tuple[str, list[str]]]:
+    """``(removed module, [what to import instead])`` for every row of the
+    ``| removed | import instead |`` table."""
+    rows = []
+    in_table = False
+    for line in text.splitlines():
+        match = _ROW.match(line.strip())
+        if match is None:
+            in_table = False
+            continue
+        left, right = match.group("spec").strip(), match.group("here").strip()
+        if (left, right) == ("removed", "import instead"):
+            in_table = True
+            continue
+        if in_table and not set(left) <= {"-", ":", " "}:
+            (module,) = _TICKED.findall(left)
+            rows.append((module, _TICKED.findall(right)))
+    return rows
+
+
 ROWS = parse_rows(PAGE.read_text(encoding="utf-8"))
 TARGETS = [target for _, targets in ROWS for target in targets]
+REMOVED = parse_removed(PAGE.read_text(encoding="utf-8"))
 
 
 def _resolve(dotted: str) -> object:
@@ -125,6 +146,20 @@ def test_every_pending_entry_is_still_on_the_page():
 )
 def test_target_exists(target):
     check_target(target)
+
+
+def test_the_removed_module_paths_are_gone_and_their_names_are_mapped():
+    removed = dict(REMOVED)
+    # koochak-loop 0.4.0 removed the four 0.2 aliases its 0.3 warnings announced.
+    assert set(removed) >= {"koochak.loop.checkpoint_format", "koochak.loop.publish",
+                            "koochak.loop.resume", "koochak.loop.checkpoint_saver"}  # fmt: skip
+    for module, instead in removed.items():
+        sys.modules.pop(module, None)
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(module)
+        assert instead, f"{module}: no name to import instead"
+        for target in instead:
+            check_target(target)
 
 
 def test_the_entry_point_group_is_the_specs():

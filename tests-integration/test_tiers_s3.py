@@ -73,9 +73,10 @@ def test_an_s3_replica_holds_every_commit_and_a_run_resumes_from_it(tmp_path, s3
         assert read_manifest(s3, name)[1] == read_manifest(first, name)[1]
         objects = checkpoint_objects(s3, name)  # parts (if any), the object, its manifest
         assert objects == checkpoint_objects(first, name) and len(objects) == 2 + (parts > 1) * 2
-    # Pruned there with every part: only the kept checkpoints' objects remain.
+    # Pruned there with every part: only the kept checkpoints' objects remain, and the tier
+    # marker naming the run that owns the tier.
     assert sorted(i.key for i in s3.list()) == sorted(
-        key for name in names for key in checkpoint_objects(s3, name)
+        ["koochak-tier.json", *(key for name in names for key in checkpoint_objects(s3, name))]
     )
     # on_checkpoint names the S3 tier (no local path there, so a location/key reference).
     assert announced == [f"{s3_tier}/step000000001.pt", f"{s3_tier}/step000000004.pt"]

@@ -30,6 +30,13 @@ is at least as fast).
 resume does (``resume_checkpoint(sharded=True)`` + ``restore_training_state``). Figure:
 resharded over same size (target <= 1.2x).
 
+**tiers**: FSDP on checkpoint tiers, on the tiny GPT with a save every ``--steps // 4`` steps:
+step time of ``training_loop`` with a node-local first tier (``{node}``, each rank playing a node)
+replicated to a durable directory, against the same run saving to one tier only (the baseline);
+then recovery (``resume_checkpoint(sharded=True)`` + ``restore_training_state``) from the first
+tier against recovery from the durable tier with the first tier gone. Figures: ratios to the
+baseline (step time) and to recovery from the first tier.
+
 Contenders are interleaved in alternating order; medians of ``--repeats``; the load average is
 printed with the figures, since the machine is shared.
 """
@@ -167,7 +174,7 @@ def rank_main(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo")
     result = {"overhead": bench_overhead, "save": bench_save, "write": write_checkpoint,
-              "load": bench_load}[args.task](args)  # fmt: skip
+              "load": bench_load, "tiers": bench_tiers}[args.task](args)  # fmt: skip
     if torch.distributed.get_rank() == 0:
         print(json.dumps(result), flush=True)
     exit_distributed_process(0)
@@ -294,6 +301,81 @@ def bench_load(args: argparse.Namespace) -> dict[str, list[float]]:
     return times
 
 
+# ----------------------------------------------------------------------------- tiers
+
+
+def run_tiered(data: list[torch.Tensor], first: str, replicas: list[str]) -> float:
+    """Seconds per step of ``training_loop`` under FSDP saving every len(data)//4 steps to
+    ``first`` (and replicating to ``replicas``), the terminal save's wait included."""
+    from koochak.loop import training_loop
+
+    marks: dict[str, float] = {}
+
+    def on_start(info: dict) -> None:
+        torch.distributed.barrier()
+        marks["start"] = time.perf_counter()
+
+    torch.manual_seed(0)
+    with contextlib.redirect_stdout(io.StringIO()):
+        training_loop(
+            model=TinyGPT(),
+            dataset=data,
+            step_fn=lambda model, tokens, ctx: {"loss": loss_of(model, tokens)},
+            optimizer=lambda model: torch.optim.AdamW(model.parameters(), lr=1e-3),
+            train_cfg={"max_steps": len(data), "log_every": LOG_EVERY, "device": "cpu",
+                       "out_dir": os.path.dirname(first.rstrip("/")), "checkpoint_dir": first,
+                       "checkpoint_replicas": [{"location": r, "create": True} for r in replicas],
+                       "ckpt_every": max(1, len(data) // 4),
+                       "keep_last_k": 2, "progress_bar": False, "shard_dataset": False,
+                       "warn_unsharded": False,
+                       "fsdp": {"enabled": True, "shard_modules": ["Block"]}},  # fmt: skip
+            hooks={"on_train_start": [on_start]},
+        )
+    torch.distributed.barrier()
+    return (time.perf_counter() - marks["start"]) / len(data)
+
+
+def bench_tiers(args: argparse.Namespace) -> dict[str, Any]:
+    from koochak.loop.checkpoint import restore_training_state
+    from koochak.loop.checkpoint.resume import resume_checkpoint
+
+    os.environ["KOOCHAK_NODE_INDEX"] = str(torch.distributed.get_rank())  # a node per rank
+    data = batches(args.steps, args.local_batch)
+    base = os.path.join(args.dir, "tiers")
+    steps: dict[str, list[float]] = {"one tier": [], "node-local + durable": []}
+    for repeat in range(args.repeats + 1):
+        order = list(steps) if repeat % 2 == 0 else list(steps)[::-1]
+        for name in order:
+            run = os.path.join(base, f"{'one' if name == 'one tier' else 'two'}{repeat}")
+            if name == "one tier":
+                seconds = run_tiered(data, os.path.join(run, "first"), [])
+            else:
+                seconds = run_tiered(data, os.path.join(run, "node{node}"),
+                                     [os.path.join(run, "durable")])  # fmt: skip
+            if repeat:
+                steps[name].append(seconds)
+    # Recovery: a shared first tier with a durable one behind it, then with the first one gone.
+    shared = os.path.join(base, "recovery")
+    run_tiered(data, os.path.join(shared, "first"), [os.path.join(shared, "durable")])
+    tiers = {"first tier": [os.path.join(shared, "first"), os.path.join(shared, "durable")],
+             "durable tier": [os.path.join(shared, "gone"), os.path.join(shared, "durable")]}  # fmt: skip
+    recovery: dict[str, list[float]] = {name: [] for name in tiers}
+    for repeat in range(args.repeats + 1):
+        order = list(tiers) if repeat % 2 == 0 else list(tiers)[::-1]
+        for name in order:
+            model = fresh()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+            def load(where: list = tiers[name], model: nn.Module = model, opt: Any = opt) -> None:
+                found = resume_checkpoint("auto", where, sharded=True)
+                restore_training_state(found.checkpoint, model, opt)
+
+            seconds = _timed(load)
+            if repeat:
+                recovery[name].append(seconds)
+    return {"steps": steps, "recovery": recovery}
+
+
 def report(times: dict[str, list[Any]], args: argparse.Namespace) -> None:
     print(f"FSDP2 loop overhead: {args.ranks} gloo ranks, tiny GPT ({DEPTH} Blocks, dim {DIM}), "
           f"{args.steps} steps x {args.repeats} repeats, load average {os.getloadavg()[0]:.2f}")  # fmt: skip
@@ -340,7 +422,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--local-batch", type=int, default=8)
-    parser.add_argument("--only", default="overhead,save,load")
+    parser.add_argument("--only", default="overhead,save,load,tiers")
     parser.add_argument("--dir", default=None, help="a directory on disk (default: a temp dir)")
     parser.add_argument("--shm-dir", default="/dev/shm", help="a memory filesystem ('' skips it)")
     parser.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
@@ -372,6 +454,13 @@ def main() -> None:
             print(f"resharded load: {args.ranks * 2} -> {args.ranks} ranks against "
                   f"{args.ranks} -> {args.ranks}, load average {os.getloadavg()[0]:.2f}")  # fmt: skip
             _ratio_table(" chosen, verified and read into a fresh model", times, "same size")
+        if "tiers" in only:
+            result = _world(args.ranks, "tiers", common)
+            print(f"FSDP on tiers: {args.ranks} gloo ranks as {args.ranks} nodes, tiny GPT, "
+                  f"{args.steps} steps, a save every {max(1, args.steps // 4)}, load average "
+                  f"{os.getloadavg()[0]:.2f}")  # fmt: skip
+            _ratio_table(" step time (s/step) while replicating", result["steps"], "one tier")
+            _ratio_table(" recovery: chosen, verified, restored", result["recovery"], "first tier")
 
 
 if __name__ == "__main__":

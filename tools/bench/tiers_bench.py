@@ -167,7 +167,7 @@ def child(args: argparse.Namespace) -> None:
         optimizer=torch.optim.SGD(model.parameters(), lr=1e-6),
         train_cfg={"max_steps": point.checkpoint["next_step"] + 1, "log_every": 1000,
                    "device": "cpu", "out_dir": args.first, "progress_bar": False,
-                   "checkpoint_replicas": tiers[1:]},
+                   "checkpoint_replicas": tiers[1:], "run_id": "tiers-bench"},  # one run, any node
         resume="auto", checkpoint_dict=point.checkpoint, auto_resume_path=point.path,
         hooks={"on_step_end": [first_step]},
     )  # fmt: skip

@@ -104,3 +104,27 @@ def test_publisher_warnings_and_exit_lines_are_masked(publisher, train_start, mo
     assert TOKEN not in line and json.loads(line)["detail"] == (
         "TimeoutError: [masked TRACKING_TOKEN]"
     )
+
+
+def test_url_passwords_and_aws_credentials_are_masked_without_named_secrets(monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wJalrXUtnFEMI-K7MDENG-EXAMPLEKEY")
+    monkeypatch.setenv("AWS_SESSION_TOKEN", "tiny")  # under 8 characters: left alone
+    text = ("cannot reach https://trainer:Pw-url-marker@minio:9000/b?X-Amz-Signature=abc123 "
+            "with wJalrXUtnFEMI-K7MDENG-EXAMPLEKEY, a tiny session")  # fmt: skip
+    masked = mask_secrets(text, {})
+    assert masked == ("cannot reach https://***@minio:9000/b?X-Amz-Signature=*** with "
+                      "[masked AWS_SECRET_ACCESS_KEY], a tiny session")  # fmt: skip
+    assert mask_strings({"e": [text]}, {}) == {"e": [masked]}
+    assert mask_secrets("ordinary text, bob@example.org", {}) == "ordinary text, bob@example.org"
+
+
+def test_a_failure_event_masks_a_url_password_with_no_named_secrets(publisher, train_start):
+    hooks = make_event_hooks(publisher)
+    for fn in hooks["on_train_start"]:
+        fn(train_start())
+    error = ConnectionError("cannot reach s3://key:Pw-url-marker@bucket/run: refused")
+    for fn in hooks["on_exception"]:
+        fn({"step": 3, "exception": error})
+    failed = publisher.of("workload.phase")[-1]
+    assert "Pw-url-marker" not in failed.to_json()
+    assert "s3://***@bucket/run" in failed.payload["error"]

@@ -149,3 +149,85 @@ def test_a_short_secret_is_masked_too(kit, tmp_path):
     )
     line = kit.failure(done.stderr)
     assert "pin is [masked TRACKING_TOKEN]" in line["error"]
+
+
+# Assembled at run time: the files a test writes hold its pieces, never the whole marker.
+URL_PASSWORD_CODE = '"".join(["Pw-url-", "marker-5u8x"])'
+URL_PASSWORD = "Pw-url-marker-5u8x"
+
+
+def assert_no_url_password(tmp_path: Path, done) -> None:
+    assert URL_PASSWORD not in done.stdout + done.stderr
+    for directory, _, files in os.walk(tmp_path):
+        for name in files:
+            assert URL_PASSWORD.encode() not in Path(directory, name).read_bytes(), name
+
+
+def test_a_url_password_in_a_package_import_error_is_masked_without_named_secrets(
+    kit, tmp_path, marker
+):
+    """No profile secrets at all: a URL's user info in foreign text is masked all the same."""
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "tracker.py").write_text(
+        f"raise RuntimeError('cannot reach https://bot:' + {URL_PASSWORD_CODE} + '@track:443/')\n"
+    )
+    profile = kit.basic_profile(
+        tmp_path, f"PYTHONPATH: {lib}\n", "", "requirements:\n  packages: {tracker: '*'}\n"
+    )
+    script = kit.workload(tmp_path, f"open({str(marker)!r}, 'w').close()\n")
+    prepared = kit.staged(tmp_path, profile, script)
+    done = kit.run_runner(prepared)
+    assert done.returncode == 78, done.stderr
+    line = kit.failure(done.stderr)
+    assert "https://***@track:443/" in line["error"], line
+    assert "https://***@track:443/" in Path(prepared.preflight_path).read_text()
+    assert_no_url_password(tmp_path, done)
+
+
+TRAIN_USER = f"""
+import torch
+
+PASSWORD = {URL_PASSWORD_CODE}
+
+
+def make_model(cfg):
+    return torch.nn.Linear(2, 1)
+
+
+def dataset(cfg, start_step=0):
+    while True:
+        yield torch.ones(2, 2), torch.ones(2, 1)
+
+
+def url_step(model, batch, ctx):
+    if ctx.step == 1:
+        raise ConnectionError("cannot reach https://trainer:" + PASSWORD + "@minio:9000/ckpt")
+    x, y = batch
+    return {{"loss": ((model(x) - y) ** 2).mean()}}
+"""
+
+
+@pytest.mark.slow
+def test_a_url_password_in_a_koochak_train_step_error_reaches_no_stream_or_file(kit, tmp_path):
+    """koochak-train as the workload of koochak-run: the step's error quotes a URL with a
+    password; neither the runner's nor the workload's streams, nor any file, hold it."""
+    (tmp_path / "urluser.py").write_text(TRAIN_USER)
+    config = tmp_path / "cfg.yaml"
+    config.write_text(
+        "train: {max_steps: 4, device: cpu, out_dir: " + str(tmp_path / "train")
+        + ", progress_bar: false}\n"
+        "optim: {optimizer: {name: sgd, lr: 0.1}}\n"
+        'entry: {model: "urluser:make_model", dataset: "urluser:dataset", '
+        'step: "urluser:url_step"}\n'
+    )
+    script = kit.workload(
+        tmp_path,
+        "import sys\nfrom koochak.loop.cli import main\n"
+        f"sys.exit(main(['--config', {str(config)!r}, '--resume', 'none']))\n",
+    )
+    prepared = kit.staged(tmp_path, kit.basic_profile(tmp_path), script)
+    done = kit.run_runner(prepared, timeout=300)
+    assert done.returncode == 1, done.stderr
+    assert "cannot reach https://***@minio:9000/ckpt" in done.stderr, done.stderr
+    assert_no_url_password(tmp_path, done)

@@ -380,6 +380,22 @@ def scenario(out: str, what: str) -> None:
                          "train.progress_bar=false"])  # fmt: skip
         if code:  # only reached on one process: on several, cli_main ends the process itself
             raise SystemExit(f"koochak-train exited {code}")
+    elif what == "tiers":  # a node-local first tier ({node}: node = rank here) and a durable one
+        os.environ["KOOCHAK_NODE_INDEX"] = str(rank())
+        run(out, f"tiers{w}", checkpoint_dir=os.path.join(out, f"tiers{w}", "node{node}"),
+            checkpoint_replicas=[{"location": os.path.join(out, f"tiers{w}", "durable"),
+                                  "create": True}])  # fmt: skip
+    elif what == "tiersshared":  # one first tier every rank writes to, a durable one behind it
+        run(out, f"tiersshared{w}", checkpoint_replicas=[os.path.join(out, f"tiersshared{w}.d")],
+            checkpoint_async=True)  # fmt: skip
+    elif what.startswith("tierscut"):  # tierscut<S>: resume tiers<S>'s step from the durable tier
+        os.environ["KOOCHAK_NODE_INDEX"] = str(rank())
+        source, name = what[len("tierscut") :], f"tierscut{what[len('tierscut'):]}to{w}"
+        durable = only(out, os.path.join(f"tiers{source}", "durable"), SAVE_AT,
+                       os.path.join(name, "durable"))  # fmt: skip
+        # No first tier at all: every node's directory is gone.
+        run(out, name, resume_dir=os.path.join(out, name, "node{node}"),
+            checkpoint_replicas=[durable])  # fmt: skip
     elif what == "damaged":
         damaged(out)
     elif what == "export":  # save4's checkpoint as one weights file, read on one process

@@ -203,13 +203,23 @@ def test_a_stalled_part_fails_the_selection_instead_of_rolling_back(group, tmp_p
         resume_checkpoint("auto", tmp_path, sharded=True)
 
 
-def test_the_sharded_saver_answers_every_call_the_checkpointer_makes(tmp_path):
-    """Checkpointer drives either saver: a rerun of a finished FSDP run reaches ``settle`` (its
-    terminal checkpoint is already published), which must not be an AttributeError."""
+def test_one_saver_class_answers_every_call_the_checkpointer_makes_in_every_layout(tmp_path):
+    """Checkpointer drives one saver class whatever the layout or role: a rerun of a finished
+    FSDP run reaches ``settle`` (its terminal checkpoint is already published), which must not
+    be an AttributeError; no saver method is borrowed from another class."""
     import inspect
 
     from koochak.loop.checkpoint import saver as saver_module
+    from koochak.loop.checkpoint.layouts import Sharded, Whole
 
-    called = set(re.findall(r"self\.saver\.([a-z_]+)", inspect.getsource(saver_module.Checkpointer)))
-    assert called and called <= set(dir(saver_module.ShardedSaver))
-    assert saver_module.ShardedSaver(tmp_path).settle(checkpoint_name(3), "terminal") is None
+    source = inspect.getsource(saver_module.Checkpointer)
+    called = set(re.findall(r"self\.saver\.([a-z_]+)", source))
+    assert called and called <= set(dir(saver_module.CheckpointSaver))
+    assert not hasattr(saver_module, "ShardedSaver")
+    for layout in (Sharded(), Whole(2)):
+        for role in ("coordinator", "follower"):
+            saver = saver_module.CheckpointSaver(tmp_path, layout=layout, role=role)
+            assert saver.settle(checkpoint_name(3), "terminal") is None
+    follower = saver_module.CheckpointSaver(tmp_path, layout=Whole(), role="follower")
+    assert follower.save({"step": 3}) is None  # the whole layout: only the coordinator writes
+    assert not any(tmp_path.iterdir())

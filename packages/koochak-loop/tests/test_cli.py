@@ -225,6 +225,18 @@ def test_bad_input_is_one_line_on_stderr_exit_2(project, capsys, override, expec
     assert expected.format(name=name) in line
 
 
+@pytest.mark.parametrize("key", ["train.ddp", "train.fsdp.enabled"])
+def test_a_distributed_config_on_one_process_says_how_to_run_it(project, capsys, monkeypatch, key):
+    """Resuming a 2-rank run on one process: the error names key=false, and the launcher."""
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    _, _, config = project
+    assert main(["--config", str(config), f"{key}=true"]) == 2
+    line = one_line_error(capsys)
+    assert line.startswith(f"koochak-train: error: {key} is true but no process group exists")
+    assert f"set {key}=false" in line and "python -m koochak.loop.launch" in line
+
+
 def test_warmup_longer_than_the_run_names_the_fix(project, capsys):
     _, _, config = project
     args = ["optim.scheduler.name=cosine_warmup", "optim.scheduler.warmup_steps=10"]

@@ -223,9 +223,12 @@ def test_sharding_is_opt_in_for_train_and_eval_and_rank0_warns_about_the_rest(re
     train, evaluation = shard_datasets(list(range(10)), list(range(6)), cfg, _setup(1))
     assert list(train) == [1, 3, 5, 7, 9] and list(evaluation) == [1, 3, 5]
     assert not recwarn.list
-    with pytest.warns(RuntimeWarning, match="train.shard_eval_dataset is false"):
-        train, evaluation = shard_datasets([0, 1], [0, 1], {"shard_dataset": True}, _setup(0))
+    # An unsharded eval set is correct (docs/fsdp.md recommends it under FSDP): no warning.
+    train, evaluation = shard_datasets([0, 1], [0, 1], {"shard_dataset": True}, _setup(0))
     assert list(evaluation) == [0, 1]  # unsharded: every rank sees all of it
+    assert not recwarn.list
+    with pytest.warns(RuntimeWarning, match=r"train.shard_dataset is false: every rank sees"):
+        shard_datasets([0, 1], [0, 1], {}, _setup(0))
     shard_datasets([0, 1], None, {}, _setup(1))  # only rank 0 warns
     shard_datasets([0, 1], None, {"warn_unsharded": False}, _setup(0))
     assert not recwarn.list

@@ -98,7 +98,7 @@ def test_mnist_example_trains_logs_evaluates_and_checkpoints(mnist, tmp_path, ca
 
     assert checkpoint["step"] == 6 and checkpoint["next_step"] == 6
     assert (out_dir / "step000000006.pt").is_file()
-    rows = read_csv_log(out_dir / "log.csv")
+    rows = [r for r in read_csv_log(out_dir / "log.csv") if r["event"] in ("log", "eval")]
     assert [(r["event"], r["step"]) for r in rows] == [
         ("log", 1),
         ("eval", 2),
@@ -108,7 +108,7 @@ def test_mnist_example_trains_logs_evaluates_and_checkpoints(mnist, tmp_path, ca
     ]
     assert {"loss", "acc", "lr", "grad_norm"} <= rows[0]["metrics"].keys()
     assert {"eval_loss", "eval_acc"} == rows[1]["metrics"].keys()
-    assert len(read_jsonl_log(out_dir / "log.jsonl")) == len(rows)
+    assert len(read_jsonl_log(out_dir / "log.jsonl")) == len(rows) + 2  # + attempt and end
     assert "log\tstep=5\tloss=" in capsys.readouterr().out
 
 
@@ -135,7 +135,8 @@ def test_mnist_example_rerun_resumes_from_the_published_checkpoint(mnist, tmp_pa
 
     assert more["step"] == 8
     # Only the updates after the checkpoint ran again: a fresh start would re-log steps 1, 3, 5.
-    assert [r["step"] for r in read_csv_log(out_dir / "log.csv")] == [1, 3, 5, 7]
+    rows = read_csv_log(out_dir / "log.csv")
+    assert [r["step"] for r in rows if r["event"] == "log"] == [1, 3, 5, 7]
 
 
 def test_resumed_run_sees_the_batches_of_an_uninterrupted_one(mnist, tmp_path, monkeypatch):
@@ -229,9 +230,11 @@ def test_ddp_launcher_trains_two_gloo_ranks_under_torchrun(tmp_path):
     assert checkpoint["config"]["train"]["ddp"] is True  # forced by the launcher
     # Rank 0 alone writes the logs: each event appears once, not once per rank.
     assert [(r["event"], r["step"]) for r in read_csv_log(out_dir / "log.csv")] == [
+        ("attempt", 0),
         ("log", 1),
         ("log", 3),
         ("eval", 3),
+        ("end", 4),
     ]
     assert result.stdout.count("log\tstep=3\t") == 1
     # Per-rank step timing: every log row carries the slowest and the fastest rank's step time.

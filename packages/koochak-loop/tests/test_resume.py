@@ -322,38 +322,12 @@ def test_every_resume_helper_answers_path_then_checkpoint(tmp_path):
     assert resume_checkpoint("auto", tmp_path / "empty") is None
 
 
-@pytest.mark.parametrize(
-    ("old", "names"),
-    [
-        ("checkpoint_format", ["build_checkpoint", "serialize_checkpoint_chunks", "step_of_name"]),
-        ("publish", ["publish", "save", "checkpoint_store", "publication_path"]),
-        ("resume", ["load", "latest", "best", "resolve_auto_resume"]),
-        ("checkpoint_saver", ["CheckpointSaver", "capture_checkpoint", "restore_rng"]),
-    ],
-)
-def test_old_checkpoint_module_paths_still_import_with_a_deprecation_warning(old, names):
+@pytest.mark.parametrize("old", ["checkpoint_format", "publish", "resume", "checkpoint_saver"])
+def test_the_0_2_checkpoint_module_paths_are_gone_in_0_4(old):
+    """Deprecated in 0.3 with a warning that promised it; docs/migrating.md maps each name."""
     import importlib
     import sys
 
-    import koochak.loop.checkpoint as package
-
-    sys.modules.pop(f"koochak.loop.{old}", None)  # warn again even if imported before
-    with pytest.warns(DeprecationWarning, match=f"koochak.loop.{old} is deprecated"):
-        module = importlib.import_module(f"koochak.loop.{old}")
-    for name in names:
-        assert callable(getattr(module, name))
-        if name in package.__all__:
-            assert getattr(module, name) is getattr(package, name)
-
-
-def test_the_old_resume_checkpoint_keeps_its_checkpoint_then_path_order(tmp_path):
-    import importlib
-    import sys
-
-    sys.modules.pop("koochak.loop.checkpoint_saver", None)
-    with pytest.warns(DeprecationWarning):
-        checkpoint_saver = importlib.import_module("koochak.loop.checkpoint_saver")
-    save(_ckpt(2), tmp_path)
-    ckpt, path = checkpoint_saver.resume_checkpoint("auto", tmp_path)
-    assert (ckpt["step"], path) == (2, str(tmp_path / "step000000002.pt"))
-    assert checkpoint_saver.resume_checkpoint("none", tmp_path) == (None, None)
+    sys.modules.pop(f"koochak.loop.{old}", None)
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(f"koochak.loop.{old}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -13,17 +14,23 @@ import time
 
 import pytest
 import torch
+from koochak.loop import run_lease
 from koochak.loop.cli import main
+from koochak.storage import lease as leases
 from koochak.storage.lease import LEASE_KEY, read_lease
 from koochak.storage.store import LocalStore
 
 USER_CODE = """
 import os
+import threading
+import time
 import torch
 from torch.nn import functional as F
 
 
 def make_model(cfg):
+    if os.environ.get("LEASE_TEST_BUILT"):
+        open(os.environ["LEASE_TEST_BUILT"], "w").close()
     torch.manual_seed(0)
     return torch.nn.Linear(3, 1)
 
@@ -38,6 +45,25 @@ def dataset(cfg, start_step=0):
 def step_fn(model, batch, ctx):
     x, y = batch
     return {"loss": F.mse_loss(model(x), y)}
+
+
+NOTICED = threading.Event()  # the test sets it once the run's renewer saw the takeover
+
+
+def taking_over_step(model, batch, ctx):
+    # Update 3 of the run: another run takes the lease over, as after a suspension past the
+    # bound; the update ends once this run's renewer has noticed.
+    if ctx.step == 2 and ctx.rank == 0 and not NOTICED.is_set():
+        from koochak.storage.lease import LEASE_KEY, LeaseRecord
+
+        where = os.path.join(os.environ["LEASE_TEST_DIR"], LEASE_KEY)
+        with open(where + ".tmp", "wb") as f:  # replaced in one step: never seen missing
+            f.write(LeaseRecord(token="e" * 32, host="node-b", boot_id="b", pid_ns="pid:[1]",
+                                pid=4242, pid_start=1, started=time.time(), ttl_seconds=600.0,
+                                purpose="the run that took over").to_bytes())  # fmt: skip
+        os.replace(where + ".tmp", where)
+        assert NOTICED.wait(120), "the renewer never noticed"
+    return step_fn(model, batch, ctx)
 
 
 def waiting_step(model, batch, ctx):
@@ -99,11 +125,15 @@ def _hold(run_dir) -> subprocess.Popen:
     return holder
 
 
-def test_a_second_run_into_one_out_dir_is_refused_with_exit_2_naming_the_holder(project, capsys):
+def test_a_second_run_into_one_out_dir_is_refused_with_exit_2_naming_the_holder(
+    project, capsys, monkeypatch
+):
     root, _, config = project
+    monkeypatch.setenv("LEASE_TEST_BUILT", str(root / "built"))
     holder = _hold(root / "run")
     try:
         assert main(["--config", str(config), "--resume", "none"]) == 2
+        assert not (root / "built").exists()  # refused before the model was built
         err = capsys.readouterr().err
         assert f"train.out_dir: {root / 'run'}/{LEASE_KEY}" in err
         assert f"another run holds this location: pid {holder.pid}" in err and "the other run" in err
@@ -158,3 +188,156 @@ def test_two_koochak_train_runs_into_one_out_dir(project, tmp_path):
     assert first.returncode == 0, err
     assert torch.load(root / "run" / "step000000003.pt", weights_only=True)["step"] == 3
     assert read_lease(LocalStore(root / "run")) is None
+
+
+def test_a_run_whose_lease_was_taken_over_stops_before_its_next_publish_with_exit_2(
+    project, capsys, monkeypatch
+):
+    """Two writers into one location are what the lease prevents: once the renewer finds the
+    lease taken over, the run publishes nothing more and exits 2 naming the new holder."""
+    import importlib
+
+    root, name, config = project
+    monkeypatch.setattr(leases, "RENEW_SECONDS", 0.05)
+    monkeypatch.setenv("LEASE_TEST_DIR", str(root / "run"))
+    user = importlib.import_module(name)
+
+    class Noticed(logging.Handler):
+        def emit(self, record):
+            if "taken over" in record.getMessage():
+                user.NOTICED.set()
+
+    handler = Noticed(logging.ERROR)
+    logging.getLogger("koochak.storage.lease").addHandler(handler)
+    try:
+        code = main(["--config", str(config), "--resume", "none", "train.max_steps=6",
+                     "train.ckpt_every=2", f"entry.step={name}:taking_over_step"])  # fmt: skip
+    finally:
+        logging.getLogger("koochak.storage.lease").removeHandler(handler)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    (line,) = [ln for ln in err.splitlines() if "koochak-train: error:" in ln]
+    assert f"{root / 'run'}/{leases.LEASE_KEY}: this run's lease" in line
+    assert "pid 4242 on node-b (the run that took over)" in line
+    assert "stopped after 4 updates without publishing" in line
+    published = sorted(p.name for p in (root / "run").glob("step*.pt"))
+    assert published == ["step000000001.pt"]  # the save before the takeover, nothing after
+    assert leases.read_lease(LocalStore(root / "run")).host == "node-b"  # left to its holder
+    assert run_lease._TAKEN == {}
+
+
+API_RUN = textwrap.dedent(
+    """
+    import sys, torch
+    from koochak.loop import training_loop
+    from koochak.loop.dist import exit_distributed_process
+
+    def data():
+        while True:
+            yield torch.randn(4, 3)
+
+    try:
+        training_loop(model=torch.nn.Linear(3, 1), dataset=data(),
+                      step_fn=lambda m, b, ctx: {"loss": m(b).pow(2).mean()},
+                      optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                      train_cfg={"max_steps": 2, "device": "cpu", "ddp": True,
+                                 "out_dir": sys.argv[1], "progress_bar": False})
+        code = 0
+    except Exception as exc:
+        print(f"api-run: error: {exc}", file=sys.stderr, flush=True)
+        code = 2 if "another run holds" in str(exc) else 1
+    exit_distributed_process(code)
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("route", ["koochak-train", "training_loop"])
+def test_every_ddp_rank_learns_of_the_refusal_and_exits_2_naming_the_holder(project, route):
+    """2 gloo ranks into a held location: rank 0's refusal reaches rank 1 through one broadcast
+    at start (before it, rank 1 waited in its first collective for a rank 0 that had left)."""
+    root, name, config = project
+    holder = _hold(root / "run")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    if route == "koochak-train":
+        args = ["-m", "koochak.loop.cli", "--config", str(config), "--resume", "none",
+                "train.ddp=true"]  # fmt: skip
+    else:
+        args = ["-c", API_RUN, str(root / "run")]
+    procs = []
+    try:
+        for rank in (0, 1):
+            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(root),
+                       LEASE_TEST_BUILT=str(root / f"built{rank}"))  # fmt: skip
+            procs.append(subprocess.Popen([sys.executable, *args], cwd=root, env=env, text=True,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))  # fmt: skip
+        results = [(p.communicate(timeout=180), p.returncode) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        holder.kill()
+        holder.wait()
+    for rank, ((_, err), code) in enumerate(results):
+        assert code == 2, f"rank {rank}: {err}"
+        assert f"another run holds this location: pid {holder.pid}" in err, f"rank {rank}: {err}"
+        assert "the other run" in err
+    if route == "koochak-train":  # refused before the model was built, on every rank
+        assert not (root / "built0").exists() and not (root / "built1").exists()
+
+
+TAKEN_OVER_UNDER_DDP = """
+import logging, sys
+import koochak.storage.lease as leases
+
+leases.RENEW_SECONDS = 0.05
+import {name} as user
+
+
+class Noticed(logging.Handler):
+    def emit(self, record):
+        if "taken over" in record.getMessage():
+            user.NOTICED.set()
+
+
+logging.getLogger("koochak.storage.lease").addHandler(Noticed(logging.ERROR))
+from koochak.loop.cli import main
+
+main(["--config", {config!r}, "--resume", "none", "train.ddp=true", "train.max_steps=6",
+      "train.ckpt_every=2", "entry.step={name}:taking_over_step"])
+"""
+
+
+@pytest.mark.slow
+def test_under_ddp_a_lost_lease_stops_every_rank_before_the_next_publish(project):
+    """Only rank 0 holds the lease: its loss reaches rank 1 at the next publish (one all-reduce
+    there), and both ranks exit 2 with the reason, publishing nothing more."""
+    root, name, config = project
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = TAKEN_OVER_UNDER_DDP.format(name=name, config=str(config))
+    procs = []
+    try:
+        for rank in (0, 1):
+            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(root),
+                       LEASE_TEST_DIR=str(root / "run"))  # fmt: skip
+            procs.append(subprocess.Popen([sys.executable, "-c", code], cwd=root, env=env,
+                                          text=True, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE))  # fmt: skip
+        results = [(p.communicate(timeout=240), p.returncode) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rank, ((_, err), code) in enumerate(results):
+        assert code == 2, f"rank {rank}: {err}"
+        assert "this run's lease on its checkpoint location is lost" in err, f"rank {rank}: {err}"
+        assert "pid 4242 on node-b" in err and "stopped after 4 updates" in err
+    assert sorted(p.name for p in (root / "run").glob("step*.pt")) == ["step000000001.pt"]

@@ -85,3 +85,24 @@ def test_worker_init_fn_is_deterministic_and_rank_aware():
     # Python and NumPy draws differ between the two workers (no copied global state).
     assert first[0][1] != first[1][1]
     assert first[0][2] != first[1][2]
+
+
+def test_the_rng_note_reads_right_when_ranks_go_down_and_up(caplog):
+    import logging
+
+    from koochak.loop.checkpoint.restore import restore_rng
+    from koochak.loop.seed import get_rng_state, rng_world_note
+
+    assert rng_world_note(2, 2) is None
+    fewer = rng_world_note(4, 2)
+    assert fewer.startswith("checkpoint was written by 4 rank(s), resuming on 2: ranks 0-1: saved "
+                            "RNG stream continued; the saved RNG state of ranks 2-3 is not used")  # fmt: skip
+    assert "no saved" not in fewer and "seeded" not in fewer
+    more = rng_world_note(1, 3)
+    assert "rank 0: saved RNG stream continued; ranks 1-2: no saved RNG state, seeded" in more
+    # Through the restore: a 2-rank checkpoint resumed on this one process says rank 1's is unused.
+    state = get_rng_state()
+    with caplog.at_level(logging.WARNING, logger="koochak.loop.checkpoint"):
+        restore_rng({"rng_per_rank": [state, state], "world_size": 2})
+    (record,) = [r for r in caplog.records if "resuming on 1" in r.getMessage()]
+    assert "the saved RNG state of rank 1 is not used" in record.getMessage()

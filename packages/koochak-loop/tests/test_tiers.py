@@ -167,13 +167,33 @@ def test_bad_replica_lists_are_refused_naming_the_entry(tmp_path, value, message
         load_config(None, ["train.checkpoint_replication_max_lag=0"])
 
 
-def test_replicas_with_fsdp_are_refused_until_sharded_saves_replicate(tmp_path):
+def test_replicas_with_fsdp_are_accepted_and_node_local_first_tiers_are_checked(tmp_path):
+    from koochak.loop.checkpoint.tiers import checkpoint_locations, node_index
+
     path = tmp_path / "cfg.yaml"
     path.write_text(
-        json.dumps({"train": {"checkpoint_replicas": ["/a"], "fsdp": {"enabled": True}}})
-    )
-    with pytest.raises(ConfigError, match="sharded checkpoints are not replicated"):
-        load_config(path)
+        json.dumps({"train": {"checkpoint_replicas": ["/a"], "fsdp": {"enabled": True},
+                              "checkpoint_dir": str(tmp_path / "n{node}")}})
+    )  # fmt: skip
+    cfg = load_config(path)
+    assert checkpoint_locations(cfg.train) == [str(tmp_path / "n0"), "/a"]
+    from koochak.loop.checkpoint.settings import CheckpointConfig
+
+    typed = CheckpointConfig.of(cfg.train)  # the component's one typed record of train.*
+    assert typed.location == str(tmp_path / "n0") and typed.node_local and typed.sharded
+    assert [t.location for t in typed.replication.replicas] == ["/a"]
+    with pytest.raises(ConfigError, match=r"train.checkpoint_dir: .*train.checkpoint_replicas"):
+        load_config(None, [f"train.checkpoint_dir='{tmp_path}/n{{node}}'"])
+    with pytest.raises(ConfigError, match=r"train.checkpoint_replicas\[0\].*first tier"):
+        load_config(None, ["train.checkpoint_dir=/x", "train.checkpoint_replicas=['/r{node}']"])
+    with pytest.raises(ConfigError, match="only placeholder is"):
+        load_config(None, ["train.checkpoint_dir='/x{rank}'", "train.checkpoint_replicas=[/r]"])
+    assert node_index({"GROUP_RANK": "3", "SLURM_NODEID": "5"}) == 3
+    assert node_index({"KOOCHAK_NODE_INDEX": "2", "GROUP_RANK": "3"}) == 2
+    assert node_index({"SLURM_NODEID": "5"}) == 5
+    assert node_index({}) == 0
+    with pytest.raises(ValueError, match="SLURM_NODEID='x'"):
+        node_index({"SLURM_NODEID": "x"})
 
 
 # ------------------------------------------------------------------ one checkpoint between tiers
@@ -228,6 +248,8 @@ class _GatedStore(LocalStore):
         self.puts = 0
 
     def put(self, key, data, **expected):
+        if key == "koochak-tier.json":  # the tier marker, written when the run starts
+            return super().put(key, data, **expected)
         assert self.gate.wait(30), "test gate never opened"
         self.puts += 1
         return super().put(key, data, **expected)

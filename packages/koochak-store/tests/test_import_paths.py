@@ -32,6 +32,7 @@ ARTIFACT = {
     "InvalidArtifact": "koochak.storage.ready_manifest",
     "Publication": "koochak.storage.publication",
     "publish": "koochak.storage.publication",
+    "claimed": "koochak.storage.publication",
     "unpublish": "koochak.storage.publication",
     "read_manifest": "koochak.storage.publication",
     "read_verified": "koochak.storage.publication",

@@ -159,3 +159,29 @@ def test_a_lease_on_real_object_storage_mounts_refuses_the_other_client(local_s3
         assert s3fs.list() == []
     finally:
         shutil.rmtree(local_s3.s3fs_mount / name, ignore_errors=True)
+
+
+def test_a_lease_that_could_not_be_renewed_for_its_ttl_counts_as_lost(store, caplog):
+    """Renewals that fail past ``ttl_seconds`` let another run take over: the holder must stop."""
+    held = leases.acquire_lease(store, ttl_seconds=0.4, renew_seconds=0.1)
+    assert not held.lost and held.lost_reason is None
+    failing = store.put
+
+    def put(key, data, *args, **kwargs):
+        if ".renewed-" in key:
+            raise OSError(5, "the storage is away", key)
+        return failing(key, data, *args, **kwargs)
+
+    store.put = put
+    with caplog.at_level(logging.WARNING, logger="koochak.storage.lease"):
+        held.keep_renewed()
+        deadline = time.monotonic() + 60
+        while not held.lost and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert held.lost and "could not be renewed" in held.lost_reason
+    assert "the storage is away" in held.lost_reason and "could not renew" in caplog.text
+    store.put = failing
+    held.renew()  # the storage is back: still lost (someone may have taken it over meanwhile)
+    assert held.lost and store.list(f"{leases.LEASE_KEY}.renewed-") == []
+    held.release()
+    assert store.list() == []

@@ -15,6 +15,19 @@ What is masked, for each non-empty value: the value itself and the forms foreign
 quote it in (JSON-escaped, ASCII or not, twice JSON-escaped, Python ``repr``-escaped and
 percent-encoded), longest first, in one pass, each replaced by ``[masked NAME]``. Mask before
 truncating: a cut through a value would leave part of it unmasked.
+
+Beyond the named secrets, always (with no names too), what any library's error text can carry:
+
+* the values of the standard credential variables `CREDENTIAL_VARIABLES` (``AWS_ACCESS_KEY_ID``,
+  ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_SECURITY_TOKEN``) that the environment
+  sets, as ``[masked NAME]`` in the same forms, when at least `MIN_SECRET_CHARS` long (no real
+  credential is shorter; a test placeholder such as ``test`` would garble ordinary words);
+* user info in any URL (``scheme://user:password@host`` becomes ``scheme://***@host``);
+* the values of presigned-URL and signature parameters (``X-Amz-Signature=``, ``Signature=``,
+  ``Credential=`` ...), as ``***``.
+
+These are the rules of ``koochak.storage.redact.redact_text`` (which koochak-events may not
+import); a test in koochak-loop holds the two to the same answers.
 """
 
 from __future__ import annotations
@@ -28,6 +41,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 __all__ = [
+    "CREDENTIAL_VARIABLES",
+    "MIN_SECRET_CHARS",
     "SECRET_NAMES_VARIABLE",
     "mask_secrets",
     "mask_strings",
@@ -37,6 +52,19 @@ __all__ = [
 
 SECRET_NAMES_VARIABLE = "KOOCHAK_SECRET_NAMES"
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+CREDENTIAL_VARIABLES = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_SECURITY_TOKEN",
+)
+MIN_SECRET_CHARS = 8
+# Greedy up to the last "@" before the path: a password may itself hold an unescaped "@".
+_USER_INFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^\s/?#'\"<>]*@")
+_SIGNED = re.compile(
+    r"(?i)((?:X-Amz-(?:Credential|Signature|Security-Token)|Signature|Credential)=)"
+    r"[^&\s'\",;]+"
+)
 
 
 def secret_names_value(names: Iterable[str]) -> str:
@@ -58,21 +86,29 @@ def secrets_from_environment(env: Mapping[str, str] | None = None) -> dict[str, 
 
 
 def mask_secrets(text: str, secrets: Mapping[str, str]) -> str:
-    """``text`` with every form of every secret value replaced by ``[masked NAME]``."""
-    if not secrets or not text:
+    """``text`` with every form of every secret value replaced by ``[masked NAME]``, and the
+    environment's credential values, URL user info and signatures masked too (with no
+    ``secrets`` as well; see the module docstring)."""
+    if not text:
         return text
-    pattern, names = _compiled(tuple(sorted(secrets.items())))
-    if pattern is None:
-        return text
-    return pattern.sub(lambda m: f"[masked {names[m.group(0)]}]", text)
+    if "://" in text:  # the order of redact_text: URLs and signatures, then values
+        text = _USER_INFO.sub(r"\1***@", text)
+    if "=" in text:
+        text = _SIGNED.sub(r"\1***", text)
+    found = {name: os.environ.get(name, "") for name in CREDENTIAL_VARIABLES}
+    items = {n: v for n, v in found.items() if len(v) >= MIN_SECRET_CHARS}
+    items.update(secrets or {})  # a named secret keeps its own name
+    if items:
+        pattern, names = _compiled(tuple(sorted(items.items())))
+        if pattern is not None:
+            text = pattern.sub(lambda m: f"[masked {names[m.group(0)]}]", text)
+    return text
 
 
 def mask_strings(value: Any, secrets: Mapping[str, str]) -> Any:
     """A copy of a JSON-like ``value`` with `mask_secrets` applied to every string in it (keys
     included); other values unchanged. Mask the data, then encode it: a secret is then never
     split or escaped by the encoder."""
-    if not secrets:
-        return value
     if isinstance(value, str):
         return mask_secrets(value, secrets)
     if isinstance(value, Mapping):

@@ -30,16 +30,20 @@ from koochak.loop.checkpoint import checkpoint_store, resolve_auto_resume
 from koochak.loop.checkpoint.tiers import checkpoint_locations
 from koochak.loop.config import (
     ConfigError,
+    _blame,
     format_summary,
     get_section,
     load_config_with_report,
     to_container,
 )
+from koochak.loop.console import console_logging, set_level
+from koochak.loop.declared import check_declared_sections, keyword_values
 from koochak.loop.dist import exit_distributed_process
 from koochak.loop.evacuation import Evacuated, make_evacuation
 from koochak.loop.health import GpuUnhealthy
 from koochak.loop.logging.wandb_logger import check_restart_settings
 from koochak.loop.masking import mask_text, masked_output, masking_active
+from koochak.loop.parent_death import tie_to_parent
 from koochak.loop.scruffy_exit import checkpoint_exit_code
 from omegaconf import DictConfig
 
@@ -181,14 +185,17 @@ def _build(key: str, path: str, fn: Callable[..., Any], *args: Any, **kwargs: An
 
 
 def _call_builder(fn: Callable[..., Any], cfg: DictConfig, start_step: int | None = None) -> Any:
+    """A dataset builder: ``fn(cfg)``, plus ``start_step=`` when it takes it and the ``data``
+    keys it declares as keyword-only parameters (`koochak.loop.declared`)."""
+    declared = keyword_values(fn, to_container(cfg.data))
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # some callables have no signature: call them plainly
         return fn(cfg)
     accepts_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
     if start_step is not None and ("start_step" in params or accepts_kwargs):
-        return fn(cfg, start_step=start_step)
-    return fn(cfg)
+        return fn(cfg, start_step=start_step, **declared)
+    return fn(cfg, **declared)
 
 
 def build_hooks(cfg: DictConfig) -> dict[str, list[Callable[[dict[str, Any]], None]]]:
@@ -236,7 +243,6 @@ def _scruffy_hooks() -> dict[str, list[Callable[[dict[str, Any]], None]]]:
 def _find_resume(cfg: DictConfig, mode: str) -> tuple[str | None, dict[str, Any] | None]:
     if mode != "auto":
         return None, None
-    location = str(cfg.train.checkpoint_dir or cfg.train.out_dir)
     if cfg.train.fsdp.enabled:
         # Every rank verifies a share of the parts and later reads only its own shards: that
         # needs the process group now (training_loop then uses the same one).
@@ -246,7 +252,7 @@ def _find_resume(cfg: DictConfig, mode: str) -> tuple[str | None, dict[str, Any]
         from koochak.loop.device import get_device
 
         setup_ddp(resolve_train_config(cfg.train), get_device(str(cfg.train.device)))
-        found = resume_checkpoint("auto", location, sharded=True)  # first tier only
+        found = resume_checkpoint("auto", checkpoint_locations(cfg.train), sharded=True)
     else:
         found = resolve_auto_resume(checkpoint_locations(cfg.train))  # every tier
     return (None, None) if found is None else (str(found[0]), found[1])
@@ -260,9 +266,34 @@ def _check_launch(cfg: DictConfig) -> None:
 
     get_device(str(cfg.train.device))
     if cfg.train.ddp or cfg.train.fsdp.enabled:
-        check_launch_environment()
+        check_launch_environment("train.fsdp.enabled" if cfg.train.fsdp.enabled else "train.ddp")
     for location in checkpoint_locations(cfg.train):
         checkpoint_store(location)
+    from koochak.loop.config import resolve_train_config
+
+    train = resolve_train_config(cfg.train)
+    from koochak.loop.checkpoint.tier_marker import check_reachable, claim_tiers
+
+    if len(checkpoint_locations(train)) > 1:  # every tier reachable, writable and this run's
+        claim_tiers(train, write=int(os.environ.get("RANK", "0")) == 0)
+    else:
+        check_reachable(train)
+
+
+def _hold_location(cfg: DictConfig) -> None:
+    """Take the run's lease now, before the model and data are built; training_loop finds it.
+    Under DDP/FSDP with several ranks the process group starts here, so that every rank learns
+    of a refusal through one broadcast (training_loop then uses the same group)."""
+    from koochak.loop.config import resolve_train_config
+    from koochak.loop.run_lease import hold_location
+
+    train = resolve_train_config(cfg.train)
+    if (train.ddp or train.fsdp.enabled) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from koochak.loop.ddp import setup_ddp
+        from koochak.loop.device import get_device
+
+        setup_ddp(train, get_device(str(cfg.train.device)))
+    hold_location(checkpoint_locations(cfg.train)[0], train, early=True)
 
 
 def _prepare(args: argparse.Namespace) -> dict[str, Any]:
@@ -271,9 +302,11 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
     from koochak.loop.seed import set_all_seeds
 
     cfg, report = load_config_with_report(args.config, args.overrides)
+    set_level(cfg.logging.level)  # Koochak's lines on stderr from here on at the configured level
     if int(os.environ.get("RANK", "0")) == 0:
         print(format_summary(report), flush=True)
     _check_launch(cfg)
+    _hold_location(cfg)  # refuse a second live run here before building anything (exit 2)
     # Install the evacuation handler before building the model and data (which can take minutes):
     # a SIGUSR1 in that window is then recorded and honoured after the first update, instead of
     # killing the process with the signal's default action.
@@ -290,13 +323,19 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
     eval_fn = import_entry(entry.eval_fn, "entry.eval_fn") if entry.eval_fn else None
     if (make_eval is None) != (eval_fn is None):
         raise ConfigError("entry.eval_dataset and entry.eval_fn must be given together")
+    builders = [("entry.model", entry.model, make_model), ("entry.dataset", entry.dataset,
+                make_dataset)] + ([("entry.eval_dataset", entry.eval_dataset, make_eval)]
+                                  if make_eval is not None else [])  # fmt: skip
+    check_declared_sections(to_container(cfg), builders, lambda key: _blame(key, args.config,
+                            args.overrides), strict=bool(cfg.train.strict_config))  # fmt: skip
 
     set_all_seeds(int(cfg.train.seed))
     resume_path, checkpoint = _find_resume(cfg, args.resume)
     start_step = int(checkpoint["next_step"]) if checkpoint is not None else 0
     if checkpoint is not None and cfg.wandb.enabled and cfg.wandb.mode != "disabled":
         check_restart_settings(to_container(cfg.wandb), start_step)
-    model = _build("entry.model", entry.model, make_model, cfg)
+    model = _build("entry.model", entry.model, make_model, cfg,
+                   **keyword_values(make_model, to_container(cfg.model)))  # fmt: skip
     optimizer: Any = _optimizer_for(model, cfg)
     # A resumed run with a longer train.max_steps continues the checkpoint's schedule.
     scheduler: Any = build_scheduler(
@@ -357,11 +396,13 @@ def _fail(prefix: str, exc: BaseException, suffix: str = "", prog: str = "koocha
 
 
 def _debug_traceback(code: int) -> int:
-    """``--debug``: re-raise for the interpreter's traceback; under named secrets print it here,
-    masked, and return ``code`` (the interpreter would print it after the masking ended)."""
-    if not masking_active():
+    """``--debug``: re-raise for the interpreter's traceback; under named secrets, or when the
+    traceback holds a credential (a URL password ...), print it here, masked, and return
+    ``code`` (the interpreter would print it after the masking ended)."""
+    text = traceback.format_exc()
+    if not masking_active() and mask_text(text) == text:
         raise  # called from an except block: re-raises the error being handled
-    traceback.print_exc()
+    sys.stderr.write(text)  # masked on its way out (masked_output)
     return code
 
 
@@ -384,6 +425,7 @@ def run_with_one_line_errors(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    tie_to_parent()  # under `uv run` or the launcher: no orphan trainer when it is killed
     args = _parser().parse_args(argv)
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         with masked_output():
@@ -399,6 +441,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    # Logging is configured once, before the config is read (its warnings are one line too);
+    # the level follows logging.level as soon as the config is loaded.
+    with console_logging("INFO"):
+        return _run_configured(args)
+
+
+def _run_configured(args: argparse.Namespace) -> int:
+    from koochak.loop.run_lease import release_unclaimed
+
+    try:
+        return _train(args)
+    finally:
+        release_unclaimed()  # taken in _prepare for a run that never reached training_loop
+
+
+def _train(args: argparse.Namespace) -> int:
     try:
         kwargs = _prepare(args)
     except Exception as exc:
@@ -424,7 +482,7 @@ def _run(args: argparse.Namespace) -> int:
             ),
         )
         return code
-    except ConfigError as exc:  # refused before the first update (a resume that changed the run)
+    except ConfigError as exc:  # a resume that changed the run, or a lost lease (run_lease)
         if args.debug:
             raise
         _fail("error: ", exc)

@@ -115,6 +115,10 @@ class TrainConfig:
     checkpoint_replication_max_lag: int = 2  # checkpoints a replica may trail before saves wait
     checkpoint_replication_retry_s: float = 10.0  # first retry after a failed copy (doubles)
     checkpoint_prune_unreplicated: bool = False  # prune the first tier before a replica holds it
+    # The run's stable id, kept in every checkpoint and in each tier's marker (docs/formats.md,
+    # "Tier marker"): a tier marked by another run is refused. null: the first tier's marker's
+    # (a retry), else derived from out_dir's absolute path. A persistence key: same run.
+    run_id: Optional[str] = None
     evacuation_enabled: bool = False
     evacuation_signal: str = "USR1"
     gpu_health_every: Optional[int] = None  # CUDA only; null or 0: no GPU health checks
@@ -127,6 +131,11 @@ class TrainConfig:
     reduce_metrics: bool = True  # under DDP: log each scalar's mean over ranks, not rank 0's
     reduce_metrics_exclude: list[str] = field(default_factory=list)  # metrics logged as rank 0's
     resume_allow_changes: list[str] = field(default_factory=list)  # config keys a resume may change
+    # Throughput in the logged rows (docs/logging.md, "Throughput"): tokens in one sample (null:
+    # a step's "tokens" output, else no tokens/s) and the training FLOPs of one update on one rank
+    # (null: measured once with torch's FLOP counter, forward x 3).
+    tokens_per_sample: Optional[int] = None
+    flops_per_step: Optional[float] = None
     ema: EmaConfig = field(default_factory=EmaConfig)
     fsdp: FsdpConfig = field(default_factory=FsdpConfig)
 
@@ -185,6 +194,7 @@ class LoggingConfig:
     print_config: bool = False  # print the whole resolved config at start (else a summary)
     tensorboard: bool = False  # TensorBoard event files (extra: koochak-loop[tensorboard])
     tensorboard_dir: Optional[str] = None  # null: <out_dir>/tensorboard
+    level: str = "INFO"  # koochak-train: Koochak's own log lines on stderr (rank 0) from this level
 
 
 @dataclass(frozen=True)
@@ -243,6 +253,7 @@ _CHOICES = {
     "wandb.mode": ("online", "offline", "disabled"),
     "train.keep_best_mode": ("min", "max"),
     "optim.scheduler.name": ("none", "cosine", "step", "plateau", "cosine_warmup"),
+    "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
 }
 # Accepted values of train.device (device.get_device resolves them).
 DEVICE_PATTERN = r"auto|cpu|cuda|cuda:\d+|mps"
@@ -254,7 +265,7 @@ _POSITIVE = (
     "train.ema.update_every",
     "data.batch_size",
 )
-_POSITIVE_OR_NULL = ("train.max_steps",)
+_POSITIVE_OR_NULL = ("train.max_steps", "train.tokens_per_sample")
 _NON_NEGATIVE_OR_NULL = (
     "train.eval_every",
     "train.ckpt_every",
@@ -394,6 +405,9 @@ def _check_values(values: Mapping[str, Any], section: str) -> None:
     device = values.get("device") if section == "train" else None
     if isinstance(device, str) and not re.fullmatch(DEVICE_PATTERN, device):
         raise ConfigError(f"train.device: expected one of {DEVICE_CHOICES}, got {device!r}")
+    flops = values.get("flops_per_step") if section == "train" else None
+    if flops is not None and (isinstance(flops, bool) or not flops > 0):
+        raise ConfigError(f"train.flops_per_step: expected a positive number or null, got {flops!r}")
     for key in ("gpu_health_max_temperature_c", "gpu_health_max_kernel_seconds"):
         if section == "train" and key in values and values[key] <= 0:
             raise ConfigError(f"train.{key}: expected a positive number, got {values[key]!r}")
@@ -424,12 +438,9 @@ def _check_values(values: Mapping[str, Any], section: str) -> None:
             "train.fsdp.enabled and train.ddp are both true: FSDP already keeps the ranks' "
             "gradients in step; set train.ddp: false"
         )
-    if isinstance(fsdp, Mapping) and fsdp.get("enabled") and values.get("checkpoint_replicas"):
-        raise ConfigError(
-            "train.checkpoint_replicas with train.fsdp.enabled: sharded checkpoints are not "
-            "replicated between tiers yet; remove train.checkpoint_replicas (or set "
-            "train.checkpoint_dir to durable storage every rank reaches)"
-        )
+    if section == "train":
+        _check_node_local(values)
+        _check_tier_paths(values)
     if section == "optim.optimizer" and values.get("param_groups"):
         _check_param_groups(values)
     if section == "train" and values.get("keep_best_k") and not values.get("keep_best_metric"):
@@ -437,6 +448,70 @@ def _check_values(values: Mapping[str, Any], section: str) -> None:
             f"train.keep_best_k={values['keep_best_k']!r} needs train.keep_best_metric, the "
             "metric that ranks checkpoints (e.g. eval_loss, with keep_best_mode: min)"
         )
+
+
+def _check_tier_paths(values: Mapping[str, Any]) -> None:
+    """No replica may be the first tier, another replica, or a directory inside or above one
+    of them, by real path (a symlink, ``<dir>/.``): its retention would prune the other's
+    checkpoints. Aliases paths cannot show (two mounts of one bucket) are the tier markers'."""
+    replicas = values.get("checkpoint_replicas") or ()
+    if not replicas or not isinstance(replicas, (list, tuple)):
+        return
+    first = values.get("checkpoint_dir") or values.get("out_dir") or "runs/default"
+    first_key = "train.checkpoint_dir" if values.get("checkpoint_dir") else "train.out_dir"
+    named = [(first_key, first)]
+    for i, replica in enumerate(replicas):
+        location = replica.get("location") if isinstance(replica, Mapping) else replica
+        named.append((f"train.checkpoint_replicas[{i}]", location))
+    seen: list[tuple[str, str, str]] = []
+    for key, location in named:
+        real = _real_directory(location)
+        if real is None:
+            continue
+        for other_key, other, other_real in seen:
+            if os.path.commonpath([real, other_real]) in (real, other_real):
+                how = ("is" if real == other_real else
+                       "is inside" if other_real == os.path.commonpath([real, other_real])
+                       else "holds")  # fmt: skip
+                raise ConfigError(
+                    f"{key}: {location!r} {how} {other_key} ({other!r}; both resolve to "
+                    f"{real if real == other_real else real + ' and ' + other_real}); a replica "
+                    "must be a storage of its own, or its retention prunes the other's checkpoints"
+                )
+        seen.append((key, str(location), real))
+
+
+def _real_directory(location: Any) -> str | None:
+    """The real path of a directory location (symlinks, ``.``, ``..`` resolved; ``{node}`` as
+    node 0); None for a URI."""
+    if not isinstance(location, str) or not location.strip():
+        return None
+    if "://" in location and not location.startswith("file://"):
+        return None
+    path = location.removeprefix("file://").replace("{node}", "0")
+    return os.path.realpath(os.path.expanduser(path))
+
+
+def _check_node_local(values: Mapping[str, Any]) -> None:
+    """``{node}`` (one directory per node) only in ``train.checkpoint_dir``, and only with a
+    durable tier behind it: the nodes' directories together hold a checkpoint, none alone."""
+    where = values.get("checkpoint_dir")
+    if isinstance(where, str) and re.search(r"\{(?!node\})[^}]*\}", where):
+        raise ConfigError(
+            f"train.checkpoint_dir: {where!r}: the only placeholder is {{node}} (the node's index)"
+        )
+    if isinstance(where, str) and "{node}" in where and not values.get("checkpoint_replicas"):
+        raise ConfigError(
+            f"train.checkpoint_dir: {where!r} is node-local ({{node}}) but "
+            "train.checkpoint_replicas is empty; add a durable tier every node reaches"
+        )
+    for i, replica in enumerate(values.get("checkpoint_replicas") or ()):
+        location = replica.get("location") if isinstance(replica, Mapping) else replica
+        if isinstance(location, str) and "{node}" in location:
+            raise ConfigError(
+                f"train.checkpoint_replicas[{i}]: {location!r}: {{node}} is for the first tier "
+                "(train.checkpoint_dir) only; a replica is shared by every node"
+            )
 
 
 def _check_shard_modules(value: Any) -> None:
@@ -471,13 +546,15 @@ class ReplicaConfig:
 
     location: str
     keep_last_k: Optional[int] = None
+    create: bool = False  # a directory whose parent does not exist is created, not refused
 
 
 def check_replicas(replicas: Any) -> tuple[ReplicaConfig, ...]:
     """``train.checkpoint_replicas`` as ReplicaConfig records; ConfigError naming the entry.
 
     Each entry is a location (a directory or ``scheme://`` URI) or a mapping with ``location``
-    and optionally ``keep_last_k`` (an integer >= 0, or null for every checkpoint).
+    and optionally ``keep_last_k`` (an integer >= 0, or null for every checkpoint) and
+    ``create`` (true: a directory whose parent does not exist is created; else refused at start).
     """
     where = "train.checkpoint_replicas"
     if replicas is None:
@@ -493,25 +570,28 @@ def check_replicas(replicas: Any) -> tuple[ReplicaConfig, ...]:
                 f"{where}[{i}]: expected a location or a mapping {{location, keep_last_k}}, "
                 f"got {entry!r}"
             )
-        unknown = sorted(str(k) for k in entry if k not in ("location", "keep_last_k"))
+        unknown = sorted(str(k) for k in entry if k not in ("location", "keep_last_k", "create"))
         if unknown:
             raise ConfigError(
-                f"{where}[{i}]: unknown key(s) {unknown}; expected location and keep_last_k"
+                f"{where}[{i}]: unknown key(s) {unknown}; expected location, keep_last_k, create"
             )
+        create = entry.get("create", False)
+        if not isinstance(create, bool):
+            raise ConfigError(f"{where}[{i}].create: expected true or false, got {create!r}")
         location = entry.get("location")
         if not isinstance(location, str) or not location.strip():
             raise ConfigError(
                 f"{where}[{i}].location: expected a directory or scheme:// URI, got {location!r}"
             )
         if "keep_last_k" not in entry:  # as many as the first tier
-            found.append(ReplicaConfig(location))
+            found.append(ReplicaConfig(location, create=create))
             continue
         keep = entry["keep_last_k"]
         if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 0):
             raise ConfigError(
                 f"{where}[{i}].keep_last_k: expected an integer >= 0 or null, got {keep!r}"
             )
-        found.append(ReplicaConfig(location, keep or 0))  # null or 0: every checkpoint
+        found.append(ReplicaConfig(location, keep or 0, create))  # null or 0: every checkpoint
     locations = [r.location.rstrip("/") for r in found]
     for i, location in enumerate(locations):
         if location in locations[:i]:

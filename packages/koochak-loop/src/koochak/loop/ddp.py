@@ -3,8 +3,8 @@
 ``train.ddp: true`` initializes the default process group when none exists (gloo on CPU, NCCL on
 CUDA; an existing group is respected), pins the CUDA device from LOCAL_RANK, and wraps the model in
 DistributedDataParallel. Sharding is never implicit: ``train.shard_dataset`` (and
-``shard_eval_dataset``) opt in, and rank 0 warns when DDP runs unsharded unless
-``train.warn_unsharded: false``.
+``shard_eval_dataset``) opt in, and rank 0 warns when DDP trains on unsharded data unless
+``train.warn_unsharded: false`` (an unsharded eval set is correct, only slower: no warning).
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def setup_ddp(train_cfg: TrainConfig | Mapping[str, Any], device: torch.device) 
             device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    created = dist.init_process_group(backend=backend)
+    key = "train.fsdp.enabled" if cfg.fsdp.enabled else "train.ddp"
+    created = dist.init_process_group(backend=backend, key=key)
     return DdpSetup(True, dist.get_rank(), dist.get_world_size(), local_rank, created, device)
 
 
@@ -100,11 +101,11 @@ def shard_datasets(
         dataset = _shard(dataset, cfg.shard_dataset_mode, setup)
     else:
         unsharded.append("train.shard_dataset")
-    if eval_dataset is not None:
-        if cfg.shard_eval_dataset:
-            eval_dataset = _shard(eval_dataset, cfg.shard_eval_dataset_mode, setup)
-        else:
-            unsharded.append("train.shard_eval_dataset")
+    # An unsharded eval set is never warned about: every rank evaluating all of it gives the
+    # same metrics on every rank, only slower, and under FSDP (every rank must run the same
+    # forward passes) it is what docs/fsdp.md recommends.
+    if eval_dataset is not None and cfg.shard_eval_dataset:
+        eval_dataset = _shard(eval_dataset, cfg.shard_eval_dataset_mode, setup)
     if unsharded and setup.rank == 0 and cfg.warn_unsharded:
         warnings.warn(
             f"{'FSDP' if cfg.fsdp.enabled else 'DDP'} with {setup.world_size} ranks but "

@@ -85,10 +85,11 @@ def exit_distributed_process(code: int) -> NoReturn:
     os._exit(code)
 
 
-def check_launch_environment() -> None:
+def check_launch_environment(key: str = "train.ddp") -> None:
     """RuntimeError unless a process group exists or torchrun's variables are set, so
-    ``train.ddp: true`` (or ``train.fsdp.enabled``) can be refused before anything is built (the
-    CLI calls it early)."""
+    ``train.ddp: true`` (or ``train.fsdp.enabled``: pass it as ``key``) can be refused before
+    anything is built (the CLI calls it early). The message names both ways out: the launcher,
+    or ``key=false`` for one process (a DDP or FSDP run resumes on one process that way)."""
     if is_initialized():
         return
     missing = [
@@ -96,13 +97,17 @@ def check_launch_environment() -> None:
     ]
     if missing:
         raise RuntimeError(
-            "train.ddp (or train.fsdp.enabled) is true but no process group exists and the "
-            "environment lacks "
-            f"{', '.join(missing)}; launch with torchrun or call init_process_group yourself"
+            f"{key} is true but no process group exists (the environment lacks "
+            f"{', '.join(missing)}): to run on this one process (resuming a run of several ranks "
+            f"on one included), set {key}=false; to run several ranks, launch them with "
+            "python -m koochak.loop.launch --nproc-per-node=N (or torchrun), or call "
+            "init_process_group yourself"
         )
 
 
-def init_process_group(backend: str | None = None, timeout_s: float | None = None) -> bool:
+def init_process_group(
+    backend: str | None = None, timeout_s: float | None = None, key: str = "train.ddp"
+) -> bool:
     """Initialise the default process group from the torchrun environment if none exists.
 
     Returns True when this call created the group, False when one already existed (the caller
@@ -111,7 +116,7 @@ def init_process_group(backend: str | None = None, timeout_s: float | None = Non
     """
     if is_initialized():
         return False
-    check_launch_environment()
+    check_launch_environment(key)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}

@@ -1,7 +1,7 @@
 """`training_loop`: the one function that owns the repetitive mechanics of training.
 
 It reads in the order it runs. Setup once: device -> [resume lookup] -> [shard] -> [FSDP] ->
-optimizer -> start hook -> compile -> [DDP] -> [restore]. Then, per update: batch -> micro-steps x grad_accum -> gradient gate
+optimizer -> attempt record -> start hook -> compile -> [DDP] -> [restore]. Then, per update: batch -> micro-steps x grad_accum -> gradient gate
 -> update (optimizer -> scaler -> [EMA] -> scheduler) -> observe (hooks, log) -> [GPU health] ->
 maybe eval -> maybe save -> [evacuate]. Finally the terminal state is packed into a resume-ready
 checkpoint, saved, and returned. Checkpoint mechanics live in the ``checkpoint`` subpackage
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import time
 import warnings
 from collections.abc import Callable, Collection, Iterable, Mapping
@@ -26,13 +27,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from koochak.loop import ddp, dist, fsdp
+from koochak.loop import ddp, dist, fsdp, run_history
 from koochak.loop.batch import to_device
 from koochak.loop.checkpoint.restore import restore_rng, restore_training_state
 from koochak.loop.checkpoint.resume import resume_checkpoint, resume_publication_path
 from koochak.loop.checkpoint.saver import Checkpointer, make_checkpointer
+from koochak.loop.checkpoint.tier_marker import run_identity
 from koochak.loop.checkpoint.tiers import checkpoint_locations
-from koochak.loop.config import ConfigError, TrainConfig, resolve_train_config
+from koochak.loop.config import TrainConfig, resolve_train_config
 from koochak.loop.device import get_device, get_lr
 from koochak.loop.elastic import elastic_cursor
 from koochak.loop.ema import ModelEma, make_model_ema
@@ -44,10 +46,14 @@ from koochak.loop.metric_reduction import CountedBatches, reduce_eval, reduce_lo
 from koochak.loop.precision import Scaler, autocast_factory
 from koochak.loop.prefetch import cuda_prefetch
 from koochak.loop.resume_config import (
+    check_model_shapes,
     check_resume_config,
     format_change,
     schedule_follows_max_steps,
 )
+from koochak.loop.run_lease import check_held, hold_location
+from koochak.loop.state_dicts import match_state_dict_to_model, unwrap_model
+from koochak.loop.throughput import make_throughput_hooks
 
 _NULL = contextlib.nullcontext()
 _END = object()
@@ -118,11 +124,14 @@ def training_loop(
     setup = ddp.setup_ddp(cfg, get_device(cfg.device))  # process group; device from LOCAL_RANK
     device, rank, world_size = setup.device, setup.rank, setup.world_size
     tiers = checkpoint_locations(cfg)  # checkpoint_dir (else out_dir), then any replicas
+    # With replicas every tier is checked and marked first; the caller's checkpoint names the run.
+    run_id = run_identity(cfg, rank, checkpoint_dict)
     resume_path, checkpoint_dict = resume_checkpoint(
         resume, tiers, checkpoint_dict, auto_resume_path, sharded=cfg.fsdp.enabled
     ) or (None, None)
     start_step = int(checkpoint_dict["next_step"]) if checkpoint_dict else 0
     if checkpoint_dict is not None:  # the same run, or refuse before anything is built
+        _check_resumed_model(checkpoint_dict, model, resume_path)
         _check_resumed_config(checkpoint_dict, _config_of(config_json, cfg), cfg, resume_path, rank)
     # A run a hook stopped is over: resuming it trains no further (like one that reached max_steps).
     stopped_before = checkpoint_dict is not None and checkpoint_dict.get("reason") == "stopped"
@@ -144,7 +153,7 @@ def training_loop(
         step=start_step,
     )
     num_params = sum(p.numel() for p in raw_model.parameters())
-    lease = _hold_location(tiers[0], cfg) if rank == 0 else None  # one live run per location
+    lease = hold_location(tiers[0], cfg)  # one live run per location: a refusal reaches every rank
     if rank == 0:
         print(_param_banner(raw_model, num_params), flush=True)
     step = start_step
@@ -161,6 +170,13 @@ def training_loop(
                       "config_json": config_json, "model": raw_model, "num_params": num_params,
                       "rank": rank, "world_size": world_size, "out_dir": cfg.out_dir,
                       "resumed": checkpoint_dict is not None, "resume_path": resume_path}  # fmt: skip
+        # The attempt record every sink starts with; <out_dir>/attempts.jsonl keeps the history.
+        attempt = run_history.begin_attempt(cfg.out_dir, tiers, resume_path, checkpoint_dict,
+                                            start_step, cfg.max_steps, rank)  # fmt: skip
+        history_first, history_last = run_history.make_history_hooks(cfg.out_dir, attempt)
+        rows = make_throughput_hooks(cfg, world_size)  # progress, ETA, tokens/s, MFU per row
+        hooks = merge(history_first, rows, hooks, history_last)
+        start_info["attempt"] = attempt
         if len(tiers) > 1 and rank == 0:  # the path others read it from, once it is announced
             start_info["resume_publication_path"] = resume_publication_path(
                 tiers, resume_path, checkpoint_dict
@@ -176,7 +192,7 @@ def training_loop(
         # What every checkpoint is captured from (live objects: each capture reads them anew).
         parts = {"model": raw_model, "optimizer": optimizer, "scheduler": scheduler,
                  "scaler": scaler, "ema": ema, "config": _config_of(config_json, cfg),
-                 "data": data_cursor}  # fmt: skip
+                 "data": data_cursor, "run_id": run_id}  # fmt: skip
         checkpoints = make_checkpointer(
             cfg, parts, rank=rank, resumed=checkpoint_dict, started=started,
             on_checkpoint=lambda info: fire("on_checkpoint", info),
@@ -287,7 +303,7 @@ def training_loop(
 
             # ---- protect: GPU health (every rank checks its device; one bad device stops all)
             if health is not None and health.due(step):
-                _check_health(health, step, device, checkpoints, {**metrics, **eval_metrics})
+                _check_health(health, step, device, checkpoints, {**metrics, **eval_metrics}, lease)
 
             # ---- maybe eval
             is_eval = bool(
@@ -301,6 +317,7 @@ def training_loop(
             # ---- maybe save (periodic: keeps its zero-based index, resumes at step + 1)
             is_save = checkpoints.due(step)
             if is_save:
+                check_held(lease, world_size, step + 1)  # lost it: stop, never publish (exit 2)
                 checkpoints.periodic(step, {**metrics, **eval_metrics})
             step += 1
 
@@ -314,6 +331,7 @@ def training_loop(
             # ---- evacuate: all ranks agree at the end of a completed update, then leave (75)
             if evac is not None and evac.should_evacuate():
                 final_metrics = {**metrics, **eval_metrics}
+                check_held(lease, world_size, step)
                 path, checkpoint = checkpoints.terminal("evacuation", step, final_metrics)
                 if rank == 0:
                     _announce_evacuation(step, path)
@@ -329,6 +347,7 @@ def training_loop(
             emit(hooks, "on_log", {"step": step - 1, "metrics": metrics}, warned=warned)
         final_metrics = {**metrics, **eval_metrics}
         reason = "stopped" if stop or stopped_before else "terminal"
+        check_held(lease, world_size, step)
         _, checkpoint = checkpoints.terminal(reason, step, final_metrics)
         end = {"step": step, "checkpoint": checkpoint, "metrics": final_metrics}
         if stop:
@@ -360,20 +379,6 @@ def training_loop(
             lease.release()
         if not finished:
             ddp.release_after_failure(setup)
-
-
-def _hold_location(location: Any, cfg: TrainConfig) -> Any:
-    """The run's lease on its checkpoint location (docs/checkpoints.md#one-live-run-per-location),
-    renewed while it lives; another live run there is a ConfigError naming it (exit 2)."""
-    from koochak.loop.checkpoint.publication import checkpoint_store
-    from koochak.storage.lease import LeaseHeld, acquire_lease
-
-    key = "train.checkpoint_dir" if cfg.checkpoint_dir else "train.out_dir"
-    try:
-        held = acquire_lease(checkpoint_store(location), purpose=f"koochak run in {cfg.out_dir}")
-    except LeaseHeld as exc:
-        raise ConfigError(f"{key}: {exc}") from None
-    return held.keep_renewed()
 
 
 # ------------------------------------------------------------------ per-step helpers, in run order
@@ -582,10 +587,12 @@ def _check_health(
     device: torch.device,
     checkpoints: Checkpointer,
     metrics: Any,
+    lease: Any = None,
 ) -> None:
     """Every rank checks its device; one bad device makes all save a terminal checkpoint, exit 79."""
     verdict = health.check(step)
     if ddp.any_rank(not verdict.healthy, device):
+        check_held(lease, dist.get_world_size(), step + 1)
         path, _ = checkpoints.terminal("gpu_health", step + 1, metrics, best_effort=True)
         raise GpuUnhealthy(step + 1, verdict, path)
 
@@ -700,6 +707,17 @@ def _with_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
     return merge(defaults(), config)
 
 
+def _check_resumed_model(
+    checkpoint: Mapping[str, Any], model: torch.nn.Module, where: str | None
+) -> None:
+    """Refuse, before anything is built, a checkpoint whose weights this model cannot take."""
+    target = unwrap_model(model)
+    saved = checkpoint.get("model")
+    if isinstance(saved, Mapping):
+        live = target.state_dict()
+        check_model_shapes(match_state_dict_to_model(target, saved), live, where or "")
+
+
 def _check_resumed_config(
     checkpoint: Mapping[str, Any],
     config: Mapping[str, Any],
@@ -708,7 +726,16 @@ def _check_resumed_config(
     rank: int,
 ) -> None:
     """Refuse a resume whose config makes it a different run; say once what else changed."""
-    old, new = _with_defaults(checkpoint.get("config") or {}), _with_defaults(config)
+    if not checkpoint.get("config"):  # built by user code or an older tool: nothing to compare
+        if rank == 0:
+            warnings.warn(
+                f"resume from {where or 'the checkpoint'}: the checkpoint recorded no config, so "
+                "this run's config cannot be compared with it; resuming it as the same run",
+                UserWarning,
+                stacklevel=3,
+            )
+        return
+    old, new = _with_defaults(checkpoint["config"]), _with_defaults(config)
     drift = check_resume_config(old, new, cfg.resume_allow_changes, where or "")
     if drift.harmless and rank == 0:
         note = ""
@@ -726,10 +753,10 @@ def _check_resumed_config(
 
 
 def _announce_evacuation(step: int, path: str | None) -> None:
-    """What a person watching the run needs: where it stopped and how to go on."""
-    import sys
+    """What a person watching the run needs: where it stopped and how to go on (one line)."""
+    from koochak.loop.console import announce
 
     where = path or "(the checkpoint directory)"
-    print(f"koochak: evacuated after step {step}: terminal checkpoint {where} published; exit "
-          "75. Rerun the same command (koochak-train resumes with --resume auto; your own "
-          "script with resume='auto') to continue.", file=sys.stderr, flush=True)  # fmt: skip
+    announce(f"evacuated after step {step}: terminal checkpoint {where} published; exit 75. "
+             "Rerun the same command (koochak-train resumes with --resume auto; your own script "
+             "with resume='auto') to continue.", level=logging.WARNING)  # fmt: skip

@@ -4,10 +4,12 @@ koochak-jobs' runner tells the workload which environment variables hold secrets
 (``KOOCHAK_SECRET_NAMES``, names only). Foreign text the loop writes (an exception message in
 koochak-train's one-line error, a warning quoting a hook's failure, a traceback under
 ``--debug``, a GPU health record) is masked with `koochak.events.secrets.mask_secrets`, the one
-masking function koochak-jobs uses too; this module only wires it in. koochak-events is an
-optional extra of the loop, but the runner that sets the variable needs it, so it is there
-whenever there is something to mask. Should it be missing all the same, the text is withheld
-rather than written unmasked.
+masking function koochak-jobs uses too; this module only wires it in. It masks, with no named
+secrets as well, URL user info (``scheme://user:password@host``), signatures and the values of
+the standard AWS credential variables; without koochak-events (an optional extra of the loop)
+``koochak.storage.redact.redact_text``, which applies the same rules, does that. A run that
+names secrets needs koochak-events (the runner that sets the variable has it); should it be
+missing all the same, the text is withheld rather than written unmasked.
 """
 
 from __future__ import annotations
@@ -29,29 +31,31 @@ _WITHHELD = (
 )
 
 
-def _masker() -> Callable[[str], str] | None:
-    """The masking function for this process's secrets; None when the run names none."""
-    if not os.environ.get(_NAMES_VARIABLE, "").strip():
-        return None
+def _masker() -> Callable[[str], str]:
+    """The masking function for this process: its named secrets and the credential rules."""
+    named = bool(os.environ.get(_NAMES_VARIABLE, "").strip())
     try:
         from koochak.events.secrets import mask_secrets, secrets_from_environment
     except ImportError:
-        return lambda text: _WITHHELD
-    secrets = secrets_from_environment()
-    if not secrets:
-        return None
+        if named:
+            return lambda text: _WITHHELD
+        from koochak.storage.redact import redact_text
+
+        return redact_text
+    secrets = secrets_from_environment() if named else {}
     return lambda text: mask_secrets(text, secrets)
 
 
 def masking_active() -> bool:
-    """Does this run name secrets (so what it writes is masked)?"""
-    return _masker() is not None
+    """Does this run name secrets? (What it writes is masked either way; a run that names them
+    also keeps foreign tools, such as W&B's console capture, away from its raw output.)"""
+    return bool(os.environ.get(_NAMES_VARIABLE, "").strip())
 
 
 def mask_text(text: str) -> str:
-    """``text`` with the values of the run's named secrets masked (unchanged without any)."""
-    mask = _masker()
-    return text if mask is None else mask(text)
+    """``text`` with the run's named secrets and any credentials (see the module docstring)
+    masked."""
+    return _masker()(text)
 
 
 class _MaskedStream:
@@ -81,9 +85,6 @@ def masked_output() -> Iterator[None]:
     Each ``write`` call is masked on its own: a value split across two writes, or written to
     the file descriptors directly (C extensions, child processes), is not seen."""
     mask = _masker()
-    if mask is None:
-        yield
-        return
     saved = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = _MaskedStream(sys.stdout, mask), _MaskedStream(sys.stderr, mask)
     try:

@@ -20,6 +20,7 @@ __all__ = [
     "check_rng_state",
     "get_rng_state",
     "make_worker_init_fn",
+    "rng_world_note",
     "set_all_seeds",
     "set_rng_state",
 ]
@@ -53,6 +54,25 @@ def set_all_seeds(seed: int, cuda: bool = True) -> None:
     torch.manual_seed(seed)
     if cuda and torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)
+
+
+def _ranks(first: int, last: int) -> str:
+    return f"rank {first}" if first == last else f"ranks {first}-{last}"
+
+
+def rng_world_note(saved: int, now: int) -> str | None:
+    """What a resume on ``now`` ranks of a checkpoint written by ``saved`` ranks does to each
+    rank's RNG (None when the counts agree): one line for rank 0 to log."""
+    if saved == now:
+        return None
+    head = f"checkpoint was written by {saved} rank(s), resuming on {now}: "
+    if now > saved:
+        return (head + f"{_ranks(0, saved - 1)}: saved RNG stream continued; "
+                f"{_ranks(saved, now - 1)}: no saved RNG state, seeded as at a fresh start "
+                "(their randomness differs from an uninterrupted run)")  # fmt: skip
+    return (head + f"{_ranks(0, now - 1)}: saved RNG stream continued; the saved RNG state of "
+            f"{_ranks(now, saved - 1)} is not used, as no rank runs it now (randomness differs "
+            f"from an uninterrupted run on {saved} rank(s))")  # fmt: skip
 
 
 def _seed_worker(seed: int, rank: int, worker_id: int) -> None:

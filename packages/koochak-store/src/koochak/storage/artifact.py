@@ -21,6 +21,7 @@ from __future__ import annotations
 from koochak.storage.local_ready import read_ready_manifest, verify_ready, write_ready_manifest
 from koochak.storage.publication import (
     Publication,
+    claimed,
     highest_valid,
     numbered_pattern,
     prune_keep_last_k,
@@ -38,6 +39,7 @@ __all__ = [
     "InvalidArtifact",
     "Publication",
     "publish",
+    "claimed",
     "unpublish",
     "read_manifest",
     "read_verified",

@@ -18,6 +18,10 @@ holder is provably gone:
 
 A gone holder's lease is taken over with one warning. Two acquirers that both find it gone race
 for a takeover marker (``<key>.takeover-<token>``, create-only), so only one deletes it.
+
+A holder learns that it lost the lease (``Lease.lost``, ``Lease.lost_reason``) when a renewal
+finds another lease in its place, or once its renewals have failed for ``ttl_seconds``: from
+then on it must stop writing (koochak-loop stops the run before its next checkpoint publish).
 """
 
 from __future__ import annotations
@@ -184,7 +188,9 @@ def why_gone(store: Store, key: str, record: LeaseRecord, now: float | None = No
 
 class Lease:
     """A lease this process holds. ``keep_renewed()`` renews it on a daemon thread until
-    ``release()`` (also a context manager); ``lost`` says whether someone took it over."""
+    ``release()`` (also a context manager). ``lost`` (and ``lost_reason``, one line) says that the
+    holder must stop writing: someone took the lease over, or it went unrenewed for
+    ``ttl_seconds``, after which another holder may take it over. Once lost it stays lost."""
 
     def __init__(
         self,
@@ -197,7 +203,9 @@ class Lease:
         self.store, self.key, self.record = store, key, record
         self._created = created  # the store's root directory, when taking the lease made it
         self.renew_seconds = float(renew_seconds)
-        self.lost = False
+        self._lost_reason: str | None = None
+        self._renewed_at = time.monotonic()  # the last renewal that reached the store
+        self._renew_error = ""
         self._seq = 0
         self._renewal: str | None = None
         self._stop = threading.Event()
@@ -208,24 +216,47 @@ class Lease:
     def where(self) -> str:
         return f"{self.store.location}/{self.key}"
 
+    @property
+    def lost_reason(self) -> str | None:
+        """Why this holder must stop writing (None while the lease is its own)."""
+        if self._lost_reason is None:
+            unrenewed = time.monotonic() - self._renewed_at
+            if unrenewed > self.record.ttl_seconds:
+                error = f"; the last error: {self._renew_error}" if self._renew_error else ""
+                self._lost_reason = (
+                    f"it could not be renewed for {unrenewed:.0f} s, past its ttl_seconds="
+                    f"{self.record.ttl_seconds:g}, so another run may take it over{error}"
+                )
+        return self._lost_reason
+
+    @property
+    def lost(self) -> bool:
+        return self.lost_reason is not None
+
     def renew(self) -> None:
         """Record that the holder is alive now; say so once if the lease was taken over."""
         with self._lock:
+            if self.lost:
+                return  # lost for good: renewing now could hide a takeover in between
             try:
                 current = read_lease(self.store, self.key)
             except ValueError:
                 current = None
             if current is None or current.token != self.record.token:
-                if not self.lost:
-                    who = current.describe() if current is not None else "nobody (removed)"
-                    _log.error("%s: this run's lease was taken over; it is now held by %s",
-                               self.where, who)  # fmt: skip
-                self.lost = True
+                who = current.describe() if current is not None else "nobody (removed)"
+                _log.error("%s: this run's lease was taken over; it is now held by %s",
+                           self.where, who)  # fmt: skip
+                self._lost_reason = (
+                    f"it was taken over and is now held by {who}"
+                    if current is not None
+                    else "it was removed (by another run taking it over, or by hand)"
+                )
                 return
             self._seq += 1
             key = f"{_renewal_prefix(self.key, self.record.token)}{self._seq:09d}.json"
             body = json.dumps({"version": 1, "token": self.record.token, "renewed": time.time()})
             self.store.put(key, body.encode("utf-8"))
+            self._renewed_at = time.monotonic()
             previous, self._renewal = self._renewal, key
             if previous is not None:
                 _delete_quietly(self.store, previous)
@@ -242,6 +273,7 @@ class Lease:
             try:
                 self.renew()
             except Exception as exc:  # a storage hiccup: the next renewal may work
+                self._renew_error = " ".join(str(exc).split()) or type(exc).__name__
                 _log.warning("%s: could not renew the lease: %s", self.where, exc)
 
     def release(self) -> None:

@@ -16,7 +16,8 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
@@ -38,6 +39,7 @@ from koochak.storage.store import Store, capabilities_of, open_store
 __all__ = [
     "Publication",
     "publish",
+    "claimed",
     "unpublish",
     "read_manifest",
     "read_verified",
@@ -84,6 +86,7 @@ def publish(
     pattern: str | None = None,
     latest: str | bool | None = True,
     provenance: dict[str, Any] | None = None,
+    intent: _publish_intent.Intent | None = None,
 ) -> Publication:
     """Publish ``data`` as ``name`` and commit it with ``name + READY_SUFFIX``.
 
@@ -104,6 +107,10 @@ def publish(
     False or None keeps none. It is kept only on stores that declare ``publish="link"`` and a
     ``root`` (``LocalStore(publish="link")``): write-once stores cannot replace it atomically,
     so they never get one.
+
+    ``intent`` is the caller's own claim on ``name`` (``claimed``), for a publication that
+    writes more objects than the one under ``name`` (a checkpoint's parts) and must hold the
+    name before it writes any of them: publish then neither claims nor drops the intent.
     """
     _check_name(name)
     if not isinstance(kind, str) or not _KIND.fullmatch(kind):
@@ -127,7 +134,10 @@ def publish(
 
     # The intent first: while it stands no other publisher (one that honours intents) touches
     # the name, so what is found under it below is a finished publication or a dead one's.
-    intent = _claim(store, name)
+    held = intent is not None
+    if intent is not None and intent.key != name:
+        raise ValueError(f"publish({name!r}): the intent given claims {intent.key!r}")
+    intent = intent if intent is not None else _claim(store, name)
     try:
         if _exists(store, manifest_key):
             unpublish(store, name)  # a finished publication: replaced, manifest first
@@ -139,7 +149,7 @@ def publish(
             store.delete(name)
         info = store.put(name, data)
     except BaseException:
-        _drop(store, intent)
+        _drop(store, intent, held)
         raise
     sha256 = info.sha256 if info.sha256 is not None else _sha_of_object(store, name)
     doc = {
@@ -163,7 +173,7 @@ def publish(
         store.put(manifest_key, _manifest_bytes(doc))
     except FileExistsError:
         # Another publisher committed the name: the object may be theirs now. Leave both.
-        _drop(store, intent)
+        _drop(store, intent, held)
         raise
     except BaseException:
         # Without its manifest the object is invisible to readers; remove it (this put made it)
@@ -172,9 +182,9 @@ def publish(
             store.delete(name)
         except OSError:
             pass
-        _drop(store, intent)
+        _drop(store, intent, held)
         raise
-    _drop(store, intent)
+    _drop(store, intent, held)
     publication = Publication(
         artifact_id=doc["artifact_id"],
         key=name,
@@ -267,7 +277,27 @@ def _claim(store: Store, name: str) -> _publish_intent.Intent:
     return intent
 
 
-def _drop(store: Store, intent: _publish_intent.Intent) -> None:
+@contextmanager
+def claimed(store: Store, name: str) -> Iterator[_publish_intent.Intent]:
+    """Hold the intent to publish ``name`` for the block (put first, deleted on leaving it).
+
+    FileExistsError naming the publisher, touching nothing, while another publisher's intent
+    stands (one not proven dead by the rules of ``koochak.storage._publish_intent``); a dead
+    one's is taken over with one line. Inside the block this process owns the name: what it
+    finds under it is a finished publication or a dead publisher's leftover, and what it writes
+    there is its own. Pass the intent to ``publish(..., intent=)`` to commit within the block.
+    """
+    _check_name(name)
+    intent = _claim(store, name)
+    try:
+        yield intent
+    finally:
+        _drop(store, intent)
+
+
+def _drop(store: Store, intent: _publish_intent.Intent, held: bool = False) -> None:
+    if held:  # the caller's claim (``claimed``): it drops it when its block ends
+        return
     try:
         store.delete(intent.key + INTENT_SUFFIX)
     except OSError as exc:

@@ -12,13 +12,15 @@
 - ``saver``: what ``training_loop`` does to save (periodic and terminal, sync or async);
 - ``export``: one consolidated weights file for inference (``export_weights``);
 - ``tiers`` and ``replication``: a first tier backed by durable replica tiers
-  (``train.checkpoint_replicas``), copies in the background, resume from any tier.
+  (``train.checkpoint_replicas``), copies in the background, resume from any tier;
+  ``tier_marker``: whose tier (the run id, ``koochak-tier.json``);
+- ``layouts`` and ``retention``: the two seams (who writes which objects; what a tier drops);
+  ``settings``: the component's typed ``CheckpointConfig``.
 
 Import the names below from ``koochak.loop.checkpoint``; see docs/checkpoints.md for how they fit
 together.
 """
 
-from koochak.loop.checkpoint.export import export_weights
 from koochak.loop.checkpoint.format import (
     CHECKPOINT_PATTERN,
     CHECKPOINT_VERSION,
@@ -76,3 +78,13 @@ __all__ = [
     "serialize_checkpoint",
     "unwrap_model",
 ]
+
+
+def __getattr__(name: str):
+    # export is imported on first use, not with the package: ``python -m
+    # koochak.loop.checkpoint.export`` would otherwise find it imported already (runpy warns).
+    if name == "export_weights":
+        from koochak.loop.checkpoint.export import export_weights
+
+        return export_weights
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

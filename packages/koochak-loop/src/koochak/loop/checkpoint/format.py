@@ -42,6 +42,7 @@ _KNOWN_KEYS = _REQUIRED_KEYS | frozenset(
         "wall_time",
         "metrics",
         "data",
+        "run_id",
     }
 )
 
@@ -76,6 +77,7 @@ def build_checkpoint(
     ema: Mapping[str, Any] | None = None,
     reason: str = "periodic",
     data: Mapping[str, Any] | None = None,
+    run_id: str | None = None,
 ) -> dict[str, Any]:
     """Assemble a checkpoint dict.
 
@@ -84,7 +86,8 @@ def build_checkpoint(
     checkpoints record the number of completed updates and resume at that same number.
     The tensors are the live ones (``state_dict`` shares storage); serialize at once if the values
     must be frozen. ``data`` is the elastic data cursor (``ElasticBatches.state_after``); the
-    field is left out when None, so checkpoints of runs without one read as before.
+    field is left out when None, so checkpoints of runs without one read as before; so is
+    ``run_id`` (the run's stable id, ``train.run_id``; docs/formats.md, "Tier marker").
     """
     if reason not in REASONS:
         raise ValueError(f"checkpoint reason must be one of {REASONS}, got {reason!r}")
@@ -113,6 +116,8 @@ def build_checkpoint(
     }
     if data is not None:
         ckpt["data"] = dict(data)
+    if run_id is not None:
+        ckpt["run_id"] = str(run_id)
     return ckpt
 
 

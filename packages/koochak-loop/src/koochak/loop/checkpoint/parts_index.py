@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from koochak.storage.artifact import READY_SUFFIX
+from koochak.storage.artifact import READY_SUFFIX, InvalidArtifact
 from koochak.storage.strict_json import check_fields, loads_strict, require_version
 
 PARTS_FORMAT = "koochak-checkpoint-parts"
@@ -84,6 +84,15 @@ _EXTENT_KEYS = frozenset({"part", "offset", "length"})
 # Shards of one tensor are checked pairwise for overlap unless they are all slabs of the first
 # dimension (sorted and checked in one pass); past this many, other layouts are refused.
 _MAX_BOX_SHARDS = 4096
+# Bounds every count and size is checked against before the reader allocates anything. A part
+# may hold at most _MAX_PART_BYTES (torch sizes are int64); a tensor has at most _MAX_DIMS
+# dimensions, and the product of its dimensions (zeros counted as 1, so an empty tensor cannot
+# hide a 2**70) is at most the parts' bytes, or _MIN_ELEMENT_BOUND for a checkpoint of almost
+# no bytes; a checkpoint has at most _MAX_WRITERS writers (ranks).
+_MAX_PART_BYTES = 1 << 62
+_MAX_DIMS = 64
+_MIN_ELEMENT_BOUND = 1 << 16
+_MAX_WRITERS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -222,14 +231,26 @@ def encode_index(index: PartsIndex) -> bytes:
 def parse_index(
     raw: bytes | bytearray | memoryview, where: str, name: str | None = None
 ) -> PartsIndex:
-    """Parse and check an index; ValueError naming ``where`` and the field on any fault.
+    """Parse and check an index; InvalidArtifact (a ValueError) naming ``where`` and the field
+    on any fault.
 
     ``name``, when given, is the key the index was read from: the index must say the same, so an
     index copied under another name is refused. Checked besides every field's type: part keys
     are the ones this name and writer give, each tensor's shards tile its shape exactly, every
     shard's extents add up to its bytes, and the extents tile every part exactly (each byte of
-    each part belongs to exactly one tensor).
+    each part belongs to exactly one tensor). Every size, count and dimension is bounded by what
+    the parts hold (``_MAX_*`` above), so no index can make a reader allocate more than the
+    parts' bytes, or hand torch a shape it cannot represent; nothing is walked recursively.
     """
+    try:
+        return _parse_index(raw, where, name)
+    except InvalidArtifact:
+        raise
+    except (ValueError, RecursionError) as exc:
+        raise InvalidArtifact(str(exc)) from None
+
+
+def _parse_index(raw: bytes | bytearray | memoryview, where: str, name: str | None) -> PartsIndex:
     doc = loads_strict(raw, where)
     if not isinstance(doc, dict):
         raise ValueError(f"{where}: a parts index must be a JSON object")
@@ -247,8 +268,11 @@ def parse_index(
             f"{where}: field 'name' is {index_name!r} but the index was read as {name!r}"
         )
     writers = _int(doc["writers"], f"{where}: field 'writers'", minimum=1)
+    if writers > _MAX_WRITERS:
+        raise ValueError(f"{where}: field 'writers' is {writers}; at most {_MAX_WRITERS} are read")
     parts = _parse_parts(doc["parts"], index_name, writers, where)
-    tensors = _parse_tensors(doc["tensors"], len(parts), where)
+    bound = max(sum(part.size for part in parts), _MIN_ELEMENT_BOUND)
+    tensors = _parse_tensors(doc["tensors"], len(parts), bound, where)
     _check_parts_tiled(parts, tensors, where)
     skeleton = doc["skeleton"]
     if not isinstance(skeleton, str):
@@ -264,7 +288,7 @@ def _parse_parts(value: Any, name: str, writers: int, where: str) -> tuple[Part,
     if not isinstance(value, list) or not value:
         raise ValueError(f"{where}: field 'parts' must be a non-empty list")
     parts = []
-    counts = [0] * writers
+    counts: dict[int, int] = {}
     last_writer = 0
     for number, entry in enumerate(value):
         at = f"{where}: parts[{number}]"
@@ -277,18 +301,23 @@ def _parse_parts(value: Any, name: str, writers: int, where: str) -> tuple[Part,
         if writer < last_writer:
             raise ValueError(f"{at}: parts must be listed by writer, then number")
         last_writer = writer
-        expected = part_key(name, writer, counts[writer])
-        counts[writer] += 1
+        expected = part_key(name, writer, counts.get(writer, 0))
+        counts[writer] = counts.get(writer, 0) + 1
         if entry["key"] != expected:
             raise ValueError(f"{at}.key is {entry['key']!r}; expected {expected!r}")
         sha = entry["sha256"]
         if not isinstance(sha, str) or not _SHA256_HEX.fullmatch(sha):
             raise ValueError(f"{at}.sha256 must be 64 lower-case hex digits")
-        parts.append(Part(expected, writer, _int(entry["size"], f"{at}.size"), sha))
+        size = _int(entry["size"], f"{at}.size")
+        if size > _MAX_PART_BYTES:
+            raise ValueError(f"{at}.size is {size}; a part holds at most {_MAX_PART_BYTES} bytes")
+        parts.append(Part(expected, writer, size, sha))
     return tuple(parts)
 
 
-def _parse_tensors(value: Any, part_count: int, where: str) -> tuple[TensorEntry, ...]:
+def _parse_tensors(
+    value: Any, part_count: int, bound: int, where: str
+) -> tuple[TensorEntry, ...]:
     if not isinstance(value, list):
         raise ValueError(f"{where}: field 'tensors' must be a list")
     tensors = []
@@ -300,7 +329,7 @@ def _parse_tensors(value: Any, part_count: int, where: str) -> tuple[TensorEntry
         dtype = entry["dtype"]
         if not isinstance(dtype, str) or dtype not in _ITEMSIZE:
             raise ValueError(f"{at}.dtype is {dtype!r}; expected one of {DTYPE_NAMES}")
-        shape = _dims(entry["shape"], f"{at}.shape")
+        shape = _dims(entry["shape"], f"{at}.shape", bound)
         if not isinstance(entry["shards"], list) or not entry["shards"]:
             raise ValueError(f"{at}.shards must be a non-empty list")
         shards = tuple(
@@ -316,8 +345,8 @@ def _parse_shard(value: Any, shape: tuple[int, ...], size: int, part_count: int,
     if not isinstance(value, dict):
         raise ValueError(f"{at} must be an object {{offsets, shape, extents}}")
     check_fields(value, at, _SHARD_KEYS)
-    offsets = _dims(value["offsets"], f"{at}.offsets")
-    box = _dims(value["shape"], f"{at}.shape")
+    offsets = _dims(value["offsets"], f"{at}.offsets", _MAX_PART_BYTES)
+    box = _dims(value["shape"], f"{at}.shape", _MAX_PART_BYTES)
     if len(offsets) != len(shape) or len(box) != len(shape):
         raise ValueError(
             f"{at}: offsets and shape need {len(shape)} entries (the tensor's dimensions)"
@@ -402,10 +431,28 @@ def _int(value: Any, where: str, minimum: int = 0) -> int:
     return value
 
 
-def _dims(value: Any, where: str) -> tuple[int, ...]:
-    if not isinstance(value, list):
-        raise ValueError(f"{where} must be a list of ints >= 0, got {value!r}")
-    return tuple(_int(v, f"{where}[{i}]") for i, v in enumerate(value))
+def _dims(value: Any, where: str, bound: int) -> tuple[int, ...]:
+    """A shape (or offsets): at most _MAX_DIMS ints >= 0 whose product, zeros counted as 1, is
+    at most ``bound``, so torch can allocate it and it cannot claim more than the parts hold."""
+    if not isinstance(value, list) or len(value) > _MAX_DIMS:
+        raise ValueError(
+            f"{where} must be a list of at most {_MAX_DIMS} ints >= 0, got {_brief(value)}"
+        )
+    dims = tuple(_int(v, f"{where}[{i}]") for i, v in enumerate(value))
+    product = 1
+    for dim in dims:
+        product *= max(dim, 1)
+        if product > bound:
+            raise ValueError(
+                f"{where} is {_brief(value)}: more elements than the checkpoint's parts hold "
+                f"(at most {bound})"
+            )
+    return dims
+
+
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _numel(shape: Sequence[int]) -> int:

@@ -141,20 +141,26 @@ def _sha256_of(store: Store, key: str) -> str:
     return sha.hexdigest()
 
 
-def delete_parts(store: Store, name: str) -> list[str]:
-    """Delete every part object of checkpoint ``name`` (found by listing); return their keys.
+def delete_parts(store: Store, name: str, *, also_object: bool = False) -> list[str]:
+    """Delete every part object of checkpoint ``name`` (found by listing); return the keys
+    deleted. ``also_object`` deletes the object under ``name`` itself first (an uncommitted
+    index).
 
-    Call only once the checkpoint's manifest and index are gone (or were never written).
+    Call only once the checkpoint's manifest is gone (or was never written), and only while
+    holding the name (its intent record, ``artifact.claimed``) or pruning a committed
+    checkpoint: parts are found by their name's prefix, so they may be anyone's.
     """
     from koochak.loop.checkpoint.parts_index import parts_prefix
 
-    keys = [info.key for info in store.list(parts_prefix(name))]
+    keys = ([name] if also_object else []) + [info.key for info in store.list(parts_prefix(name))]
+    deleted = []
     for key in keys:
         try:
             store.delete(key)
         except FileNotFoundError:
-            pass  # someone else pruned it first
-    return keys
+            continue  # someone else pruned it first, or (the object) there was none
+        deleted.append(key)
+    return deleted
 
 
 def _delete_quietly(store: Store, keys: Sequence[str]) -> None:

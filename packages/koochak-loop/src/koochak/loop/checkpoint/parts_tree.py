@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from koochak.loop.checkpoint.parts_index import DTYPE_NAMES
+from koochak.storage.artifact import InvalidArtifact
 
 TENSOR_TAG = "__koochak_tensor__"
 _DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES if hasattr(torch, name)}
@@ -103,40 +104,103 @@ def split_tensors(state: Any) -> tuple[Any, list[torch.Tensor]]:
     return walk(state, "state"), tensors
 
 
-def join_tensors(skeleton: Any, tensors: Sequence[torch.Tensor], source: str) -> Any:
-    """``skeleton`` with every reference replaced by its tensor; ValueError naming ``source``
-    for a reference to a tensor that does not exist, or a tensor nothing refers to."""
+# How deep containers may nest in a checkpoint read back. A real one nests a few levels (an
+# optimizer's state: dict, dict, dict); everything that walks a checkpoint after the read (format
+# checks, RNG decoding, load_state_dict) may recurse, so deeper ones are refused at the read.
+MAX_DEPTH = 100
+
+
+def join_tensors(skeleton: Any, tensors: Sequence[Any], source: str) -> Any:
+    """``skeleton`` with every reference replaced by its tensor; InvalidArtifact (a ValueError)
+    naming ``source`` for a reference to a tensor that does not exist, a tensor nothing refers
+    to, or containers nested deeper than ``MAX_DEPTH``. Walked iteratively (no recursion), so
+    any skeleton is refused or joined, never a RecursionError. ``tensors`` may be any objects
+    standing for the tensors (the sharded reader's references)."""
     used = [False] * len(tensors)
 
-    def walk(value: Any) -> Any:
-        if isinstance(value, tuple) and _is_reference(value):
-            number = value[1]
-            if type(number) is not int or not 0 <= number < len(tensors):
-                raise ValueError(
-                    f"{source}: skeleton refers to tensor {number!r}; the index has {len(tensors)}"
-                )
-            used[number] = True
-            return tensors[number]
-        if isinstance(value, Mapping):
-            out: dict[Any, Any] = OrderedDict() if isinstance(value, OrderedDict) else {}
-            metadata = getattr(value, "_metadata", None)
-            if metadata is not None:
-                out._metadata = metadata  # type: ignore[attr-defined]
-            for key, item in value.items():
-                out[key] = walk(item)
-            return out
-        if isinstance(value, list):
-            return [walk(item) for item in value]
-        if isinstance(value, tuple):
-            return tuple(walk(item) for item in value)
-        return value
+    def leaf(value: Any) -> Any:
+        number = value[1]
+        if type(number) is not int or not 0 <= number < len(tensors):
+            raise InvalidArtifact(
+                f"{source}: skeleton refers to tensor {number!r}; the index has {len(tensors)}"
+            )
+        used[number] = True
+        return tensors[number]
 
-    state = walk(skeleton)
+    state = rebuild(
+        skeleton, lambda v: leaf(v) if isinstance(v, tuple) and _is_reference(v) else v, source
+    )
     if not all(used):
-        raise ValueError(
+        raise InvalidArtifact(
             f"{source}: the index lists tensor {used.index(False)}, which the skeleton never uses"
         )
     return state
+
+
+def rebuild(tree: Any, replace: Any, source: str, max_depth: int = MAX_DEPTH) -> Any:
+    """A copy of ``tree``'s dicts (``OrderedDict`` and a state dict's ``_metadata`` kept),
+    lists and tuples with every other value passed through ``replace``; a tuple is offered to
+    ``replace`` first and kept as returned when that is something else (a reference). Iterative:
+    an explicit stack, no recursion; InvalidArtifact naming ``source`` past ``max_depth``."""
+    root: list[Any] = []
+    # Frames: [original container, iterator over its items, rebuilt items, key in its parent]
+    stack: list[list[Any]] = [[None, iter([tree]), root, None]]
+    while stack:
+        frame = stack[-1]
+        container, items, out = frame[0], frame[1], frame[2]
+        item = next(items, _END)
+        if item is _END:
+            stack.pop()
+            if stack:
+                _attach(stack[-1], _finish(container, out), frame[3])
+            continue
+        key, value = item if isinstance(container, Mapping) else (None, item)
+        if isinstance(value, tuple):
+            replaced = replace(value)
+            if replaced is not value:
+                _attach(frame, replaced, key)
+                continue
+        if isinstance(value, (Mapping, list, tuple)):
+            if len(stack) > max_depth:
+                raise InvalidArtifact(f"{source}: containers nested deeper than {max_depth} levels")
+            children = iter(list(value.items())) if isinstance(value, Mapping) else iter(value)
+            stack.append([value, children, [], key])
+            continue
+        _attach(frame, replace(value), key)
+    return root[0]
+
+
+_END = object()
+
+
+def _attach(frame: list[Any], value: Any, key: Any) -> None:
+    frame[2].append((key, value) if isinstance(frame[0], Mapping) else value)
+
+
+def _finish(container: Any, out: list[Any]) -> Any:
+    if isinstance(container, Mapping):
+        made: dict[Any, Any] = OrderedDict() if isinstance(container, OrderedDict) else {}
+        metadata = getattr(container, "_metadata", None)
+        if metadata is not None:
+            made._metadata = metadata  # type: ignore[attr-defined]
+        made.update(out)
+        return made
+    if isinstance(container, list):
+        return out
+    return tuple(out)
+
+
+def check_depth(tree: Any, source: str, max_depth: int = MAX_DEPTH) -> None:
+    """InvalidArtifact naming ``source`` when ``tree``'s containers nest deeper than
+    ``max_depth`` (an explicit stack: any depth is measured without recursion)."""
+    stack = [(tree, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (Mapping, list, tuple)):
+            if depth >= max_depth:
+                raise InvalidArtifact(f"{source}: containers nested deeper than {max_depth} levels")
+            children = value.values() if isinstance(value, Mapping) else value
+            stack.extend((child, depth + 1) for child in children)
 
 
 def _is_reference(value: tuple[Any, ...]) -> bool:
@@ -159,7 +223,9 @@ def load_skeleton(data: bytes, source: str) -> Any:
     except Exception as exc:  # torch raises many types for hostile bytes; all mean "not loadable"
         text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()
         first = text.splitlines()[0] if text else type(exc).__name__
-        raise ValueError(f"{source}: skeleton is not loadable weights-only ({first})") from exc
+        raise InvalidArtifact(
+            f"{source}: skeleton is not loadable weights-only ({first})"
+        ) from exc
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:

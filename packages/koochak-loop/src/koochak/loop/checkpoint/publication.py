@@ -11,13 +11,16 @@ every save, load and selection goes through.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import time
 from collections.abc import Generator, Iterable, Mapping
 from typing import Any
 
 from koochak.loop.checkpoint.format import CHECKPOINT_PATTERN, LATEST_NAME, checkpoint_name
-from koochak.loop.checkpoint.parts_index import looks_like_index, object_keys, parse_index
+from koochak.loop.checkpoint.layout_read import objects as _objects_by_layout
+from koochak.loop.checkpoint.parts_index import parse_index
 from koochak.loop.checkpoint.parts_io import delete_parts
 from koochak.loop.checkpoint.parts_plan import resolve_parts
 from koochak.loop.checkpoint.serialization import (
@@ -29,6 +32,8 @@ from koochak.loop.checkpoint.serialization import (
 )
 from koochak.storage import artifact
 from koochak.storage.store import Store, open_store
+
+log = logging.getLogger("koochak.loop.checkpoint")
 
 
 def checkpoint_store(location: str | os.PathLike[str] | Store) -> Store:
@@ -80,27 +85,31 @@ def publish(
             f"publish(parts={parts!r}): parts need the checkpoint dict; serialized bytes are "
             "always one file"
         )
-    if count > 1:
-        unpublish_checkpoint(store, name)  # parts are create-only: clear a previous attempt's
-        data = write_checkpoint_parts(store, name, data, count, workers=workers)
-    elif isinstance(data, SplitCheckpoint):
-        data = split_checkpoint_chunks(data)
-    elif isinstance(data, Mapping):
-        data = serialize_checkpoint_chunks(data)
+    # From a checkpoint dict, this publisher writes every object of the checkpoint, so it may
+    # clear what lies under the name. Bytes are an object someone else's objects may belong to
+    # (a sharded index whose parts every rank wrote first): only that object is published.
+    writes_all = isinstance(data, (Mapping, SplitCheckpoint))
+    if count == 1:
+        if isinstance(data, SplitCheckpoint):
+            data = split_checkpoint_chunks(data)
+        elif isinstance(data, Mapping):
+            data = serialize_checkpoint_chunks(data)
     try:
-        publication = artifact.publish(
-            store,
-            name,
-            data,
-            kind="checkpoint",
-            pattern=CHECKPOINT_PATTERN,
-            latest=LATEST_NAME,
-            provenance=dict(provenance) if provenance is not None else None,
-        )
-    except BaseException:
-        if count > 1:  # no index committed them: the parts are only clutter now
-            delete_parts(store, name)
-        raise
+        # The name first: while another live publisher holds it, FileExistsError and nothing
+        # touched (not its parts, not its index). Holding it, what lies under the name is a
+        # finished publication (un-committed, manifest first, parts last) or a dead publisher's
+        # leftovers, and goes; then this publisher's objects are written and committed.
+        with artifact.claimed(store, name) as intent:
+            if writes_all:
+                _clear_under(store, name)
+            if count > 1:
+                publication = _publish_parts(store, name, data, count, workers, provenance, intent)
+            else:
+                publication = artifact.publish(
+                    store, name, data, kind="checkpoint", pattern=CHECKPOINT_PATTERN,
+                    latest=LATEST_NAME, intent=intent,
+                    provenance=dict(provenance) if provenance is not None else None,
+                )  # fmt: skip
     finally:
         if isinstance(data, Generator):
             # A put that failed part-way leaves a streaming serializer waiting; stop it now
@@ -109,6 +118,71 @@ def publish(
     if keep_last_k is not None:
         prune_checkpoints(store, keep_last_k)
     return publication
+
+
+def _publish_parts(
+    store: Store,
+    name: str,
+    split: SplitCheckpoint,
+    count: int,
+    workers: int | None,
+    provenance: Mapping[str, Any] | None,
+    intent: Any,
+) -> artifact.Publication:
+    """Holding ``name`` (``intent``), write ``split`` as ``count`` parts and commit their index.
+
+    A failure deletes only the parts this publisher wrote, and only while its claim still
+    stands (before its deadline nobody can have proven it dead and taken the name over).
+    """
+    raw = write_checkpoint_parts(store, name, split, count, workers=workers)
+    written = [part.key for part in parse_index(raw, f"{store.location}/{name}", name).parts]
+    try:
+        return artifact.publish(
+            store,
+            name,
+            raw,
+            kind="checkpoint",
+            pattern=CHECKPOINT_PATTERN,
+            latest=LATEST_NAME,
+            provenance=dict(provenance) if provenance is not None else None,
+            intent=intent,
+        )
+    except FileExistsError:
+        raise  # a manifest someone else committed meanwhile: its objects are not ours to judge
+    except BaseException:
+        if time.time() <= intent.deadline:  # no index committed them: only clutter now
+            _delete_quietly(store, written)
+        raise
+
+
+def _clear_under(store: Store, name: str) -> None:
+    """Holding ``name``'s intent: remove a finished publication of it (manifest first), or the
+    objects a dead publisher left (an uncommitted index and its parts)."""
+    if _exists(store, name + artifact.READY_SUFFIX):
+        unpublish_checkpoint(store, name)
+        return
+    leftover = delete_parts(store, name, also_object=True)
+    if leftover:
+        log.warning("removed %d object(s) of %s/%s without a ready manifest, left by a publisher "
+                    "that is gone", len(leftover), store.location, name)  # fmt: skip
+
+
+def _exists(store: Store, key: str) -> bool:
+    try:
+        store.stat(key)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _delete_quietly(store: Store, keys: Iterable[str]) -> None:
+    for key in keys:
+        try:
+            store.delete(key)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # the publish's own error is what matters; an orphan is harmless
+            log.warning("could not remove %s/%s of a failed save: %s", store.location, key, exc)
 
 
 def save(
@@ -146,25 +220,21 @@ def prune_checkpoints(store: Store, keep: int) -> list[str]:
     Only committed checkpoints (with a manifest) are counted and removed, each manifest first,
     then its object, then its parts, so a checkpoint still being published is never touched.
     """
-    removed = []
-    for _, name in artifact.published_candidates(store, CHECKPOINT_PATTERN)[keep:]:
-        unpublish_checkpoint(store, name)
-        removed.append(name)
-    return removed
+    from koochak.loop.checkpoint import retention
+
+    names = retention.committed_names(store)
+    return retention.prune(store, retention.to_drop(names, keep_last_k=keep))
 
 
 def checkpoint_objects(location: str | os.PathLike[str] | Store, name: str) -> list[str]:
     """Every object key of checkpoint ``name``, in commit order: parts, object, ready manifest.
 
     A one-file checkpoint is its file and its manifest; one in parts is read from its index
-    (nothing is listed, so this is cheap on object storage). What ``copy_objects`` needs to copy
+    (nothing is listed, so this is cheap on object storage); its layout's reader says which
+    (``layout_read.objects``). What ``copy_objects`` needs to copy
     a checkpoint to another store and commit it there last.
     """
-    store = checkpoint_store(location)
-    head = store.get(name, 0, 1)
-    if not looks_like_index(head):
-        return [name, name + artifact.READY_SUFFIX]
-    return object_keys(parse_index(store.get(name), f"{store.location}/{name}", name))
+    return _objects_by_layout(checkpoint_store(location), name)
 
 
 def split_checkpoint_path(

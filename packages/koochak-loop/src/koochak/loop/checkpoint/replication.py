@@ -29,16 +29,19 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from koochak.loop.checkpoint import retention
 from koochak.loop.checkpoint.background import lower_this_threads_priority
 from koochak.loop.checkpoint.format import CHECKPOINT_PATTERN, step_of_name
+from koochak.loop.checkpoint.parts_index import PART_INFIX
 from koochak.loop.checkpoint.publication import unpublish_checkpoint
 from koochak.loop.checkpoint.tiers import Replicated, describe_tier, replicate_checkpoint
 from koochak.storage import artifact
 from koochak.storage.store import Store
+from koochak.storage.transfer import CopyItem, copy_objects
 
 log = logging.getLogger("koochak.loop.checkpoint")
 
@@ -126,6 +129,7 @@ class Replicator:
         pull: str | None = None,
         spare: Callable[[Store, list[str]], set[str]] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        remote_writers: Collection[int] = (),
     ) -> None:
         if not replicas:
             raise ValueError("Replicator: needs at least one replica tier")
@@ -138,6 +142,9 @@ class Replicator:
         self.prune_unreplicated = prune_unreplicated
         self._spare = spare
         self._clock = clock
+        # Ranks whose parts lie on other nodes (a node-local first tier under FSDP): their
+        # nodes copy them to each replica (FollowerReplicator); this waits for them there.
+        self.remote_writers = frozenset(remote_writers)
         self._cond = threading.Condition()
         self._lanes = [_Lane(tier) for tier in replicas]
         self._events: deque[ReplicationEvent] = deque()
@@ -388,8 +395,9 @@ class Replicator:
         for source in sources:
             with self._cond:
                 lane.source = source  # retention leaves ``name`` alone there meanwhile
+            remote = self.remote_writers if source is self.first else ()
             try:
-                return replicate_checkpoint(source, lane.tier.store, name)
+                return replicate_checkpoint(source, lane.tier.store, name, remote_writers=remote)
             except artifact.InvalidArtifact:
                 continue  # not (or no longer) committed there
             except ValueError as exc:  # changed or damaged there: another source may be good
@@ -485,9 +493,7 @@ class Replicator:
         # The best by keep_best_k stay queued too: retention spares them on arrival (the best of
         # what waits; the tier's own pruning then judges among everything it holds).
         spared = self._spare(self.first, waiting) if self._spare is not None else set()
-        for dropped in waiting[:-keep]:
-            if dropped in spared:
-                continue
+        for dropped in retention.to_drop(waiting[::-1], keep_last_k=keep, best=spared):
             lane.queue.remove(dropped)
             log.warning("%s is %d checkpoints behind: %s will not be replicated there "
                         "(keep_last_k=%d newer ones are waiting)",
@@ -505,14 +511,12 @@ class Replicator:
         if keep is None:
             return
         store = lane.tier.store
-        candidates = artifact.published_candidates(store, CHECKPOINT_PATTERN)
-        spared = self._spared(store, candidates)
-        for _, key in candidates[keep:]:
-            if key in spared:
-                continue
-            with self._cond:
-                if any(other.busy == key and other.source is store for other in self._lanes):
-                    continue  # another tier copies it from here (pruned once that copy ends)
+        names = retention.committed_names(store)
+        spared = self._spared(store, names)
+        with self._cond:
+            # Another tier copying from here: pruned once that copy ends.
+            copying = {other.busy for other in self._lanes if other.source is store}
+            for key in retention.to_drop(names, keep_last_k=keep, best=spared, in_flight=copying):
                 unpublish_checkpoint(store, key)
                 lane.committed.discard(key)
 
@@ -521,21 +525,21 @@ class Replicator:
         (unless prune_unreplicated) nor one a tier is copying."""
         if self.first_keep is None:
             return
-        candidates = artifact.published_candidates(self.first, CHECKPOINT_PATTERN)
-        spared = self._spared(self.first, candidates)
-        held = []
+        names = retention.committed_names(self.first)
+        spared = self._spared(self.first, names)
         with self._cond:
-            for _, key in candidates[self.first_keep :]:
-                if key in spared:
-                    continue
-                if any(lane.busy == key and lane.source is self.first for lane in self._lanes):
-                    continue  # a tier copies it from here right now
-                durable = any(key in lane.committed for lane in self._lanes)
-                if not durable and not self.prune_unreplicated:
-                    held.append(key)
-                    continue
+            verdict = retention.judge(
+                names,
+                keep_last_k=self.first_keep,
+                best=spared,
+                in_flight={lane.busy for lane in self._lanes if lane.source is self.first},
+                durable=set().union(*(lane.committed for lane in self._lanes)),
+                prune_unreplicated=self.prune_unreplicated,
+            )
+            for key in verdict.drop:
                 unpublish_checkpoint(self.first, key)
                 self._committed_at.pop(key, None)
+            held = verdict.held
             # Until every tier has been compared with the first, "no replica holds it" may only
             # mean "not looked yet": say so only once it is known.
             known = all(lane.scanned for lane in self._lanes)
@@ -547,11 +551,140 @@ class Replicator:
                         "until a durable tier holds them: %s", self.first.location, len(held),
                         self.first_keep, ", ".join(fresh))  # fmt: skip
 
-    def _spared(self, store: Store, candidates: list[tuple[int, str]]) -> set[str]:
+    def _spared(self, store: Store, names: list[str]) -> set[str]:
         """What ``spare`` (keep_best_k) keeps in ``store`` whatever its keep_last_k says."""
         if self._spare is None:
             return set()
-        return self._spare(store, [key for _, key in candidates])
+        return self._spare(store, names)
+
+
+class FollowerReplicator:
+    """A follower's share of replication under FSDP with a node-local first tier: this rank's
+    own parts of each checkpoint, copied from its node's directory into every replica tier (the
+    coordinator waits for them there, verifies them and commits the index and manifest).
+
+    ``submit(name, parts)`` after each save (``parts``: this rank's ``(key, size, sha256)``);
+    one background thread copies them in save order, retrying a failed copy (after ``retry_s``,
+    doubling up to MAX_RETRY_S). The node's directory keeps this rank's parts by the one
+    retention rule: the newest ``keep_last_k`` names, and any not yet in every replica.
+    ``settle()`` at the end of a run waits for what is queued (EXIT_ATTEMPTS more tries each).
+    """
+
+    def __init__(
+        self,
+        first: Store,
+        replicas: Sequence[ReplicaTier],
+        *,
+        rank: int,
+        keep_last_k: int | None,
+        retry_s: float = 10.0,
+    ) -> None:
+        self.first = first
+        self.replicas = list(replicas)
+        self.rank = rank
+        self.keep = keep_last_k
+        self.retry_s = float(retry_s)
+        self._cond = threading.Condition()
+        self._queue: deque[tuple[str, tuple[tuple[str, int, str], ...]]] = deque()
+        self._busy: str | None = None
+        self._done: list[str] = []  # names whose parts every replica holds, oldest first
+        self._failures = 0
+        self._exiting = False
+        self._closed = False
+        self._thread = threading.Thread(
+            target=self._work, name=f"koochak-replicate-rank{rank}", daemon=True
+        )
+        self._thread.start()
+
+    def submit(self, name: str, parts: Sequence[tuple[str, int, str]]) -> None:
+        with self._cond:
+            self._queue = deque(item for item in self._queue if item[0] != name)
+            if name in self._done:
+                self._done.remove(name)
+            self._queue.append((name, tuple(parts)))
+            self._cond.notify_all()
+
+    def settle(self) -> None:
+        """Wait until every queued copy is done, or has failed EXIT_ATTEMPTS more times."""
+        with self._cond:
+            self._exiting = True
+            start = self._failures
+            self._cond.notify_all()
+            while (self._queue or self._busy) and not self._closed:
+                if self._failures - start >= EXIT_ATTEMPTS:
+                    log.error("rank %d could not replicate its parts of %s; giving up", self.rank,
+                              self._queue[0][0] if self._queue else self._busy)  # fmt: skip
+                    break
+                self._cond.wait()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _work(self) -> None:
+        lower_this_threads_priority()
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                name, parts = self._queue[0]
+                self._busy = name
+            try:
+                for tier in self.replicas:
+                    for key, _, _ in parts:  # an older save of the same step: replaced
+                        try:
+                            tier.store.delete(key)
+                        except FileNotFoundError:
+                            pass
+                    items = [CopyItem(key, size, sha) for key, size, sha in parts]
+                    copy_objects(self.first, tier.store, items, show_progress=False)
+            except Exception as exc:
+                with self._cond:
+                    self._failures += 1
+                    self._busy = None
+                    delay = self.retry_s if self._exiting else min(
+                        self.retry_s * 2 ** (self._failures - 1), MAX_RETRY_S)  # fmt: skip
+                    delay = max(delay, MIN_RETRY_S)
+                    self._cond.notify_all()
+                log.error("rank %d: replicating its parts of %s failed: %s: %s; retrying in "
+                          "%.0f s", self.rank, name, type(exc).__name__, exc, delay)  # fmt: skip
+                with self._cond:
+                    self._cond.wait(delay)
+                continue
+            with self._cond:
+                if self._queue and self._queue[0][0] == name:
+                    self._queue.popleft()
+                self._failures = 0
+                self._done.append(name)
+                self._busy = None
+                self._cond.notify_all()
+            self._prune()
+
+    def _prune(self) -> None:
+        """This rank's parts in the node's directory, by the one retention rule."""
+        prefix = f"{PART_INFIX}{self.rank:05d}-"
+        mine: dict[str, list[str]] = {}
+        for info in self.first.list():
+            head, infix, _ = info.key.partition(prefix)
+            if infix and step_of_name(head) is not None:
+                mine.setdefault(head, []).append(info.key)
+        names = sorted(mine, key=lambda n: step_of_name(n) or 0, reverse=True)
+        with self._cond:
+            busy = {self._busy} | {name for name, _ in self._queue}
+            durable = set(self._done)
+        for name in retention.to_drop(names, keep_last_k=self.keep, in_flight=busy,
+                                      durable=durable):  # fmt: skip
+            for key in mine[name]:
+                try:
+                    self.first.delete(key)
+                except FileNotFoundError:
+                    pass
+            with self._cond:
+                if name in self._done:
+                    self._done.remove(name)
 
 
 def _path(store: Store, publication: artifact.Publication) -> str:

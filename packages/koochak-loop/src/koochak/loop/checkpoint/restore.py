@@ -15,7 +15,7 @@ from koochak.loop import dist, fsdp
 from koochak.loop.checkpoint.sharded_read import is_lazy, materialize
 from koochak.loop.dist import is_dtensor
 from koochak.loop.ema import ModelEma, restore_ema
-from koochak.loop.seed import set_rng_state
+from koochak.loop.seed import rng_world_note, set_rng_state
 from koochak.loop.state_dicts import match_state_dict_to_model, unwrap_model
 
 log = logging.getLogger("koochak.loop.checkpoint")
@@ -74,18 +74,13 @@ def restore_rng(ckpt: Mapping[str, Any]) -> None:
     """Put this rank's RNG back as it was when ``ckpt`` was captured (call right before a step).
 
     A rank the checkpoint holds no state for (resuming on more ranks than it was written with)
-    keeps its seeded RNG; rank 0 warns once, because those ranks' randomness will differ.
+    keeps its seeded RNG; on fewer ranks the streams of the ranks gone end. Either way rank 0
+    says so once (`koochak.loop.seed.rng_world_note`).
     """
     rank = dist.get_rank()
     state = rng_state_for_rank(ckpt, rank)
     if state is not None:
         set_rng_state(state)
-    if rank == 0:
-        saved = ckpt.get("world_size") or 1
-        if saved != dist.get_world_size():
-            log.warning(
-                "checkpoint was written by %d rank(s), resuming on %d: ranks without a saved RNG "
-                "state keep their seeded one",
-                saved,
-                dist.get_world_size(),
-            )
+    note = rng_world_note(int(ckpt.get("world_size") or 1), dist.get_world_size())
+    if rank == 0 and note is not None:
+        log.warning("%s", note)

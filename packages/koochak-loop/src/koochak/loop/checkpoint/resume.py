@@ -8,7 +8,9 @@ Every selection is here, so a checkpoint layout with several objects per checkpo
 module. Resume evidence is only a numbered checkpoint whose exact ready manifest, size, SHA256 and resume
 cursor validate, all checked on ONE read of the payload: the bytes that were verified are the bytes
 that get loaded. ``latest.pt`` and unmanifested files never count. An invalid candidate is skipped
-with a logged reason; any other I/O error (EIO on the newest) propagates, because silently rolling
+with a logged reason, and so is one whose object (file, index or a part) is still missing once the
+store's ``read_settle_seconds`` have passed (the spec: "A missing or invalid candidate falls back
+to a lower one"); any other I/O error (EIO on the newest) propagates, because silently rolling
 a run back to an older checkpoint would waste the work since.
 
 Resume considers every tier of a location with replicas (``tiers``): the highest step that
@@ -39,6 +41,7 @@ from koochak.loop.checkpoint.publication import checkpoint_store, publication_pa
 from koochak.loop.checkpoint.serialization import read_checkpoint
 from koochak.loop.checkpoint.tiers import Location
 from koochak.storage import artifact
+from koochak.storage.named import read_settle_seconds
 from koochak.storage.store import Store, capabilities_of, open_store
 
 log = logging.getLogger("koochak.loop.checkpoint")
@@ -114,6 +117,9 @@ def best(location: str | os.PathLike[str] | Store, key: str) -> str | None:
         except (artifact.InvalidArtifact, ValueError) as exc:
             log.warning("best(): skipping %s: %s", name, exc)
             continue
+        except FileNotFoundError as exc:
+            log.warning("best(): skipping %s: %s", name, missing_object(exc, store))
+            continue
         value = (ckpt.get("metrics") or {}).get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
             log.info("best(): %s has no numeric metric %r (%r)", name, key, value)
@@ -168,6 +174,7 @@ def _highest_valid(stores: Sequence[Store]) -> _Found | None:
     """
     candidates: dict[int, list[tuple[int, str]]] = {}
     listed_stores = []
+    gone: list[tuple[int, Store]] = []
     for tier, store in enumerate(stores):
         try:
             listed = artifact.published_candidates(store, CHECKPOINT_PATTERN)
@@ -178,11 +185,15 @@ def _highest_valid(stores: Sequence[Store]) -> _Found | None:
                         tier, store.location, type(exc).__name__, exc)  # fmt: skip
             continue
         if not listed and len(stores) > 1 and _vanished(store):
-            log.warning("skipping checkpoint tier %d (%s): it is gone (node-local storage on "
-                        "another node?)", tier, store.location)  # fmt: skip
+            gone.append((tier, store))
         listed_stores.append(store)
         for number, key in listed:
             candidates.setdefault(number, []).append((tier, key))
+    # Only a tier missing while another holds the run's checkpoints is "gone": in a fresh run
+    # none exists yet, and that is no news.
+    for tier, store in gone if candidates else ():
+        log.warning("skipping checkpoint tier %d (%s): it is gone (node-local storage on "
+                    "another node?)", tier, store.location)  # fmt: skip
     chosen = -1
     found = None
     for number in sorted(candidates, reverse=True):
@@ -194,6 +205,10 @@ def _highest_valid(stores: Sequence[Store]) -> _Found | None:
                 ckpt = _validated_checkpoint(store)(publication, data)
             except artifact.InvalidArtifact as exc:
                 log.warning("skipping %s #%d (%s): %s", key, number, store.location, exc)
+                continue
+            except FileNotFoundError as exc:  # still missing after read_settle_seconds
+                log.warning("skipping %s #%d (%s): %s; trying an older checkpoint", key, number,
+                            store.location, missing_object(exc, store))  # fmt: skip
                 continue
             except OSError as exc:
                 if len(stores) == 1:
@@ -212,6 +227,14 @@ def _highest_valid(stores: Sequence[Store]) -> _Found | None:
     for store in listed_stores:
         _log_unmanifested(store, chosen)
     return found
+
+
+def missing_object(exc: FileNotFoundError, store: Store) -> str:
+    """One line for a candidate whose object is missing: which object, and that the store's
+    ``read_settle_seconds`` were waited out first (the named reads wait before they raise)."""
+    where = exc.filename or str(exc)
+    return (f"{where} is missing (after waiting read_settle_seconds="
+            f"{read_settle_seconds(store):g}), so the checkpoint is not whole")  # fmt: skip
 
 
 def _vanished(store: Store) -> bool:
@@ -257,9 +280,9 @@ def resume_checkpoint(
     dataset) wins. Otherwise ``resume="auto"`` selects the highest valid published checkpoint
     (over every tier when ``location`` is a list): rank 0 chooses, every other rank reads and
     verifies the same commit (the same SHA256, from whichever tier it can reach), so all ranks
-    agree. ``sharded`` (FSDP): ``sharded.resolve_sharded`` instead (first tier only: sharded saves
-    are not replicated), whose checkpoint holds references that ``restore_training_state`` reads
-    as this rank's slabs.
+    agree. ``sharded`` (FSDP): ``sharded.resolve_sharded`` instead, whose checkpoint holds
+    references that ``restore_training_state`` reads
+    as this rank's slabs (over every tier, as above).
     """
     if resume is not None and resume not in RESUME_MODES:
         raise ValueError(
@@ -276,8 +299,7 @@ def resume_checkpoint(
     if sharded:  # FSDP: every rank verifies a share of the parts; tensors read at restore
         from koochak.loop.checkpoint.sharded_read import resolve_sharded
 
-        first = location[0] if isinstance(location, (list, tuple)) else location
-        found_sharded = resolve_sharded(first)
+        found_sharded = resolve_sharded(location)  # every tier
         return ResumePoint(*found_sharded) if found_sharded is not None else None
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return resolve_auto_resume(location)

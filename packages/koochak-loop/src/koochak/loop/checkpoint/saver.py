@@ -1,8 +1,10 @@
 """Saving a run's checkpoints: when, how (sync or async), and which rank does what.
 
 ``training_loop`` holds one ``Checkpointer``. Every rank captures each checkpoint
-(``capture_checkpoint`` gathers the per-rank RNG states); only rank 0's ``CheckpointSaver``
-publishes. Periodic saves come every ``train.ckpt_every`` updates; terminal ones (the end, an
+(``capture_checkpoint`` gathers the per-rank RNG states) and holds one ``CheckpointSaver``, the
+same class for every rank and layout: rank 0 is its coordinator (commits, prunes through
+``retention``, replicates, announces), the others followers; the layout (``layouts``) decides who
+writes (one file or parts: rank 0; sharded, under FSDP: every rank). Periodic saves come every ``train.ckpt_every`` updates; terminal ones (the end, an
 evacuation, a GPU-health stop) are synchronous, and every rank learns rank 0's outcome.
 
 With ``train.checkpoint_async`` periodic saves go through ``AsyncPublisher``: the training
@@ -33,42 +35,35 @@ from typing import Any
 
 import torch
 from koochak.loop import ddp, dist
+from koochak.loop.checkpoint import retention
 from koochak.loop.checkpoint.background import lower_this_threads_priority
 from koochak.loop.checkpoint.format import (
-    CHECKPOINT_PATTERN,
     build_checkpoint,
     checkpoint_name,
-    step_of_name,
 )
 from koochak.loop.checkpoint.host_buffers import HostBuffers, HostCopy
+from koochak.loop.checkpoint.layouts import COORDINATOR, FOLLOWER, ROLES, Layout, Whole, layout_for
 from koochak.loop.checkpoint.publication import (
     checkpoint_store,
     publication_path,
-    publish,
-    unpublish_checkpoint,
 )
-from koochak.loop.checkpoint.replication import ReplicaTier, ReplicationEvent, Replicator
-from koochak.loop.checkpoint.serialization import (
-    SplitCheckpoint,
-    read_checkpoint,
-    split_checkpoint,
+from koochak.loop.checkpoint.replication import (
+    FollowerReplicator,
+    ReplicaTier,
+    ReplicationEvent,
+    Replicator,
 )
-from koochak.loop.checkpoint.tiers import ReplicationSettings, replication_settings
+from koochak.loop.checkpoint.settings import CheckpointConfig
+from koochak.loop.checkpoint.tiers import (
+    ReplicationSettings,
+    node_index,
+)
 from koochak.loop.config import TrainConfig
 from koochak.loop.seed import get_rng_state
 from koochak.storage import artifact
 from koochak.storage.store import Store
 
 log = logging.getLogger("koochak.loop.checkpoint")
-
-
-def _score(value: Any) -> float | None:
-    """A metric value usable for ranking: a finite real number, else None."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        return None
-    return float(value)
 
 
 class CheckpointPublishError(RuntimeError):
@@ -89,6 +84,7 @@ def capture_checkpoint(
     metrics: Mapping[str, Any] | None,
     ema: Any = None,
     data: Callable[[int], Mapping[str, Any]] | None = None,
+    run_id: str | None = None,
 ) -> dict[str, Any]:
     """Build the checkpoint dict; every rank must call it (it gathers per-rank RNG states).
 
@@ -115,6 +111,7 @@ def capture_checkpoint(
         metrics=metrics,
         ema=ema.state_dict() if ema is not None else None,
         data=data(next_step) if data is not None else None,
+        run_id=run_id,
     )
     return ckpt
 
@@ -221,7 +218,7 @@ class Checkpointer:
 
 
 def make_checkpointer(
-    cfg: TrainConfig,
+    cfg: TrainConfig | CheckpointConfig,
     parts: Mapping[str, Any],
     *,
     rank: int,
@@ -230,39 +227,27 @@ def make_checkpointer(
     on_checkpoint: Callable[[dict[str, Any]], None] | None,
     on_replication: Callable[[dict[str, Any]], None] | None = None,
 ) -> Checkpointer:
-    """The loop's Checkpointer: saves every ``train.ckpt_every`` updates to
+    """The loop's Checkpointer, from the component's typed config (``CheckpointConfig``, built
+    once from the flat ``train.*`` keys): saves every ``train.ckpt_every`` updates to
     ``train.checkpoint_dir`` (else ``out_dir``), keeping ``keep_last_k``, async with
-    ``checkpoint_async``, replicated to ``checkpoint_replicas``; only rank 0 publishes, every
-    rank takes part in capturing. Under ``train.fsdp`` every rank writes its shards
-    (``ShardedSaver``, not replicated: the config refuses replicas with FSDP) and rank 0 commits
-    them."""
-    saver: Any = None
-    if cfg.fsdp.enabled:
-        saver = ShardedSaver(
-            cfg.checkpoint_dir or cfg.out_dir,
-            keep_last_k=cfg.keep_last_k or None,
-            parts=cfg.checkpoint_parts,
-            async_publish=cfg.checkpoint_async,
-            on_checkpoint=on_checkpoint if rank == 0 else None,
-            keep_best=(cfg.keep_best_k, cfg.keep_best_metric, cfg.keep_best_mode)
-            if cfg.keep_best_k
-            else None,
-        )
-    elif rank == 0:
-        saver = CheckpointSaver(
-            cfg.checkpoint_dir or cfg.out_dir,
-            keep_last_k=cfg.keep_last_k or None,
-            async_publish=cfg.checkpoint_async,
-            parts=cfg.checkpoint_parts,
-            on_checkpoint=on_checkpoint,
-            keep_best=(cfg.keep_best_k, cfg.keep_best_metric, cfg.keep_best_mode)
-            if cfg.keep_best_k
-            else None,
-            replication=replication_settings(cfg),
-            on_replication=on_replication,
-            resumed=checkpoint_name(int(resumed["step"])) if resumed else None,
-        )
-    return Checkpointer(parts, saver, every=cfg.ckpt_every, max_steps=cfg.max_steps,
+    ``checkpoint_async``, replicated to ``checkpoint_replicas``. Every rank holds a saver (rank 0
+    the coordinator, the others followers); the layout decides which of them write: under
+    ``train.fsdp`` every rank writes its shards, otherwise rank 0 alone."""
+    ck = cfg if isinstance(cfg, CheckpointConfig) else CheckpointConfig.of(cfg)
+    saver = CheckpointSaver(
+        ck.location,
+        node_local=ck.node_local,
+        role=COORDINATOR if rank == 0 else FOLLOWER,
+        layout=layout_for(sharded=ck.sharded, parts=ck.parts),
+        keep_last_k=ck.keep_last_k,
+        async_publish=ck.async_publish,
+        on_checkpoint=on_checkpoint if rank == 0 else None,
+        keep_best=ck.keep_best,
+        replication=ck.replication,
+        on_replication=on_replication if rank == 0 else None,
+        resumed=checkpoint_name(int(resumed["step"])) if resumed else None,
+    )
+    return Checkpointer(parts, saver, every=ck.every, max_steps=ck.max_steps,
                         resumed=resumed, started=started)  # fmt: skip
 
 
@@ -277,16 +262,21 @@ def is_published_terminal(resumed: Mapping[str, Any] | None, step: int) -> bool:
 
 
 class CheckpointSaver:
-    """Publishes checkpoints to the checkpoint store and announces each one after it commits.
+    """One rank's saver, for every layout: publishes checkpoints, prunes them, replicates them
+    and announces each one after it commits.
+
+    ``role`` is ``"coordinator"`` (rank 0: commits, prunes, replicates, announces) or
+    ``"follower"``; ``layout`` (``layouts.Whole`` by default, ``parts`` its part count, or
+    ``layouts.Sharded``) decides who writes: a follower of the ``Whole`` layout writes nothing
+    and every call returns at once; under ``Sharded`` every rank's ``save`` is collective.
 
     ``on_checkpoint(info)`` receives ``step``, ``path``, ``checkpoint`` and ``publication``. With
     ``async_publish`` periodic saves go through one background thread; ``sync=True`` saves
-    (terminal, evacuation, GPU health) drain it first and publish on the calling thread.
-    ``parts`` is ``publish``'s: 1 for one file, more (or ``"auto"``) for parts.
-
-    An async save copies the checkpoint's tensors into host buffers that this saver keeps and
+    (terminal, evacuation, GPU health) drain it first and publish on the calling thread. An
+    async save copies the checkpoint's tensors into host buffers that this saver keeps and
     reuses (pinned for CUDA tensors), so its extra host memory is one checkpoint's tensors,
-    however many saves it makes.
+    however many saves it makes. A sharded async save's collectives run on a gloo group of its
+    own (created here, so every rank must build its saver at the same point).
 
     With ``replication`` (``train.checkpoint_replicas``) ``location`` is the first tier: each
     commit there is replicated in the background, ``on_checkpoint`` fires (with ``tier`` and
@@ -300,6 +290,8 @@ class CheckpointSaver:
         self,
         location: str | os.PathLike[str] | Store | None,
         *,
+        role: str = COORDINATOR,
+        layout: Layout | None = None,
         keep_last_k: int | None = None,
         async_publish: bool = False,
         parts: int | str = 1,
@@ -308,35 +300,65 @@ class CheckpointSaver:
         replication: ReplicationSettings | None = None,
         on_replication: Callable[[dict[str, Any]], None] | None = None,
         resumed: str | None = None,
+        node_local: bool = False,
     ) -> None:
+        if role not in ROLES:
+            raise ValueError(f"CheckpointSaver(role={role!r}): expected one of {ROLES}")
         self.location = location
+        self.node_local = node_local  # location is this node's directory ({node})
+        self.role = role
+        self.layout: Layout = layout if layout is not None else Whole(parts)
+        self.parts = self.layout.parts
+        self.writes = self.layout.writes(role)
         self.keep_last_k = keep_last_k
-        # (k, metric, "min"|"max"): the k best checkpoints by metric are never pruned.
-        self.keep_best = keep_best
-        self._scores: dict[str, float | None] = {}
+        self.keep_best = keep_best  # (k, metric, "min"|"max"): the k best are never pruned
+        self._tracker = retention.best_of(keep_best)
         self.async_publish = async_publish
-        self.parts = parts
         self.on_checkpoint = on_checkpoint
         self.on_replication = on_replication
         self._store: Store | None = None
         self._async: AsyncPublisher | None = None
         self._buffers = HostBuffers()
         self._replicator: Replicator | None = None
+        self._follower: Any = None  # a follower's share of replication (node-local tiers)
         self._held: dict[str, Mapping[str, Any]] = {}  # saved, not yet announced
+        self._group: Any = None
+        collective = self.layout.writes(FOLLOWER)
+        if collective and async_publish and dist.is_initialized() and dist.get_world_size() > 1:
+            self._group = torch.distributed.new_group(backend="gloo")
         if replication is not None:
-            self._replicator = Replicator(
-                self.store,
-                [
-                    ReplicaTier(tier.index, checkpoint_store(tier.location), tier.keep_last_k)
-                    for tier in replication.replicas
-                ],
-                first_keep_last_k=keep_last_k,
-                max_lag=replication.max_lag,
-                retry_s=replication.retry_s,
-                prune_unreplicated=replication.prune_unreplicated,
-                pull=resumed,
-                spare=self._best if keep_best is not None else None,
-            )
+            self._start_replication(replication, resumed)
+
+    def _start_replication(self, replication: ReplicationSettings, resumed: str | None) -> None:
+        replicas = [
+            ReplicaTier(tier.index, checkpoint_store(tier.location), tier.keep_last_k)
+            for tier in replication.replicas
+        ]
+        # A node-local first tier under a layout where every rank writes: each node's ranks
+        # replicate their own parts; the coordinator waits for them in each replica.
+        nodes: list[int] = [node_index()]
+        if self.node_local and self.layout.writes(FOLLOWER) and dist.get_world_size() > 1:
+            nodes = [0] * dist.get_world_size()
+            torch.distributed.all_gather_object(nodes, node_index())
+        rank = dist.get_rank()
+        if self.role != COORDINATOR:
+            if len(nodes) > rank and nodes[rank] != nodes[0]:
+                self._follower = FollowerReplicator(
+                    self.store, replicas, rank=rank, keep_last_k=self.keep_last_k,
+                    retry_s=replication.retry_s,
+                )  # fmt: skip
+            return
+        self._replicator = Replicator(
+            self.store,
+            replicas,
+            first_keep_last_k=self.keep_last_k,
+            max_lag=replication.max_lag,
+            retry_s=replication.retry_s,
+            prune_unreplicated=replication.prune_unreplicated,
+            pull=resumed,
+            spare=self._best if self._tracker is not None else None,
+            remote_writers={r for r, node in enumerate(nodes) if node != nodes[0]},
+        )
 
     @property
     def store(self) -> Store:
@@ -350,14 +372,17 @@ class CheckpointSaver:
         return self._store
 
     def save(self, ckpt: Mapping[str, Any], *, sync: bool = False) -> str | None:
-        """Publish ``ckpt`` as ``step{N:09d}.pt``; returns its path (None while still in flight).
+        """Publish ``ckpt`` as ``step{N:09d}.pt``; returns its path (None while still in flight,
+        and on a rank that writes nothing).
 
         Replicated: a ``sync`` save returns once a durable tier holds it, and the path there.
         """
+        if not self.writes:
+            return None
         name = checkpoint_name(int(ckpt["step"]))
         store = self.store
-        if self.keep_best is not None:
-            self._scores[name] = _score((ckpt.get("metrics") or {}).get(self.keep_best[1]))
+        if self._tracker is not None:
+            self._tracker.note(name, ckpt.get("metrics"))
         replicator = self._replicator
         if replicator is not None:
             replicator.wait_for_room()  # the lag bound: the run slows rather than piling up
@@ -383,14 +408,12 @@ class CheckpointSaver:
             # training moves on (and mutates the tensors) while it is written. The previous save
             # must be done first: its writers may still read the host buffers.
             self._async.drain()
-            split = split_checkpoint(ckpt)
-            copy = self._buffers.copy(split.tensors)
-            self._async.submit(name, (split.with_tensors(copy.tensors), copy), announce)
+            self._async.submit(name, self.layout.freeze(ckpt, self._buffers), announce)
             return None
         self.drain()
         # Training waits here, so the tensors cannot change: write straight from them.
         path = announce(self._publish(name, ckpt))
-        if sync and replicator is not None:
+        if sync and (replicator is not None or self._follower is not None):
             return self.settle(name, str(ckpt.get("reason", "terminal")))
         return path
 
@@ -398,8 +421,12 @@ class CheckpointSaver:
         """At the end of a run: wait until ``name`` is committed in a durable tier (for a
         ``terminal`` or ``stopped`` save in every replica tier that does not give up), deliver
         what happened, stop replicating; return its path in the first replica tier holding it.
-        Raises CheckpointReplicationError when none does. Without replicas: None.
+        Raises CheckpointReplicationError when none does. Without replicas, or on a follower:
+        None.
         """
+        if self._follower is not None:
+            self._follower.settle()
+            self._follower.close()
         replicator = self._replicator
         if replicator is None:
             return None
@@ -435,73 +462,53 @@ class CheckpointSaver:
             self._async.close()
         if self._replicator is not None:
             self._replicator.close()
+        if self._follower is not None:
+            self._follower.close()
 
-    def _publish(
-        self, name: str, data: Mapping[str, Any] | SplitCheckpoint
-    ) -> artifact.Publication:
+    def _publish(self, name: str, data: Any, group: Any = None) -> artifact.Publication:
+        """Write ``name`` in this layout, then (the coordinator) replicate or prune."""
         replicator = self._replicator
+        coordinator = self.role == COORDINATOR
         if replicator is not None:
             replicator.before_publish(name)
+        publication = self.layout.write(self.store, name, data, group)
+        if self._follower is not None:
+            self._follower.submit(name, getattr(self.layout, "last_written", ()))
+        if not coordinator:
+            return publication
+        if replicator is not None:
             # The first tier prunes through the replicator: never a checkpoint no replica holds
             # yet, never one of the best.
-            publication = publish(self.store, name, data, parts=self.parts)
             replicator.submit(name)
-            return publication
-        if self.keep_best is None or self.keep_last_k is None:
-            return publish(self.store, name, data, keep_last_k=self.keep_last_k, parts=self.parts)
-        publication = publish(self.store, name, data, parts=self.parts)  # pruned below
-        self._prune_keeping_best()
+        else:
+            self._prune()
         return publication
 
-    def _publish_copy(
-        self, name: str, frozen: tuple[SplitCheckpoint, HostCopy]
-    ) -> artifact.Publication:
+    def _publish_copy(self, name: str, frozen: tuple[Any, HostCopy]) -> artifact.Publication:
         """The background half of an async save: publish from the host copy, then free it."""
-        split, copy = frozen
+        data, copy = frozen
         try:
-            return self._publish(name, split)
+            return self._publish(name, data, self._group)
         finally:
             copy.release()
 
-    def _prune_keeping_best(self) -> None:
+    def _prune(self) -> None:
         """Keep the newest ``keep_last_k`` and the ``k`` best by the metric; unpublish the rest
-        (manifest first, then the object, then any parts). A checkpoint without the metric is
-        never among the best."""
-        assert self.keep_best is not None and self.keep_last_k is not None
-        candidates = artifact.published_candidates(self.store, CHECKPOINT_PATTERN)  # newest first
-        keep = {name for _, name in candidates[: self.keep_last_k]}
-        keep |= self._best(self.store, [name for _, name in candidates])
-        for _, name in candidates:
-            if name not in keep:
-                unpublish_checkpoint(self.store, name)
-                self._scores.pop(name, None)
+        (manifest first, then the object, then any parts)."""
+        if self.keep_last_k is None:
+            return
+        names = retention.committed_names(self.store)
+        best = self._best(self.store, names)
+        for name in retention.prune(
+            self.store, retention.to_drop(names, keep_last_k=self.keep_last_k, best=best)
+        ):
+            if self._tracker is not None:
+                self._tracker.forget(name)
 
     def _best(self, store: Store, names: list[str]) -> set[str]:
-        """The ``keep_best_k`` best of ``names`` (committed in ``store``) by the metric: what
-        no tier's retention removes. A checkpoint without the metric is never among them."""
-        if self.keep_best is None:
-            return set()
-        k, metric, mode = self.keep_best
-        scored = [(self._score_of(store, name, metric), -(step_of_name(name) or 0), name)
-                  for name in names]  # fmt: skip
-        ranked = sorted(
-            (t for t in scored if t[0] is not None),
-            key=lambda t: (t[0] if mode == "min" else -t[0], t[1]),  # ties: the newer
-        )
-        return {name for _, _, name in ranked[:k]}
-
-    def _score_of(self, store: Store, name: str, metric: str) -> float | None:
-        """The metric of a published checkpoint: remembered from this run's saves, else read
-        once from the checkpoint in ``store`` (one from an earlier attempt; either layout)."""
-        if name not in self._scores:
-            try:
-                _, data = artifact.read_verified(store, name)
-                metrics = read_checkpoint(store, name, data, name).get("metrics") or {}
-                self._scores[name] = _score(metrics.get(metric))
-            except (artifact.InvalidArtifact, ValueError, OSError) as exc:
-                log.warning("keep_best_k: cannot read %s (%s); it is ranked as not best", name, exc)
-                self._scores[name] = None
-        return self._scores[name]
+        """The ``keep_best_k`` best of ``names`` (committed in ``store``): what no tier's
+        retention removes."""
+        return self._tracker.best(store, names) if self._tracker is not None else set()
 
     def _hold(self, name: str, ckpt: Mapping[str, Any]) -> None:
         """Keep the dict for ``on_checkpoint`` until the first replica commits it (the newest
@@ -545,119 +552,6 @@ class CheckpointSaver:
 
 # Checkpoint dicts kept for their on_checkpoint (a checkpoint's tensors are the live ones).
 _HELD_CHECKPOINTS = 8
-
-
-class ShardedSaver:
-    """Every rank's saver under FSDP: ``save`` is collective (every rank writes its shards as
-    parts, rank 0 the index and the manifest; ``koochak.loop.checkpoint.sharded``).
-    ``on_checkpoint`` (rank 0's) is announced once the manifest has committed.
-
-    With ``async_publish`` a periodic save copies this rank's shards into reused host buffers on
-    the training thread and writes them on a background thread, whose collectives run on a gloo
-    group of their own (created here, so every rank must build its saver at the same point);
-    results and failures come back at ``poll``/``drain``, as for ``CheckpointSaver``.
-    ``keep_best`` is ``CheckpointSaver``'s: rank 0 prunes after each commit.
-    """
-
-    # The same keep_best_k pruning as one process's saver (rank 0 runs it, after the commit).
-    _prune_keeping_best = CheckpointSaver._prune_keeping_best
-    _best = CheckpointSaver._best
-    _score_of = CheckpointSaver._score_of
-
-    def __init__(
-        self,
-        location: str | os.PathLike[str] | Store | None,
-        *,
-        keep_last_k: int | None = None,
-        parts: int | str = 1,
-        async_publish: bool = False,
-        on_checkpoint: Callable[[dict[str, Any]], None] | None = None,
-        keep_best: tuple[int, str, str] | None = None,
-    ) -> None:
-        self.location = location
-        self.keep_last_k = keep_last_k
-        self.keep_best = keep_best
-        self._scores: dict[str, float | None] = {}
-        self.parts = parts
-        self.async_publish = async_publish
-        self.on_checkpoint = on_checkpoint
-        self._store: Store | None = None
-        self._async: AsyncPublisher | None = None
-        self._buffers = HostBuffers()
-        self._group: Any = None
-        if async_publish and dist.is_initialized() and dist.get_world_size() > 1:
-            self._group = torch.distributed.new_group(backend="gloo")
-
-    @property
-    def store(self) -> Store:
-        if self._store is None:
-            if self.location is None:
-                raise ValueError("cannot save a checkpoint: train.checkpoint_dir and "
-                                 "train.out_dir are both unset; set one of them")  # fmt: skip
-            self._store = checkpoint_store(self.location)
-        return self._store
-
-    def settle(self, name: str, reason: str) -> str | None:
-        """The end of a rerun whose terminal checkpoint is already published: nothing to wait
-        for, since sharded saves are not replicated (replicas under FSDP are refused)."""
-        return None
-
-    def save(self, ckpt: Mapping[str, Any], *, sync: bool = False) -> str | None:
-        """Publish ``ckpt`` (this rank's capture) as ``step{N:09d}.pt``; returns its path (None
-        while a background save is still in flight)."""
-        from koochak.loop.checkpoint.sharded import freeze
-
-        store, name = self.store, checkpoint_name(int(ckpt["step"]))
-        if self.keep_best is not None:
-            self._scores[name] = _score((ckpt.get("metrics") or {}).get(self.keep_best[1]))
-
-        def announce(publication: artifact.Publication) -> str:
-            path = publication_path(store, publication)
-            if self.on_checkpoint is not None:
-                self.on_checkpoint({"step": int(ckpt["step"]), "path": path, "checkpoint": ckpt,
-                                    "publication": publication})  # fmt: skip
-            return path
-
-        if self.async_publish and not sync:
-            if self._async is None:
-                self._async = AsyncPublisher(self._publish_frozen)
-            self._async.drain()  # its writers may still read the host buffers
-            self._async.submit(name, freeze(ckpt, self._buffers), announce)
-            return None
-        self.drain()
-        return announce(self._save(name, ckpt))
-
-    def _save(self, name: str, ckpt: Mapping[str, Any], group: Any = None) -> artifact.Publication:
-        from koochak.loop.checkpoint.sharded import save_sharded
-
-        best = self.keep_best is not None and self.keep_last_k is not None
-        publication = save_sharded(self.store, name, ckpt, parts=self.parts, group=group,
-                                   keep_last_k=None if best else self.keep_last_k)  # fmt: skip
-        if best and dist.get_rank() == 0:
-            self._prune_keeping_best()
-        return publication
-
-    def _publish_frozen(self, name: str, frozen: tuple[Any, HostCopy]) -> artifact.Publication:
-        ckpt, copy = frozen
-        try:
-            return self._save(name, ckpt, self._group)
-        finally:
-            copy.release()
-
-    def poll(self) -> None:
-        """Deliver a finished background save; raises if it failed."""
-        if self._async is not None:
-            self._async.poll()
-
-    def drain(self) -> None:
-        """Wait for the background save in flight (if any) and deliver it."""
-        if self._async is not None:
-            self._async.drain()
-
-    def close(self) -> None:
-        """On an error path: let an in-flight save finish without masking the error."""
-        if self._async is not None:
-            self._async.close()
 
 
 class AsyncPublisher:

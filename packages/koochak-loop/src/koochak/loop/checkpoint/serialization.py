@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import io
 import queue
-import re
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,8 +24,15 @@ from typing import Any
 
 import torch
 from koochak.loop.checkpoint.format import check_checkpoint_format
-from koochak.loop.checkpoint.parts_index import encode_index, looks_like_index, parse_index
-from koochak.loop.checkpoint.parts_io import host_tensor, read_parts, write_parts
+from koochak.loop.checkpoint.layout_read import (  # the read side lives there; kept importable
+    _NDARRAY_TAG,
+    _walk,
+    checkpoint_of_payload,
+    deserialize_checkpoint,  # noqa: F401
+)
+from koochak.loop.checkpoint.layout_read import read as _read_by_layout
+from koochak.loop.checkpoint.parts_index import encode_index
+from koochak.loop.checkpoint.parts_io import host_tensor, write_parts
 from koochak.loop.checkpoint.parts_tree import (
     join_tensors,
     load_skeleton,
@@ -34,8 +40,6 @@ from koochak.loop.checkpoint.parts_tree import (
     split_tensors,
 )
 from koochak.storage.store import Store
-
-_NDARRAY_TAG = "__koochak_ndarray__"
 
 
 def serialize_checkpoint(ckpt: Mapping[str, Any]) -> bytes:
@@ -73,6 +77,12 @@ def serialize_checkpoint_chunks(ckpt: Mapping[str, Any]) -> Iterator[bytes | mem
     """
     payload = _payload(ckpt)  # format errors surface here, on the caller's thread
     return _stream(payload)
+
+
+def stream_torch_save(obj: Any) -> Iterator[bytes | memoryview]:
+    """``torch.save(obj)``'s bytes, streamed as ``serialize_checkpoint_chunks`` streams a
+    checkpoint (tensor storages as views, never held whole); for any object, no format check."""
+    return _stream(obj)
 
 
 # Writes at least this large go over as views; smaller ones are copied into batches this large.
@@ -165,40 +175,9 @@ def _payload(ckpt: Mapping[str, Any]) -> dict[str, Any]:
     return payload
 
 
-def deserialize_checkpoint(data: bytes | bytearray | memoryview, source: str) -> dict[str, Any]:
-    """Load checkpoint bytes onto the CPU with ``weights_only=True`` and check the format.
-
-    ``source`` names the file in errors. Every way the payload can fail to decode is a
-    ValueError naming ``source``: bytes torch cannot load, a payload that needs arbitrary
-    unpickling (a code object, a class), a dict of an unknown version or with unknown keys, a
-    field of the wrong type, an array record that does not decode. (Resume relies on this: a
-    candidate that raises ValueError is skipped, never a crash.)
-    """
-    try:
-        ckpt = torch.load(io.BytesIO(bytes(data)), map_location="cpu", weights_only=True)
-    except (MemoryError, OSError):
-        raise
-    except Exception as exc:  # torch raises many types for hostile bytes; all mean "not loadable"
-        raise ValueError(
-            f"{source}: not a loadable weights-only checkpoint ({_first_line(exc)})"
-        ) from exc
-    return _checkpoint_of_payload(ckpt, source)
 
 
-def _checkpoint_of_payload(ckpt: Any, source: str) -> dict[str, Any]:
-    """Check a loaded payload's format and decode its RNG states; ValueError naming ``source``."""
-    check_checkpoint_format(ckpt, source)
-    for key in ("rng", "rng_per_rank"):
-        if ckpt.get(key) is not None:
-            try:
-                ckpt[key] = _decode(ckpt[key])
-            except (MemoryError, RecursionError):
-                raise
-            except Exception as exc:
-                raise ValueError(
-                    f"{source}: field {key!r} does not decode ({_first_line(exc)})"
-                ) from exc
-    return ckpt
+_checkpoint_of_payload = checkpoint_of_payload  # the name sharded_read used before
 
 
 # -- the parts layout -------------------------------------------------------------------------
@@ -267,50 +246,20 @@ def read_checkpoint(
 ) -> dict[str, Any]:
     """The checkpoint whose object (file or index) holds ``data``, on the CPU, weights-only.
 
-    A ``torch.save`` file is deserialized (``deserialize_checkpoint``). An index has its parts
-    read from ``store`` in parallel, each checked against its size and SHA256 before any of its
-    tensors is used; ``name`` is the key the index was read under (it must match the index's
-    own), or None to trust the index's name. Every fault (a part missing, short, long or of
-    another digest, a malformed index or skeleton) is a ValueError naming ``source``; other
-    OSErrors (EIO) propagate.
+    Read by its layout's reader (``layout_read.read``, the one place that tells the layouts
+    apart): a ``torch.save`` file is deserialized (``deserialize_checkpoint``); an index has its
+    parts read from ``store`` in parallel, each checked against its size and SHA256 before any
+    of its tensors is used; ``name`` is the key the index was read under (it must match the
+    index's own), or None to trust the index's name. Every fault (a part missing, short, long
+    or of another digest, a malformed index or skeleton) is a ValueError naming ``source``
+    (InvalidArtifact for a malformed index); other OSErrors (EIO) propagate.
     """
-    if not looks_like_index(data):
-        return deserialize_checkpoint(data, source)
-    if store is None:
-        raise ValueError(f"{source}: a checkpoint in parts needs the store that holds its parts")
-    index = parse_index(data, source, name)
-    tensors = read_parts(store, index, source, workers=workers)
-    payload = join_tensors(load_skeleton(index.skeleton, source), tensors, source)
-    return _checkpoint_of_payload(payload, source)
-
-
-def _first_line(exc: BaseException) -> str:
-    # torch's messages carry terminal escapes (bold); a log line should not.
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    return _read_by_layout(store, name, data, source, workers=workers)
 
 
 def _encode(value: Any) -> Any:
     """NumPy arrays become tagged tuples of bytes; everything else is walked as is."""
     return _walk(value, _tag_ndarray)
-
-
-def _decode(value: Any) -> Any:
-    return _walk(value, _untag_ndarray)
-
-
-def _walk(value: Any, leaf: Any) -> Any:
-    """Rebuild dicts, lists and tuples, replacing whatever ``leaf`` turns into something else."""
-    replaced = leaf(value)
-    if replaced is not value:
-        return replaced
-    if isinstance(value, Mapping):
-        return {k: _walk(v, leaf) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_walk(v, leaf) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_walk(v, leaf) for v in value)
-    return value
 
 
 def _tag_ndarray(value: Any) -> Any:
@@ -320,25 +269,4 @@ def _tag_ndarray(value: Any) -> Any:
         return value
     if isinstance(value, np.ndarray):
         return (_NDARRAY_TAG, value.dtype.str, list(value.shape), value.tobytes())
-    return value
-
-
-def _untag_ndarray(value: Any) -> Any:
-    if isinstance(value, tuple) and len(value) == 4 and value[0] == _NDARRAY_TAG:
-        import numpy as np
-
-        _, dtype, shape, raw = value
-        if not isinstance(dtype, str) or not isinstance(raw, bytes):
-            raise ValueError(f"array record: dtype must be a str and data bytes, got {dtype!r}")
-        if not isinstance(shape, (list, tuple)) or not all(
-            type(n) is int and n >= 0 for n in shape
-        ):
-            raise ValueError(f"array record: shape must be non-negative ints, got {shape!r}")
-        try:
-            kind = np.dtype(dtype)
-        except TypeError as exc:
-            raise ValueError(f"array record: dtype {dtype!r} is not a NumPy dtype") from exc
-        if kind.hasobject:  # would need unpickling; an RNG state never holds objects
-            raise ValueError(f"array record: dtype {dtype!r} holds Python objects")
-        return np.frombuffer(raw, dtype=kind).reshape(shape).copy()
     return value

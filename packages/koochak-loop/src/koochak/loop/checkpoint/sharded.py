@@ -25,7 +25,14 @@ from typing import Any
 
 import torch
 from koochak.loop import dist
-from koochak.loop.checkpoint.parts_index import Extent, Part, PartsIndex, Shard, TensorEntry
+from koochak.loop.checkpoint.parts_index import (
+    PART_INFIX,
+    Extent,
+    Part,
+    PartsIndex,
+    Shard,
+    TensorEntry,
+)
 from koochak.loop.checkpoint.parts_io import host_tensor, write_parts
 from koochak.loop.checkpoint.parts_plan import resolve_parts
 from koochak.loop.checkpoint.parts_tree import dtype_name
@@ -129,6 +136,7 @@ def save_sharded(
     keep_last_k: int | None = None,
     workers: int | None = None,
     group: Any = None,
+    written: list[tuple[str, int, str]] | None = None,
 ) -> artifact.Publication:
     """Publish ``ckpt``, whose sharded tensors are DTensors, as checkpoint ``name``: every rank
     must call it at once, with its own capture of the same step. Returns the Publication (on
@@ -137,15 +145,22 @@ def save_sharded(
     ``parts`` is the number of parts each rank cuts its shards into (``"auto"``: as
     ``resolve_parts`` decides for its bytes). ``group`` is the process group (of every rank)
     its few object collectives use: a background save passes a gloo group of its own, so they
-    never meet the training thread's collectives.
+    never meet the training thread's collectives. ``written`` receives this rank's parts as
+    ``(key, size, sha256)`` (what it replicates from a node-local tier).
     """
     rank = dist.get_rank()
     error = None
-    if rank == 0:
-        try:
+    try:
+        if rank == 0:
             unpublish_checkpoint(store, name)  # parts are create-only: a retry starts clean
-        except Exception as exc:
-            error = _message(exc)
+        else:  # its own, in a directory of its node's (a node-local tier), if any are left
+            for info in store.list(f"{name}{PART_INFIX}{rank:05d}-"):
+                try:
+                    store.delete(info.key)
+                except FileNotFoundError:  # rank 0 cleared it (the tier is shared)
+                    pass
+    except Exception as exc:
+        error = _message(exc)
     _agree(error, f"saving {name}", group)
 
     split, numbers, leaves = None, {}, []
@@ -155,6 +170,8 @@ def save_sharded(
         report = _write_mine(store, name, split, numbers, leaves, parts, workers)
     except Exception as exc:
         report = _Report((), (), (), _message(exc))
+    if written is not None:
+        written.extend(report.parts)
     reports = _gather(report, group)
 
     outcome: Any = None

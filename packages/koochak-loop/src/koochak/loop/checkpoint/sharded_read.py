@@ -30,20 +30,15 @@ from typing import Any
 import torch
 from koochak.loop import dist
 from koochak.loop.checkpoint.format import CHECKPOINT_PATTERN, check_resume_cursor, check_rng_fields
-from koochak.loop.checkpoint.parts_index import (
-    Extent,
-    PartsIndex,
-    TensorEntry,
-    looks_like_index,
-    parse_index,
-)
+from koochak.loop.checkpoint.layout_read import PARTS, checkpoint_of_payload, layout_of
+from koochak.loop.checkpoint.parts_index import Extent, PartsIndex, TensorEntry, parse_index
 from koochak.loop.checkpoint.parts_io import _Filler
-from koochak.loop.checkpoint.parts_tree import TENSOR_TAG, byte_view, load_skeleton, torch_dtype
+from koochak.loop.checkpoint.parts_tree import byte_view, join_tensors, load_skeleton, torch_dtype
 from koochak.loop.checkpoint.publication import publication_path
-from koochak.loop.checkpoint.serialization import _checkpoint_of_payload
 from koochak.loop.checkpoint.sharded import _agree, _broadcast, _map, _message, local_box
 from koochak.loop.dist import is_dtensor, local_tensor, placed_like
 from koochak.storage import artifact
+from koochak.storage.named import open_named, stat_named
 from koochak.storage.store import Store
 
 log = logging.getLogger("koochak.loop.checkpoint")
@@ -159,8 +154,8 @@ def _read_part(
     piece = memoryview(buffer)
     pos = 0
     try:
-        stream = source.store.open(part.key)
-    except FileNotFoundError:
+        stream = open_named(source.store, part.key, named_by=source.where)
+    except FileNotFoundError:  # still missing after the store's read_settle_seconds
         raise ValueError(f"{source.where}: part {part.key} is missing") from None
     with stream:
         filler = _Filler(stream)
@@ -266,66 +261,85 @@ def _numel(shape: Sequence[int]) -> int:
 def open_candidate(store: Store, name: str) -> tuple[str, dict[str, Any]]:
     """``(path, checkpoint)`` of published checkpoint ``name`` read lazily: its manifest, index,
     part sizes, skeleton, cursor and RNG states checked, the unsharded tensors read, every
-    other tensor a ``StoredTensor``. A single-file checkpoint is read whole. InvalidArtifact or
-    ValueError when any of that does not hold (the part digests are ``verify_parts``'s)."""
-    from koochak.loop.checkpoint.serialization import read_checkpoint
-
+    other tensor a ``StoredTensor``. Another layout (one file) is read whole by its reader
+    (``layout_read``). InvalidArtifact or ValueError when any of that does not hold (the part
+    digests are ``verify_parts``'s)."""
     publication, data = artifact.read_verified(store, name)
     path = publication_path(store, publication)
-    if not looks_like_index(data):
-        ckpt = read_checkpoint(store, name, data, path)
+    reader = layout_of(data)
+    if reader is PARTS:  # references: each rank reads its slabs at restore
+        ckpt = open_lazy(store, parse_index(data, path, name), path)
     else:
-        index = parse_index(data, path, name)
-        source = Source(store, index, path)
-        for part in index.parts:
-            try:
-                size = store.stat(part.key).size
-            except FileNotFoundError:
-                raise ValueError(f"{path}: part {part.key} is missing") from None
-            if size != part.size:
-                raise ValueError(
-                    f"{path}: part {part.key} has {size} bytes; the index says {part.size}"
-                )
-        refs = [StoredTensor(source, i) for i in range(len(index.tensors))]
-        payload = _join(load_skeleton(index.skeleton, path), refs)
-        for key in ("rng", "rng_per_rank"):  # small, and resume must be able to restore them
-            if payload.get(key) is not None:
-                payload[key] = _read_all(payload[key])
-        ckpt = _checkpoint_of_payload(payload, path)
+        ckpt = reader.read(store, name, data, path)
     check_resume_cursor(ckpt, name)
     check_rng_fields(ckpt, path)
     return path, ckpt
 
 
-def _join(skeleton: Any, refs: Sequence[StoredTensor]) -> Any:
-    """The skeleton with each ``(TENSOR_TAG, i)`` reference replaced by ``refs[i]``."""
+def open_lazy(store: Store, index: PartsIndex, path: str) -> dict[str, Any]:
+    """The checkpoint of a parsed ``index`` with ``StoredTensor`` references for its tensors:
+    every part's size checked (waiting the store's read_settle_seconds for one not visible
+    yet), the skeleton joined, the RNG states read (resume must be able to restore them) and
+    the format checked: the parts layout read lazily."""
+    source = Source(store, index, path)
+    for part in index.parts:
+        try:
+            size = stat_named(store, part.key, named_by=path).size
+        except FileNotFoundError:  # still missing after the store's read_settle_seconds
+            raise ValueError(f"{path}: part {part.key} is missing") from None
+        if size != part.size:
+            raise ValueError(
+                f"{path}: part {part.key} has {size} bytes; the index says {part.size}"
+            )
+    refs = [StoredTensor(source, i) for i in range(len(index.tensors))]
+    payload = _join(load_skeleton(index.skeleton, path), refs, path)
+    for key in ("rng", "rng_per_rank"):  # small, and resume must be able to restore them
+        if payload.get(key) is not None:
+            payload[key] = _read_all(payload[key])
+    return checkpoint_of_payload(payload, path)
 
-    def ref(value: Any) -> Any:
-        is_ref = isinstance(value, tuple) and len(value) == 2 and value[0] == TENSOR_TAG
-        return refs[value[1]] if is_ref else value
 
-    return _map(skeleton, ref)
+def _join(skeleton: Any, refs: Sequence[StoredTensor], source: str) -> Any:
+    """The skeleton with each ``(TENSOR_TAG, i)`` reference replaced by ``refs[i]``: walked
+    iteratively, InvalidArtifact naming ``source`` for a bad reference or a skeleton nested too
+    deeply (``parts_tree.join_tensors``)."""
+    return join_tensors(skeleton, refs, source)
 
 
 def resolve_sharded(location: Any) -> tuple[str, dict[str, Any]] | None:
     """The newest published checkpoint every part of which verifies, chosen by every rank
     together: ``(path, checkpoint)`` with ``StoredTensor`` references, or None to start fresh.
 
-    Rank 0 checks candidates newest first (``open_candidate``); every rank then hashes its share
-    of the chosen one's parts. A candidate that fails anywhere (a damaged, short or missing part)
-    is skipped on every rank with the reason logged; any other error (EIO) is raised on every
-    rank, because rolling a run back silently would waste the work since.
+    ``location`` is one location or a run's tiers (first tier first; each rank passes its own,
+    ``{node}`` resolved): the highest step in any tier wins, the first tier first for equal
+    steps. Rank 0 checks candidates newest first (``open_candidate``); every rank then hashes
+    its share of the chosen one's parts in the same tier. A candidate that fails anywhere (a
+    damaged, short or missing part, or one a node-local tier of another node holds) is skipped
+    on every rank with the reason logged; any other error (EIO) is raised on every rank,
+    because rolling a run back silently would waste the work since.
     """
     from koochak.loop.checkpoint.publication import checkpoint_store
 
-    store = checkpoint_store(location)
-    names = None
+    locations = list(location) if isinstance(location, (list, tuple)) else [location]
+    stores = [checkpoint_store(where) for where in locations]
+    order = None
     if dist.get_rank() == 0:
-        names = [name for _, name in artifact.published_candidates(store, CHECKPOINT_PATTERN)]
-    for name in _broadcast(names):
-        found = _choose(store, name)
-        if found is not None:
-            return found
+        found: list[tuple[int, int, str]] = []
+        for tier, store in enumerate(stores):
+            try:
+                listed = artifact.published_candidates(store, CHECKPOINT_PATTERN)
+            except OSError as exc:
+                if len(stores) == 1:
+                    raise
+                log.warning("skipping checkpoint tier %d (%s): cannot list it (%s: %s)",
+                            tier, store.location, type(exc).__name__, exc)  # fmt: skip
+                continue
+            found += [(-number, tier, name) for number, name in listed]
+        order = [(tier, name) for _, tier, name in sorted(found)]
+    for tier, name in _broadcast(order):
+        chosen = _choose(stores[tier], name)
+        if chosen is not None:
+            return chosen
     return None
 
 
@@ -373,6 +387,8 @@ def _try(call: Callable[[], Any]) -> tuple[str, Any]:
         return ("ok", call())
     except (artifact.InvalidArtifact, ValueError) as exc:
         return ("skip", " ".join(str(exc).split()))
+    except FileNotFoundError as exc:  # the file or index, missing after read_settle_seconds
+        return ("skip", f"{exc.filename or exc} is missing (after read_settle_seconds)")
     except Exception as exc:
         return ("fatal", _message(exc))
 

@@ -8,6 +8,12 @@ way bytes move between tiers) and committed there by its own ready manifest, a b
 of the source's, written last. So every tier is an ordinary checkpoint location: resume, ``load``
 and ``best`` read any of them alone.
 
+The first tier may be node-local: a ``{node}`` placeholder in ``train.checkpoint_dir`` is
+replaced by this node's index (``node_index``: ``KOOCHAK_NODE_INDEX``, else torchrun's
+``GROUP_RANK``, else Slurm's ``SLURM_NODEID``, else 0), so each node writes into a directory of
+its own. Under FSDP each node then holds its own ranks' parts and replicates them itself; the
+coordinator commits the replica's index and ready manifest once every part is verified there.
+
 This module holds the tier list and the copy of one checkpoint between two tiers;
 ``replication`` runs the copies in the background, ``resume`` selects across tiers.
 """
@@ -16,7 +22,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +35,37 @@ from koochak.storage.store import Store
 from koochak.storage.transfer import CopyItem, copy_objects
 
 Location = str | os.PathLike[str] | Store
+
+NODE_PLACEHOLDER = "{node}"
+# Where a node's index comes from, first set first: an explicit one (a launcher of one's own,
+# tests), torchrun's node rank, Slurm's node id of the job step.
+NODE_INDEX_VARIABLES = ("KOOCHAK_NODE_INDEX", "GROUP_RANK", "SLURM_NODEID")
+
+
+def node_index(environ: Mapping[str, str] | None = None) -> int:
+    """This node's index among the job's nodes (0 when no launcher says)."""
+    env = os.environ if environ is None else environ
+    for variable in NODE_INDEX_VARIABLES:
+        value = env.get(variable, "").strip()
+        if value:
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(f"{variable}={value!r}: expected a node index (an integer)") from None
+    return 0
+
+
+def is_node_local(location: Location | None) -> bool:
+    """Whether ``location`` names a directory per node (holds ``{node}``)."""
+    return isinstance(location, (str, os.PathLike)) and NODE_PLACEHOLDER in os.fspath(location)
+
+
+def on_this_node(location: Location, node: int | None = None) -> Location:
+    """``location`` with ``{node}`` replaced by this node's index (a Store as it is)."""
+    if not is_node_local(location):
+        return location
+    index = node_index() if node is None else node
+    return os.fspath(location).replace(NODE_PLACEHOLDER, str(index))
 
 
 @dataclass(frozen=True)
@@ -43,12 +81,12 @@ class Tier:
 def checkpoint_tiers(train_cfg: TrainConfig | Mapping[str, Any]) -> tuple[Tier, ...]:
     """The tiers of a run: ``checkpoint_dir`` (else ``out_dir``) first, then each replica.
 
-    A replica keeps ``keep_last_k`` checkpoints when its entry says so (0 or null: every one),
+    ``{node}`` in ``checkpoint_dir`` is this node's index (``on_this_node``). A replica keeps ``keep_last_k`` checkpoints when its entry says so (0 or null: every one),
     else as many as the first tier (``train.keep_last_k``).
     """
     cfg = as_train_config(train_cfg)
     keep = cfg.keep_last_k or None
-    first = cfg.checkpoint_dir or cfg.out_dir
+    first = on_this_node(cfg.checkpoint_dir or cfg.out_dir)
     tiers = [Tier(0, first, keep)]
     for index, replica in enumerate(check_replicas(cfg.checkpoint_replicas), start=1):
         replica_keep = keep if replica.keep_last_k is None else (replica.keep_last_k or None)
@@ -113,19 +151,38 @@ def checkpoint_copy_items(
     The index is read once and checked against the manifest before its part digests are
     trusted; ValueError when it does not match (changed or damaged since it was committed).
     """
+    parts = _committed_parts(store, name, committed)
     last = CopyItem(name, committed.size, committed.sha256)
+    return [CopyItem(part.key, part.size, part.sha256) for part in parts] + [last]
+
+
+def _committed_parts(store: Store, name: str, committed: artifact.Publication) -> list[Any]:
+    """The parts (``parts_index.Part``) the committed index of ``name`` lists; [] for one
+    file. ValueError when the index does not match its manifest."""
     if committed.size == 0 or not looks_like_index(store.get(name, 0, 1)):
-        return [last]
+        return []
     where = f"{store.location}/{name}"
     raw = store.get(name, 0, committed.size + 1)
     if len(raw) != committed.size or hashlib.sha256(raw).hexdigest() != committed.sha256:
         raise ValueError(f"{where}: the index does not match its ready manifest")
-    index = parse_index(raw, where, name)
-    return [CopyItem(part.key, part.size, part.sha256) for part in index.parts] + [last]
+    return list(parse_index(raw, where, name).parts)
+
+
+# How long the coordinator waits for the parts other nodes replicate themselves, and how often
+# it looks.
+REMOTE_PARTS_WAIT_S = 300.0
+_REMOTE_POLL_S = (0.02, 1.0)
+_HASH_CHUNK = 16 << 20
 
 
 def replicate_checkpoint(
-    source: Store, target: Store, name: str, *, streams: int | None = None
+    source: Store,
+    target: Store,
+    name: str,
+    *,
+    streams: int | None = None,
+    remote_writers: Collection[int] = (),
+    wait_s: float = REMOTE_PARTS_WAIT_S,
 ) -> Replicated:
     """Copy the committed checkpoint ``name`` from ``source`` to ``target`` and commit it there.
 
@@ -136,6 +193,12 @@ def replicate_checkpoint(
     Any other ``name`` in the target (an older save of the same step, or what a killed copy
     left) is un-committed first, manifest, then object, then parts, and replaced: the re-save
     rule of a single tier.
+
+    ``remote_writers``: the writers (ranks) whose parts lie on other nodes (a node-local first
+    tier under FSDP). Those parts are not copied from ``source``: their nodes copy them into
+    ``target`` themselves, and this waits (up to ``wait_s``) until each is there and hashes to
+    the digest the index promises, before the index and the manifest are copied; TimeoutError
+    naming the first missing part otherwise. Other nodes' parts are never deleted here.
 
     Raises InvalidArtifact when ``source`` has no valid commit of ``name``; ValueError when a
     source object does not match its commit (it changed or was damaged since); any store error
@@ -148,14 +211,24 @@ def replicate_checkpoint(
     except artifact.InvalidArtifact:
         existing = None
     if existing != manifest:
-        unpublish_checkpoint(target, name)
-        *parts, last = checkpoint_copy_items(source, name, committed)
+        parts = _committed_parts(source, name, committed)
+        remote = [p for p in parts if p.writer in remote_writers]
+        local = [CopyItem(p.key, p.size, p.sha256) for p in parts if p.writer not in remote_writers]
+        if remote:
+            artifact.unpublish(target, name)  # un-commit; other nodes' parts stay
+            for item in local:
+                _delete_quietly(target, item.key)
+        else:
+            unpublish_checkpoint(target, name)
+        last = CopyItem(name, committed.size, committed.sha256)
         moved = 0
         # Commit order, as in a save: the parts (in parallel), the object, then the manifest,
         # the same document, so one artifact id and digest name the checkpoint in every tier.
         digest = hashlib.sha256(manifest).hexdigest()
         commit = CopyItem(committed.manifest_key, len(manifest), digest)
-        for batch in ([parts] if parts else []) + [[last], [commit]]:
+        for batch in ([local] if local else []) + [[last], [commit]]:
+            if batch[0] is last and remote:
+                wait_for_parts(target, remote, wait_s)
             report = copy_objects(source, target, batch, streams=streams, show_progress=False)
             moved += report.bytes_copied
     else:
@@ -169,3 +242,51 @@ def replicate_checkpoint(
         path=target.local_path(name),
     )
     return Replicated(publication, moved)
+
+
+def wait_for_parts(store: Store, parts: Sequence[Any], wait_s: float) -> None:
+    """Wait until every one of ``parts`` is in ``store`` with its size and SHA256 (read back
+    and hashed); TimeoutError naming the first that is not, after ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    pending = list(parts)
+    delay = _REMOTE_POLL_S[0]
+    problem = ""
+    while True:
+        still = []
+        for part in pending:
+            problem = _part_problem(store, part)
+            if problem:
+                still.append(part)
+        pending = still
+        if not pending:
+            return
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"{store.location}: {len(pending)} part(s) other nodes replicate are not there "
+                f"after {wait_s:.0f} s: {pending[0].key} ({_part_problem(store, pending[0])})"
+            )
+        time.sleep(delay)
+        delay = min(delay * 2, _REMOTE_POLL_S[1])
+
+
+def _part_problem(store: Store, part: Any) -> str:
+    """Why ``part`` is not (yet) verified in ``store``; "" when it is."""
+    try:
+        size = store.stat(part.key).size
+    except FileNotFoundError:
+        return "missing"
+    if size != part.size:
+        return f"{size} bytes, not {part.size}"
+    digest = hashlib.sha256()
+    for start in range(0, part.size, _HASH_CHUNK):
+        digest.update(store.get(part.key, start, min(start + _HASH_CHUNK, part.size)))
+    if digest.hexdigest() != part.sha256:
+        return "its SHA256 differs from the index's"
+    return ""
+
+
+def _delete_quietly(store: Store, key: str) -> None:
+    try:
+        store.delete(key)
+    except FileNotFoundError:
+        pass

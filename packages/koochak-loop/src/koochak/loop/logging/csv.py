@@ -194,5 +194,7 @@ def read_csv_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 
 def make_csv_hooks(path: str | os.PathLike[str]) -> Hooks:
-    """Rank-0 hooks appending ``on_log`` and ``on_eval_end`` metrics to the CSV at ``path``."""
-    return metric_file_hooks(CSVLogger(path))
+    """Rank-0 hooks appending the attempt record, ``on_log`` and ``on_eval_end`` metrics and the
+    end-of-attempt goodput to the CSV at ``path`` (the records as ``attempt``/``goodput`` and a
+    ``note`` column)."""
+    return metric_file_hooks(CSVLogger(path), compact=True)

@@ -107,5 +107,6 @@ def read_jsonl_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 
 def make_jsonl_hooks(path: str | os.PathLike[str]) -> Hooks:
-    """Rank-0 hooks appending ``on_log`` and ``on_eval_end`` records to the JSONL file at ``path``."""
+    """Rank-0 hooks appending the attempt record, ``on_log`` and ``on_eval_end`` records and the
+    end-of-attempt goodput to the JSONL file at ``path``."""
     return metric_file_hooks(JSONLLogger(path))

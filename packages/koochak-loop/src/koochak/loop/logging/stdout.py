@@ -1,6 +1,7 @@
 """Compact TSV lines on stdout (rank 0): a one-screen config summary (or, on request, the whole
-resolved config) and a ``start`` line (first update, ``max_steps``, the checkpoint resumed
-from), then one line per log/eval. The whole resolved config goes to ``<out_dir>/config.yaml``.
+resolved config) and a ``start`` line (the attempt, first update, ``max_steps``, the checkpoint
+resumed from, its tier, how the previous attempt ended, the steps redone), then one line per
+log/eval, and an ``end`` line with the run's goodput. The whole resolved config goes to ``<out_dir>/config.yaml``.
 
 Lines look like ``log<TAB>step=50<TAB>loss=0.6931<TAB>lr=0.001`` so they are easy to grep, cut and
 read; files (CSV, JSONL) keep the exact values.
@@ -27,12 +28,22 @@ _SUMMARY_WIDTH = 100
 _ALWAYS = ("train.max_steps", "train.out_dir")  # shown even at their defaults
 
 
-def format_tsv(event: str, step: int, metrics: Mapping[str, Any]) -> str:
-    """One TSV line: the event, ``step=<n>``, then ``name=value`` per metric in dict order."""
+def format_tsv(
+    event: str, step: int, metrics: Mapping[str, Any], max_steps: int | None = None
+) -> str:
+    """One TSV line: the event, ``step=<n>``, then ``name=value`` per metric in dict order
+    (for people: ``eta_s`` as ``eta=H:MM:SS``, ``progress`` as ``progress=<done>/<max_steps>``
+    when ``max_steps`` is given)."""
     fields = [event, f"step={step}"]
-    fields.extend(
-        f"{name}={format_number(value)}" for name, value in clean_metrics(metrics).items()
-    )
+    for name, value in clean_metrics(metrics).items():
+        if name == "eta_s" and isinstance(value, (int, float)):
+            from koochak.loop.run_history import format_duration
+
+            fields.append(f"eta={format_duration(float(value))}")
+        elif name == "progress" and max_steps:
+            fields.append(f"progress={step + 1}/{max_steps}")
+        else:
+            fields.append(f"{name}={format_number(value)}")
     return "\t".join(fields)
 
 
@@ -120,7 +131,10 @@ def make_stdout_hooks(
         # A progress bar may be drawn on the same terminal: write through it.
         write_line(line, stream if stream is not None else sys.stdout)
 
+    limit: dict[str, Any] = {}
+
     def on_train_start(info: dict[str, Any]) -> None:
+        limit["max_steps"] = info.get("max_steps")
         config = info.get("config_json")
         if config is None and info.get("train_cfg") is not None:
             config = {"train": info.get("train_cfg")}
@@ -140,18 +154,31 @@ def make_stdout_hooks(
                     _print(line)
         # Where this run starts, so a resumed run (or one with nothing left to do) says so.
         fields = ["start", f"step={info.get('step', 0)}", f"max_steps={info.get('max_steps')}"]
+        attempt = info.get("attempt") or {}
+        if attempt:
+            fields.insert(1, f"attempt={attempt['attempt']}")
         if info.get("resume_path"):
             fields.append(f"resumed_from={info['resume_path']}")
+        for key in ("resumed_tier", "previous_end", "previous_step", "steps_redone"):
+            if attempt.get(key) is not None:
+                fields.append(f"{key}={attempt[key]}")
         _print("\t".join(fields))
 
     def on_log(info: dict[str, Any]) -> None:
-        _print(format_tsv("log", info["step"], info["metrics"]))
+        _print(format_tsv("log", info["step"], info["metrics"], limit.get("max_steps")))
 
     def on_eval_end(info: dict[str, Any]) -> None:
         _print(format_tsv("eval", info["step"], info["metrics"]))
+
+    def on_train_end(info: dict[str, Any]) -> None:
+        run = info.get("run")
+        if run:  # the run's goodput so far (koochak.loop.run_history)
+            fields = {k: v for k, v in run.items() if k != "note" and v is not None}
+            _print(format_tsv("end", int(info.get("step", 0)), fields))
 
     return {
         "on_train_start": [rank0_only(on_train_start)],
         "on_log": [rank0_only(on_log)],
         "on_eval_end": [rank0_only(on_eval_end)],
+        "on_train_end": [rank0_only(on_train_end)],
     }

@@ -43,7 +43,9 @@ def make_tensorboard_hooks(log_dir: str | os.PathLike[str], *, flush_secs: int =
     """Rank-0 hooks writing TensorBoard event files under ``log_dir``.
 
     ``on_train_start`` records the resolved config (``info["config_json"]``, else the ``train``
-    section) as the text ``config``; ``on_log`` and ``on_eval_end`` add one scalar per numeric
+    section) as the text ``config`` and the attempt record as the text ``attempt`` (and the
+    scalar ``attempt``); ``on_train_end`` the goodput (text ``end``, scalars ``goodput``,
+    ``goodput_steps_per_s``); ``on_log`` and ``on_eval_end`` add one scalar per numeric
     metric at the update's step (strings are skipped); the writer is flushed and closed at
     ``on_train_end`` and ``on_exception``. Nothing is created on other ranks.
     """
@@ -60,7 +62,12 @@ def make_tensorboard_hooks(log_dir: str | os.PathLike[str], *, flush_secs: int =
         config = info.get("config_json")
         if config is None:
             config = {"train": info.get("train_cfg")}
-        writer().add_text("config", config_text(config), global_step=int(info.get("step", 0)))
+        step = int(info.get("step", 0))
+        writer().add_text("config", config_text(config), global_step=step)
+        attempt = info.get("attempt")
+        if attempt:  # the attempt record: its note as text, its number as a scalar
+            writer().add_text("attempt", str(attempt.get("note", "")), global_step=step)
+            writer().add_scalar("attempt", float(attempt["attempt"]), global_step=step)
 
     def on_metrics(info: dict[str, Any]) -> None:
         out, step = writer(), int(info["step"])
@@ -71,6 +78,16 @@ def make_tensorboard_hooks(log_dir: str | os.PathLike[str], *, flush_secs: int =
                 continue
             out.add_scalar(name, float(value), global_step=step)
 
+    def on_train_end(info: dict[str, Any]) -> None:
+        run = info.get("run")
+        if run:
+            step = int(info.get("step", 0))
+            writer().add_text("end", str(run.get("note", "")), global_step=step)
+            for name in ("goodput", "goodput_steps_per_s"):
+                if run.get(name) is not None:
+                    writer().add_scalar(name, float(run[name]), global_step=step)
+        close(info)
+
     def close(info: dict[str, Any]) -> None:
         if state["writer"] is not None:
             state["writer"].close()
@@ -80,6 +97,6 @@ def make_tensorboard_hooks(log_dir: str | os.PathLike[str], *, flush_secs: int =
         "on_train_start": [rank0_only(on_train_start)],
         "on_log": [rank0_only(on_metrics)],
         "on_eval_end": [rank0_only(on_metrics)],
-        "on_train_end": [rank0_only(close)],
+        "on_train_end": [rank0_only(on_train_end)],
         "on_exception": [rank0_only(close)],
     }

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from koochak.loop.hooks import Hooks, rank0_only
+from koochak.loop.logging._records import attempt_fields, end_fields
 from koochak.loop.masking import masking_active
 from koochak.storage.strict_json import is_exact_int, loads_strict, require_version
 from omegaconf import DictConfig, OmegaConf
@@ -311,12 +312,18 @@ def make_wandb_hooks(
             **settings,
         )
         state["record"] = best_record_path(run_dir, run_id or state["run"].id)
+        attempt = info.get("attempt")
+        if attempt:  # the attempt record: in the summary (history steps may not go back)
+            summary = state["run"].summary
+            summary["attempt"] = attempt["attempt"]
+            summary[f"attempts/{attempt['attempt']}"] = attempt_fields(attempt)
         if is_resumed:  # the aliases continue from the best value the resumed state had seen
             state["best"] = read_best_record(state["record"], int(info.get("step", 0)))
 
     def _log(info: dict[str, Any]) -> None:
         if state["run"] is not None:
-            state["run"].log(dict(info["metrics"]), step=int(info["step"]))
+            metrics = {k: v for k, v in info["metrics"].items() if not isinstance(v, str)}
+            state["run"].log(metrics, step=int(info["step"]))
 
     def _improved(metrics: Mapping[str, Any]) -> list[str]:
         tracked = (
@@ -379,6 +386,8 @@ def make_wandb_hooks(
 
     def on_train_end(info: dict[str, Any]) -> None:
         if state["run"] is not None:
+            for name, value in end_fields(info.get("run") or {}).items():
+                state["run"].summary[name] = value  # the run's goodput so far
             state["run"].finish()
             state["run"] = None
 

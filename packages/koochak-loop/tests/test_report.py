@@ -1,0 +1,135 @@
+"""koochak-report renders a real two-attempt run: curves, restart marker, tiers (issue 29)."""
+
+from __future__ import annotations
+
+import base64
+import sys
+import textwrap
+
+import pytest
+from koochak.loop import report
+from koochak.loop.cli import main as train
+
+pytest.importorskip("matplotlib")
+
+USER_CODE = """
+import os
+
+import torch
+from torch.nn import functional as F
+
+
+def make_model(cfg):
+    torch.manual_seed(0)
+    return torch.nn.Linear(3, 1)
+
+
+def dataset(cfg, start_step=0):
+    gen = torch.Generator().manual_seed(start_step)
+    while True:
+        x = torch.randn(8, 3, generator=gen)
+        yield x, x.sum(1, keepdim=True)
+
+
+def step_fn(model, batch, ctx):
+    if ctx.step == int(os.environ.get("REPORT_FAIL_AT", "-1")):
+        raise RuntimeError("preempted")
+    x, y = batch
+    return {"loss": F.mse_loss(model(x), y), "tokens": 8 * 16}
+
+
+def val_dataset(cfg):
+    return [(torch.ones(4, 3), torch.full((4, 1), 3.0))]
+
+
+def eval_fn(model, data, ctx):
+    return {"loss": sum(float(F.mse_loss(model(x), y)) for x, y in data)}
+"""
+
+
+@pytest.fixture(scope="module")
+def two_attempts(tmp_path_factory):
+    """A real koochak-train run: attempt 1 dies at step 7, attempt 2 resumes and finishes."""
+    root = tmp_path_factory.mktemp("report")
+    name = f"reportpkg_{abs(hash(str(root)))}"
+    (root / f"{name}.py").write_text(USER_CODE)
+    config = root / "cfg.yaml"
+    (root / "replica").mkdir()
+    config.write_text(textwrap.dedent(f"""
+        train:
+          max_steps: 12
+          log_every: 1
+          eval_every: 3
+          ckpt_every: 3
+          keep_last_k: null
+          device: cpu
+          out_dir: {root / "run"}
+          checkpoint_replicas: [{root / "replica"}]
+          progress_bar: false
+        optim:
+          optimizer: {{name: sgd, lr: 0.05}}
+        entry:
+          model: {name}:make_model
+          dataset: {name}:dataset
+          step: {name}:step_fn
+          eval_dataset: {name}:val_dataset
+          eval_fn: {name}:eval_fn
+        """))  # fmt: skip
+    mp = pytest.MonkeyPatch()
+    mp.chdir(root)
+    mp.setenv("REPORT_FAIL_AT", "7")
+    assert train(["--config", str(config), "--resume", "none"]) == 1
+    mp.delenv("REPORT_FAIL_AT")
+    assert train(["--config", str(config)]) == 0
+    mp.undo()
+    sys.modules.pop(name, None)
+    return root / "run"
+
+
+def test_the_figure_holds_both_attempts_curves_and_the_restart_marker(two_attempts):
+    data = report.gather_run(two_attempts)
+    assert [a.number for a in data.attempts] == [1, 2] and data.attempts[1].start_step == 6
+    fig = report.build_figure(data)
+    loss_ax, rate_ax, _, ckpt_ax = fig.axes  # the fourth is the MFU twin of rate_ax
+    lines = {line.get_gid(): line for ax in fig.axes for line in ax.get_lines()}
+    first, second = lines["loss-1"], lines["loss-2"]
+    assert list(first.get_xdata()) == [0, 1, 2, 3, 4, 5, 6]  # died inside step 7
+    assert list(second.get_xdata()) == [6, 7, 8, 9, 10, 11]  # step 6 redone
+    assert list(lines["eval_loss-2"].get_xdata()) == [8, 11]
+    restart = lines["restart-2"]
+    assert list(restart.get_xdata()) == [6, 6] and restart.axes is loss_ax
+    (label,) = [t for t in loss_ax.texts if t.get_gid() == "restart-label-2"]
+    assert label.get_text() == "attempt 2: previous failed after step 7, resumed at 6 from tier 0"
+    assert len(lines["tokens_per_s-2"].get_xdata()) == 6 and "mfu-1" in lines
+    # the timeline: both tiers hold 2, 5 (attempt 1) and 8, 12 (attempt 2), joined by their lag
+    commits = {gid: line for gid, line in lines.items() if gid and gid.startswith("commits-")}
+    assert set(commits) == {"commits-tier0", "commits-tier1"}
+    assert len(commits["commits-tier0"].get_xdata()) == 4 == len(commits["commits-tier1"].get_xdata())
+    assert "lag-tier1" in lines and len(data.lags(1)) == 4 and min(data.lags(1)) >= 0
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def test_koochak_report_writes_a_png_and_a_self_contained_page(two_attempts, tmp_path, capsys):
+    assert report.main([str(two_attempts), "--out", str(tmp_path / "r")]) == 0
+    png, page = tmp_path / "r.png", (tmp_path / "r.html").read_text()
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert base64.b64encode(png.read_bytes()).decode() in page
+    assert "attempt 2: from step 6" in page and "keep_last_k" in page
+    # the loss curves' colours are in the picture (C0: attempt 1, C1: attempt 2)
+    import matplotlib.image
+
+    pixels = (matplotlib.image.imread(png)[..., :3] * 255).round().astype(int).reshape(-1, 3)
+    colours = {tuple(p) for p in pixels.tolist()}
+    assert (31, 119, 180) in colours and (255, 127, 14) in colours and (214, 39, 40) in colours
+
+
+def test_bad_run_dirs_and_a_missing_matplotlib_are_one_line(tmp_path, capsys, monkeypatch):
+    assert report.main([str(tmp_path / "nope")]) == 2
+    assert "not a directory" in capsys.readouterr().err
+    assert report.main([str(tmp_path)]) == 2
+    assert "no log.jsonl or log.csv" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(report.ReportError, match=r"pip install 'koochak-loop\[report\]'"):
+        report._pyplot()

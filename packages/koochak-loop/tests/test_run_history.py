@@ -1,0 +1,220 @@
+"""Each attempt starts with a record in every sink; a finished run says so (issue 29, item 2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+from koochak.loop.cli import main
+from koochak.loop.hooks import emit
+from koochak.loop.logging import make_wandb_hooks, read_csv_log, read_jsonl_log
+from koochak.loop.run_history import begin_attempt, read_history
+
+USER_CODE = """
+import os
+
+import torch
+from torch.nn import functional as F
+
+
+def make_model(cfg):
+    torch.manual_seed(0)
+    return torch.nn.Linear(3, 1)
+
+
+def dataset(cfg, start_step=0):
+    gen = torch.Generator().manual_seed(start_step)
+    while True:
+        x = torch.randn(4, 3, generator=gen)
+        yield x, x.sum(1, keepdim=True)
+
+
+def step_fn(model, batch, ctx):
+    if ctx.step == int(os.environ.get("HISTORY_FAIL_AT", "-1")):
+        raise RuntimeError("the node fell over")
+    if ctx.step == int(os.environ.get("HISTORY_KILL_AT", "-1")):
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)  # kill -9: no end record, no terminal checkpoint
+    x, y = batch
+    return {"loss": F.mse_loss(model(x), y)}
+"""
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    name = f"historypkg_{abs(hash(str(tmp_path)))}"
+    (tmp_path / f"{name}.py").write_text(USER_CODE)
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "cfg.yaml"
+    config.write_text(
+        textwrap.dedent(
+            f"""
+            train:
+              max_steps: 8
+              log_every: 1
+              ckpt_every: 2
+              keep_last_k: null
+              device: cpu
+              out_dir: {tmp_path / "run"}
+              progress_bar: false
+            optim:
+              optimizer: {{name: sgd, lr: 0.05}}
+            entry:
+              model: {name}:make_model
+              dataset: {name}:dataset
+              step: {name}:step_fn
+            """
+        )
+    )
+    return tmp_path, config
+
+
+def test_a_resumed_attempt_starts_with_its_record_in_every_sink(project, capsys, monkeypatch):
+    root, config = project
+    run = root / "run"
+    monkeypatch.setenv("HISTORY_FAIL_AT", "5")
+    assert main(["--config", str(config), "--resume", "none"]) == 1
+    capsys.readouterr()
+    monkeypatch.delenv("HISTORY_FAIL_AT")
+    assert main(["--config", str(config), "logging.tensorboard=true"]) == 0
+    out, err = capsys.readouterr()
+
+    # stdout: the start line carries the record
+    (start,) = [line for line in out.splitlines() if line.startswith("start\t")]
+    fields = dict(f.split("=", 1) for f in start.split("\t")[1:])
+    assert fields["attempt"] == "2" and fields["step"] == "4" and fields["resumed_tier"] == "0"
+    assert fields["resumed_from"].endswith("step000000003.pt")
+    assert fields["previous_end"] == "failed" and fields["steps_redone"] == "1"
+    # stderr: one line says which checkpoint, which tier, and why
+    (said,) = [line for line in err.splitlines() if "attempt 2: resuming from" in line]
+    assert "(tier 0) at step 4 of 8" in said and "failed after step 5" in said
+    assert "RuntimeError: the node fell over" in said and "1 step(s) redone" in said
+    assert [line for line in err.splitlines() if "useful step(s)" in line]
+
+    # JSONL: the whole record, between the attempts' rows
+    records = read_jsonl_log(run / "log.jsonl")
+    attempts = [r for r in records if r["event"] == "attempt"]
+    assert [(r["step"], r["metrics"]["attempt"]) for r in attempts] == [(0, 1), (4, 2)]
+    second = attempts[1]["metrics"]
+    assert second["previous_end"] == "failed" and second["previous_step"] == 5
+    assert second["steps_redone"] == 1 and second["resumed_tier"] == 0
+    order = [(r["event"], r["step"]) for r in records]
+    at = order.index(("attempt", 4))
+    assert order[at - 1] == ("log", 4) and order[at + 1] == ("log", 4)  # step 4 again, after it
+    (end,) = [r for r in records if r["event"] == "end"]
+    assert end["step"] == 8 and end["metrics"]["attempts"] == 2
+    assert end["metrics"]["useful_steps"] == 8 and 0 < end["metrics"]["goodput"] <= 1
+
+    # CSV: two readable columns, attempt and note; every logged row has its throughput
+    rows = read_csv_log(run / "log.csv")
+    logged = [r["metrics"] for r in rows if r["event"] == "log"]
+    assert [m["progress"] for m in logged][-1] == 1.0 and all("eta_s" in m for m in logged)
+    assert [line for line in out.splitlines() if "progress=8/8" in line and "eta=" in line]
+    assert all(m["mfu"] > 0 for m in logged)  # measured FLOPs over the CPU's measured peak
+    csv_attempts = [r for r in rows if r["event"] == "attempt"]
+    assert [set(r["metrics"]) for r in csv_attempts] == [{"attempt", "note"}] * 2
+    assert csv_attempts[1]["metrics"]["note"] == said.split("koochak: ", 1)[1]
+    header = (run / "log.csv").read_text().splitlines()[0].split(",")
+    assert header[:6] == ["version", "event", "step", "time", "attempt", "note"]
+
+    # TensorBoard: the note as text, the number as a scalar
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("attempt")] == [(4, 2.0)]
+    (text,) = [e.tensor_proto.string_val[0].decode() for e in events.Tensors("attempt/text_summary")]
+    assert "attempt 2: resuming from" in text
+
+    history = read_history(run)
+    assert [r["event"] for r in history if r["event"] != "progress"] == ["start", "end", "start",
+                                                                          "end"]  # fmt: skip
+
+    # Once more on the finished run: one line says there is nothing to train.
+    assert main(["--config", str(config)]) == 0
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if "already finished" in line]
+    assert len(said) == 1 and "at step 8 of 8" in said[0] and "nothing to train" in said[0]
+    assert len(read_history(run)) == len(history)  # a no-op is no attempt
+
+
+def test_a_killed_attempt_is_a_crash_after_its_last_logged_step(tmp_path):
+    lines = [{"version": 1, "event": "start", "attempt": 1, "time": 1.0, "step": 0},
+             {"version": 1, "event": "progress", "attempt": 1, "time": 2.0, "step": 7}]  # fmt: skip
+    (tmp_path / "attempts.jsonl").write_text(
+        "".join(json.dumps(line) + "\n" for line in lines) + '{"torn'
+    )
+    checkpoint = {"step": 4, "next_step": 5, "reason": "periodic"}
+    record = begin_attempt(tmp_path, [str(tmp_path / "ck"), "s3://b/r"],
+                           "s3://b/r/step000000004.pt", checkpoint, 5, 10)  # fmt: skip
+    assert record["attempt"] == 2 and record["resumed_tier"] == 1
+    assert record["previous_end"] == "crashed" and record["steps_redone"] == 2
+    assert "crashed or was killed after step 7" in record["note"]
+    evacuated = begin_attempt(tmp_path / "none", [str(tmp_path)], str(tmp_path / "step.pt"),
+                              {"reason": "evacuation"}, 5, 10)  # fmt: skip
+    assert evacuated["previous_end"] == "evacuated" and evacuated["attempt"] == 2
+
+
+def test_wandb_gets_the_attempt_record_and_the_goodput(tmp_path, monkeypatch):
+    runs = []
+
+    class Run:
+        id = "r1"
+
+        def __init__(self):
+            self.summary, self.rows = {}, []
+            runs.append(self)
+
+        def log(self, row, step):
+            self.rows.append((step, row))
+
+        def finish(self, exit_code=0):
+            pass
+
+    fake = types.SimpleNamespace(init=lambda **kw: Run(), Settings=dict)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    hooks = make_wandb_hooks({"wandb": {"enabled": True, "mode": "offline", "name": "x",
+                                        "resume": "allow", "dir": str(tmp_path)}})  # fmt: skip
+    attempt = {"attempt": 2, "start_step": 4, "note": "attempt 2: ...", "previous_end": "failed"}
+    emit(hooks, "on_train_start", {"step": 4, "resumed": True, "attempt": attempt,
+                                   "out_dir": str(tmp_path)})  # fmt: skip
+    emit(hooks, "on_log", {"step": 4, "metrics": {"loss": 1.0, "progress": "5/8"}})
+    emit(hooks, "on_train_end", {"step": 8, "run": {"goodput": 0.5, "attempts": 2}})
+    (run,) = runs
+    assert run.summary["attempt"] == 2 and run.summary["attempts/2"]["previous_end"] == "failed"
+    assert run.summary["goodput"] == 0.5 and run.rows == [(4, {"loss": 1.0})]
+
+
+def test_goodput_counts_from_the_latest_fresh_start():
+    from koochak.loop.run_history import goodput
+
+    records = [{"event": "start", "attempt": 1, "time": 0.0, "step": 0, "resumed": False},
+               {"event": "end", "attempt": 1, "time": 50.0, "step": 10},
+               {"event": "start", "attempt": 2, "time": 100.0, "step": 0, "resumed": False},
+               {"event": "start", "attempt": 3, "time": 140.0, "step": 4, "resumed": True}]  # fmt: skip
+    run = goodput(records, step=10, wall_time=30.0, now=160.0)
+    assert run["attempts"] == 2 and run["useful_steps"] == 10 and run["wall_s"] == 60.0
+    assert run["goodput"] == 0.5 and run["goodput_steps_per_s"] == pytest.approx(10 / 60)
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_says_crashed_after_the_last_logged_step(project):
+    root, config = project
+    cmd = [sys.executable, "-m", "koochak.loop.cli", "--config", str(config)]
+    env = {**os.environ, "HISTORY_KILL_AT": "5", "PYTHONPATH": str(root)}
+    killed = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    env.pop("HISTORY_KILL_AT")
+    resumed = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    (said,) = [line for line in resumed.stderr.splitlines() if "attempt 2: resuming" in line]
+    assert "(tier 0) at step 4 of 8" in said and "crashed or was killed after step 5" in said
+    assert "1 step(s) redone" in said
+    attempt = [r for r in read_jsonl_log(root / "run" / "log.jsonl") if r["event"] == "attempt"]
+    assert attempt[-1]["metrics"]["previous_end"] == "crashed"
