@@ -38,7 +38,8 @@ def make_model(cfg):
             "gloo", timeout=datetime.timedelta(seconds=float(timeout))
         )
     torch.manual_seed(0)
-    return torch.nn.Linear(3, 1)
+    # The first layer's rows split over two ranks, so under FSDP every rank holds a shard.
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
 
 
 def dataset(cfg):

@@ -24,13 +24,13 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-MODE = "ddp: true"  # FSDP: "fsdp: {enabled: true}" (once tiers replicate sharded saves)
+MODE = "fsdp: {enabled: true}"  # DDP: "ddp: true" (rank 0 then writes whole checkpoints)
 
 
 def _config(cluster, tag: str, steps: int) -> str:
     from cluster_user import CONFIG
 
-    tiers = (f"checkpoint_dir: {cluster.local}/{tag}/ckpt, checkpoint_replication_retry_s: 1,\n"
+    tiers = (f'checkpoint_dir: "{cluster.local}/{tag}/{{node}}", checkpoint_replication_retry_s: 1,\n'
              f"        checkpoint_replicas: [s3://{cluster.s3_bucket}/{tag}],\n        ")  # fmt: skip
     config = CONFIG.replace("max_steps: 12", f"max_steps: {steps}").replace("ddp: true", MODE)
     return config.replace("progress_bar: false,", f"progress_bar: false, {tiers}", 1)
@@ -47,7 +47,10 @@ def _committed(store) -> list[str]:
 
 
 def _first_tier(cluster, node: str, tag: str) -> Path:
-    return cluster.nodelocal(node) / tag / "ckpt"
+    """The node's first tier as the host sees it: /local/<tag>/{node} on that node."""
+    found = sorted((cluster.nodelocal(node) / tag).glob("*"))
+    assert len(found) <= 1, found
+    return found[0] if found else cluster.nodelocal(node) / tag / "none"
 
 
 def _objects(path: Path) -> list[str]:
@@ -68,17 +71,29 @@ def test_two_nodes_commit_every_checkpoint_in_the_replica(cluster_env, tmp_path)
 
     replica = open_store(f"s3://{cluster_env.s3_bucket}/{tag}")
     seen = sample_log(Path(run.run_dir))
-    rank0 = {s.host for s in seen if s.rank == 0}
-    (writer,) = rank0
-    other = ({"node1", "node2"} - rank0).pop()
-    first = LocalStore(_first_tier(cluster_env, writer, tag))
+    ranks = {node: {s.rank for s in seen if s.host == node} for node in ("node1", "node2")}
+    (lead,) = [node for node, r in ranks.items() if 0 in r]
+    (other,) = [node for node in ranks if node != lead]
+    first = LocalStore(_first_tier(cluster_env, lead, tag))
     expected = _committed(first)  # after every 3 updates, and the terminal one
     assert expected == [f"step{s:09d}.pt" for s in (2, 5, 8, 12)]
     assert _committed(replica) == expected
     for name in expected:  # the replica committed the first tier's very commit
         assert read_manifest(replica, name)[1] == read_manifest(first, name)[1]
-    # DDP: rank 0 writes every checkpoint; the other node's rank writes nothing of it.
-    assert _objects(_first_tier(cluster_env, other, tag)) == []
+    held = {node: _objects(_first_tier(cluster_env, node, tag)) for node in ranks}
+    if "fsdp" in MODE:  # each node holds its own ranks' parts (rank 0's node: index, manifests)
+        for node in ranks:
+            writers = {int(n.split(".part-")[1][:5]) for n in held[node] if ".part-" in n}
+            assert writers == ranks[node], (node, held[node])
+        assert not [n for n in held[other] if n.endswith(".ready.json")], held[other]
+        parts = {n for n in replica_keys(replica) if ".part-" in n}
+        assert parts == {n for node in ranks for n in held[node] if ".part-" in n}
+    else:  # DDP: rank 0 writes every checkpoint; the other node's rank writes nothing
+        assert held[other] == []
+
+
+def replica_keys(store) -> list[str]:
+    return sorted(info.key for info in store.list())
 
 
 def _wait_node_state(node: str, prefixes: tuple[str, ...], timeout: float) -> str:
