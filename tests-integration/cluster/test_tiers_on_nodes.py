@@ -10,8 +10,8 @@ tier.
    empty node2) resumes from the durable tier, and the sample-id log shows every record of the
    run trained exactly once over the attempts.
 
-The runs are DDP (rank 0 writes the whole checkpoint). With FSDP on tiers, set MODE to
-"fsdp": {enabled: true} in the config, and each node's first tier holds its ranks' parts.
+The runs are FSDP with the first tier at /local/<run>/{node}; MODE = "ddp: true" runs the same
+scenarios under DDP (rank 0 then writes whole checkpoints, the other node nothing).
 """
 
 from __future__ import annotations
