@@ -6,10 +6,8 @@ split over the ranks), so a record's place in the run does not depend on the wor
 step appends one line per rank to ``$MARK_DIR/ids-<host>-<pid>.log``: ``attempt step rank
 world host id,id,...`` (the sample-id log). ``STEP_SLEEP`` slows steps down, ``$MARK_DIR/started``
 appears once step 1 began, and ``HANG_ON=<host>`` (with ``HANG_AT=<step>``) blocks that host's
-ranks forever inside ``step_fn``. ``COLLECTIVE_TIMEOUT_S`` makes the model builder create the
-gloo group itself with that timeout (the loop uses a group that exists)."""
+ranks forever inside ``step_fn``."""
 
-import datetime
 import os
 import socket
 import threading
@@ -32,11 +30,6 @@ entry: {model: "cluster_user:make_model", dataset: "cluster_user:dataset",
 
 
 def make_model(cfg):
-    timeout = os.environ.get("COLLECTIVE_TIMEOUT_S")
-    if timeout and "WORLD_SIZE" in os.environ and not torch.distributed.is_initialized():
-        torch.distributed.init_process_group(
-            "gloo", timeout=datetime.timedelta(seconds=float(timeout))
-        )
     torch.manual_seed(0)
     # The first layer's rows split over two ranks, so under FSDP every rank holds a shard.
     return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))

@@ -1,7 +1,7 @@
 """Scenario 4, a rank hung on node2 (its step_fn blocks forever from step 3): the job ends well
 before its time limit, on every node, with the reason in its log. The bound is the collective
 timeout of the gloo group (rank 0 on node1 gives up waiting for node2 in the gradient
-all-reduce; COLLECTIVE_TIMEOUT_S, torch's default is 30 minutes) plus srun's --wait. In
+all-reduce; KOOCHAK_COLLECTIVE_TIMEOUT_S, torch's default is 30 minutes) plus srun's --wait. In
 practice node2's launcher loses the rendezvous store with node1's launcher and stops its hung
 rank within seconds; srun kills whatever is left KOOCHAK_NODES_WAIT_S after node1's launcher
 ended (60 s by default)."""
@@ -41,7 +41,7 @@ def test_a_hung_rank_ends_the_job_on_every_node_within_the_bound(
 
     monkeypatch.setenv("KOOCHAK_NODES_WAIT_S", str(WAIT_S))  # sbatch exports it to the job
     run = prepare(tmp_path, "hung", CONFIG, HANG_ON="node2", HANG_AT="3",
-                  COLLECTIVE_TIMEOUT_S=str(COLLECTIVE_TIMEOUT_S))  # fmt: skip
+                  KOOCHAK_COLLECTIVE_TIMEOUT_S=str(COLLECTIVE_TIMEOUT_S))  # fmt: skip
     handle = submit(run, resources())  # a 10-minute time limit
     wait_for_path(Path(run.run_dir) / "hung-node2", timeout=300, job_id=handle.job_id)
     # Ended long before the time limit: the collective timeout, then srun's wait, then teardown.
