@@ -46,8 +46,10 @@ def test_usr1_evacuates_both_nodes_slurm_requeues_and_the_rerun_is_bit_identical
     # The first attempt exited 75 on every node and Slurm put the job back in the queue.
     assert (requeued["JobState"], requeued["ExitCode"]) == ("PENDING", "75:0"), requeued
     # Slurm holds a requeued batch job back for about two minutes (its BeginTime); a test
-    # need not wait that out.
-    subprocess.run(["scontrol", "update", f"JobId={first.job_id}", "StartTime=now"], check=False)
+    # need not wait that out, but a few seconds keep the new attempt's launch credential clear
+    # of the old attempt's revocation on the nodes.
+    subprocess.run(["scontrol", "update", f"JobId={first.job_id}", "StartTime=now+10"],
+                   check=False)  # fmt: skip
     fields = wait_for(first.job_id, ended, 300, "the second attempt's end")
     assert (fields["JobState"], exit_code(fields)) == ("COMPLETED", 0), logs(first)
     fields = wait_for(reference.job_id, ended, 300, "the end")
