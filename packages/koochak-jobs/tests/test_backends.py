@@ -395,3 +395,22 @@ def test_without_scruffy_the_error_says_what_to_install(monkeypatch, tmp_path, r
         RuntimeError, match="submit_scruffy_workflow requires the optional Scruffy client"
     ):
         submit_scruffy_workflow(_workflow(tmp_path, run_factory), root=tmp_path)
+
+
+def test_submit_pazuzu_on_several_nodes_launches_the_runner_argv_on_each(
+    pazuzu, tmp_path, run_factory
+):
+    from koochak.jobs.slurm_nodes import NODES_SCRIPT
+
+    run = run_factory(tmp_path / "run")
+    client = _recording_client(pazuzu)
+    two = pazuzu.SlurmResources(memory_gb_per_node=1, time_limit="00:05:00", nodes=2,
+                                tasks_per_node=2)  # fmt: skip
+    asyncio.run(submit_pazuzu(client, run, resources=two, log_dir=str(tmp_path / "logs")))
+    one = _slurm_resources(pazuzu)
+    asyncio.run(submit_pazuzu(client, run, resources=one, log_dir=str(tmp_path), distributed=True))
+    asyncio.run(submit_pazuzu(client, run, resources=one, log_dir=str(tmp_path)))
+    wide, narrow, plain = client.jobs
+    assert wide.argv == ("bash", "-c", NODES_SCRIPT, "koochak-nodes", "2", *run.runner_argv)
+    assert narrow.argv == ("bash", "-c", NODES_SCRIPT, "koochak-nodes", "1", *run.runner_argv)
+    assert plain.argv == run.runner_argv and wide.resources is two

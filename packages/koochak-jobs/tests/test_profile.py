@@ -204,6 +204,8 @@ RUNTIME = [
     "WORLD_SIZE",
     "MASTER_ADDR",
     "MASTER_PORT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "GROUP_RANK",
     "LC_ALL",
     "TMPDIR",
 ]

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .slurm_nodes import distributed_argv
 from .staging import StagedFile, stage_run, stage_write_once, staging_program
 from .workflow import PreparedWorkflow, SubmittableRun, _needs_wire, _wait_for_wire
 
@@ -177,7 +178,12 @@ async def stage_remote(client: Any, prepared: SubmittableRun) -> None:
 
 
 async def submit_pazuzu(
-    client: Any, prepared: SubmittableRun, *, resources: Any, log_dir: str
+    client: Any,
+    prepared: SubmittableRun,
+    *,
+    resources: Any,
+    log_dir: str,
+    distributed: bool | None = None,
 ) -> Any:
     """Stage ``prepared`` through ``client.run`` and submit it with ``client.submit_slurm``.
 
@@ -185,6 +191,12 @@ async def submit_pazuzu(
     ``<log_dir>/<name>-<jobid>.out|.err``. The job is built (and so validated) before anything
     is staged; then ``stage_remote`` stages every file, and any failed stage raises
     without submitting. Returns the ``SlurmHandle``.
+
+    ``distributed`` (default: ``resources.nodes > 1``): the batch script runs
+    ``srun ... python -m koochak.loop.launch`` once per node, which starts
+    ``resources.tasks_per_node`` ranks there, each the runner argv (``koochak.jobs.slurm_nodes``);
+    otherwise it ``exec``s the runner argv, one process. ``distributed=True`` on one node gives
+    a run of ``tasks_per_node`` ranks (a DDP config resumed on fewer nodes).
     """
     try:
         from pazuzu import SlurmJob
@@ -192,9 +204,14 @@ async def submit_pazuzu(
         raise RuntimeError(
             f"koochak.jobs.submit_pazuzu requires the optional pazuzu client: {exc}"
         ) from None
+    if distributed is None:
+        distributed = getattr(resources, "nodes", 1) > 1
+    argv = list(prepared.runner_argv)
+    if distributed:
+        argv = distributed_argv(argv, getattr(resources, "tasks_per_node", 1))
     job = SlurmJob(
         name=prepared.name,
-        argv=list(prepared.runner_argv),
+        argv=argv,
         cwd=str(prepared.cwd),
         log_dir=log_dir,
         resources=resources,

@@ -60,6 +60,12 @@ RUNTIME_OWNED = (
     "LOCAL_WORLD_SIZE",
     "MASTER_ADDR",
     "MASTER_PORT",
+    # torch's launcher (koochak.loop.launch, torchrun): its ranks reach the launcher's own
+    # rendezvous store through TORCHELASTIC_USE_AGENT_STORE; without it rank 0 binds the port
+    # the launcher already holds (EADDRINUSE). GROUP_* are the node's rank and count.
+    "TORCHELASTIC_*",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
 )
 PLACEHOLDERS = ("cwd", "run_dir")
 

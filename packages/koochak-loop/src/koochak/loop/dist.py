@@ -112,11 +112,15 @@ def init_process_group(
 
     Returns True when this call created the group, False when one already existed (the caller
     initialised it manually, which the loop respects). The backend defaults to NCCL when CUDA is
-    available and gloo otherwise.
+    available and gloo otherwise. Without ``timeout_s``, ``KOOCHAK_COLLECTIVE_TIMEOUT_S`` (seconds)
+    bounds every collective of the group when set (torch's default: 30 minutes for gloo), so a
+    rank hung on another node ends its peers in that time (docs/jobs.md, "Multi-node on Slurm").
     """
     if is_initialized():
         return False
     check_launch_environment(key)
+    if timeout_s is None and os.environ.get("KOOCHAK_COLLECTIVE_TIMEOUT_S"):
+        timeout_s = float(os.environ["KOOCHAK_COLLECTIVE_TIMEOUT_S"])
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
