@@ -205,14 +205,18 @@ def _threads(calls: list[Callable[[], None]]) -> None:
 
 def measure(
     methods: dict[str, Callable[[str], None]], base: str, repeats: int
-) -> dict[str, tuple[float, float]]:
-    """Median (wall, CPU) seconds of each method, interleaved; each writes into a fresh directory,
-    which is removed (and the disk settled with sync) outside the timer. CPU is this process's,
-    all threads, user + system: on a shared machine it shows the work each method does, which
-    the wall time follows when the cores are busy with other people's work."""
+) -> dict[str, tuple[float, float, list[float]]]:
+    """Median (wall, CPU) seconds of each method, and its wall time in each run; interleaved, in
+    alternating order (so a drift of the disk's speed during the run cancels out). Each run
+    writes into a fresh directory, which is removed (and the disk settled with sync) outside the
+    timer. CPU is this process's, all threads, user + system: on a shared machine it shows the
+    work each method does, which the wall time follows when the cores are busy with other
+    people's work. The per-run walls give per-run ratios (run k of one method against run k of
+    another, seconds apart), which show how far a single run can be trusted."""
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in methods}
-    for _ in range(repeats):
-        for name, method in methods.items():
+    order = list(methods.items())
+    for k in range(repeats):
+        for name, method in order if k % 2 == 0 else order[::-1]:
             root = tempfile.mkdtemp(prefix="bench-", dir=base)
             os.sync()
             t0, c0 = time.perf_counter(), time.process_time()
@@ -220,9 +224,20 @@ def measure(
             times[name].append((time.perf_counter() - t0, time.process_time() - c0))
             shutil.rmtree(root)
     return {
-        name: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v))
+        name: (
+            statistics.median(w for w, _ in v),
+            statistics.median(c for _, c in v),
+            [w for w, _ in v],
+        )
         for name, v in times.items()
     }
+
+
+def run_ratios(
+    times: dict[str, tuple[float, float, list[float]]], baseline: str, name: str
+) -> list[float]:
+    """``baseline``'s wall time / ``name``'s, run by run (> 1: ``name`` was faster)."""
+    return [b / w for b, w in zip(times[baseline][2], times[name][2])]
 
 
 def write_methods(state: dict[str, Any], parts: list[int], shm: bool) -> dict[str, Callable]:
@@ -367,14 +382,14 @@ def _rate(size: int, seconds: float) -> str:
 
 
 def report_writes(
-    title: str, size: int, times: dict[str, tuple[float, float]], shm: bool
+    title: str, size: int, times: dict[str, tuple[float, float, list[float]]], shm: bool
 ) -> list[str]:
     lines = [title, f"  {'':18s} {'wall':>8s}    {'speed':>11s}   {'CPU':>7s}"]
-    for name, (wall, cpu) in times.items():
+    for name, (wall, cpu, _) in times.items():
         lines.append(f"  {name:18s} {wall:8.3f} s  {_rate(size, wall)}  {cpu:6.3f} s")
     floor = min(times["raw 1 stream"][0], times["raw 2 streams"][0])
     for name in [n for n in times if n.startswith("koochak")]:
-        wall, cpu = times[name]
+        wall = times[name][0]
         parts = [
             f"{floor / wall:.2f}x raw floor",
             f"{times['dcp threads=2'][0] / wall:.2f}x dcp(2)",
@@ -384,6 +399,13 @@ def report_writes(
             parts.append(f"{times['sha256 2 cores'][0] / wall:.2f}x sha256(2 cores)")
         parts.append(f"{times['raw+sha256 2 str.'][0] / wall:.2f}x raw+sha256(2)")
         lines.append(f"  {name} speed: " + ", ".join(parts))
+        per_run = run_ratios(times, "raw+sha256 2 str.", name)
+        lines.append("    per run vs raw+sha256(2): " + " ".join(f"{r:.2f}x" for r in per_run))
+    # How far the floor itself moves between runs: its two-stream form against itself without
+    # the hash, run by run. On a virtual disk this spread bounds what one run can show.
+    spread = run_ratios(times, "raw+sha256 2 str.", "raw 2 streams")
+    lines.append("  raw 2 streams per run vs raw+sha256(2) (the disk's own spread): "
+                 + " ".join(f"{r:.2f}x" for r in spread))  # fmt: skip
     return lines
 
 
