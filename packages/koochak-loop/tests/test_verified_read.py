@@ -4,6 +4,7 @@ file; parts each hashed as they are read."""
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 
@@ -162,22 +163,53 @@ def test_a_part_of_another_size_is_refused_naming_it(tmp_path, caplog, mapped_pa
     assert f"part {part} has" in caplog.text and "the index says" in caplog.text
 
 
+class _WrappedOpen:
+    """A store with local files whose ``open`` returns a wrapper, not the file (a test store
+    that injects faults into reads, say)."""
+
+    def __init__(self, root):
+        from koochak.storage.store import LocalStore
+
+        self.inner = LocalStore(root)
+        self.location = self.inner.location
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def open(self, key):
+        return io.BytesIO(self.inner.get(key))
+
+
 def test_a_store_whose_open_is_not_a_plain_file_is_read_through_it(
     tmp_path, mapped_loads, mapped_parts
 ):
-    """A wrapper (here a throttled store) is honoured: its local path is not used to map."""
-    from koochak.storage.store import LocalStore
-    from koochak.storage.testing import ThrottledStore
-
+    """A wrapper is honoured: its local path is not used to map."""
     _save(tmp_path / "one", 1)
     saved = _save(tmp_path / "parts", 2, parts=2)
     for root, step in ((tmp_path / "one", 1), (tmp_path / "parts", 2)):
-        store = ThrottledStore(LocalStore(root), 1e12)
+        store = _WrappedOpen(root)
         assert store.local_path("x") is not None
         assert resolve_auto_resume(store).checkpoint["step"] == step
     assert not mapped_loads and not mapped_parts
-    ckpt = resolve_auto_resume(ThrottledStore(LocalStore(tmp_path / "parts"), 1e12)).checkpoint
+    ckpt = resolve_auto_resume(_WrappedOpen(tmp_path / "parts")).checkpoint
     assert torch.equal(ckpt["model"]["weight"], saved.weight)
+
+
+def test_a_throttled_tier_is_read_once(tmp_path, monkeypatch, mapped_loads):
+    """Resuming from a slow durable tier moves each byte of the checkpoint across its link
+    once (a probe for a mappable file once read the whole object before the real read)."""
+    from koochak.storage.store import LocalStore
+    from koochak.storage.testing import ThrottledStore
+
+    _save(tmp_path, 1)
+    size = os.path.getsize(tmp_path / "step000000001.pt")
+    moved = []
+    store = ThrottledStore(LocalStore(tmp_path), 1e12, sleep=lambda s: None)
+    monkeypatch.setattr(store, "_transfer", lambda link, n: moved.append(n))
+    assert store.local_path("step000000001.pt") is None
+    assert resolve_auto_resume(store).checkpoint["step"] == 1
+    assert not mapped_loads
+    assert size <= sum(moved) < size + 64 * 1024  # the object once, plus its small manifest
 
 
 def test_a_file_system_that_cannot_map_is_read_the_general_way(tmp_path, monkeypatch, caplog):

@@ -340,6 +340,12 @@ class ThrottledStore(_Delegating):
     def open(self, key: str) -> BinaryIO:
         return io.BytesIO(self.get(key))
 
+    def local_path(self, key: str) -> str | None:
+        """None: every byte must cross the link. A reader that used the inner store's path
+        (to map a checkpoint, say) would skip the throttle, and one that opened the object to
+        find out it is no plain file would already have paid a whole read for it."""
+        return None
+
     def put(self, key: str, data: Any, **expected: Any) -> ObjectInfo:
         if not self._writes:
             return self.inner.put(key, data, **expected)
