@@ -229,3 +229,22 @@ def test_a_probe_report_on_a_working_server_holds_no_credential(
         if path.is_file():
             _clean(path.read_bytes().decode("utf-8", "replace"), f"file {path}")
     assert os.environ["AWS_SECRET_ACCESS_KEY"] == SECRET  # the markers were the inputs
+
+
+def test_the_sdks_debug_log_holds_no_credential(leaky, monkeypatch, local_s3, caplog):
+    """A user debugging uploads turns on DEBUG for everything: botocore then logs each request
+    with its Authorization header (access key, signature) and each signature it computes."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", local_s3.endpoint)
+    caplog.set_level(logging.DEBUG)  # the root: every logger, the SDK's included
+    store = S3Store(S3Config(bucket=local_s3.native_bucket, prefix=f"tests/{uuid.uuid4().hex}/",
+                             region="us-east-1", path_style=True))  # fmt: skip
+    store.put("k", b"data")
+    assert store.get("k") == b"data"
+    store.delete("k")
+    sent = [r for r in caplog.records if r.name.startswith("botocore") and "Authorization" in r.getMessage()]
+    assert sent, "botocore logged no request: the test would prove nothing"
+    signed = [r for r in caplog.records if r.getMessage().startswith("Signature:")]
+    assert signed and all(r.getMessage().split()[-1] == "***" for r in signed)
+    for record in caplog.records:
+        _clean(record.getMessage(), f"log record {record.name}")
+        assert "Signature=" not in record.getMessage() or "Signature=***" in record.getMessage()

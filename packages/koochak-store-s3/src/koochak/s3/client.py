@@ -18,6 +18,7 @@ import os
 import threading
 from typing import Any
 
+from koochak.s3 import log_scrub
 from koochak.s3.config import S3Config
 from koochak.s3.errors import remember_credentials, scrub
 from koochak.storage.redact import has_user_info, redact_url
@@ -83,6 +84,7 @@ def _make_client(config: S3Config, pool: int) -> Any:
         remember_credentials(frozen.access_key, frozen.secret_key, frozen.token)
     # botocore adds the header in a handler of "before-call.s3"; ours runs after it.
     client.meta.events.register_last("before-call.s3", _no_expect_for_small_bodies)
+    log_scrub.install()  # the SDK's DEBUG records (request headers, signatures) scrubbed too
     return client
 
 
