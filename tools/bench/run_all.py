@@ -178,7 +178,7 @@ def _load_in(text: str) -> float | None:
 def benches(py: str) -> list[Bench]:
     bench = lambda script: [py, str(HERE / script)]  # noqa: E731
     return [
-        Bench("loop", bench("loop_overhead.py") + ["--anchors", "--explain", "--repeats", "3",
+        Bench("loop", bench("loop_overhead.py") + ["--anchors", "--explain", "--repeats", "5",
                                               "--json"],
               _loop_rows, 900),  # fmt: skip
         Bench("shards", bench("shards_bench.py") + ["--size", "128M", "--shard-bytes", "16M",
