@@ -212,6 +212,7 @@ def commit() -> str:
 
 def run(selected: list[Bench], log: Path | None) -> list[Row]:
     rows: list[Row] = []
+    texts: dict[str, str] = {}
     for b in selected:
         started = time.perf_counter()
         print(f"run_all: {b.name}: {' '.join(Path(a).name if '/' in a else a for a in b.argv)}",
@@ -226,6 +227,7 @@ def run(selected: list[Bench], log: Path | None) -> list[Row]:
             if proc.returncode != 0:
                 raise RuntimeError(f"exit {proc.returncode}: {proc.stderr.strip()[-200:]}")
             rows += b.rows(text)
+            texts[b.name] = text
         except Exception as exc:  # one benchmark's failure is a row, not the end of the run
             reason = str(exc)
             if isinstance(exc, subprocess.TimeoutExpired):
@@ -237,7 +239,26 @@ def run(selected: list[Bench], log: Path | None) -> list[Row]:
                             os.getloadavg()[0]))  # fmt: skip
         print(f"run_all: {b.name} done in {time.perf_counter() - started:.0f} s", file=sys.stderr,
               flush=True)  # fmt: skip
+    _bound_first_tier_ratio(rows, texts)
     return rows
+
+
+def _bound_first_tier_ratio(rows: list[Row], texts: dict[str, str]) -> None:
+    """Note on the first-tier row the most any recovery could show: the durable tier adds its
+    transfer (durable - first, from tiers_bench) to a recovery that cannot beat its floor
+    (recovery_bench's one-file floor, same size), so first tier / durable <= 1 + transfer /
+    floor."""
+    tiers, recovery = texts.get("tiers", ""), texts.get("recovery", "")
+    first = re.search(r"first tier:\s+([0-9.]+) s", tiers)
+    durable = re.search(r"from the durable store \([0-9.]+ MB/s\):\s+([0-9.]+) s", tiers)
+    floor = re.search(r"one file\s+wall: floor\s+([0-9.]+) s", recovery)
+    row = next((r for r in rows if r.measure.startswith("recovery: first tier vs")), None)
+    if not (first and durable and floor and row):
+        return
+    transfer = float(durable.group(1)) - float(first.group(1))
+    bound = 1 + transfer / float(floor.group(1))
+    row.note = (f"at most {bound:.2f}x here: the durable tier adds {transfer:.1f} s to a recovery "
+                f"whose floor is {float(floor.group(1)):.1f} s")  # fmt: skip
 
 
 def table(rows: list[Row], markdown: bool, head: str) -> str:

@@ -50,3 +50,16 @@ def test_a_benchmark_without_figures_gives_a_row_saying_so():
     run_all = _run_all()
     [row] = run_all._parts_rows('{"load_average_end": [1.0]}')
     assert row.ratio is None and row.met is None and row.note == "no figure"
+
+
+def test_the_first_tier_row_says_how_far_its_floor_lets_it_go():
+    run_all = _run_all()
+    tiers = ("recovery, process start -> first resumed step, first tier:     4.0 s  (after ...)\n"
+             "recovery from the durable store (100 MB/s):          6.7 s  (after ...)\n"
+             "  -> first tier  1.7x faster from process start,  2.0x after imports\n")
+    recovery = "  one file  wall: floor   3.00 s  koochak   2.50 s  ratio 0.83x (rounds ...)\n"
+    rows = run_all._tiers_rows(tiers)
+    run_all._bound_first_tier_ratio(rows, {"tiers": tiers, "recovery": recovery})
+    first = rows[0]
+    assert first.ratio == 1.7 and first.met is False
+    assert first.note.startswith("at most 1.90x here")  # 1 + (6.7 - 4.0) / 3.0
