@@ -417,12 +417,12 @@ def _on_device(
 ) -> Iterator[Any]:
     # A generator, so that ``iter(dataset)`` runs at the first batch, after the RNG is restored
     # (a DataLoader draws its base seed there). Delegating to ``map`` runs no Python per batch
-    # beyond ``to_device`` (and ``prepare_batch_fn``) themselves.
-    moved = map(to_device, dataset, repeat(device))
+    # but ``to_device``'s own.
     if prepare_batch_fn is None:
-        yield from moved
-    else:
-        yield from map(prepare_batch_fn, moved)
+        yield from map(to_device, dataset, repeat(device))
+    else:  # a loop: a StopIteration escaping prepare_batch_fn is an error here, not the data's end
+        for batch in dataset:
+            yield prepare_batch_fn(to_device(batch, device))
 
 
 class _DataEnd(Exception):
