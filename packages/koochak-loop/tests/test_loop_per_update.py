@@ -81,8 +81,8 @@ def test_an_ordinary_update_runs_few_bytecodes_of_the_loop_itself(tmp_path, caps
     short, long = _loop_bytecodes(tmp_path, 50), _loop_bytecodes(tmp_path, 150)
     per_update = {f: (long[f] - short.get(f, 0)) / 100 for f in long}
     total = sum(per_update.values())
-    # 155 on CPython 3.11 (newer versions run fewer): the loop body ~100, to_device's (x, y) path
-    # 44, the logging step's share ~10. Before issue 30's work it was ~260; one more call or flag
-    # test per update adds 5-15.
+    # 152 on CPython 3.11: the loop body and its micro-step call ~97, to_device's (x, y) path 44,
+    # the logging step's share ~11. Before issue 30's per-update work it was 268; one more call
+    # or flag test per update adds 5-15.
     assert total < 170, sorted(per_update.items(), key=lambda fc: -fc[1])
 

@@ -25,7 +25,7 @@ import warnings
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import chain, repeat
 from typing import Any
 
 import torch
@@ -415,14 +415,25 @@ def training_loop(
 def _on_device(
     dataset: Iterable[Any], device: torch.device, prepare_batch_fn: Callable[[Any], Any] | None
 ) -> Iterator[Any]:
-    # A generator, so that ``iter(dataset)`` runs at the first batch, after the RNG is restored
-    # (a DataLoader draws its base seed there). Delegating to ``map`` runs no Python per batch
-    # but ``to_device``'s own.
+    """The batches on ``device``. ``iter(dataset)`` runs at the first batch, after the RNG is
+    restored (a DataLoader draws its base seed there)."""
     if prepare_batch_fn is None:
-        yield from map(to_device, dataset, repeat(device))
-    else:  # a loop: a StopIteration escaping prepare_batch_fn is an error here, not the data's end
-        for batch in dataset:
-            yield prepare_batch_fn(to_device(batch, device))
+        # chain asks _moved for the map at the first batch, then hands out the map's batches:
+        # no Python runs per batch but ``to_device``'s own.
+        return chain.from_iterable(_moved(dataset, device))
+    return _prepared(dataset, device, prepare_batch_fn)
+
+
+def _moved(dataset: Iterable[Any], device: torch.device) -> Iterator[Iterator[Any]]:
+    yield map(to_device, dataset, repeat(device))
+
+
+def _prepared(
+    dataset: Iterable[Any], device: torch.device, prepare_batch_fn: Callable[[Any], Any]
+) -> Iterator[Any]:
+    # A loop, not map: a StopIteration escaping prepare_batch_fn is an error, not the data's end.
+    for batch in dataset:
+        yield prepare_batch_fn(to_device(batch, device))
 
 
 class _DataEnd(Exception):
