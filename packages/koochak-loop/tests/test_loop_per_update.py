@@ -86,3 +86,18 @@ def test_an_ordinary_update_runs_few_bytecodes_of_the_loop_itself(tmp_path, caps
     # or flag test per update adds 5-15.
     assert total < 170, sorted(per_update.items(), key=lambda fc: -fc[1])
 
+
+
+def test_the_pair_fast_path_of_to_device_keeps_every_case():
+    from koochak.loop.batch import to_device
+
+    x, y = torch.ones(2, 3), torch.zeros(2)
+    for non_blocking in (False, True):
+        moved = to_device((x, y), "cpu", non_blocking=non_blocking)
+        assert type(moved) is tuple and moved[0] is x and moved[1] is y  # already there: as is
+    assert to_device((x, "label"), "cpu") == (x, "label")  # not two tensors: the general path
+    param = torch.nn.Parameter(torch.ones(2))
+    moved = to_device((param, y), torch.device("meta"))
+    assert [t.device.type for t in moved] == ["meta", "meta"]  # a Tensor subclass moves too
+    pair = collections.namedtuple("Pair", "x y")(x, y)
+    assert type(to_device(pair, "cpu")).__name__ == "Pair"  # only a plain tuple takes the path

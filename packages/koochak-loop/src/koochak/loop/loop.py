@@ -437,7 +437,7 @@ def _prepared(
 
 
 class _DataEnd(Exception):
-    """The data ran out before an update's last micro-batch (raised by ``_micro_steps``'s
+    """The data ran out before an update had all its micro-batches (raised by ``_micro_steps``'s
     callable, so that an ordinary update pays no end-of-data test in the loop)."""
 
 
