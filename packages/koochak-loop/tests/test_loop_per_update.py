@@ -68,11 +68,12 @@ def _loop_bytecodes(tmp_path, steps: int) -> collections.Counter[str]:
             counts[Path(frame.f_code.co_filename).name] += 1
         return tracer
 
+    previous = sys.gettrace()  # a debugger's or coverage's: put back afterwards
     sys.settrace(tracer)
     try:
         _run(tmp_path / str(steps), steps)
     finally:
-        sys.settrace(None)
+        sys.settrace(previous)
     return counts
 
 
