@@ -532,25 +532,27 @@ def explain(w: Workload, steps: int = 1000) -> list[tuple[str, float, float]]:
     return rows
 
 
-def opcodes_per_update(w: Workload, steps: int = 300) -> dict[str, dict[str, float]]:
-    """Python bytecodes executed per update by the raw loop and by koochak, by file (``sys.
-    settrace`` opcode events; the difference of a ``steps // 3`` and a ``steps`` run, so setup
-    and teardown cancel). Deterministic: the same on a loaded machine as on an idle one."""
+def opcodes_per_update(
+    w: Workload, steps: int = 300
+) -> dict[str, dict[tuple[str, int | None], float]]:
+    """Python bytecodes executed per update by the raw loop and by koochak, by ``(file, line)``
+    (``sys.settrace`` opcode events; the difference of a ``steps // 3`` and a ``steps`` run, so
+    setup and teardown cancel). Deterministic: the same on a loaded machine as on an idle one."""
     import collections
 
-    counts: collections.Counter[str] = collections.Counter()
+    counts: collections.Counter[tuple[str, int | None]] = collections.Counter()
 
     def tracer(frame, event, arg):
         frame.f_trace_opcodes = True
         if event == "opcode":
-            counts[frame.f_code.co_filename.rsplit("/", 1)[-1]] += 1
+            counts[(frame.f_code.co_filename, frame.f_lineno)] += 1
         return tracer
 
     data = make_data(dataclasses.replace(w, steps=steps))
     result = {}
     for name in ("raw", "koochak"):
         run = CONTENDERS[name][1]
-        per: collections.Counter[str] = collections.Counter()
+        per: collections.Counter[tuple[str, int | None]] = collections.Counter()
         for n, sign in ((steps // 3, -1), (steps, 1)):
             counts.clear()
             sys.settrace(tracer)
@@ -713,11 +715,24 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:48} {n:6.2f} calls {us:7.2f} us profiled, ~{n * cost:5.2f} us")
         ops = opcodes_per_update(w)
         raw_ops, koochak_ops = sum(ops["raw"].values()), sum(ops["koochak"].values())
-        extra = {f: c - ops["raw"].get(f, 0.0) for f, c in ops["koochak"].items()}
+        by_file: dict[str, dict[str, float]] = {}
+        for name, lines in ops.items():
+            for (file, _), c in lines.items():
+                short = file.rsplit("/", 1)[-1]
+                by_file.setdefault(name, {})[short] = by_file.get(name, {}).get(short, 0.0) + c
+        extra = {f: c - by_file["raw"].get(f, 0.0) for f, c in by_file["koochak"].items()}
         top = sorted(((f, c) for f, c in extra.items() if c >= 1), key=lambda fc: -fc[1])[:6]
         print(f"Python bytecodes per update (deterministic): raw loop {raw_ops:.0f}, koochak "
               f"{koochak_ops:.0f} (+{koochak_ops - raw_ops:.0f}: "
               + ", ".join(f"{f} {c:+.0f}" for f, c in top) + ")")
+        print("koochak's own lines, by bytecodes per update (the user's step_fn included):")
+        import linecache
+
+        own = [(key, c) for key, c in ops["koochak"].items()
+               if c >= 1 and ("/koochak/" in key[0] or key[0] == __file__)]  # fmt: skip
+        for (file, line), c in sorted(own, key=lambda kc: -kc[1])[:16]:
+            text = linecache.getline(file, line or 0).strip()
+            print(f"  {c:5.1f}  {file.rsplit('/', 1)[-1]}:{line}  {text[:70]}")
         rows.append(("bytecodes per update, raw / koochak", raw_ops, koochak_ops))
     load = os.getloadavg()[0]
     print(f"load average at the end: {load:.2f}")

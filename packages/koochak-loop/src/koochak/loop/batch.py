@@ -19,13 +19,13 @@ def to_device(batch: Any, device: torch.device | str, non_blocking: bool = False
     Walks dicts, lists, tuples and named tuples; anything else (strings, numbers) is returned
     unchanged. Tensors already on ``device`` are returned as they are (``Tensor.to`` is a no-op).
     """
-    kind = type(batch)
-    if kind is tuple and len(batch) == 2:  # (inputs, targets), the commonest batch of all
+    if type(batch) is tuple and len(batch) == 2:  # (inputs, targets), the commonest batch of all
         first, second = batch
-        if type(first) is _TENSOR and type(second) is _TENSOR:
-            return first.to(device, non_blocking=non_blocking), second.to(
-                device, non_blocking=non_blocking
-            )
+        if isinstance(first, _TENSOR) and isinstance(second, _TENSOR):
+            if non_blocking:
+                return first.to(device, non_blocking=True), second.to(device, non_blocking=True)
+            return first.to(device), second.to(device)  # per batch: no keyword to pass
+    kind = type(batch)
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=non_blocking)
     if kind is tuple or kind is list:  # the common case first: cheaper than the Mapping check

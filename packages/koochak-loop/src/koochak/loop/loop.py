@@ -25,6 +25,7 @@ import warnings
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from itertools import chain, repeat
 from typing import Any
 
 import torch
@@ -207,15 +208,18 @@ def training_loop(
         grad_accum, clip, log_every = cfg.grad_accum, cfg.grad_clip, cfg.log_every
         max_steps, check_every = cfg.max_steps, cfg.nonfinite_grad_check_every
         end_step = max_steps if max_steps is not None else sys.maxsize
+        if stopped_before:
+            end_step = start_step  # no update runs; the terminal state is saved again
         step_scheduler = scheduler is not None and cfg.scheduler_step == "update"
         autocast = ctx.autocast if cfg.amp != "none" else None
+        scaled = scaler.enabled  # fp16 on CUDA
         step_end_hooks, log_hooks = hooks.get("on_step_end"), hooks.get("on_log")
         no_sync = _no_sync(train_model, raw_model, cfg)  # skips all but the last micro-step's sync
         # Sharded gradients: norms and finite checks are taken over every rank's shards.
         across = fsdp.ShardReduction(device) if cfg.fsdp.enabled and world_size > 1 else None
         gradient_gate = GradientGate(named_params, scaler, optimizer, clip, across)
         clip_every_step = gradient_gate.every_step
-        poll = checkpoints.poll
+        poll = checkpoints.poller()  # None when nothing can finish in the background
         # The cadences, as the index of the next update that ends one of them: ordinary updates
         # compare one integer; the due ones decide which cadence it is.
         periods = _periods(cfg, eval_fn, health)
@@ -244,6 +248,10 @@ def training_loop(
             batches = cuda_prefetch(dataset, device, prepare_batch_fn)
         else:
             batches = _on_device(dataset, device, prepare_batch_fn)
+        # One call per update, its fixed arguments bound once.
+        micro_steps = _micro_steps(
+            batches, step_fn, train_model, ctx, autocast, scaler, grad_accum, no_sync
+        )
 
         # FSDP: free the weights eval gathered (the EMA shadow's, maybe) before training resumes.
         settle = (lambda: fsdp.reshard(raw_model)) if cfg.fsdp.enabled else None
@@ -260,28 +268,28 @@ def training_loop(
         if eval_fn is not None and cfg.eval_at_step_zero and start_step == 0:
             eval_metrics = evaluate(0)
 
-        window_start, window_steps = time.perf_counter(), 0
+        # The logging window: the updates since the last log (from window_from to step).
+        window_start, window_from = time.perf_counter(), step
         outputs: Mapping[str, Any] | None = None
         last_batch: Any = None
-        logged = True
         next_due = _next_due(step, periods, max_steps)
         optimizer.zero_grad(set_to_none=True)
         if checkpoint_dict is not None:
             restore_rng(checkpoint_dict)  # last thing before the first step: nothing draws after
-        while step < end_step and not stopped_before:
+        while step < end_step:
             ctx.step = step
-            poll()  # deliver a finished async publication; raise if it failed
+            if poll is not None:
+                poll()  # deliver a finished async publication; raise if it failed
 
             # ---- micro-steps: autocast -> step_fn -> scaled backward, grad_accum times
-            pending, batch = _micro_steps(
-                batches, step_fn, train_model, ctx, autocast, scaler, grad_accum, no_sync
-            )
-            if batch is _END:
+            try:
+                outputs, last_batch = micro_steps()
+            except _DataEnd:
                 optimizer.zero_grad(set_to_none=True)  # a partial update is dropped, not applied
                 break
-            outputs, last_batch = pending, batch
 
-            # ---- cadences: which of log, finite check, GPU health, eval, save end this update
+            # ---- cadences: which of log, finite check, GPU health, eval, save end this update;
+            #      then the gradient gate: unscale -> finite check -> clip (when one needs it)
             due = step == next_due
             if due:
                 is_log = (step + 1) % log_every == 0 or step + 1 == max_steps
@@ -292,17 +300,13 @@ def training_loop(
                 )
                 is_save = checkpoints.due(step)
                 next_due = _next_due(step + 1, periods, max_steps)
-            else:
-                is_log = is_check = is_health = is_eval = is_save = False
-
-            # ---- gradient gate: unscale -> finite check -> clip (only when something needs it)
-            gate = host = None
-            if due or clip_every_step:
                 gate, host = gradient_gate(outputs, is_log, is_check, step)
+                lr = get_lr(optimizer) if is_log else 0.0  # the rate this update used
+            elif clip_every_step:
+                gradient_gate(outputs, False, False, step)  # its metrics are only logged
 
             # ---- update: optimizer -> scaler -> [EMA] -> scheduler
-            lr = get_lr(optimizer) if is_log else 0.0  # the rate this update used
-            if scaler.enabled:  # an fp16 GradScaler skips an update with inf/NaN gradients
+            if scaled:  # an fp16 GradScaler skips an update with inf/NaN gradients
                 scaler.step(optimizer)
                 scaler.update()
             else:
@@ -312,34 +316,35 @@ def training_loop(
             if step_scheduler:
                 _step_scheduler(scheduler, outputs)
             optimizer.zero_grad(set_to_none=True)
-            window_steps += 1
 
-            # ---- observe: hooks, log
+            # ---- observe: hooks; on the updates a cadence ends: log, GPU health, eval, save
             if step_end_hooks:
                 fire("on_step_end", {"step": step, "outputs": outputs})
-            if is_log:
-                assert host is not None
-                metrics = _log_metrics(host, gate, lr, time.perf_counter() - window_start)
-                metrics = _add_rate(metrics, batch, window_steps, grad_accum, world_size, reduce)
-                if log_hooks:
-                    fire("on_log", {"step": step, "metrics": metrics})
-                window_start, window_steps = time.perf_counter(), 0
-            logged = is_log
+            if due:
+                if is_log:
+                    assert host is not None
+                    metrics = _log_metrics(host, gate, lr, time.perf_counter() - window_start)
+                    metrics = _add_rate(metrics, last_batch, step + 1 - window_from, grad_accum,
+                                        world_size, reduce)  # fmt: skip
+                    if log_hooks:
+                        fire("on_log", {"step": step, "metrics": metrics})
+                    window_start, window_from = time.perf_counter(), step + 1
 
-            # ---- protect: GPU health (every rank checks its device; one bad device stops all)
-            if is_health:
-                _check_health(health, step, device, checkpoints, {**metrics, **eval_metrics}, lease)
+                # ---- protect: GPU health (every rank checks its device; one bad one stops all)
+                if is_health:
+                    _check_health(health, step, device, checkpoints, {**metrics, **eval_metrics},
+                                  lease)  # fmt: skip
 
-            # ---- maybe eval
-            if is_eval:
-                eval_metrics = evaluate(step)
-                if scheduler is not None and cfg.scheduler_step == "eval":
-                    _step_scheduler(scheduler, eval_metrics)
+                # ---- maybe eval
+                if is_eval:
+                    eval_metrics = evaluate(step)
+                    if scheduler is not None and cfg.scheduler_step == "eval":
+                        _step_scheduler(scheduler, eval_metrics)
 
-            # ---- maybe save (periodic: keeps its zero-based index, resumes at step + 1)
-            if is_save:
-                check_held(lease, world_size, step + 1)  # lost it: stop, never publish (exit 2)
-                checkpoints.periodic(step, {**metrics, **eval_metrics})
+                # ---- maybe save (periodic: keeps its zero-based index, resumes at step + 1)
+                if is_save:
+                    check_held(lease, world_size, step + 1)  # lost it: stop, never publish (exit 2)
+                    checkpoints.periodic(step, {**metrics, **eval_metrics})
             step += 1
 
             # ---- stop: a hook asked for it (early stopping, a budget); every rank agrees
@@ -361,10 +366,12 @@ def training_loop(
                 raise Evacuated(step, checkpoint, path)
 
         # ---- finish: the last update is always logged, the terminal state saved and returned
-        if not logged and outputs is not None:
+        if step > window_from:  # updates since the last log (so outputs is not None)
+            assert outputs is not None
             window_s = time.perf_counter() - window_start
             metrics = _log_metrics(_to_host(outputs, None), None, get_lr(optimizer), window_s)
-            metrics = _add_rate(metrics, last_batch, window_steps, grad_accum, world_size, reduce)
+            metrics = _add_rate(metrics, last_batch, step - window_from, grad_accum, world_size,
+                                reduce)  # fmt: skip
             emit(hooks, "on_log", {"step": step - 1, "metrics": metrics}, warned=warned)
         final_metrics = {**metrics, **eval_metrics}
         reason = "stopped" if stop or stopped_before else "terminal"
@@ -408,18 +415,34 @@ def training_loop(
 def _on_device(
     dataset: Iterable[Any], device: torch.device, prepare_batch_fn: Callable[[Any], Any] | None
 ) -> Iterator[Any]:
-    # A generator, so that ``iter(dataset)`` runs at the first batch, after the RNG is restored
-    # (a DataLoader draws its base seed there).
+    """The batches on ``device``. ``iter(dataset)`` runs at the first batch, after the RNG is
+    restored (a DataLoader draws its base seed there)."""
     if prepare_batch_fn is None:
-        for batch in dataset:
-            yield to_device(batch, device)
-    else:
-        for batch in dataset:
-            yield prepare_batch_fn(to_device(batch, device))
+        # chain asks _moved for the map at the first batch, then hands out the map's batches:
+        # no Python runs per batch but ``to_device``'s own.
+        return chain.from_iterable(_moved(dataset, device))
+    return _prepared(dataset, device, prepare_batch_fn)
+
+
+def _moved(dataset: Iterable[Any], device: torch.device) -> Iterator[Iterator[Any]]:
+    yield map(to_device, dataset, repeat(device))
+
+
+def _prepared(
+    dataset: Iterable[Any], device: torch.device, prepare_batch_fn: Callable[[Any], Any]
+) -> Iterator[Any]:
+    # A loop, not map: a StopIteration escaping prepare_batch_fn is an error, not the data's end.
+    for batch in dataset:
+        yield prepare_batch_fn(to_device(batch, device))
+
+
+class _DataEnd(Exception):
+    """The data ran out before an update had all its micro-batches (raised by ``_micro_steps``'s
+    callable, so that an ordinary update pays no end-of-data test in the loop)."""
 
 
 def _micro_steps(
-    batches: Any,
+    batches: Iterator[Any],
     step_fn: Callable[..., Mapping[str, Any]],
     model: torch.nn.Module,
     ctx: StepContext,
@@ -427,34 +450,52 @@ def _micro_steps(
     scaler: Scaler,
     grad_accum: int,
     no_sync: Callable[[], AbstractContextManager[Any]] | None,
-) -> tuple[Any, Any]:
-    """One update's micro-steps: ``(accumulated outputs, last batch)``, or ``(None, _END)`` when
-    the data runs out (a partly accumulated update is dropped, with a warning)."""
-    if grad_accum == 1:  # the common case: one batch, nothing to accumulate or keep local
-        batch = next(batches, _END)
-        if batch is _END:
-            return None, _END
-        ctx.micro_step = 0
-        return _micro_step(step_fn, model, batch, ctx, autocast, scaler, 1), batch
-    pending: Any = None
-    batch: Any = None
-    for micro in range(grad_accum):
-        batch = next(batches, _END)
-        if batch is _END:
-            if pending is not None:
-                warnings.warn(
-                    f"dataset ran out inside update {ctx.step}: its {micro} micro-batch(es) were "
-                    f"dropped rather than applied as a partial grad_accum={grad_accum} update",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-            return None, _END
-        ctx.micro_step = micro
-        # Under DDP and FSDP only the last micro-step reduces gradients across ranks.
-        with no_sync() if no_sync is not None and micro < grad_accum - 1 else _NULL:
-            out = _micro_step(step_fn, model, batch, ctx, autocast, scaler, grad_accum)
-        pending = _accumulate(pending, out, grad_accum)
-    return pending, batch
+) -> Callable[[], tuple[Mapping[str, Any], Any]]:
+    """The run's per-update callable, its fixed arguments bound once: it runs one update's
+    micro-steps and returns ``(accumulated outputs, last batch)``, or raises ``_DataEnd`` when the
+    data runs out (a partly accumulated update is dropped, with a warning)."""
+    if grad_accum == 1 and autocast is None and not scaler.enabled:
+        # The common case: one batch in full precision, nothing to accumulate, scale or keep local.
+        def one_batch() -> tuple[Mapping[str, Any], Any]:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                raise _DataEnd from None
+            out = step_fn(model, batch, ctx)
+            try:
+                loss = out["loss"]
+            except (KeyError, TypeError, IndexError):
+                raise _not_a_loss(out) from None
+            loss.backward()
+            return out, batch
+
+        return one_batch
+
+    def micro_steps() -> tuple[Mapping[str, Any], Any]:
+        pending: Any = None
+        batch: Any = None
+        for micro in range(grad_accum):
+            batch = next(batches, _END)
+            if batch is _END:
+                if pending is not None:
+                    warnings.warn(
+                        f"dataset ran out inside update {ctx.step}: its {micro} micro-batch(es) "
+                        f"were dropped rather than applied as a partial grad_accum={grad_accum} "
+                        "update",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+                raise _DataEnd
+            ctx.micro_step = micro
+            if grad_accum == 1:
+                return _micro_step(step_fn, model, batch, ctx, autocast, scaler, 1), batch
+            # Under DDP and FSDP only the last micro-step reduces gradients across ranks.
+            with no_sync() if no_sync is not None and micro < grad_accum - 1 else _NULL:
+                out = _micro_step(step_fn, model, batch, ctx, autocast, scaler, grad_accum)
+            pending = _accumulate(pending, out, grad_accum)
+        return pending, batch
+
+    return micro_steps
 
 
 def _micro_step(
@@ -474,15 +515,19 @@ def _micro_step(
     try:
         loss = out["loss"]
     except (KeyError, TypeError, IndexError):
-        raise TypeError(
-            f"step_fn must return a dict with a 'loss' tensor, got {type(out).__name__}"
-            + (f" with keys {sorted(out)}" if isinstance(out, Mapping) else "")
-        ) from None
+        raise _not_a_loss(out) from None
     # Dividing each micro-loss by grad_accum makes k accumulated micro-batches equal one k x batch.
     if grad_accum > 1:
         loss = loss / grad_accum
     (scaler.scale(loss) if scaler.enabled else loss).backward()
     return out
+
+
+def _not_a_loss(out: Any) -> TypeError:
+    return TypeError(
+        f"step_fn must return a dict with a 'loss' tensor, got {type(out).__name__}"
+        + (f" with keys {sorted(out)}" if isinstance(out, Mapping) else "")
+    )
 
 
 def _accumulate(

@@ -212,6 +212,14 @@ class Checkpointer:
         if self.saver is not None:
             self.saver.poll()
 
+    def poller(self) -> Callable[[], None] | None:
+        """What to call at each step boundary (``poll``), or None when nothing can ever finish in
+        the background in this run: every save is synchronous and nothing replicates, so a poll
+        would never find anything to deliver (the loop then skips it)."""
+        if self.saver is None or not self.saver.works_in_background:
+            return None
+        return self.saver.poll
+
     def close(self) -> None:
         """On an error path: let an in-flight publication finish without masking the error."""
         if self.saver is not None:
@@ -442,6 +450,12 @@ class CheckpointSaver:
         where = held[0].store
         local = where.local_path(name)
         return local if local is not None else f"{where.location.rstrip('/')}/{name}"
+
+    @property
+    def works_in_background(self) -> bool:
+        """Whether anything can finish off this thread, for ``poll`` to deliver: async publishing
+        (its publisher is made at the first save) or replication (started with the saver)."""
+        return self.async_publish or self._replicator is not None
 
     def poll(self) -> None:
         """Deliver a finished background publication (raises if it failed) and what replication
