@@ -77,6 +77,16 @@ def _loop_bytecodes(tmp_path, steps: int) -> collections.Counter[str]:
     return counts
 
 
+# Bytecode counts are deterministic for one interpreter version, not across versions (3.12
+# and 3.13 compile the same source to other instructions): the budget is pinned where it was
+# measured, and another interpreter skips the test rather than guessing.
+BUDGETS = {(3, 11): 170}
+
+
+@pytest.mark.skipif(
+    sys.implementation.name != "cpython" or sys.version_info[:2] not in BUDGETS,
+    reason="the bytecode budget is measured on CPython 3.11",
+)
 def test_an_ordinary_update_runs_few_bytecodes_of_the_loop_itself(tmp_path, capsys):
     _run(tmp_path / "warm", 2)  # imports and first-call work out of the way
     short, long = _loop_bytecodes(tmp_path, 50), _loop_bytecodes(tmp_path, 150)
@@ -85,7 +95,7 @@ def test_an_ordinary_update_runs_few_bytecodes_of_the_loop_itself(tmp_path, caps
     # 152 on CPython 3.11: the loop body and its micro-step call ~97, to_device's (x, y) path 44,
     # the logging step's share ~11. Before issue 30's per-update work it was 268; one more call
     # or flag test per update adds 5-15.
-    assert total < 170, sorted(per_update.items(), key=lambda fc: -fc[1])
+    assert total < BUDGETS[sys.version_info[:2]], sorted(per_update.items(), key=lambda fc: -fc[1])
 
 
 
