@@ -18,6 +18,12 @@ The floor printed below each tree is what any Python command pays before its fir
 interpreter's start and `import koochak.data.cli`, timed the same way (a whole command that
 does nothing else). tar pays none of it.
 
+Python commands run with their bytecode cached, as an installed package has it (pip compiles it
+at install; otherwise the first run writes `__pycache__`): the children get a bytecode cache
+in the scratch directory (`PYTHONPYCACHEPREFIX`) that the uncounted first round fills, even where
+`PYTHONDONTWRITEBYTECODE` is set. `--no-bytecode-cache` keeps that setting as it is, so a
+workspace without written bytecode compiles every koochak module from source in every run.
+
     python tools/bench/pull_bench.py                       # both trees, 5 runs each: ~1 minute
     python tools/bench/pull_bench.py --files 20000 --big 64M --repeat 3   # one larger tree
     python tools/bench/pull_bench.py --files 20000 --max-file 8K --repeat 3   # issue 20's tree
@@ -48,11 +54,15 @@ def _koochak_data() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "koochak.data"]
 
 
-def _run(argv: list[str], *, shell: bool = False) -> tuple[float, float]:
+def _run(
+    argv: list[str], *, shell: bool = False, env: dict[str, str] | None = None
+) -> tuple[float, float]:
     """Wall and CPU seconds (user + system) of one command, measured from outside it."""
     with tempfile.TemporaryFile() as errors:
         start = time.perf_counter()
-        proc = subprocess.Popen(argv, shell=shell, stdout=subprocess.DEVNULL, stderr=errors)
+        proc = subprocess.Popen(
+            argv, shell=shell, stdout=subprocess.DEVNULL, stderr=errors, env=env
+        )
         # wait4's usage covers the child and every descendant it reaped (a pipeline's tools).
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - start
@@ -64,8 +74,18 @@ def _run(argv: list[str], *, shell: bool = False) -> tuple[float, float]:
     return wall, usage.ru_utime + usage.ru_stime
 
 
+def _python_env(scratch: Path, bytecode_cache: bool) -> dict[str, str] | None:
+    """The environment of the Python commands: with a bytecode cache of their own (see above)."""
+    if not bytecode_cache:
+        return None
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPYCACHEPREFIX"] = str(scratch / "pycache")
+    return env
+
+
 def _bench_tree(
-    scratch: Path, files: int, big: int, big_count: int, repeat: int, max_file: int = 64 << 10
+    scratch: Path, files: int, big: int, big_count: int, repeat: int, max_file: int = 64 << 10,
+    bytecode_cache: bool = True,
 ) -> dict[str, object]:
     src, coll, tar_file = scratch / "src", scratch / "coll", scratch / "tree.tar"
     total = _generate(src, files, big, big_count, seed=0, max_size=max_file)
@@ -79,6 +99,7 @@ def _bench_tree(
         "sha256sum": lambda dest: (f"find {src} -type f -print0 | xargs -0 sha256sum > /dev/null",),
         "startup + import": lambda dest: [sys.executable, "-c", "import koochak.data.cli"],
     }
+    python_env = _python_env(scratch, bytecode_cache)
     runs: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
     for i in range(repeat + 1):  # the first round warms caches and is not counted
         for name, make in commands.items():
@@ -88,7 +109,8 @@ def _bench_tree(
             os.sync()
             argv = make(dest)
             shell = name == "sha256sum"
-            figure = _run(list(argv) if not shell else argv[0], shell=shell)
+            env = python_env if name not in ("tar -xf", "sha256sum") else None
+            figure = _run(list(argv) if not shell else argv[0], shell=shell, env=env)
             if i:
                 runs[name].append(figure)
             # Outputs stay until the tree is done: deleting thousands of files between runs
@@ -96,7 +118,7 @@ def _bench_tree(
     wall = {name: statistics.median(w for w, _ in values) for name, values in runs.items()}
     cpu = {name: statistics.median(c for _, c in values) for name, values in runs.items()}
     return {"files": files, "max_file": max_file, "big": big, "big_count": big_count,
-            "bytes": total, "wall": wall,
+            "bytes": total, "bytecode_cache": bytecode_cache, "wall": wall,
             "cpu": cpu, "ranges": {n: (min(w for w, _ in v), max(w for w, _ in v))
                                    for n, v in runs.items()}}  # fmt: skip
 
@@ -143,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     parser.add_argument("--json", action="store_true", help="also print the figures as JSON")
+    parser.add_argument("--no-bytecode-cache", dest="bytecode_cache", action="store_false",
+                        help="leave PYTHONDONTWRITEBYTECODE as it is (no bytecode cache)")
     args = parser.parse_args(argv)
     for tool in ("tar", "find", "xargs", "sha256sum"):
         if shutil.which(tool) is None:
@@ -153,12 +177,15 @@ def main(argv: list[str] | None = None) -> int:
     else:
         trees = [(args.files, parse_size(args.big), args.big_count, parse_size(args.max_file))]
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"pull_bench: whole commands, medians of {args.repeat} interleaved runs; load {load}")
+    cache = "cached" if args.bytecode_cache else "as the environment has it (--no-bytecode-cache)"
+    print(f"pull_bench: whole commands, medians of {args.repeat} interleaved runs; load {load}; "
+          f"koochak bytecode {cache}")  # fmt: skip
     results = []
     for files, big, big_count, max_file in trees:
         scratch = Path(tempfile.mkdtemp(prefix="koochak-pull-bench-", dir=args.dir))
         try:
-            result = _bench_tree(scratch, files, big, big_count, args.repeat, max_file)
+            result = _bench_tree(scratch, files, big, big_count, args.repeat, max_file,
+                                 args.bytecode_cache)  # fmt: skip
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         _print(result)
