@@ -7,9 +7,11 @@ after a kill finishes the job.
 
 Safety against a hostile manifest: paths are checked by the reader (no ``..``, no absolute
 paths), and every directory below DEST is opened with ``O_NOFOLLOW`` relative to its parent's
-descriptor, so a symlink planted anywhere under DEST is refused rather than followed. Each file
-is written under a hidden temp name in its final directory and renamed into place, so a killed
-pull never leaves a partial file under a final name. Temp names are random and created with
+descriptor, so a symlink planted anywhere under DEST is refused rather than followed. A
+directory DEST lacks is staged under a hidden temp name and renamed into place once every file
+below it is whole; in a directory that already exists each file is an unnamed ``O_TMPFILE`` (or a
+hidden temp name) linked or renamed into place once whole, so a killed pull never leaves a
+partial file under a final name. Temp names carry the run's random token and are created with
 ``O_EXCL``, so they can never be the name of a restored file, and pull removes only temp files
 that a pull provably created (``_dest_lock``): its own, and a killed pull's.
 
