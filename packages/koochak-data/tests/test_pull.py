@@ -388,7 +388,7 @@ def test_ranges_from_a_store_of_cheap_requests_are_capped_at_16_mib(tmp_path) ->
     assert report.requests == 2 + 1
 
 
-def test_one_thread_at_a_time_writes_fetched_ranges(collection, tmp_path, monkeypatch) -> None:
+def test_at_most_two_threads_write_fetched_ranges(collection, tmp_path, monkeypatch) -> None:
     import threading
     import time
 
@@ -404,7 +404,7 @@ def test_one_thread_at_a_time_writes_fetched_ranges(collection, tmp_path, monkey
             busy[0] += 1
             most[0] = max(most[0], busy[0])
         try:
-            time.sleep(0.002)  # long enough for another stream to arrive meanwhile
+            time.sleep(0.005)  # long enough for the other streams to arrive meanwhile
             return original(self, d, entry, data, fsync)
         finally:
             with lock:
@@ -413,7 +413,30 @@ def test_one_thread_at_a_time_writes_fetched_ranges(collection, tmp_path, monkey
     monkeypatch.setattr(pull_module._DestTree, "write", write)
     src, coll = collection
     out = tmp_path / "out"
-    report = pull_collection(coll, out, streams=4, gap_bytes=0, max_range_bytes=1)
-    assert report.requests > 6  # many ranges, fetched by 4 streams
-    assert most[0] == 1
+    report = pull_collection(coll, out, streams=6, gap_bytes=0, max_range_bytes=1)
+    assert report.requests > 8  # many ranges, fetched by 6 streams
+    assert most[0] == 2
     _same_tree(src, out)
+
+
+def test_a_store_of_cheap_requests_gets_two_streams_by_default(collection, tmp_path, monkeypatch):
+    # Ranges from a local filesystem come at memory speed: more streams would only hold more
+    # buffers. A store whose requests are dear keeps its profile's concurrency.
+    import dataclasses
+
+    from koochak.data import pull as pull_module
+    from koochak.storage import profile as profile_module
+
+    seen = []
+    real = pull_module.ThreadPoolExecutor
+    monkeypatch.setattr(pull_module, "ThreadPoolExecutor",
+                        lambda max_workers: seen.append(max_workers) or real(max_workers))  # fmt: skip
+    src, coll = collection
+    pull_collection(coll, tmp_path / "out")
+    assert seen == [2]
+    remote = dataclasses.replace(profile_module.REMOTE_PROFILE, concurrency=12)
+    monkeypatch.setattr(profile_module, "profile_of", lambda store: remote)
+    seen.clear()
+    pull_collection(coll, tmp_path / "out2")
+    assert seen == [12]
+    _same_tree(src, tmp_path / "out2")

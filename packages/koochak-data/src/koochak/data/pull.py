@@ -47,11 +47,17 @@ DEFAULT_MAX_RANGE_BYTES = 64 << 20
 # parallel filesystem): 16 MiB buffers come back from the allocator already faulted in, a 64 MiB
 # one is fresh memory each time (page faults cost about as much as hashing the bytes).
 _MIN_AUTO_RANGE_BYTES = 16 << 20
-# Threads writing the files of fetched ranges at once; the other streams fetch meanwhile. A
-# small file costs a few short system calls and a little Python: two threads handing the GIL
-# to each other around every call cost more CPU than they overlap (measured at 4,000 and 20,000
-# files). Objects, written while they stream in, are not limited.
-_RANGE_WRITERS = 1
+# Threads writing the files of fetched ranges at once; other streams fetch meanwhile. A small
+# file costs a few short system calls and a little Python, so more writers mostly hand the GIL
+# to each other around every call: two keep two cores busy, eight cost a third more CPU and
+# wall time (measured at 4,000 and 20,000 files). Objects, written as they stream in, are not
+# limited.
+_RANGE_WRITERS = 2
+# A store whose request costs less than streaming this many bytes (a local or parallel
+# filesystem) serves ranges at memory speed: by default pull runs two streams there, since
+# more only hold more buffers of fresh memory ahead of the writers.
+_CHEAP_REQUEST_BYTES = 1 << 20
+_CHEAP_STORE_STREAMS = 2
 # Final-name creates below a staged directory: create-only, never through a symlink.
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 # Directory descriptors kept open between files; beyond this the idle ones are closed.
@@ -506,9 +512,10 @@ def pull_collection(
     does not match: such files are not written, but every other file is restored before the
     error is raised.
 
-    ``gap_bytes`` and ``max_range_bytes`` shape the merged range reads (``merge_ranges``); by
-    default both come from the source's profile: ranges of up to 64 MiB, less for a store of
-    cheap requests (32 requests' worth of streamed bytes, at least 16 MiB).
+    ``streams``, ``gap_bytes`` and ``max_range_bytes`` default from the source's profile: its
+    concurrency (at most 16; 2 where a request costs less than streaming 1 MiB, a local or
+    parallel filesystem), a gap worth one request, and ranges of up to 64 MiB, less for a store
+    of cheap requests (32 requests' worth of streamed bytes, at least 16 MiB).
     """
     from koochak.data._progress import progress_bar
     from koochak.storage.profile import profile_of
@@ -516,19 +523,20 @@ def pull_collection(
 
     store = open_store(source)
     profile = profile_of(store)
+    request_bytes = profile.request_seconds * profile.stream_bytes_per_second
     if streams is None:
-        streams = max(1, min(profile.concurrency, 16))
+        most = _CHEAP_STORE_STREAMS if request_bytes <= _CHEAP_REQUEST_BYTES else 16
+        streams = max(1, min(profile.concurrency, most))
     if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
         raise ValueError(f"streams={streams!r}: expected a whole number >= 1")
     if gap_bytes is None:
         # Reading a gap is cheaper than another request while it takes less than a request.
-        raw = profile.request_seconds * profile.stream_bytes_per_second
-        gap_bytes = int(min(max(raw, 64 << 10), 16 << 20))
+        gap_bytes = int(min(max(request_bytes, 64 << 10), 16 << 20))
     if max_range_bytes is None:
         # Big enough that a request costs little beside its bytes, small enough on a cheap
         # store that each range's buffer is reused memory rather than fresh pages.
-        raw = 32 * profile.request_seconds * profile.stream_bytes_per_second
-        max_range_bytes = int(min(max(raw, _MIN_AUTO_RANGE_BYTES), DEFAULT_MAX_RANGE_BYTES))
+        cap = 32 * request_bytes
+        max_range_bytes = int(min(max(cap, _MIN_AUTO_RANGE_BYTES), DEFAULT_MAX_RANGE_BYTES))
     collection = load_collection(store)
     selected = collection.select(include)
     for pattern in include:
