@@ -15,8 +15,15 @@ Two trees by default: the collection benchmark's (2,000 files of 1-64 KiB in dir
 at least 2x as fast as sha256sum (ratio <= 0.5x).
 
 The floor printed below each tree is what any Python command pays before its first file: the
-interpreter's start and `import koochak.data.cli`, timed the same way (a whole command that
-does nothing else). tar pays none of it.
+interpreter's start and the imports a pull runs (`koochak.data.cli`, `koochak.data.pull` and the
+store modules it opens a collection with), timed the same way (a whole command that does
+nothing else). tar pays none of it.
+
+Python commands run with their bytecode cached, as an installed package has it (pip compiles it
+at install; otherwise the first run writes `__pycache__`): the children get a bytecode cache
+in the scratch directory (`PYTHONPYCACHEPREFIX`) that the uncounted first round fills, even where
+`PYTHONDONTWRITEBYTECODE` is set. `--no-bytecode-cache` keeps that setting as it is, so a
+workspace without written bytecode compiles every koochak module from source in every run.
 
     python tools/bench/pull_bench.py                       # both trees, 5 runs each: ~1 minute
     python tools/bench/pull_bench.py --files 20000 --big 64M --repeat 3   # one larger tree
@@ -42,17 +49,27 @@ from collection_bench import _generate  # noqa: E402  (the same tree generator)
 from koochak.data.archive import archive_tree  # noqa: E402
 from koochak.storage.profile import parse_size  # noqa: E402
 
+# What `koochak-data pull` imports before its first file (the CLI imports the rest lazily).
+_PULL_IMPORTS = (
+    "import koochak.data.cli, koochak.data.pull, koochak.data._progress, koochak.storage.store, "
+    "koochak.storage.profile"
+)
+
 
 def _koochak_data() -> list[str]:
     script = Path(sys.executable).with_name("koochak-data")
     return [str(script)] if script.exists() else [sys.executable, "-m", "koochak.data"]
 
 
-def _run(argv: list[str], *, shell: bool = False) -> tuple[float, float]:
+def _run(
+    argv: list[str], *, shell: bool = False, env: dict[str, str] | None = None
+) -> tuple[float, float]:
     """Wall and CPU seconds (user + system) of one command, measured from outside it."""
     with tempfile.TemporaryFile() as errors:
         start = time.perf_counter()
-        proc = subprocess.Popen(argv, shell=shell, stdout=subprocess.DEVNULL, stderr=errors)
+        proc = subprocess.Popen(
+            argv, shell=shell, stdout=subprocess.DEVNULL, stderr=errors, env=env
+        )
         # wait4's usage covers the child and every descendant it reaped (a pipeline's tools).
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - start
@@ -64,8 +81,18 @@ def _run(argv: list[str], *, shell: bool = False) -> tuple[float, float]:
     return wall, usage.ru_utime + usage.ru_stime
 
 
+def _python_env(scratch: Path, bytecode_cache: bool) -> dict[str, str] | None:
+    """The environment of the Python commands: with a bytecode cache of their own (see above)."""
+    if not bytecode_cache:
+        return None
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPYCACHEPREFIX"] = str(scratch / "pycache")
+    return env
+
+
 def _bench_tree(
-    scratch: Path, files: int, big: int, big_count: int, repeat: int, max_file: int = 64 << 10
+    scratch: Path, files: int, big: int, big_count: int, repeat: int, max_file: int = 64 << 10,
+    bytecode_cache: bool = True,
 ) -> dict[str, object]:
     src, coll, tar_file = scratch / "src", scratch / "coll", scratch / "tree.tar"
     total = _generate(src, files, big, big_count, seed=0, max_size=max_file)
@@ -77,8 +104,9 @@ def _bench_tree(
         "tar -xf": lambda dest: ["tar", "-xf", str(tar_file), "-C", str(dest)],
         "verify --deep": lambda dest: tool + ["verify", "--deep", "--no-progress", str(coll)],
         "sha256sum": lambda dest: (f"find {src} -type f -print0 | xargs -0 sha256sum > /dev/null",),
-        "startup + import": lambda dest: [sys.executable, "-c", "import koochak.data.cli"],
+        "startup + import": lambda dest: [sys.executable, "-c", _PULL_IMPORTS],
     }
+    python_env = _python_env(scratch, bytecode_cache)
     runs: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
     for i in range(repeat + 1):  # the first round warms caches and is not counted
         for name, make in commands.items():
@@ -88,7 +116,8 @@ def _bench_tree(
             os.sync()
             argv = make(dest)
             shell = name == "sha256sum"
-            figure = _run(list(argv) if not shell else argv[0], shell=shell)
+            env = python_env if name not in ("tar -xf", "sha256sum") else None
+            figure = _run(list(argv) if not shell else argv[0], shell=shell, env=env)
             if i:
                 runs[name].append(figure)
             # Outputs stay until the tree is done: deleting thousands of files between runs
@@ -96,7 +125,7 @@ def _bench_tree(
     wall = {name: statistics.median(w for w, _ in values) for name, values in runs.items()}
     cpu = {name: statistics.median(c for _, c in values) for name, values in runs.items()}
     return {"files": files, "max_file": max_file, "big": big, "big_count": big_count,
-            "bytes": total, "wall": wall,
+            "bytes": total, "bytecode_cache": bytecode_cache, "wall": wall,
             "cpu": cpu, "ranges": {n: (min(w for w, _ in v), max(w for w, _ in v))
                                    for n, v in runs.items()}}  # fmt: skip
 
@@ -125,7 +154,7 @@ def _print(result: dict[str, object]) -> None:
             print(line)
     fixed = wall["startup + import"]
     print(
-        f"  floor: interpreter start + import koochak.data.cli = {fixed:.3f} s wall "
+        f"  floor: interpreter start + a pull's imports = {fixed:.3f} s wall "
         f"({cpu['startup + import']:.3f} s cpu), {fixed / wall['tar -xf']:.2f}x tar -xf's whole "
         f"run before pull touches a file; pull minus it = "
         f"{(wall['pull'] - fixed) / wall['tar -xf']:.2f}x tar -xf"
@@ -143,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     parser.add_argument("--json", action="store_true", help="also print the figures as JSON")
+    parser.add_argument("--no-bytecode-cache", dest="bytecode_cache", action="store_false",
+                        help="leave PYTHONDONTWRITEBYTECODE as it is (no bytecode cache)")
     args = parser.parse_args(argv)
     for tool in ("tar", "find", "xargs", "sha256sum"):
         if shutil.which(tool) is None:
@@ -153,12 +184,15 @@ def main(argv: list[str] | None = None) -> int:
     else:
         trees = [(args.files, parse_size(args.big), args.big_count, parse_size(args.max_file))]
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"pull_bench: whole commands, medians of {args.repeat} interleaved runs; load {load}")
+    cache = "cached" if args.bytecode_cache else "as the environment has it (--no-bytecode-cache)"
+    print(f"pull_bench: whole commands, medians of {args.repeat} interleaved runs; load {load}; "
+          f"koochak bytecode {cache}")  # fmt: skip
     results = []
     for files, big, big_count, max_file in trees:
         scratch = Path(tempfile.mkdtemp(prefix="koochak-pull-bench-", dir=args.dir))
         try:
-            result = _bench_tree(scratch, files, big, big_count, args.repeat, max_file)
+            result = _bench_tree(scratch, files, big, big_count, args.repeat, max_file,
+                                 args.bytecode_cache)  # fmt: skip
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         _print(result)

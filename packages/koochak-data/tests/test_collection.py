@@ -71,6 +71,20 @@ def test_round_trip_keeps_every_field() -> None:
     assert parse_files_table(table, manifest) == tuple(entries)
 
 
+def test_unusual_but_valid_packed_lines_read_back_exactly() -> None:
+    # A backslash (an ordinary character in a POSIX name), non-ASCII names, a negative mtime,
+    # the largest mode, an object among packed files: the same entries whichever check ran.
+    entries = [
+        FileEntry("a/b\\c.txt", 0, SHA, 0o7777, -1, "a", "packs/pack-000000.tar", 512),
+        FileEntry("a/été/日本.txt", 600, SHA, 0, 0, "", "packs/pack-000000.tar", 1536),
+        FileEntry("big.bin", 10_000, SHA, 0o755, -3, ".", object="objects/big.bin"),
+    ]
+    table = encode_files_table(entries)
+    assert parse_files_table(table, parse_manifest(encode_manifest(_manifest(entries, table)))) == (
+        tuple(entries)
+    )
+
+
 def test_files_table_is_deterministic() -> None:
     assert encode_files_table(_entries()) == encode_files_table(_entries())
 
@@ -130,6 +144,21 @@ def test_malformed_manifest_names_the_field(edit, field: str) -> None:
         (2, lambda e: e.update(object="objects/../x"), "object"),
         (2, lambda e: e.pop("object"), "pack' or 'object"),
         (2, lambda e: e.update(size=1), "bytes"),
+        # The common packed line is checked on a fast path first; each of these fails it and
+        # must still be refused, by the full check, naming the field.
+        (0, lambda e: e.update(size=True), "size"),
+        (0, lambda e: e.update(mode=True), "mode"),
+        (0, lambda e: e.update(mode=-1), "mode"),
+        (0, lambda e: e.update(mtime_ns=False), "mtime_ns"),
+        (0, lambda e: e.update(mtime_ns=1.0), "mtime_ns"),
+        (0, lambda e: e.update(group=5), "group"),
+        (0, lambda e: e.update(sha256="AB" * 32), "sha256"),
+        (0, lambda e: e.update(offset=True), "offset"),
+        (0, lambda e: e.update(pack=5), "pack"),
+        (0, lambda e: e.update(path=5), "path"),
+        (0, lambda e: e.update(path="a/\ud800.txt"), "UTF-8"),
+        (0, lambda e: e.update(path="a/.."), "path"),
+        (1, lambda e: e.update(path="a/one.txt/x/y"), "under the file"),
     ],
 )
 def test_malformed_entry_names_the_field(index: int, edit, field: str) -> None:

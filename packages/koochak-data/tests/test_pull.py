@@ -369,3 +369,74 @@ def test_a_pack_the_file_table_names_is_waited_for_not_skipped(collection, tmp_p
     threading.Timer(0.3, lambda: hidden.rename(pack)).start()
     pull_collection(LocalStore(coll, read_settle_seconds=5), tmp_path / "out")
     _same_tree(src, tmp_path / "out")
+
+
+def test_ranges_from_a_store_of_cheap_requests_are_capped_at_16_mib(tmp_path) -> None:
+    # A local store's request costs little: a 64 MiB range would be 64 MiB of fresh memory per
+    # request, so ranges stop at 16 MiB there; an explicit max_range_bytes still decides.
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(3):
+        (src / f"f{i}.bin").write_bytes(bytes([i]) * (7 << 20))
+    coll = tmp_path / "coll"
+    archive_tree(src, coll, object_bytes=32 << 20, pack_bytes=64 << 20, show_progress=False)
+    assert len(load_collection(str(coll)).manifest.packs) == 1
+    report = pull_collection(coll, tmp_path / "out", show_progress=False)
+    assert report.requests == 2 + 2  # manifest, table, then 14 MiB and 7 MiB
+    _same_tree(src, tmp_path / "out")
+    report = pull_collection(coll, tmp_path / "out2", max_range_bytes=64 << 20)
+    assert report.requests == 2 + 1
+
+
+def test_at_most_two_threads_write_fetched_ranges(collection, tmp_path, monkeypatch) -> None:
+    import threading
+    import time
+
+    from koochak.data import pull as pull_module
+
+    original = pull_module._DestTree.write
+    lock, busy, most = threading.Lock(), [0], [0]
+
+    def write(self, d, entry, data, fsync):
+        if entry.pack is None:  # an object streams in and is written as it comes: not counted
+            return original(self, d, entry, data, fsync)
+        with lock:
+            busy[0] += 1
+            most[0] = max(most[0], busy[0])
+        try:
+            time.sleep(0.005)  # long enough for the other streams to arrive meanwhile
+            return original(self, d, entry, data, fsync)
+        finally:
+            with lock:
+                busy[0] -= 1
+
+    monkeypatch.setattr(pull_module._DestTree, "write", write)
+    src, coll = collection
+    out = tmp_path / "out"
+    report = pull_collection(coll, out, streams=6, gap_bytes=0, max_range_bytes=1)
+    assert report.requests > 8  # many ranges, fetched by 6 streams
+    assert most[0] == 2
+    _same_tree(src, out)
+
+
+def test_a_store_of_cheap_requests_gets_two_streams_by_default(collection, tmp_path, monkeypatch):
+    # Ranges from a local filesystem come at memory speed: more streams would only hold more
+    # buffers. A store whose requests are dear keeps its profile's concurrency.
+    import dataclasses
+
+    from koochak.data import pull as pull_module
+    from koochak.storage import profile as profile_module
+
+    seen = []
+    real = pull_module.ThreadPoolExecutor
+    monkeypatch.setattr(pull_module, "ThreadPoolExecutor",
+                        lambda max_workers: seen.append(max_workers) or real(max_workers))  # fmt: skip
+    src, coll = collection
+    pull_collection(coll, tmp_path / "out")
+    assert seen == [2]
+    remote = dataclasses.replace(profile_module.REMOTE_PROFILE, concurrency=12)
+    monkeypatch.setattr(profile_module, "profile_of", lambda store: remote)
+    seen.clear()
+    pull_collection(coll, tmp_path / "out2")
+    assert seen == [12]
+    _same_tree(src, tmp_path / "out2")

@@ -65,6 +65,19 @@ def test_the_storage_package_exports_the_same_objects():
         assert getattr(storage, name) is getattr(importlib.import_module(ARTIFACT[name]), name)
 
 
+def test_every_public_name_of_the_package_resolves_on_first_use():
+    # koochak.storage imports its names lazily (PEP 562): each must still be its module's object.
+    import koochak.storage as storage
+
+    assert set(storage._EXPORTS) == set(storage.__all__)
+    for name in storage.__all__:
+        home = importlib.import_module(f"koochak.storage.{storage._EXPORTS[name]}")
+        assert getattr(storage, name) is getattr(home, name), name
+        assert name in dir(storage)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        storage.nope  # noqa: B018
+
+
 def test_the_contract_module_imports_nothing_from_koochak():
     # A backend's author reads protocol.py alone; it must not pull LocalStore or the registry in.
     import ast

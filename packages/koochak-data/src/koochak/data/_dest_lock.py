@@ -18,9 +18,7 @@ import itertools
 import logging
 import os
 import re
-import shutil
 import stat
-import uuid
 from collections.abc import Container
 
 __all__ = ["LOCK_NAME", "DestLock"]
@@ -39,7 +37,7 @@ class DestLock:
     """The held lock of one pull run into DEST (``root_fd`` is DEST's directory descriptor)."""
 
     def __init__(self, root_fd: int, root: str) -> None:
-        self.token = uuid.uuid4().hex
+        self.token = os.urandom(16).hex()  # 32 hex digits, as a uuid4's (no uuid import)
         self._counter = itertools.count()  # next() is atomic under the GIL: threads may share it
         self._root_fd = root_fd
         self._where = os.path.join(root, LOCK_NAME)
@@ -80,6 +78,8 @@ class DestLock:
                 if rel in keep:
                     continue
                 dirs.remove(sub)
+                import shutil  # only a killed pull's staged directory needs it
+
                 shutil.rmtree(sub, dir_fd=dir_fd)
                 removed.append(rel + "/")
             for file in files:
@@ -166,7 +166,7 @@ def _take(root_fd: int, root: str, where: str, token: str) -> tuple[int, tuple[s
 
 def _publish(root_fd: int, token: str) -> None:
     """Create the lock file complete with its marker line, unless one exists."""
-    temp = f"{_TEMP_PREFIX}{token}-{uuid.uuid4().hex}.tmp"
+    temp = f"{_TEMP_PREFIX}{token}-{os.urandom(16).hex()}.tmp"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(temp, flags, 0o644, dir_fd=root_fd)
     try:

@@ -8,7 +8,6 @@ Exit codes: 0 done, 1 failed (including problems found by ``verify``), 2 bad usa
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -254,6 +253,8 @@ def _ls(args: argparse.Namespace) -> tuple[Any, str, int]:
 
 def _when(mtime_ns: int) -> str:
     """UTC date and time of ``mtime_ns``; the raw number when no calendar date fits it."""
+    import datetime  # only ls --long needs it
+
     try:
         when = datetime.datetime.fromtimestamp(mtime_ns / 1e9, datetime.timezone.utc)
     except (OverflowError, OSError, ValueError):

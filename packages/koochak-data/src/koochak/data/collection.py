@@ -18,9 +18,7 @@ on object-storage mounts).
 from __future__ import annotations
 
 import fnmatch
-import gzip
 import hashlib
-import io
 import json
 import re
 import zlib
@@ -29,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from koochak.data._digest import SHA256_HEX
-from koochak.data._tar import BLOCK, END_OF_ARCHIVE, check_path, padded
+from koochak.data._tar import _UNSAFE_POSIX_PATH, BLOCK, END_OF_ARCHIVE, check_path, padded
 from koochak.storage.named import get_named
 from koochak.storage.strict_json import check_fields, loads_strict, require_version
 
@@ -312,6 +310,9 @@ def _entry_doc(e: FileEntry) -> dict[str, Any]:
 
 def encode_files_table(entries: Iterable[FileEntry]) -> bytes:
     """Deterministic gzip of one JSON line per entry (same entries -> same bytes, so reruns match)."""
+    import gzip  # writing only: a reader inflates with zlib
+    import io
+
     text = "".join(
         json.dumps(_entry_doc(e), ensure_ascii=False, separators=(",", ":")) + "\n" for e in entries
     )
@@ -372,68 +373,113 @@ def parse_files_table(data: bytes, manifest: Manifest) -> tuple[FileEntry, ...]:
     lines = text.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()
+    # check_path's test for collection paths (a backslash is an ordinary character there).
+    unsafe, sha256_hex = _UNSAFE_POSIX_PATH.search, SHA256_HEX.fullmatch
     for number, doc in enumerate(_decode_lines(lines, where), start=1):
-        w = f"{where} line {number}"
-        raw = _keys(doc, w, _ENTRY_REQUIRED, _ENTRY_OPTIONAL)
-        path = check_relative_path(raw["path"], f"{w}: field 'path'")
-        if path in paths:
-            raise ValueError(f"{w}: field 'path': duplicate path {path!r}")
-        paths.add(path)
-        size = _int(raw["size"], f"{w}: field 'size'", minimum=0)
-        mode = _int(raw["mode"], f"{w}: field 'mode'", minimum=0)
-        if mode > 0o7777:
-            raise ValueError(f"{w}: field 'mode': expected permission bits <= 0o7777, got {mode:#o}")
-        entry_kw = {
-            "path": path,
-            "size": size,
-            "sha256": _sha(raw["sha256"], f"{w}: field 'sha256'"),
-            "mode": mode,
-            "mtime_ns": _int(raw["mtime_ns"], f"{w}: field 'mtime_ns'"),
-            "group": _str(raw["group"], f"{w}: field 'group'"),
-        }
-        if "pack" in raw:
-            if "object" in raw:
-                raise ValueError(f"{w}: field 'object': a file has either pack+offset or object, not both")
-            if "offset" not in raw:
-                raise ValueError(f"{w}: missing field 'offset' (required with 'pack')")
-            pack = raw["pack"]
-            if not isinstance(pack, str) or pack not in packs:
-                raise ValueError(f"{w}: field 'pack': {pack!r} is not a pack listed in manifest.json")
-            offset = _int(raw["offset"], f"{w}: field 'offset'", minimum=TAR_BLOCK)
-            if offset % TAR_BLOCK:
-                raise ValueError(f"{w}: field 'offset': {offset} is not a multiple of {TAR_BLOCK}")
-            if offset + size > packs[pack].size - TAR_END:
-                raise ValueError(
-                    f"{w}: field 'offset': bytes [{offset}, {offset + size}) lie outside pack "
-                    f"{pack!r} of {packs[pack].size} bytes"
-                )
-            entries.append(FileEntry(**entry_kw, pack=pack, offset=offset))
-        elif "object" in raw:
-            if "offset" in raw:
-                raise ValueError(f"{w}: field 'offset': only packed files have an offset")
-            key = _check_key(raw["object"], f"{w}: field 'object'")
-            if not key.startswith(OBJECT_PREFIX):
-                raise ValueError(f"{w}: field 'object': expected a key under {OBJECT_PREFIX!r}, got {key!r}")
-            if key in objects:
-                raise ValueError(f"{w}: field 'object': duplicate object key {key!r}")
-            objects.add(key)
-            entries.append(FileEntry(**entry_kw, object=key))
-        else:
-            raise ValueError(f"{w}: missing field 'pack' or 'object'")
+        # The common line, a packed file with every field well-formed, is checked here without
+        # building one error message; a line that fails any of these checks (or is an object)
+        # is checked again below, which names what is wrong.
+        if type(doc) is dict and doc.keys() == _PACKED_FIELDS:
+            path, size, mode, offset = doc["path"], doc["size"], doc["mode"], doc["offset"]
+            sha, mtime_ns, group, pack = doc["sha256"], doc["mtime_ns"], doc["group"], doc["pack"]
+            info = packs.get(pack) if type(pack) is str else None
+            if (
+                type(path) is str and path and not unsafe(path) and path not in paths
+                and (path.isascii() or _is_utf8(path))
+                and type(size) is int and size >= 0
+                and type(mode) is int and 0 <= mode <= 0o7777
+                and type(sha) is str and sha256_hex(sha)
+                and type(mtime_ns) is int and type(group) is str
+                and info is not None and type(offset) is int and offset >= TAR_BLOCK
+                and not offset % TAR_BLOCK and offset + size <= info.size - TAR_END
+            ):  # fmt: skip
+                paths.add(path)
+                entries.append(FileEntry(path, size, sha, mode, mtime_ns, group, pack, offset))
+                continue
+        entries.append(_parse_entry(doc, f"{where} line {number}", packs, paths, objects))
     _check_nesting(paths)
     _check_pack_members(entries, packs)
     _check_totals(entries, manifest)
     return tuple(entries)
 
 
+# The fields of a packed file's line.
+_PACKED_FIELDS = frozenset(_ENTRY_REQUIRED | {"pack", "offset"})
+
+
+def _is_utf8(path: str) -> bool:
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _parse_entry(
+    doc: object, w: str, packs: dict[str, PackInfo], paths: set[str], objects: set[str]
+) -> FileEntry:
+    """One line of the file table, every field checked; ValueError naming the line and field."""
+    raw = _keys(doc, w, _ENTRY_REQUIRED, _ENTRY_OPTIONAL)
+    path = check_relative_path(raw["path"], f"{w}: field 'path'")
+    if path in paths:
+        raise ValueError(f"{w}: field 'path': duplicate path {path!r}")
+    paths.add(path)
+    size = _int(raw["size"], f"{w}: field 'size'", minimum=0)
+    mode = _int(raw["mode"], f"{w}: field 'mode'", minimum=0)
+    if mode > 0o7777:
+        raise ValueError(f"{w}: field 'mode': expected permission bits <= 0o7777, got {mode:#o}")
+    entry_kw = {
+        "path": path,
+        "size": size,
+        "sha256": _sha(raw["sha256"], f"{w}: field 'sha256'"),
+        "mode": mode,
+        "mtime_ns": _int(raw["mtime_ns"], f"{w}: field 'mtime_ns'"),
+        "group": _str(raw["group"], f"{w}: field 'group'"),
+    }
+    if "pack" in raw:
+        if "object" in raw:
+            raise ValueError(f"{w}: field 'object': a file has either pack+offset or object, not both")
+        if "offset" not in raw:
+            raise ValueError(f"{w}: missing field 'offset' (required with 'pack')")
+        pack = raw["pack"]
+        if not isinstance(pack, str) or pack not in packs:
+            raise ValueError(f"{w}: field 'pack': {pack!r} is not a pack listed in manifest.json")
+        offset = _int(raw["offset"], f"{w}: field 'offset'", minimum=TAR_BLOCK)
+        if offset % TAR_BLOCK:
+            raise ValueError(f"{w}: field 'offset': {offset} is not a multiple of {TAR_BLOCK}")
+        if offset + size > packs[pack].size - TAR_END:
+            raise ValueError(
+                f"{w}: field 'offset': bytes [{offset}, {offset + size}) lie outside pack "
+                f"{pack!r} of {packs[pack].size} bytes"
+            )
+        return FileEntry(**entry_kw, pack=pack, offset=offset)
+    if "object" in raw:
+        if "offset" in raw:
+            raise ValueError(f"{w}: field 'offset': only packed files have an offset")
+        key = _check_key(raw["object"], f"{w}: field 'object'")
+        if not key.startswith(OBJECT_PREFIX):
+            raise ValueError(f"{w}: field 'object': expected a key under {OBJECT_PREFIX!r}, got {key!r}")
+        if key in objects:
+            raise ValueError(f"{w}: field 'object': duplicate object key {key!r}")
+        objects.add(key)
+        return FileEntry(**entry_kw, object=key)
+    raise ValueError(f"{w}: missing field 'pack' or 'object'")
+
+
 def _check_nesting(paths: set[str]) -> None:
-    # "a" and "a/b" cannot both be files: a pull would have to turn one into a directory.
+    # "a" and "a/b" cannot both be files: a pull would have to turn one into a directory. Every
+    # directory is added once (a walk up stops at one already seen), so this stays linear.
+    dirs: set[str] = set()
     for path in paths:
-        parts = path.split("/")
-        for i in range(1, len(parts)):
-            parent = "/".join(parts[:i])
-            if parent in paths:
-                raise ValueError(f"{FILES_KEY}: field 'path': {path!r} lies under the file {parent!r}")
+        parent = path.rpartition("/")[0]
+        while parent and parent not in dirs:
+            dirs.add(parent)
+            parent = parent.rpartition("/")[0]
+    clash = dirs & paths
+    if clash:
+        parent = min(clash)
+        path = min(p for p in paths if p.startswith(parent + "/"))
+        raise ValueError(f"{FILES_KEY}: field 'path': {path!r} lies under the file {parent!r}")
 
 
 def _check_pack_members(entries: list[FileEntry], packs: dict[str, PackInfo]) -> None:
