@@ -244,10 +244,9 @@ def run(selected: list[Bench], log: Path | None) -> list[Row]:
 
 
 def _bound_first_tier_ratio(rows: list[Row], texts: dict[str, str]) -> None:
-    """Note on the first-tier row the most any recovery could show: the durable tier adds its
-    transfer (durable - first, from tiers_bench) to a recovery that cannot beat its floor
-    (recovery_bench's one-file floor, same size), so first tier / durable <= 1 + transfer /
-    floor."""
+    """Note on the first-tier row what its goal asks of the floor: the durable tier adds its
+    transfer (durable - first, from tiers_bench) to the recovery, so the ratio is 1 + transfer /
+    first; at recovery_bench's one-file floor (same size) it would be 1 + transfer / floor."""
     tiers, recovery = texts.get("tiers", ""), texts.get("recovery", "")
     first = re.search(r"first tier:\s+([0-9.]+) s", tiers)
     durable = re.search(r"from the durable store \([0-9.]+ MB/s\):\s+([0-9.]+) s", tiers)
@@ -256,9 +255,12 @@ def _bound_first_tier_ratio(rows: list[Row], texts: dict[str, str]) -> None:
     if not (first and durable and floor and row):
         return
     transfer = float(durable.group(1)) - float(first.group(1))
-    bound = 1 + transfer / float(floor.group(1))
-    row.note = (f"at most {bound:.2f}x here: the durable tier adds {transfer:.1f} s to a recovery "
-                f"whose floor is {float(floor.group(1)):.1f} s")  # fmt: skip
+    goal = float(row.goal.split()[1].rstrip("x"))
+    # first / durable = 1 + transfer / first, so the goal needs first <= transfer / (goal - 1).
+    row.note = (f"{row.goal.split()[1]} needs the first tier's recovery under "
+                f"{transfer / (goal - 1):.1f} s (the durable tier adds {transfer:.1f} s); its "
+                f"floor is {float(floor.group(1)):.1f} s, so at most "
+                f"{1 + transfer / float(floor.group(1)):.2f}x at the floor")  # fmt: skip
 
 
 def table(rows: list[Row], markdown: bool, head: str) -> str:

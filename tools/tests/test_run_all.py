@@ -62,4 +62,6 @@ def test_the_first_tier_row_says_how_far_its_floor_lets_it_go():
     run_all._bound_first_tier_ratio(rows, {"tiers": tiers, "recovery": recovery})
     first = rows[0]
     assert first.ratio == 1.7 and first.met is False
-    assert first.note.startswith("at most 1.90x here")  # 1 + (6.7 - 4.0) / 3.0
+    # 5x needs first <= 2.7 / 4; at the floor of 3.0 s: 1 + 2.7 / 3.0
+    assert first.note.startswith("5x needs the first tier's recovery under 0.7 s")
+    assert first.note.endswith("at most 1.90x at the floor")
