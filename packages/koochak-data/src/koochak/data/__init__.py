@@ -7,8 +7,9 @@ streaming. ``from koochak.data import X`` works for every name of ``__all__``.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from koochak.storage.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "ArchiveReport": "archive",
@@ -97,14 +98,4 @@ if TYPE_CHECKING:
     from koochak.data.verify import VerifyReport, verify_collection
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'koochak.data' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"koochak.data.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

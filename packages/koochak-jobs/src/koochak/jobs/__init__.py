@@ -9,8 +9,9 @@ and the runner imports only what it runs.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
+
+from koochak.storage.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "ConfigPatch": "config",
@@ -88,18 +89,12 @@ if TYPE_CHECKING:
     from koochak.jobs.workflow import PreparedTask, PreparedWorkflow
 
 
+_exported, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
+
+
 def __getattr__(name: str) -> Any:
     if name in _DEPRECATED:  # not cached: every use warns
         from koochak.jobs._deprecated import moved
 
         return moved(f"koochak.jobs.{name}", _DEPRECATED[name])
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'koochak.jobs' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"koochak.jobs.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    return _exported(name)

@@ -10,8 +10,9 @@ launcher takes an evacuation signal from its first instant, not only after torch
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from koochak.storage.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from koochak.loop.config import ConfigError, get_section, load_config, to_container
@@ -53,14 +54,4 @@ __all__ = [
 assert sorted(__all__) == sorted(_HOME)
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOME.get(name)
-    if home is None:
-        raise AttributeError(f"module 'koochak.loop' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value  # resolved once
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_HOME])
+__getattr__, __dir__ = lazy_exports(__name__, _HOME, globals())

@@ -8,8 +8,9 @@ not load publication, ready manifests or the copier.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from koochak.storage.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "READY_SUFFIX": "artifact",
@@ -106,14 +107,4 @@ if TYPE_CHECKING:
     from koochak.storage.transfer import CopyItem, CopyReport, copy_objects
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'koochak.storage' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"koochak.storage.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
