@@ -342,6 +342,14 @@ def test_profile_for_a_fast_local_disk():
 # -- interruption -----------------------------------------------------------------------------
 
 
+def _default_sigint() -> None:
+    """In the child, before exec: SIGINT back to its default. A process started with SIGINT
+    ignored (a job run with ``&`` by a non-interactive shell, ``nohup``, some CI runners) hands
+    that on, and Python then installs no KeyboardInterrupt handler, so the test's Ctrl-C would
+    reach nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_interrupted_probe_removes_its_scratch_directory(tmp_path, sig):
@@ -358,6 +366,7 @@ def test_interrupted_probe_removes_its_scratch_directory(tmp_path, sig):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_default_sigint,
     )
     try:
         deadline = time.monotonic() + 60

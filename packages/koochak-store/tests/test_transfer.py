@@ -517,6 +517,14 @@ _INTERRUPTED_COPY = textwrap.dedent(
 
 
 @pytest.mark.slow
+def _default_sigint() -> None:
+    """In the child, before exec: SIGINT back to its default. A process started with SIGINT
+    ignored (a job run with ``&`` by a non-interactive shell, ``nohup``, some CI runners) hands
+    that on, and Python then installs no KeyboardInterrupt handler, so the test's Ctrl-C would
+    reach nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_aborts_an_in_flight_copy_promptly_leaving_nothing(tmp_path):
     source, target = LocalStore(tmp_path / "src"), LocalStore(tmp_path / "dst")
     data = os.urandom(200_000)
@@ -525,6 +533,7 @@ def test_ctrl_c_aborts_an_in_flight_copy_promptly_leaving_nothing(tmp_path):
         [sys.executable, "-c", _INTERRUPTED_COPY, str(source.root), str(target.root)],
         stdout=subprocess.PIPE,
         text=True,
+        preexec_fn=_default_sigint,
     )
     try:
         assert proc.stdout.readline().strip() == "copying"
