@@ -4,38 +4,27 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 import textwrap
 import warnings
+from pathlib import Path
 
 import pytest
 from koochak.loop.cli import main
 from koochak.loop.console import console_logging, format_warning
 
-USER_CODE = """
-import warnings
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiny_project import user_code  # noqa: E402
 
-import torch
-from torch.nn import functional as F
-
-
-def make_model(cfg):
-    torch.manual_seed(0)
-    return torch.nn.Linear(3, 1)
-
-
-def dataset(cfg, start_step=0):
-    gen = torch.Generator().manual_seed(start_step)
-    while True:
-        x = torch.randn(4, 3, generator=gen)
-        yield x, x.sum(1, keepdim=True)
-
-
+USER_CODE = user_code(
+    '''
 def step_fn(model, batch, ctx):
     if ctx.step == 1:
         warnings.warn("user code says: careful")
     x, y = batch
     return {"loss": F.mse_loss(model(x), y)}
-"""
+''',
+)
 
 LINE = re.compile(r"^\d\d:\d\d:\d\d koochak( warning| error)?: \S")
 

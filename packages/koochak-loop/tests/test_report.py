@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from koochak.loop import report
@@ -12,25 +13,11 @@ from koochak.loop.cli import main as train
 
 pytest.importorskip("matplotlib")
 
-USER_CODE = """
-import os
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiny_project import user_code  # noqa: E402
 
-import torch
-from torch.nn import functional as F
-
-
-def make_model(cfg):
-    torch.manual_seed(0)
-    return torch.nn.Linear(3, 1)
-
-
-def dataset(cfg, start_step=0):
-    gen = torch.Generator().manual_seed(start_step)
-    while True:
-        x = torch.randn(8, 3, generator=gen)
-        yield x, x.sum(1, keepdim=True)
-
-
+USER_CODE = user_code(
+    '''
 def step_fn(model, batch, ctx):
     if ctx.step == int(os.environ.get("REPORT_FAIL_AT", "-1")):
         raise RuntimeError("preempted")
@@ -44,7 +31,9 @@ def val_dataset(cfg):
 
 def eval_fn(model, data, ctx):
     return {"loss": sum(float(F.mse_loss(model(x), y)) for x, y in data)}
-"""
+''',
+    batch=8,
+)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import types
+from pathlib import Path
 
 import pytest
 from koochak.loop.cli import main
@@ -15,25 +16,11 @@ from koochak.loop.hooks import emit
 from koochak.loop.logging import make_wandb_hooks, read_csv_log, read_jsonl_log
 from koochak.loop.run_history import begin_attempt, read_history
 
-USER_CODE = """
-import os
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiny_project import user_code  # noqa: E402
 
-import torch
-from torch.nn import functional as F
-
-
-def make_model(cfg):
-    torch.manual_seed(0)
-    return torch.nn.Linear(3, 1)
-
-
-def dataset(cfg, start_step=0):
-    gen = torch.Generator().manual_seed(start_step)
-    while True:
-        x = torch.randn(4, 3, generator=gen)
-        yield x, x.sum(1, keepdim=True)
-
-
+USER_CODE = user_code(
+    '''
 def step_fn(model, batch, ctx):
     if ctx.step == int(os.environ.get("HISTORY_FAIL_AT", "-1")):
         raise RuntimeError("the node fell over")
@@ -43,7 +30,8 @@ def step_fn(model, batch, ctx):
         os.kill(os.getpid(), signal.SIGKILL)  # kill -9: no end record, no terminal checkpoint
     x, y = batch
     return {"loss": F.mse_loss(model(x), y)}
-"""
+''',
+)
 
 
 @pytest.fixture
