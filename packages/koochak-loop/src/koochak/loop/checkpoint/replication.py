@@ -448,8 +448,15 @@ class Replicator:
                     publication=publication, path=_path(store, publication), seconds=seconds,
                     bytes_copied=result.bytes_copied, lag=len(lane.queue), behind_s=behind,
                 )  # fmt: skip
+            # Said before anyone waiting for this copy (settle, the end of the run) is woken, so
+            # the line comes before whatever the run says next.
+            self._log_done(lane, name, result, event, seconds, behind)
             self._events.append(event)
             self._cond.notify_all()
+
+    def _log_done(self, lane: _Lane, name: str, result: Replicated | None,
+                  event: ReplicationEvent, seconds: float, behind: float | None) -> None:  # fmt: skip
+        store = lane.tier.store
         if result is None:
             log.warning("%s: %s will not be replicated: %s",
                         describe_tier(lane.tier.index, store), name, event.error)  # fmt: skip
