@@ -20,6 +20,23 @@ of the position alone, so exactly-once and exact resume on any number of ranks a
 window is part of the ordering the checkpoint records (``order``), so a resume with another
 window is refused.
 
+``lanes=k`` cuts each epoch's ordering into ``k`` contiguous ranges (lanes) walked side by side:
+every global batch takes ``global_batch / k`` consecutive positions from each lane, in lane
+order. Rank ``r`` of ``W`` (``W`` dividing ``k``) then takes lanes ``r k / W .. (r + 1) k / W -
+1`` of every batch, so over an epoch it reads one contiguous ``1 / W`` of the ordering: with
+``ShardRecords.shard_order`` that is ``1 / W`` of the shards plus at most the two it shares with
+its neighbours, instead of every shard (see docs/data.md, "Reads per rank"). The stream is still
+one world-size-independent function of the position, so the cursor, exactly-once and a resume on
+any number of ranks are as before; ``lanes`` is part of the recorded ordering. A rank holds one
+open shard per lane it walks (``ShardRecords(cached_shards=...)`` at least ``k / W + 1``).
+
+``keys=True`` hands ``collate`` ``(SampleKey(epoch, index), record)`` pairs instead of bare
+records: the key is the same for a record wherever and whenever it is read (any rank, any
+worker, after any resume), so ``koochak.loop.seed.sample_generator(seed, *key)`` gives its
+augmentation a generator that an uninterrupted and a resumed run share.
+``elastic_sampler`` is the same stream as a DataLoader ``batch_sampler`` of indices, for a
+map-style dataset read by the DataLoader's own workers.
+
 ``UnpackedRecords`` makes records stored several to a sample (small records, packed densely
 into one tar member each ``per_sample`` of them) addressable one by one, so the cursor still
 counts records: see docs/data.md ("Small records").
@@ -35,7 +52,7 @@ from __future__ import annotations
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from koochak.loop import dist
 from torch.utils.data import IterableDataset, get_worker_info
@@ -43,7 +60,9 @@ from torch.utils.data import IterableDataset, get_worker_info
 __all__ = [
     "ELASTIC_STATE_VERSION",
     "ElasticBatches",
+    "SampleKey",
     "UnpackedRecords",
+    "elastic_sampler",
     "epoch_permutation",
     "find_elastic",
 ]
@@ -51,6 +70,14 @@ __all__ = [
 ELASTIC_STATE_VERSION = 1
 _STATE_FIELDS = ("version", "cursor", "global_batch", "records", "seed", "order")
 _MASK64 = (1 << 64) - 1
+
+
+class SampleKey(NamedTuple):
+    """Which record a stream position holds, and in which epoch: the same on every rank, worker
+    and attempt (``ElasticBatches(keys=True)``)."""
+
+    epoch: int
+    index: int  # into the records
 
 
 class ElasticBatches(IterableDataset):  # type: ignore[type-arg]
@@ -62,8 +89,10 @@ class ElasticBatches(IterableDataset):  # type: ignore[type-arg]
     (``shuffle=False``: the records' own order). ``collate`` turns a list of records into a
     batch (default: ``torch.utils.data.default_collate``). ``rank``/``world_size`` default to the
     process group's at iteration time. ``shuffle_window`` (0 or 1: none) shuffles each window of
-    that many consecutive positions of the epoch's ordering, seeded (see the module docstring).
-    Iterates forever (epoch after epoch); the loop stops it.
+    that many consecutive positions of the epoch's ordering, seeded, and ``lanes`` (dividing
+    ``global_batch``) cuts the epoch into that many contiguous lanes walked side by side, so a
+    rank reads only its share of the shards (see the module docstring). ``keys`` hands
+    ``collate`` ``(SampleKey, record)`` pairs. Iterates forever (epoch after epoch); the loop stops it.
     """
 
     def __init__(
@@ -79,10 +108,16 @@ class ElasticBatches(IterableDataset):  # type: ignore[type-arg]
         rank: int | None = None,
         world_size: int | None = None,
         shuffle_window: int = 0,
+        lanes: int = 1,
+        keys: bool = False,
     ) -> None:
         _check_int("global_batch", global_batch, 1)
         _check_int("start", start, 0)
         _check_int("shuffle_window", shuffle_window, 0)
+        _check_int("lanes", lanes, 1)
+        if global_batch % lanes:
+            raise ValueError(f"ElasticBatches: lanes={lanes} does not divide global_batch="
+                             f"{global_batch}; every batch takes as many records from each lane")  # fmt: skip
         if len(records) < 1:
             raise ValueError("ElasticBatches: records is empty")
         self.records = records
@@ -95,6 +130,8 @@ class ElasticBatches(IterableDataset):  # type: ignore[type-arg]
         self.rank = rank
         self.world_size = world_size
         self.shuffle_window = shuffle_window
+        self.lanes = lanes
+        self.keys = keys
 
     # -- the global stream
 
@@ -105,11 +142,15 @@ class ElasticBatches(IterableDataset):  # type: ignore[type-arg]
             name = getattr(self.order, "__qualname__", "custom")
         else:
             name = "shuffle" if self.shuffle else "sequential"
-        return f"{name}+window{self.shuffle_window}" if self.shuffle_window > 1 else name
+        if self.shuffle_window > 1:
+            name = f"{name}+window{self.shuffle_window}"
+        return f"{name}+lanes{self.lanes}" if self.lanes > 1 else name
 
     def record_at(self, position: int) -> int:
         """The index into ``records`` of global stream position ``position``."""
         epoch, offset = divmod(position, len(self.records))
+        if self.lanes > 1:
+            offset = lane_offset(offset, len(self.records), self.lanes, self.global_batch)
         if self.shuffle_window > 1:
             offset = _window_shuffle(offset, len(self.records), self.shuffle_window, self.seed,
                                      epoch)  # fmt: skip
@@ -154,11 +195,14 @@ class ElasticBatches(IterableDataset):  # type: ignore[type-arg]
         worker = get_worker_info()
         workers, worker_id = (1, 0) if worker is None else (worker.num_workers, worker.id)
         collate = self.collate or _default_collate
-        batch = worker_id
+        batch, size = worker_id, len(self.records)
         while True:
-            records = [
-                self.records[self.record_at(p)] for p in self.positions(batch, rank, world_size)
-            ]
+            positions = self.positions(batch, rank, world_size)
+            if self.keys:
+                records = [(SampleKey(p // size, i), self.records[i])
+                           for p, i in zip(positions, map(self.record_at, positions))]  # fmt: skip
+            else:
+                records = [self.records[self.record_at(p)] for p in positions]
             yield collate(records)
             batch += workers
 
@@ -220,9 +264,34 @@ def check_elastic_state(state: Any, source: str) -> None:
         raise ValueError(f"{source}: field 'data.order' must be a str, got {state['order']!r}")
 
 
+def elastic_sampler(
+    size: int,
+    *,
+    global_batch: int,
+    seed: int = 0,
+    shuffle: bool = True,
+    shuffle_window: int = 0,
+    lanes: int = 1,
+    keys: bool = False,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> ElasticBatches:
+    """The elastic stream over ``range(size)`` as a DataLoader ``batch_sampler``: each item is
+    the list of this rank's indices of one global batch (``(SampleKey, index)`` pairs with
+    ``keys``). ``DataLoader(dataset, batch_sampler=elastic_sampler(len(dataset), ...))`` then
+    resumes exactly, workers included: the sampler runs in the main process and the loop keeps
+    its cursor in every checkpoint, like ``ElasticBatches``'s."""
+    return ElasticBatches(
+        range(size), global_batch=global_batch, seed=seed, shuffle=shuffle, collate=list,
+        rank=rank, world_size=world_size, shuffle_window=shuffle_window, lanes=lanes, keys=keys,
+    )  # fmt: skip
+
+
 def find_elastic(dataset: Any) -> ElasticBatches | None:
-    """The ElasticBatches behind ``dataset`` (itself, or a DataLoader's ``dataset``), or None."""
-    for candidate in (dataset, getattr(dataset, "dataset", None)):
+    """The ElasticBatches behind ``dataset`` (itself, or a DataLoader's ``dataset`` or
+    ``batch_sampler``), or None."""
+    for candidate in (dataset, getattr(dataset, "dataset", None),
+                      getattr(dataset, "batch_sampler", None)):  # fmt: skip
         if isinstance(candidate, ElasticBatches):
             return candidate
     return None
@@ -247,6 +316,35 @@ def epoch_permutation(index: int, size: int, seed: int, epoch: int) -> int:
         x = (left << half) | right
         if x < size:
             return x
+
+
+def lane_offset(offset: int, size: int, lanes: int, global_batch: int) -> int:
+    """Where stream offset ``offset`` of an epoch of ``size`` reads in the epoch's ordering when
+    the ordering is cut into ``lanes`` contiguous lanes (sizes differing by at most one) and
+    each global batch takes ``global_batch / lanes`` consecutive positions from each lane.
+
+    Rows of whole batches come first, while every lane has a full chunk left; the few positions
+    left at the end of the epoch (under one batch plus one per lane) take each lane's remainder
+    in lane order. A bijection of ``range(size)``; the identity for one lane.
+    """
+    chunk = global_batch // lanes
+    least, longer = divmod(size, lanes)  # every lane holds `least`; the first `longer` one more
+    rows = least // chunk
+    full = rows * global_batch
+    if offset < full:
+        row, slot = divmod(offset, global_batch)
+        lane, within = divmod(slot, chunk)
+        index = row * chunk + within
+    else:
+        tail = offset - full
+        left = least - rows * chunk  # what each lane has left (one more for the first `longer`)
+        if tail < longer * (left + 1):
+            lane, within = divmod(tail, left + 1)
+        else:
+            lane, within = divmod(tail - longer * (left + 1), left)
+            lane += longer
+        index = rows * chunk + within
+    return lane * least + min(lane, longer) + index
 
 
 def _window_shuffle(offset: int, size: int, window: int, seed: int, epoch: int) -> int:

@@ -53,6 +53,7 @@ from koochak.loop.resume_config import (
     format_change,
     schedule_follows_max_steps,
 )
+from koochak.loop.resumable import say_if_not_resumable
 from koochak.loop.run_lease import check_held, hold_location
 from koochak.loop.state_dicts import match_state_dict_to_model, unwrap_model
 from koochak.loop.throughput import make_throughput_hooks
@@ -143,6 +144,7 @@ def training_loop(
     optimizer, scheduler = _built(optimizer, scheduler, raw_model, cfg)
     dataset, eval_dataset = ddp.shard_datasets(dataset, eval_dataset, cfg, setup)
     data_cursor = elastic_cursor(dataset, checkpoint_dict, start_step, cfg.grad_accum)
+    dataset = say_if_not_resumable(dataset, rank)  # a shuffling DataLoader: one line, at start
     scaler = Scaler(cfg.amp, device, sharded=cfg.fsdp.enabled)
     ctx = StepContext(
         device=device,
