@@ -51,7 +51,9 @@ def _unpack(sample) -> list[str]:
 
 
 def _stream(store, world, rank, *, lanes=LANES, packed=False, state=None, **settings):
-    samples = ShardRecords(store, "packed" if packed else "ds", cached_shards=2 * LANES // world + 1)
+    samples = ShardRecords(
+        store, "packed" if packed else "ds", cached_shards=2 * LANES // world + 1
+    )
     if packed:
         records = UnpackedRecords(samples, PER, _unpack)
         order = records.expand(samples.shard_order(seed=5))

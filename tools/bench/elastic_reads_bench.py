@@ -125,7 +125,9 @@ def main() -> None:
         if before is not None:
             rows.append(("ElasticBatches main", elastic(before)))
         rows.append(("ElasticBatches", elastic(ElasticBatches)))
-        rows.append((f"ElasticBatches lanes={args.lanes}", elastic(ElasticBatches, lanes=args.lanes)))
+        rows.append(
+            (f"ElasticBatches lanes={args.lanes}", elastic(ElasticBatches, lanes=args.lanes))
+        )
 
         print(f"dataset: {data_bytes / 1e6:.1f} MB in {len(index.shards)} shards of <= "
               f"{shard / 1e6:.2f} MB, {records_total} records; global batch {args.global_batch}; "

@@ -63,8 +63,13 @@ def test_the_loop_prints_the_note_once_at_start(tmp_path, capsys):
         dataset=cycle(DataLoader(data, batch_size=2, shuffle=True)),
         step_fn=lambda model, batch, ctx: {"loss": model(batch).pow(2).mean()},
         optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
-        train_cfg={"max_steps": 6, "device": "cpu", "out_dir": str(tmp_path),
-                   "progress_bar": False, "log_every": 100},  # fmt: skip
+        train_cfg={
+            "max_steps": 6,
+            "device": "cpu",
+            "out_dir": str(tmp_path),
+            "progress_bar": False,
+            "log_every": 100,
+        },
     )
     out = capsys.readouterr().out
     assert out.count("koochak: the dataset is a cycle over a shuffling DataLoader") == 1
@@ -107,7 +112,7 @@ def test_the_elastic_sampler_feeds_workers_the_stream_and_the_loop_keeps_its_cur
             train_cfg={"max_steps": max_steps, "device": "cpu", "out_dir": str(tmp_path),
                        "progress_bar": False, "log_every": 100},
             resume="auto",
-        )  # fmt: skip
+        )
 
     run(3)
     run(7)

@@ -84,7 +84,8 @@ def run_dropout(out_dir: str, kill_at: int) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     data = _Noisy()
     loader = torch.utils.data.DataLoader(
-        data, batch_sampler=elastic_sampler(len(data), global_batch=16, keys=True, lanes=4),
+        data,
+        batch_sampler=elastic_sampler(len(data), global_batch=16, keys=True, lanes=4),
         num_workers=1,
     )
     found = resolve_auto_resume(out_dir)
@@ -96,9 +97,16 @@ def run_dropout(out_dir: str, kill_at: int) -> None:
         eval_dataset=[(data.x[:32], data.y[:32])],
         eval_fn=_eval,
         hooks=make_jsonl_hooks(os.path.join(out_dir, "log.jsonl")),
-        train_cfg={"max_steps": STEPS, "log_every": 3, "eval_every": 7, "ckpt_every": 10,
-                   "device": "cpu", "out_dir": out_dir, "progress_bar": False,
-                   "ema": {"enabled": True, "decay": 0.9}},  # fmt: skip
+        train_cfg={
+            "max_steps": STEPS,
+            "log_every": 3,
+            "eval_every": 7,
+            "ckpt_every": 10,
+            "device": "cpu",
+            "out_dir": out_dir,
+            "progress_bar": False,
+            "ema": {"enabled": True, "decay": 0.9},
+        },
         resume="auto",
         checkpoint_dict=found[1] if found else None,
         auto_resume_path=found[0] if found else None,
@@ -133,8 +141,11 @@ def _assert_same_final_state(reference, interrupted) -> None:
             assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
     assert want.get("ema") is None or all(
         torch.equal(a, b)
-        for a, b in zip(want["ema"]["shadows"][0]["state_dict"].values(),
-                        got["ema"]["shadows"][0]["state_dict"].values(), strict=True)  # fmt: skip
+        for a, b in zip(
+            want["ema"]["shadows"][0]["state_dict"].values(),
+            got["ema"]["shadows"][0]["state_dict"].values(),
+            strict=True,
+        )
     )
     reference_losses = dict(_losses(reference))
     logged = _losses(interrupted)  # every attempt's rows, the redone updates' twice

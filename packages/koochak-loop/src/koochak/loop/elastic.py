@@ -382,8 +382,10 @@ class UnpackedRecords(Sequence[Any]):
         _check_int("cached_samples", cached_samples, 1)
         full = len(samples) * per_sample
         total = full if total is None else total
-        if isinstance(total, bool) or not isinstance(total, int) or not (
-            full - per_sample < total <= full
+        if (
+            isinstance(total, bool)
+            or not isinstance(total, int)
+            or not (full - per_sample < total <= full)
         ):
             raise ValueError(
                 f"UnpackedRecords: total={total!r} does not fit {len(samples)} samples of "

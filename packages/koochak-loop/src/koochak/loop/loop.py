@@ -47,13 +47,13 @@ from koochak.loop.hooks import StopTraining, emit, merge
 from koochak.loop.metric_reduction import CountedBatches, reduce_eval, reduce_logged
 from koochak.loop.precision import Scaler, autocast_factory
 from koochak.loop.prefetch import cuda_prefetch
+from koochak.loop.resumable import say_if_not_resumable
 from koochak.loop.resume_config import (
     check_model_shapes,
     check_resume_config,
     format_change,
     schedule_follows_max_steps,
 )
-from koochak.loop.resumable import say_if_not_resumable
 from koochak.loop.run_lease import check_held, hold_location
 from koochak.loop.state_dicts import match_state_dict_to_model, unwrap_model
 from koochak.loop.throughput import make_throughput_hooks

@@ -21,10 +21,9 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from koochak.loop.elastic import find_elastic
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler
 from torch.utils.data.dataloader import _BaseDataLoaderIter
-
-from koochak.loop.elastic import find_elastic
 
 __all__ = ["keep_rng_on_iter", "resume_note", "say_if_not_resumable"]
 
@@ -107,8 +106,11 @@ def _cycled(dataset: Any) -> Any:
         return inner[0] if inner else None
     frame = getattr(dataset, "gi_frame", None)
     code = getattr(dataset, "gi_code", None)
-    if frame is not None and code is not None and code.co_qualname == "cycle" and (
-        frame.f_globals.get("__name__") == "koochak.loop.batch"
+    if (
+        frame is not None
+        and code is not None
+        and code.co_qualname == "cycle"
+        and (frame.f_globals.get("__name__") == "koochak.loop.batch")
     ):
         return frame.f_locals.get("iterable")
     return None
