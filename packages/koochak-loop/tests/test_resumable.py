@@ -108,9 +108,15 @@ def test_the_elastic_sampler_feeds_workers_the_stream_and_the_loop_keeps_its_cur
         training_loop(
             model=torch.nn.Linear(1, 1),
             dataset=DataLoader(values, batch_sampler=elastic_sampler(20, global_batch=4, seed=3)),
-            step_fn=step_fn, optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
-            train_cfg={"max_steps": max_steps, "device": "cpu", "out_dir": str(tmp_path),
-                       "progress_bar": False, "log_every": 100},
+            step_fn=step_fn,
+            optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+            train_cfg={
+                "max_steps": max_steps,
+                "device": "cpu",
+                "out_dir": str(tmp_path),
+                "progress_bar": False,
+                "log_every": 100,
+            },
             resume="auto",
         )
 
@@ -151,10 +157,11 @@ def test_a_sample_generator_depends_on_seed_epoch_and_sample_only():
 @pytest.mark.parametrize("size", [1, 5, 37, 100, 257])
 @pytest.mark.parametrize(("lanes", "batch"), [(1, 4), (2, 6), (4, 8), (8, 64)])
 def test_lanes_are_a_bijection_of_the_epoch_and_one_lane_changes_nothing(size, lanes, batch):
-    placed = [lane_offset(o, size, lanes, batch) for o in range(size)]
-    assert sorted(placed) == list(range(size))
-    if lanes == 1:
-        assert placed == list(range(size))
+    for phase in {0, 1, batch // 2, batch - 1}:
+        placed = [lane_offset(o, size, lanes, batch, phase) for o in range(size)]
+        assert sorted(placed) == list(range(size))
+        if lanes == 1:
+            assert placed == list(range(size))
 
 
 def test_each_rank_walks_its_own_lanes():
@@ -164,3 +171,27 @@ def test_each_rank_walks_its_own_lanes():
     assert got == list(range(32, 64))  # lanes 2 and 3: the epoch's second half
     with pytest.raises(ValueError, match="lanes=3 does not divide global_batch=8"):
         ElasticBatches(list(range(64)), global_batch=8, lanes=3)
+
+
+@pytest.mark.parametrize(("size", "world"), [(1000, 4), (997, 2), (1003, 4), (1003, 2)])
+def test_every_epoch_of_an_uneven_size_keeps_each_rank_on_its_own_lanes(size, world):
+    """Epochs that do not start a global batch still deal each rank its lanes (the layout
+    follows the batch slots), with each record once per epoch."""
+    batch, lanes = 24, 4
+    data = ElasticBatches(list(range(size)), global_batch=batch, shuffle=False, lanes=lanes)
+    local, share = batch // world, size / world
+    for epoch in range(4):
+        positions = range(epoch * size, (epoch + 1) * size)
+        placed = [data.record_at(p) for p in positions]
+        assert sorted(placed) == list(range(size))
+        owner = [(p % batch) // local for p in positions]
+        strays = [
+            (o, r) for o, r in zip(owner, placed) if not -batch <= r - o * share < share + batch
+        ]
+        assert strays == [], epoch
+
+
+def test_a_laned_stream_refuses_another_global_batch():
+    saved = ElasticBatches(DATA, global_batch=4, lanes=2).state_after(2)
+    with pytest.raises(ValueError, match="field 'data.global_batch' is 4 but this stream has 8"):
+        ElasticBatches(DATA, global_batch=8, lanes=2).load_state(saved)

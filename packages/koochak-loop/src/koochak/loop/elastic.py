@@ -24,11 +24,12 @@ window is refused.
 every global batch takes ``global_batch / k`` consecutive positions from each lane, in lane
 order. Rank ``r`` of ``W`` (``W`` dividing ``k``) then takes lanes ``r k / W .. (r + 1) k / W -
 1`` of every batch, so over an epoch it reads one contiguous ``1 / W`` of the ordering: with
-``ShardRecords.shard_order`` that is ``1 / W`` of the shards plus at most the two it shares with
-its neighbours, instead of every shard (see docs/data.md, "Reads per rank"). The stream is still
-one world-size-independent function of the position, so the cursor, exactly-once and a resume on
-any number of ranks are as before; ``lanes`` is part of the recorded ordering. A rank holds one
-open shard per lane it walks (``ShardRecords(cached_shards=...)`` at least ``k / W + 1``).
+``ShardRecords.shard_order`` that is ``1 / W`` of the shards plus the few its lane boundaries
+fall in, instead of every shard (see docs/data.md, "Reads per rank"). The stream is still one
+world-size-independent function of the position, so the cursor, exactly-once and a resume on any
+number of ranks are as before; ``lanes`` is part of the recorded ordering, and the global batch
+may not change on resume. A rank walks ``k / W`` lanes at once, each chunk possibly straddling two
+shards: give ``ShardRecords`` ``cached_shards=2 k / W + 1``.
 
 ``keys=True`` hands ``collate`` ``(SampleKey(epoch, index), record)`` pairs instead of bare
 records: the key is the same for a record wherever and whenever it is read (any rank, any
@@ -150,7 +151,9 @@ class ElasticBatches(IterableDataset):  # type: ignore[type-arg]
         """The index into ``records`` of global stream position ``position``."""
         epoch, offset = divmod(position, len(self.records))
         if self.lanes > 1:
-            offset = lane_offset(offset, len(self.records), self.lanes, self.global_batch)
+            size = len(self.records)
+            offset = lane_offset(offset, size, self.lanes, self.global_batch,
+                                 epoch * size % self.global_batch)  # fmt: skip
         if self.shuffle_window > 1:
             offset = _window_shuffle(offset, len(self.records), self.shuffle_window, self.seed,
                                      epoch)  # fmt: skip
@@ -223,7 +226,8 @@ class ElasticBatches(IterableDataset):  # type: ignore[type-arg]
         """Continue at the cursor of a checkpoint's ``data`` field.
 
         The stream must be the same one: the same number of records, seed and ordering (else
-        ValueError naming the field). A different global batch is accepted with a warning.
+        ValueError naming the field). A different global batch is accepted with a warning
+        (refused with ``lanes``, whose layout follows the batch's slots).
         """
         check_elastic_state(state, source)
         for key, mine in (("records", len(self.records)), ("seed", self.seed),
@@ -234,6 +238,13 @@ class ElasticBatches(IterableDataset):  # type: ignore[type-arg]
                     f"{mine!r}; the cursor only means the same records in another stream. "
                     "Resume with the same records, seed and ordering"
                 )
+        if state["global_batch"] != self.global_batch and self.lanes > 1:
+            raise ValueError(
+                f"{source}: field 'data.global_batch' is {state['global_batch']} but this stream "
+                f"has {self.global_batch} with lanes={self.lanes}; the lanes deal each batch's "
+                "slots, so another global batch would repeat and skip records. Resume with "
+                f"global_batch={state['global_batch']}"
+            )
         if state["global_batch"] != self.global_batch and dist.get_rank() == 0:
             warnings.warn(
                 f"{source}: the run was saved with global_batch={state['global_batch']} and "
@@ -318,33 +329,35 @@ def epoch_permutation(index: int, size: int, seed: int, epoch: int) -> int:
             return x
 
 
-def lane_offset(offset: int, size: int, lanes: int, global_batch: int) -> int:
+def lane_offset(offset: int, size: int, lanes: int, global_batch: int, phase: int = 0) -> int:
     """Where stream offset ``offset`` of an epoch of ``size`` reads in the epoch's ordering when
-    the ordering is cut into ``lanes`` contiguous lanes (sizes differing by at most one) and
-    each global batch takes ``global_batch / lanes`` consecutive positions from each lane.
+    the ordering is cut into ``lanes`` contiguous lanes walked side by side: slot ``s`` of every
+    global batch reads the next record of lane ``s // (global_batch / lanes)``.
 
-    Rows of whole batches come first, while every lane has a full chunk left; the few positions
-    left at the end of the epoch (under one batch plus one per lane) take each lane's remainder
-    in lane order. A bijection of ``range(size)``; the identity for one lane.
+    ``phase`` is the slot of the global batch the epoch starts in (``epoch * size %
+    global_batch``: an epoch need not start a batch). Each lane is as long as the number of
+    slots the epoch asks of it (``size / lanes`` give or take a chunk), so every slot of every
+    batch reads from its own lane and a rank's slice stays on its lanes in every epoch. Two
+    prefix counts, no table: a bijection of ``range(size)``, the identity for one lane.
     """
     chunk = global_batch // lanes
-    least, longer = divmod(size, lanes)  # every lane holds `least`; the first `longer` one more
-    rows = least // chunk
-    full = rows * global_batch
-    if offset < full:
-        row, slot = divmod(offset, global_batch)
-        lane, within = divmod(slot, chunk)
-        index = row * chunk + within
-    else:
-        tail = offset - full
-        left = least - rows * chunk  # what each lane has left (one more for the first `longer`)
-        if tail < longer * (left + 1):
-            lane, within = divmod(tail, left + 1)
-        else:
-            lane, within = divmod(tail - longer * (left + 1), left)
-            lane += longer
-        index = rows * chunk + within
-    return lane * least + min(lane, longer) + index
+    lane = (phase + offset) % global_batch // chunk
+    lane_start = _below(phase + size, lane * chunk, global_batch) - _below(
+        phase, lane * chunk, global_batch
+    )  # offsets of the epoch whose slot is in a lower lane
+    before = _below(phase + offset, (lane + 1) * chunk, global_batch) - _below(
+        phase + offset, lane * chunk, global_batch
+    )
+    first = _below(phase, (lane + 1) * chunk, global_batch) - _below(
+        phase, lane * chunk, global_batch
+    )
+    return lane_start + before - first
+
+
+def _below(until: int, slot: int, global_batch: int) -> int:
+    """How many of ``0 .. until - 1`` fall below slot ``slot`` of their global batch."""
+    rows, rest = divmod(until, global_batch)
+    return rows * slot + min(rest, slot)
 
 
 def _window_shuffle(offset: int, size: int, window: int, seed: int, epoch: int) -> int:
