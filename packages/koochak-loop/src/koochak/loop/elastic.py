@@ -93,7 +93,8 @@ class ElasticBatches(IterableDataset):  # type: ignore[type-arg]
     that many consecutive positions of the epoch's ordering, seeded, and ``lanes`` (dividing
     ``global_batch``) cuts the epoch into that many contiguous lanes walked side by side, so a
     rank reads only its share of the shards (see the module docstring). ``keys`` hands
-    ``collate`` ``(SampleKey, record)`` pairs. Iterates forever (epoch after epoch); the loop stops it.
+    ``collate`` ``(SampleKey, record)`` pairs. Iterates forever (epoch after epoch); the loop
+    stops it.
     """
 
     def __init__(
@@ -342,16 +343,14 @@ def lane_offset(offset: int, size: int, lanes: int, global_batch: int, phase: in
     """
     chunk = global_batch // lanes
     lane = (phase + offset) % global_batch // chunk
-    lane_start = _below(phase + size, lane * chunk, global_batch) - _below(
-        phase, lane * chunk, global_batch
-    )  # offsets of the epoch whose slot is in a lower lane
-    before = _below(phase + offset, (lane + 1) * chunk, global_batch) - _below(
-        phase + offset, lane * chunk, global_batch
-    )
-    first = _below(phase, (lane + 1) * chunk, global_batch) - _below(
-        phase, lane * chunk, global_batch
-    )
-    return lane_start + before - first
+    low, high = lane * chunk, (lane + 1) * chunk  # the lane's slots of a global batch
+
+    def in_lane(until: int) -> int:  # stream offsets before `until` in the lane's slots
+        return _below(until, high, global_batch) - _below(until, low, global_batch)
+
+    # The lane starts after every record the epoch's lower slots ask for.
+    lane_start = _below(phase + size, low, global_batch) - _below(phase, low, global_batch)
+    return lane_start + in_lane(phase + offset) - in_lane(phase)
 
 
 def _below(until: int, slot: int, global_batch: int) -> int:

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from koochak.loop import batch
 from koochak.loop.elastic import find_elastic
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler
 from torch.utils.data.dataloader import _BaseDataLoaderIter
@@ -43,10 +44,10 @@ def resume_note(dataset: Any) -> str | None:
         what = "a shuffling DataLoader" if _sampler_of(cycled) else "a DataLoader"
         return (f"the dataset is a cycle over {what}: a resumed run starts its passes afresh "
                 f"and sees other batches than an uninterrupted run; {_INSTEAD}")  # fmt: skip
-    if _sampler_of(dataset) is not None:
-        return (f"the dataset is a DataLoader with a random sampler ({_sampler_of(dataset)}): a "
-                f"resumed run reshuffles and sees other batches than an uninterrupted run; "
-                f"{_INSTEAD}")  # fmt: skip
+    sampler = _sampler_of(dataset)
+    if sampler is not None:
+        return (f"the dataset is a DataLoader with a random sampler ({sampler}): a resumed run "
+                f"reshuffles and sees other batches than an uninterrupted run; {_INSTEAD}")  # fmt: skip
     return None
 
 
@@ -105,12 +106,6 @@ def _cycled(dataset: Any) -> Any:
         inner = [o for o in gc.get_referents(dataset) if not isinstance(o, list)]
         return inner[0] if inner else None
     frame = getattr(dataset, "gi_frame", None)
-    code = getattr(dataset, "gi_code", None)
-    if (
-        frame is not None
-        and code is not None
-        and code.co_qualname == "cycle"
-        and (frame.f_globals.get("__name__") == "koochak.loop.batch")
-    ):
+    if frame is not None and getattr(dataset, "gi_code", None) is batch.cycle.__code__:
         return frame.f_locals.get("iterable")
     return None
