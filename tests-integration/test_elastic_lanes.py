@@ -1,11 +1,17 @@
 """The exact elastic cursor at shard granularity: ``ElasticBatches(lanes=8)`` over ``ShardRecords``
 in shard order, on 1, 2 and 4 ranks. Each rank reads at most 1.5 x D / W plus two shards per
 epoch (without lanes: every shard), every record is read once per epoch across the ranks, and a
-stream cut on one world size continues on another exactly where it stopped."""
+stream cut on one world size continues on another exactly where it stopped; a training run over
+packed records with lanes and a shuffle window, killed with SIGKILL twice, trains on exactly the
+batches of an uninterrupted run (this file is also that run's script)."""
 
 from __future__ import annotations
 
 import itertools
+import os
+import signal
+import subprocess
+import sys
 
 import koochak.data.records as records_module
 import pytest
@@ -123,3 +129,61 @@ def test_a_resume_with_other_lanes_is_refused(store):
     other, _ = _stream(store, 2, 0, lanes=4)
     with pytest.raises(ValueError, match=r"field 'data.order' is 'shard_order\(seed=5\)\+lanes8'"):
         other.load_state(state)
+
+
+def train(root: str, out: str, kill_at: int) -> None:
+    """The script: 12 updates over the packed records (lanes, shuffle window), a checkpoint every
+    4; every update appends its step and record ids to ``out/ids.txt``; SIGKILL inside update
+    ``kill_at``."""
+    import torch
+    from koochak.loop import training_loop
+
+    store = LocalStore(root)
+    samples = ShardRecords(store, "packed", cached_shards=2 * LANES + 1)
+    records = UnpackedRecords(samples, PER, _unpack)
+    data = ElasticBatches(records, global_batch=GLOBAL_BATCH, lanes=LANES, shuffle_window=16,
+                          order=records.expand(samples.shard_order(seed=5)), collate=list)  # fmt: skip
+
+    def step_fn(model, batch, ctx):
+        if ctx.step == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        with open(os.path.join(out, "ids.txt"), "a") as f:
+            f.write(f"{ctx.step} {' '.join(batch)}\n")
+        x = torch.tensor([[float(r[1:])] for r in batch])
+        return {"loss": model(x).pow(2).mean()}
+
+    training_loop(
+        model=torch.nn.Linear(1, 1), dataset=data, step_fn=step_fn,
+        optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=1e-9),
+        train_cfg={"max_steps": 12, "ckpt_every": 4, "device": "cpu", "out_dir": out,
+                   "progress_bar": False, "log_every": 100},
+        resume="auto",
+    )  # fmt: skip
+
+
+def _steps(out) -> dict[str, str]:
+    with open(os.path.join(out, "ids.txt")) as f:
+        return dict(line.split(" ", 1) for line in f)  # the last attempt's line of each step
+
+
+@pytest.mark.slow
+def test_a_laned_packed_stream_killed_twice_trains_on_the_uninterrupted_batches(store, tmp_path):
+    def launch(out, kill_at):
+        os.makedirs(out, exist_ok=True)
+        return subprocess.run([sys.executable, __file__, str(store.root), str(out), str(kill_at)],
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+
+    reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
+    assert launch(reference, -1).returncode == 0
+    for kill_at in (6, 10):  # resumes at 4, then at 8
+        assert launch(interrupted, kill_at).returncode == -signal.SIGKILL
+    done = launch(interrupted, -1)
+    assert done.returncode == 0, done.stderr[-2000:]
+    with open(os.path.join(interrupted, "ids.txt")) as f:
+        steps = [int(line.split()[0]) for line in f]
+    assert steps == [*range(6), *range(4, 10), *range(8, 12)]  # each attempt's updates
+    assert _steps(interrupted) == _steps(reference)
+
+
+if __name__ == "__main__":
+    train(sys.argv[1], sys.argv[2], int(sys.argv[3]))
