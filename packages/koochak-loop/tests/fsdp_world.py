@@ -7,7 +7,8 @@ sample ids it consumed), and the test asserts on those files.
 
 The model is a tiny transformer whose ``Block`` modules get their own ``fully_shard``; its sizes
 (vocabulary 13, hidden 17) do not divide by 2 or 4, so shards are uneven and some are empty.
-The data is an ``ElasticBatches`` stream over 52 records of global batch 8.
+The data is an ``ElasticBatches`` stream over 52 records of global batch 8 in 4 lanes (rank r of
+W reads only its lanes; 52 is no multiple of 8, so epochs start mid-batch).
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ def run(out: str, name: str, resume_dir: str | None = None, **overrides) -> dict
     logs: list[dict] = []
     if resume_dir is not None:
         overrides["checkpoint_dir"] = resume_dir
-    data = ElasticBatches(records(), global_batch=GLOBAL_BATCH, seed=3)
+    data = ElasticBatches(records(), global_batch=GLOBAL_BATCH, seed=3, lanes=4)  # 52 % 8: phases
     eval_set = [records()[0:4]]
     eval_set = [{"id": torch.tensor([r["id"] for r in eval_set[0]]),
                  "tokens": torch.stack([r["tokens"] for r in eval_set[0]])}]  # fmt: skip

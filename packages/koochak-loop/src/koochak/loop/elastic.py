@@ -20,6 +20,24 @@ of the position alone, so exactly-once and exact resume on any number of ranks a
 window is part of the ordering the checkpoint records (``order``), so a resume with another
 window is refused.
 
+``lanes=k`` cuts each epoch's ordering into ``k`` contiguous ranges (lanes) walked side by side:
+every global batch takes ``global_batch / k`` consecutive positions from each lane, in lane
+order. Rank ``r`` of ``W`` (``W`` dividing ``k``) then takes lanes ``r k / W .. (r + 1) k / W -
+1`` of every batch, so over an epoch it reads one contiguous ``1 / W`` of the ordering: with
+``ShardRecords.shard_order`` that is ``1 / W`` of the shards plus the few its lane boundaries
+fall in, instead of every shard (see docs/data.md, "Reads per rank"). The stream is still one
+world-size-independent function of the position, so the cursor, exactly-once and a resume on any
+number of ranks are as before; ``lanes`` is part of the recorded ordering, and the global batch
+may not change on resume. A rank walks ``k / W`` lanes at once, each chunk possibly straddling two
+shards: give ``ShardRecords`` ``cached_shards=2 k / W + 1``.
+
+``keys=True`` hands ``collate`` ``(SampleKey(epoch, index), record)`` pairs instead of bare
+records: the key is the same for a record wherever and whenever it is read (any rank, any
+worker, after any resume), so ``koochak.loop.seed.sample_generator(seed, *key)`` gives its
+augmentation a generator that an uninterrupted and a resumed run share.
+``elastic_sampler`` is the same stream as a DataLoader ``batch_sampler`` of indices, for a
+map-style dataset read by the DataLoader's own workers.
+
 ``UnpackedRecords`` makes records stored several to a sample (small records, packed densely
 into one tar member each ``per_sample`` of them) addressable one by one, so the cursor still
 counts records: see docs/data.md ("Small records").
@@ -35,7 +53,7 @@ from __future__ import annotations
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from koochak.loop import dist
 from torch.utils.data import IterableDataset, get_worker_info
@@ -43,7 +61,9 @@ from torch.utils.data import IterableDataset, get_worker_info
 __all__ = [
     "ELASTIC_STATE_VERSION",
     "ElasticBatches",
+    "SampleKey",
     "UnpackedRecords",
+    "elastic_sampler",
     "epoch_permutation",
     "find_elastic",
 ]
@@ -51,6 +71,14 @@ __all__ = [
 ELASTIC_STATE_VERSION = 1
 _STATE_FIELDS = ("version", "cursor", "global_batch", "records", "seed", "order")
 _MASK64 = (1 << 64) - 1
+
+
+class SampleKey(NamedTuple):
+    """Which record a stream position holds, and in which epoch: the same on every rank, worker
+    and attempt (``ElasticBatches(keys=True)``)."""
+
+    epoch: int
+    index: int  # into the records
 
 
 class ElasticBatches(IterableDataset):  # type: ignore[type-arg]
@@ -62,8 +90,11 @@ class ElasticBatches(IterableDataset):  # type: ignore[type-arg]
     (``shuffle=False``: the records' own order). ``collate`` turns a list of records into a
     batch (default: ``torch.utils.data.default_collate``). ``rank``/``world_size`` default to the
     process group's at iteration time. ``shuffle_window`` (0 or 1: none) shuffles each window of
-    that many consecutive positions of the epoch's ordering, seeded (see the module docstring).
-    Iterates forever (epoch after epoch); the loop stops it.
+    that many consecutive positions of the epoch's ordering, seeded, and ``lanes`` (dividing
+    ``global_batch``) cuts the epoch into that many contiguous lanes walked side by side, so a
+    rank reads only its share of the shards (see the module docstring). ``keys`` hands
+    ``collate`` ``(SampleKey, record)`` pairs. Iterates forever (epoch after epoch); the loop
+    stops it.
     """
 
     def __init__(
@@ -79,10 +110,16 @@ class ElasticBatches(IterableDataset):  # type: ignore[type-arg]
         rank: int | None = None,
         world_size: int | None = None,
         shuffle_window: int = 0,
+        lanes: int = 1,
+        keys: bool = False,
     ) -> None:
         _check_int("global_batch", global_batch, 1)
         _check_int("start", start, 0)
         _check_int("shuffle_window", shuffle_window, 0)
+        _check_int("lanes", lanes, 1)
+        if global_batch % lanes:
+            raise ValueError(f"ElasticBatches: lanes={lanes} does not divide global_batch="
+                             f"{global_batch}; every batch takes as many records from each lane")  # fmt: skip
         if len(records) < 1:
             raise ValueError("ElasticBatches: records is empty")
         self.records = records
@@ -95,6 +132,8 @@ class ElasticBatches(IterableDataset):  # type: ignore[type-arg]
         self.rank = rank
         self.world_size = world_size
         self.shuffle_window = shuffle_window
+        self.lanes = lanes
+        self.keys = keys
 
     # -- the global stream
 
@@ -105,11 +144,17 @@ class ElasticBatches(IterableDataset):  # type: ignore[type-arg]
             name = getattr(self.order, "__qualname__", "custom")
         else:
             name = "shuffle" if self.shuffle else "sequential"
-        return f"{name}+window{self.shuffle_window}" if self.shuffle_window > 1 else name
+        if self.shuffle_window > 1:
+            name = f"{name}+window{self.shuffle_window}"
+        return f"{name}+lanes{self.lanes}" if self.lanes > 1 else name
 
     def record_at(self, position: int) -> int:
         """The index into ``records`` of global stream position ``position``."""
         epoch, offset = divmod(position, len(self.records))
+        if self.lanes > 1:
+            size = len(self.records)
+            offset = lane_offset(offset, size, self.lanes, self.global_batch,
+                                 epoch * size % self.global_batch)  # fmt: skip
         if self.shuffle_window > 1:
             offset = _window_shuffle(offset, len(self.records), self.shuffle_window, self.seed,
                                      epoch)  # fmt: skip
@@ -154,11 +199,14 @@ class ElasticBatches(IterableDataset):  # type: ignore[type-arg]
         worker = get_worker_info()
         workers, worker_id = (1, 0) if worker is None else (worker.num_workers, worker.id)
         collate = self.collate or _default_collate
-        batch = worker_id
+        batch, size = worker_id, len(self.records)
         while True:
-            records = [
-                self.records[self.record_at(p)] for p in self.positions(batch, rank, world_size)
-            ]
+            positions = self.positions(batch, rank, world_size)
+            if self.keys:
+                records = [(SampleKey(p // size, i), self.records[i])
+                           for p, i in zip(positions, map(self.record_at, positions))]  # fmt: skip
+            else:
+                records = [self.records[self.record_at(p)] for p in positions]
             yield collate(records)
             batch += workers
 
@@ -179,7 +227,8 @@ class ElasticBatches(IterableDataset):  # type: ignore[type-arg]
         """Continue at the cursor of a checkpoint's ``data`` field.
 
         The stream must be the same one: the same number of records, seed and ordering (else
-        ValueError naming the field). A different global batch is accepted with a warning.
+        ValueError naming the field). A different global batch is accepted with a warning
+        (refused with ``lanes``, whose layout follows the batch's slots).
         """
         check_elastic_state(state, source)
         for key, mine in (("records", len(self.records)), ("seed", self.seed),
@@ -190,6 +239,13 @@ class ElasticBatches(IterableDataset):  # type: ignore[type-arg]
                     f"{mine!r}; the cursor only means the same records in another stream. "
                     "Resume with the same records, seed and ordering"
                 )
+        if state["global_batch"] != self.global_batch and self.lanes > 1:
+            raise ValueError(
+                f"{source}: field 'data.global_batch' is {state['global_batch']} but this stream "
+                f"has {self.global_batch} with lanes={self.lanes}; the lanes deal each batch's "
+                "slots, so another global batch would repeat and skip records. Resume with "
+                f"global_batch={state['global_batch']}"
+            )
         if state["global_batch"] != self.global_batch and dist.get_rank() == 0:
             warnings.warn(
                 f"{source}: the run was saved with global_batch={state['global_batch']} and "
@@ -220,9 +276,34 @@ def check_elastic_state(state: Any, source: str) -> None:
         raise ValueError(f"{source}: field 'data.order' must be a str, got {state['order']!r}")
 
 
+def elastic_sampler(
+    size: int,
+    *,
+    global_batch: int,
+    seed: int = 0,
+    shuffle: bool = True,
+    shuffle_window: int = 0,
+    lanes: int = 1,
+    keys: bool = False,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> ElasticBatches:
+    """The elastic stream over ``range(size)`` as a DataLoader ``batch_sampler``: each item is
+    the list of this rank's indices of one global batch (``(SampleKey, index)`` pairs with
+    ``keys``). ``DataLoader(dataset, batch_sampler=elastic_sampler(len(dataset), ...))`` then
+    resumes exactly, workers included: the sampler runs in the main process and the loop keeps
+    its cursor in every checkpoint, like ``ElasticBatches``'s."""
+    return ElasticBatches(
+        range(size), global_batch=global_batch, seed=seed, shuffle=shuffle, collate=list,
+        rank=rank, world_size=world_size, shuffle_window=shuffle_window, lanes=lanes, keys=keys,
+    )  # fmt: skip
+
+
 def find_elastic(dataset: Any) -> ElasticBatches | None:
-    """The ElasticBatches behind ``dataset`` (itself, or a DataLoader's ``dataset``), or None."""
-    for candidate in (dataset, getattr(dataset, "dataset", None)):
+    """The ElasticBatches behind ``dataset`` (itself, or a DataLoader's ``dataset`` or
+    ``batch_sampler``), or None."""
+    for candidate in (dataset, getattr(dataset, "dataset", None),
+                      getattr(dataset, "batch_sampler", None)):  # fmt: skip
         if isinstance(candidate, ElasticBatches):
             return candidate
     return None
@@ -247,6 +328,35 @@ def epoch_permutation(index: int, size: int, seed: int, epoch: int) -> int:
         x = (left << half) | right
         if x < size:
             return x
+
+
+def lane_offset(offset: int, size: int, lanes: int, global_batch: int, phase: int = 0) -> int:
+    """Where stream offset ``offset`` of an epoch of ``size`` reads in the epoch's ordering when
+    the ordering is cut into ``lanes`` contiguous lanes walked side by side: slot ``s`` of every
+    global batch reads the next record of lane ``s // (global_batch / lanes)``.
+
+    ``phase`` is the slot of the global batch the epoch starts in (``epoch * size %
+    global_batch``: an epoch need not start a batch). Each lane is as long as the number of
+    slots the epoch asks of it (``size / lanes`` give or take a chunk), so every slot of every
+    batch reads from its own lane and a rank's slice stays on its lanes in every epoch. Two
+    prefix counts, no table: a bijection of ``range(size)``, the identity for one lane.
+    """
+    chunk = global_batch // lanes
+    lane = (phase + offset) % global_batch // chunk
+    low, high = lane * chunk, (lane + 1) * chunk  # the lane's slots of a global batch
+
+    def in_lane(until: int) -> int:  # stream offsets before `until` in the lane's slots
+        return _below(until, high, global_batch) - _below(until, low, global_batch)
+
+    # The lane starts after every record the epoch's lower slots ask for.
+    lane_start = _below(phase + size, low, global_batch) - _below(phase, low, global_batch)
+    return lane_start + in_lane(phase + offset) - in_lane(phase)
+
+
+def _below(until: int, slot: int, global_batch: int) -> int:
+    """How many of ``0 .. until - 1`` fall below slot ``slot`` of their global batch."""
+    rows, rest = divmod(until, global_batch)
+    return rows * slot + min(rest, slot)
 
 
 def _window_shuffle(offset: int, size: int, window: int, seed: int, epoch: int) -> int:
@@ -284,8 +394,10 @@ class UnpackedRecords(Sequence[Any]):
         _check_int("cached_samples", cached_samples, 1)
         full = len(samples) * per_sample
         total = full if total is None else total
-        if isinstance(total, bool) or not isinstance(total, int) or not (
-            full - per_sample < total <= full
+        if (
+            isinstance(total, bool)
+            or not isinstance(total, int)
+            or not (full - per_sample < total <= full)
         ):
             raise ValueError(
                 f"UnpackedRecords: total={total!r} does not fit {len(samples)} samples of "

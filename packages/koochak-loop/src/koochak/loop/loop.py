@@ -47,6 +47,7 @@ from koochak.loop.hooks import StopTraining, emit, merge
 from koochak.loop.metric_reduction import CountedBatches, reduce_eval, reduce_logged
 from koochak.loop.precision import Scaler, autocast_factory
 from koochak.loop.prefetch import cuda_prefetch
+from koochak.loop.resumable import say_if_not_resumable
 from koochak.loop.resume_config import (
     check_model_shapes,
     check_resume_config,
@@ -143,6 +144,7 @@ def training_loop(
     optimizer, scheduler = _built(optimizer, scheduler, raw_model, cfg)
     dataset, eval_dataset = ddp.shard_datasets(dataset, eval_dataset, cfg, setup)
     data_cursor = elastic_cursor(dataset, checkpoint_dict, start_step, cfg.grad_accum)
+    dataset = say_if_not_resumable(dataset, rank)  # a shuffling DataLoader: one line, at start
     scaler = Scaler(cfg.amp, device, sharded=cfg.fsdp.enabled)
     ctx = StepContext(
         device=device,

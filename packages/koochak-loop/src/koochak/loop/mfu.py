@@ -75,8 +75,11 @@ def cpu_peak_flops(dtype: str = "fp32", seconds: float = 0.2) -> float:
         return _CPU_PEAKS[key]
     kind = torch.bfloat16 if dtype == "bf16" else torch.float32
     n = 256
-    a = torch.randn(n, n).to(kind)
-    b = torch.randn(n, n).to(kind)
+    # Its own generator: the probe runs at an attempt's first logged row, after a resumed run's
+    # RNG was restored, and a draw from the global stream would change every later dropout mask.
+    own = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=own).to(kind)
+    b = torch.randn(n, n, generator=own).to(kind)
     best = 0.0
     deadline = time.perf_counter() + seconds
     with torch.no_grad():

@@ -21,6 +21,7 @@ __all__ = [
     "get_rng_state",
     "make_worker_init_fn",
     "rng_world_note",
+    "sample_generator",
     "set_all_seeds",
     "set_rng_state",
 ]
@@ -84,6 +85,24 @@ def _seed_worker(seed: int, rank: int, worker_id: int) -> None:
     random.seed(worker_seed)
     np.random.seed(int(words[0]))
     torch.manual_seed(worker_seed)
+
+
+def sample_generator(seed: int, epoch: int, sample: int) -> torch.Generator:
+    """A CPU ``torch.Generator`` of its own for one sample's randomness (augmentation, jitter).
+
+    Seeded from the run's ``seed``, the ``epoch`` and the sample's id alone (NumPy's
+    ``SeedSequence`` over the three), never from the global RNG or the worker: it gives the same
+    numbers in a DataLoader worker or a collate function, on any rank, world size or worker
+    count, in an uninterrupted and in a resumed run. ``ElasticBatches(keys=True)`` hands each
+    record its ``(epoch, index)``: ``sample_generator(seed, *key)``. Draw with it explicitly
+    (``torch.rand(..., generator=g)``); whatever draws from the global streams instead is not
+    resumed in workers (docs/data.md, "Randomness and resume").
+    """
+    for name, value in (("seed", seed), ("epoch", epoch), ("sample", sample)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"sample_generator: {name} must be an int >= 0, got {value!r}")
+    words = np.random.SeedSequence([int(seed), int(epoch), int(sample)]).generate_state(2)
+    return torch.Generator().manual_seed(int(words[0]) | (int(words[1]) << 32))
 
 
 def make_worker_init_fn(seed: int, rank: int = 0) -> Callable[[int], None]:

@@ -20,6 +20,9 @@ __all__ = ["RetryPolicy", "DEFAULT_RETRY"]
 
 _T = TypeVar("_T")
 _log = logging.getLogger(__name__)
+# Its own stream: a retry inside a checkpoint upload must not draw from the user's ``random``
+# (a resumed run would then see other numbers than an uninterrupted one).
+_JITTER = random.Random()
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,7 @@ class RetryPolicy:
     max_seconds: float = 5.0
     sleep: Callable[[float], None] = field(default=time.sleep, compare=False, repr=False)
     uniform: Callable[[float, float], float] = field(
-        default=random.uniform, compare=False, repr=False
+        default=_JITTER.uniform, compare=False, repr=False
     )
 
     def delay(self, retry: int) -> float:
