@@ -426,7 +426,9 @@ def run_with_one_line_errors(
 
 def main(argv: Sequence[str] | None = None) -> int:
     tie_to_parent()  # under `uv run` or the launcher: no orphan trainer when it is killed
-    args = _parser().parse_args(argv)
+    # Overrides may stand on both sides of a flag (`--config c a=1 --resume none b=2`, as users
+    # append flags to a command line): parse_args would take only the first run of them.
+    args = _parser().parse_intermixed_args(argv)
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         with masked_output():
             return _run(args)
