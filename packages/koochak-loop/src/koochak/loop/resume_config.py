@@ -176,10 +176,8 @@ def same_value(a: Any, b: Any) -> bool:
     by element; everything else by ``==``."""
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
-    numbers = (int, float)
-    if (isinstance(a, float) or isinstance(b, float)) and isinstance(a, numbers) and isinstance(
-        b, numbers
-    ) and not isinstance(a, bool) and not isinstance(b, bool):
+    kinds = {type(a), type(b)}
+    if float in kinds and kinds <= {int, float}:
         try:
             return struct.pack("<d", float(a)) == struct.pack("<d", float(b))
         except OverflowError:  # an int beyond any float: not the float it is compared with
