@@ -42,10 +42,10 @@ from koochak.loop.dist import exit_distributed_process
 from koochak.loop.evacuation import Evacuated, make_evacuation
 from koochak.loop.health import GpuUnhealthy
 from koochak.loop.logging.wandb_logger import check_restart_settings
-from koochak.loop.masking import mask_text, masked_output, masking_active
+from koochak.loop.masking import mask_text, masked_output, masking_active, recorded_config
 from koochak.loop.parent_death import tie_to_parent
 from koochak.loop.scruffy_exit import checkpoint_exit_code
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 EXIT_USAGE = 2
 EXIT_TRAINING_FAILED = 1
@@ -356,7 +356,10 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
         "optimizer": optimizer,
         "scheduler": scheduler,
         "train_cfg": cfg.train,
-        "config_json": to_container(cfg),
+        # What the run records (config.yaml, checkpoints, W&B): secrets masked (masking.py).
+        "config_json": recorded_config(
+            to_container(cfg), OmegaConf.to_container(cfg, resolve=False)
+        ),
         "checkpoint_dict": checkpoint,
         "eval_dataset": (
             _build("entry.eval_dataset", entry.eval_dataset, _call_builder, make_eval, cfg)
