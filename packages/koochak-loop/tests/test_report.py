@@ -122,3 +122,20 @@ def test_bad_run_dirs_and_a_missing_matplotlib_are_one_line(tmp_path, capsys, mo
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(report.ReportError, match=r"pip install 'koochak-loop\[report\]'"):
         report._pyplot()
+
+
+def test_outputs_never_write_through_a_link_planted_in_the_run_directory(two_attempts, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(two_attempts, run, ignore=shutil.ignore_patterns("report.*"))
+    victim = tmp_path / "outside.txt"
+    victim.write_text("keep me")
+    (run / "report.png").symlink_to(victim)
+    (run / "report.html").symlink_to(tmp_path / "created-outside.html")  # a dangling link
+    assert report.main([str(run)]) == 0
+    assert victim.read_text() == "keep me" and not (tmp_path / "created-outside.html").exists()
+    for name in ("report.png", "report.html"):
+        assert not (run / name).is_symlink() and (run / name).stat().st_size > 0
+    assert not [p for p in run.iterdir() if p.name.endswith(".tmp")]
+    assert report.main([str(run)]) == 0  # and again, over its own files
