@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import html
+import io
 import json
 import os
+import secrets
 import statistics
 import sys
 from collections.abc import Sequence
@@ -369,21 +372,47 @@ def write_report(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | 
     prefix = Path(out) if out is not None else data.run_dir / "report"
     prefix.parent.mkdir(parents=True, exist_ok=True)
     png, page = prefix.with_name(prefix.name + ".png"), prefix.with_name(prefix.name + ".html")
-    fig.savefig(png, dpi=100)
+    image = io.BytesIO()
+    fig.savefig(image, format="png", dpi=100)
     _pyplot().close(fig)
-    encoded = base64.b64encode(png.read_bytes()).decode("ascii")
+    encoded = base64.b64encode(image.getvalue()).decode("ascii")
     items = "".join(f"<li>{html.escape(line)}</li>" for line in summary_lines(data))
     gaps = "".join(f"<li>{html.escape(line)}</li>" for line in data.missing)
-    page.write_text(
+    text = (
         "<!doctype html>\n<html><head><meta charset='utf-8'>"
         f"<title>koochak run report: {html.escape(str(data.run_dir))}</title></head><body>"
         f"<h1>Run report: {html.escape(str(data.run_dir))}</h1><ul>{items}</ul>"
         f"<img alt='loss, throughput and checkpoint timeline' "
         f"src='data:image/png;base64,{encoded}'>"
-        f"<h2>Not recorded by the run's files</h2><ul>{gaps}</ul></body></html>\n",
-        encoding="utf-8",
+        f"<h2>Not recorded by the run's files</h2><ul>{gaps}</ul></body></html>\n"
     )
+    write_output(png, image.getvalue())
+    write_output(page, text.encode("utf-8"))
     return png, page
+
+
+def write_output(path: Path, data: bytes) -> None:
+    """Put ``data`` at ``path`` without ever writing through a link planted there: a new file
+    is created (``O_CREAT | O_EXCL | O_NOFOLLOW``, relative to the directory opened once) under
+    a hidden name, synced, and renamed over ``path`` — a rename replaces a symlink itself, never
+    the file it points to."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    directory = os.open(path.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    temp = f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    try:
+        fd = os.open(temp, flags, 0o644, dir_fd=directory)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temp, path.name, src_dir_fd=directory, dst_dir_fd=directory)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temp, dir_fd=directory)
+            raise
+    finally:
+        os.close(directory)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
