@@ -121,8 +121,17 @@ def test_a_resumed_attempt_starts_with_its_record_in_every_sink(project, capsys,
     assert "attempt 2: resuming from" in text
 
     history = read_history(run)
-    assert [r["event"] for r in history if r["event"] != "progress"] == ["start", "end", "start",
-                                                                          "end"]  # fmt: skip
+    story = [(r["event"], r["attempt"], r.get("step")) for r in history
+             if r["event"] != "progress"]  # fmt: skip
+    assert story == [("start", 1, 0), ("commit", 1, 1), ("commit", 1, 3), ("end", 1, 5),
+                     ("start", 2, 4), ("commit", 2, 5), ("commit", 2, 8),
+                     ("end", 2, 8)]  # fmt: skip
+    assert {r["version"] for r in history if r["event"] == "commit"} == {2}
+    assert {r["tier"] for r in history if r["event"] == "commit"} == {0}
+    (start,) = [r for r in history if r["event"] == "start" and r["attempt"] == 2]
+    assert start["previous"] == {"end": "failed", "step": 5, "steps_redone": 1,
+                                 "steps_redone_exact": True}  # fmt: skip
+    assert start["world_size"] == 1 and list(start["hosts"].values()) == [[0]]
 
     # Once more on the finished run: one line says there is nothing to train.
     assert main(["--config", str(config)]) == 0
@@ -143,7 +152,10 @@ def test_a_killed_attempt_is_a_crash_after_its_last_logged_step(tmp_path):
                            "s3://b/r/step000000004.pt", checkpoint, 5, 10)  # fmt: skip
     assert record["attempt"] == 2 and record["resumed_tier"] == 1
     assert record["previous_end"] == "crashed" and record["steps_redone"] == 2
-    assert "crashed or was killed after step 7" in record["note"]
+    # no end record: the last step logged is a lower bound of what the attempt did (issue 37)
+    assert record["steps_redone_exact"] is False and record["previous_step"] == 7
+    assert "crashed or was killed after step 7 or later" in record["note"]
+    assert "at least 2 step(s) redone" in record["note"]
     evacuated = begin_attempt(tmp_path / "none", [str(tmp_path)], str(tmp_path / "step.pt"),
                               {"reason": "evacuation"}, 5, 10)  # fmt: skip
     assert evacuated["previous_end"] == "evacuated" and evacuated["attempt"] == 2
@@ -202,7 +214,44 @@ def test_kill_9_then_resume_says_crashed_after_the_last_logged_step(project):
     resumed = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     (said,) = [line for line in resumed.stderr.splitlines() if "attempt 2: resuming" in line]
-    assert "(tier 0) at step 4 of 8" in said and "crashed or was killed after step 5" in said
-    assert "1 step(s) redone" in said
+    assert "(tier 0) at step 4 of 8" in said and "killed after step 5 or later" in said
+    assert "at least 1 step(s) redone" in said
     attempt = [r for r in read_jsonl_log(root / "run" / "log.jsonl") if r["event"] == "attempt"]
     assert attempt[-1]["metrics"]["previous_end"] == "crashed"
+
+
+HOSTILE = [
+    '{"version": 1, "event": "start", "attempt": "x", "time": 1.0, "step": 0}',  # wrong type
+    "[1, 2]",
+    '{"version": 1, "event": "progress", "attempt": 1, "time": "soon", "step": 3}',
+    '{"version": 1, "event": "end", "attempt": true, "time": 2.0, "step": 3}',
+    '{"version": 1, "event": "start", "attempt": 1, "time": 1e999, "step": 0}',
+    '{"version": 1, "event": "start", "attempt": 1, "time": 1.0, "step": -4}',
+    '{"version": 1, "event": "start", "attempt": 1, "time": 1.0, "step": 0, "hosts": "h"}',
+    '{"version": 2, "event": "commit", "attempt": 1, "time": 1.0, "tier": "0", "step": 2}',
+    '{"version": 1, "event": 7, "attempt": 1, "time": 1.0}',
+    '{"version": 9, "event": "start", "attempt": 1, "time": 1.0, "step": 0}',  # a newer format
+    '{"version": 1, "event": "start", "attempt": 1, "time": 1.0, "step": 0, "hosts": {"h": [0]}}',
+    '{"version": 2, "event": "future-event", "attempt": 1, "time": 1.0, "shape": [1]}',
+    '{"torn',
+]
+
+
+def test_hostile_or_torn_history_lines_are_skipped_with_one_warning(project, capsys):
+    root, config = project
+    run = root / "run"
+    run.mkdir()
+    (run / "attempts.jsonl").write_text("\n".join(HOSTILE) + "\n")
+    records = read_history(run)
+    assert [(r["event"], r["version"]) for r in records] == [("start", 1), ("future-event", 2)]
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and str(run / "attempts.jsonl") in err[0], err
+    assert "10 torn or malformed line(s) skipped (the first: line 1)" in err[0]
+    assert "1 line(s) of a newer history version skipped" in err[0]
+    assert main(["--config", str(config), "--resume", "none"]) == 0  # the next attempt starts
+    err = capsys.readouterr().err
+    assert "torn or malformed" in err and "Traceback" not in err
+    from koochak.loop import report
+
+    assert report.main([str(run)]) == 0, capsys.readouterr().err
+    assert "Traceback" not in capsys.readouterr().err
