@@ -124,7 +124,7 @@ def test_a_resumed_attempt_starts_with_its_record_in_every_sink(project, capsys,
     story = [(r["event"], r["attempt"], r.get("step")) for r in history
              if r["event"] != "progress"]  # fmt: skip
     assert story == [("start", 1, 0), ("commit", 1, 1), ("commit", 1, 3), ("end", 1, 5),
-                     ("start", 2, 4), ("commit", 2, 5), ("commit", 2, 8),
+                     ("resume", 2, 3), ("start", 2, 4), ("commit", 2, 5), ("commit", 2, 8),
                      ("end", 2, 8)]  # fmt: skip
     assert {r["version"] for r in history if r["event"] == "commit"} == {2}
     assert {r["tier"] for r in history if r["event"] == "commit"} == {0}
@@ -255,3 +255,20 @@ def test_hostile_or_torn_history_lines_are_skipped_with_one_warning(project, cap
 
     assert report.main([str(run)]) == 0, capsys.readouterr().err
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_the_resume_selection_records_the_candidates_passed_over_and_why(project, capsys):
+    root, config = project
+    run = root / "run"
+    assert main(["--config", str(config), "--resume", "none"]) == 0
+    newest = run / "step000000008.pt"
+    newest.write_bytes(newest.read_bytes()[:-10])  # torn: its manifest's size no longer holds
+    assert main(["--config", str(config), "train.max_steps=10"]) == 0
+    (chosen,) = [r for r in read_history(run) if r["event"] == "resume"]
+    assert chosen["version"] == 2 and chosen["attempt"] == 2
+    assert (chosen["tier"], chosen["step"]) == (0, 5)  # the first attempt saved 1, 3, 5 and 8
+    assert chosen["path"].endswith("step000000005.pt")
+    (passed,) = chosen["passed_over"]
+    assert (passed["tier"], passed["step"]) == (0, 8) and "manifest says" in passed["why"]
+    (start,) = [r for r in read_history(run) if r["event"] == "start" and r["attempt"] == 2]
+    assert start["previous"]["end"] == "finished" and start["previous"]["steps_redone"] == 2

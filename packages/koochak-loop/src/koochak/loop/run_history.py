@@ -38,6 +38,7 @@ __all__ = [
     "HISTORY_FILE",
     "append_record",
     "begin_attempt",
+    "record_resume_selection",
     "format_duration",
     "make_history_hooks",
     "read_history",
@@ -191,6 +192,48 @@ def _previous(records: list[dict[str, Any]]) -> dict[str, Any]:
     return facts
 
 
+def _number(last: int, resumed: bool) -> int:
+    # A first attempt that resumes continues a run whose history began elsewhere (or was lost).
+    return last + 1 if last else (2 if resumed else 1)
+
+
+def _nothing_to_train(checkpoint: Mapping[str, Any] | None, max_steps: int | None) -> bool:
+    """A run that already finished (or a hook stopped): resuming it trains nothing."""
+    reason = str(checkpoint.get("reason", "periodic")) if checkpoint is not None else None
+    start = int(checkpoint.get("next_step", 0)) if checkpoint is not None else 0
+    return reason == "stopped" or (
+        reason == "terminal" and max_steps is not None and start >= max_steps
+    )
+
+
+def record_resume_selection(
+    out_dir: str | os.PathLike[str] | None,
+    tiers: Sequence[Any],
+    path: str | None,
+    checkpoint: Mapping[str, Any] | None,
+    passed: Sequence[Mapping[str, Any]],
+    max_steps: int | None = None,
+) -> None:
+    """Append the resume selection (made before the attempt starts): the tier and step chosen
+    (none: a fresh start) and each candidate passed over with why. Rank 0 only; nothing for a
+    run with nothing left to train (which is no attempt)."""
+    if out_dir is None or (checkpoint is None and not passed):
+        return
+    if _nothing_to_train(checkpoint, max_steps):
+        return
+    last = _previous(read_history(out_dir, warn=False))["number"]
+    record: dict[str, Any] = {"event": "resume", "attempt": _number(last, checkpoint is not None),
+                              "time": time.time(), "path": _masked(path),
+                              "tier": _tier_of(path, tiers)}  # fmt: skip
+    if checkpoint is not None:
+        record["step"] = int(checkpoint.get("step", checkpoint.get("next_step", 0)))
+    record["passed_over"] = [
+        {"tier": p.get("tier"), "step": p.get("step"), "why": _masked(str(p.get("why")))[:300]}
+        for p in passed
+    ]
+    append_record(out_dir, record)
+
+
 def _hosts(rank: int) -> dict[str, list[int]]:
     """``{host: [ranks]}`` of this attempt (a collective under DDP: every rank calls it)."""
     host = socket.gethostname()
@@ -253,7 +296,7 @@ def begin_attempt(
     records = read_history(out_dir) if out_dir is not None and rank == 0 else []
     previous = _previous(records)
     last, end = previous["number"], previous["end"]
-    attempt = last + 1 if last else (2 if checkpoint is not None else 1)
+    attempt = _number(last, checkpoint is not None)
     record: dict[str, Any] = {"attempt": attempt, "start_step": start_step,
                               "max_steps": max_steps, "time": time.time(), "hosts": hosts,
                               "world_size": sum(len(r) for r in hosts.values())}  # fmt: skip
@@ -267,7 +310,9 @@ def begin_attempt(
         if tier is not None:
             record["resumed_tier"] = tier
     ended = None
-    if end is not None and end.get("reason") in ("failed", "gpu_health", "evacuated", "stopped"):
+    if end is not None and end.get("reason") in _ENDS.values() or (
+        end is not None and end.get("reason") == "failed"
+    ):
         ended = str(end["reason"])
     elif reason is not None:
         ended = _ENDS.get(reason, "crashed")
@@ -287,9 +332,7 @@ def begin_attempt(
         record["steps_redone"] = max(0, completed - start_step)
         # Without an end record the last step is what it logged or committed: a lower bound.
         record["steps_redone_exact"] = bool(previous["exact"]) or not last
-    finished = reason in ("terminal", "stopped") and (
-        reason == "stopped" or (max_steps is not None and start_step >= max_steps)
-    )
+    finished = _nothing_to_train(checkpoint, max_steps)
     record["nothing_to_train"] = finished
     record["note"] = _note(record, end, checkpoint, finished)
     if rank == 0 and (checkpoint is not None or last):
