@@ -105,7 +105,9 @@ def test_koochak_report_writes_a_png_and_a_self_contained_page(two_attempts, tmp
     png, page = tmp_path / "r.png", (tmp_path / "r.html").read_text()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert base64.b64encode(png.read_bytes()).decode() in page
-    assert "attempt 2: from step 6" in page and "keep_last_k" in page
+    assert "attempt 2: from step 6 (resumed from step 5, tier 0)" in page
+    assert "attempt 1 ends: failed: RuntimeError: preempted" in page  # the story, from the history
+    assert "step 5 replicated to tier 1" in page and "tier 1 commits step 12" in page
     # the loss curves' colours are in the picture (C0: attempt 1, C1: attempt 2)
     import matplotlib.image
 
@@ -139,3 +141,49 @@ def test_outputs_never_write_through_a_link_planted_in_the_run_directory(two_att
         assert not (run / name).is_symlink() and (run / name).stat().st_size > 0
     assert not [p for p in run.iterdir() if p.name.endswith(".tmp")]
     assert report.main([str(run)]) == 0  # and again, over its own files
+
+
+def test_the_story_survives_pruning_and_a_tier_this_host_cannot_list(two_attempts, tmp_path):
+    """Retention pruned the first attempt's checkpoints in both tiers, and the replica cannot
+    be listed from here: every commit and replication is still on the timeline (from the run
+    history), the pruned ones hollow, and a star marks the commit attempt 2 resumed from."""
+    import shutil
+
+    import yaml
+
+    run = tmp_path / "run"
+    shutil.copytree(two_attempts, run, ignore=shutil.ignore_patterns("report.*"))
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["train"]["checkpoint_dir"] = str(tmp_path / "run")
+    config["train"]["checkpoint_replicas"] = [str(tmp_path / "unreachable" / "replica")]
+    (tmp_path / "unreachable").write_text("not a directory")  # listing it fails
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    for step in (2, 5):
+        for suffix in (".pt", ".pt.ready.json"):
+            (run / f"step{step:09d}{suffix}").unlink()
+    data = report.gather_run(run)
+    first, replica = data.tiers
+    assert sorted(first.commits) == [2, 5, 8, 12] and first.pruned == [2, 5]
+    # (a copy that ends after its attempt failed is in the replica but not in the history)
+    assert {5, 8, 12} <= set(replica.commits) and replica.present is None
+    assert len(data.lags(1)) >= 3
+    assert any("tier 1" in m and "run history's" in m for m in data.missing), data.missing
+    assert data.attempts[1].resumed["tier"] == 0 and data.attempts[1].resumed["step"] == 5
+    fig = report.build_figure(data)
+    ckpt_ax = fig.axes[2]
+    lines = {line.get_gid(): line for line in ckpt_ax.get_lines()}
+    assert len(lines["pruned-tier0"].get_xdata()) == 2 and len(lines["commits-tier0"].get_xdata()) == 2
+    assert len(lines["commits-tier1"].get_xdata()) == len(replica.commits)
+    star = lines["resumed-from-2"]
+    assert list(star.get_ydata()) == [0] and star.get_xdata()[0] == lines["pruned-tier0"].get_xdata()[1]
+    texts = {t.get_gid(): t.get_text() for t in ckpt_ax.texts}
+    assert texts["resumed-label-2"] == "attempt 2 resumed here (tier 0, step 5)"
+    assert texts["attempt-ending-1"] == "attempt 1: failed: RuntimeError: preempted"
+    assert {f"commit-label-tier{t}-{s}" for t in (0, 1) for s in (5, 8, 12)} <= set(texts)
+    assert "commit-label-tier0-2" in texts
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    assert report.main([str(run)]) == 0
+    page = (run / "report.html").read_text()
+    assert "tier 0 commits step 2 (pruned since)" in page and "step 8 replicated to tier 1" in page

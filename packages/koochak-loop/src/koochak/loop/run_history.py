@@ -503,8 +503,16 @@ def make_history_hooks(
                   "lag_s": behind, "seconds": info.get("seconds")}  # fmt: skip
         if info.get("error"):
             record["error"] = _masked(str(info["error"]))[:300]
+        status = info.get("status")
+        if status == "published":  # the first tier's commit (the copies start from it)
+            commit(0, step, now)
+            return
+        if status == "pruned":
+            history.append({"version": EVENTS_VERSION, "event": "prune", "attempt": number,
+                            "time": now, "tier": tier, "steps": [step]})  # fmt: skip
+            return
         history.append(record)
-        if info.get("status") == "committed":
+        if status == "committed":
             if behind is not None:  # the first tier committed it `behind` seconds ago
                 commit(0, step, now - behind, derived="replication")
             commit(tier, step, now, info.get("path"))

@@ -478,6 +478,11 @@ class CheckpointSaver:
             self._async.close()
         if self._replicator is not None:
             self._replicator.close()
+            try:  # what the copies in flight did: the run history records every commit
+                for event in self._replicator.take_events():
+                    self._deliver(event)
+            except Exception as exc:  # the caller is already failing; keep its exception primary
+                log.error("reporting the last replications also failed: %s", exc)
         if self._follower is not None:
             self._follower.close()
 
