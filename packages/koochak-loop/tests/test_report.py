@@ -187,3 +187,45 @@ def test_the_story_survives_pruning_and_a_tier_this_host_cannot_list(two_attempt
     assert report.main([str(run)]) == 0
     page = (run / "report.html").read_text()
     assert "tier 0 commits step 2 (pruned since)" in page and "step 8 replicated to tier 1" in page
+
+
+def test_koochak_report_a_b_overlays_both_runs_named_by_what_differs(tmp_path, monkeypatch, capsys):
+    name = f"comparepkg_{abs(hash(str(tmp_path)))}"
+    (tmp_path / f"{name}.py").write_text(USER_CODE)
+    monkeypatch.chdir(tmp_path)
+    runs = []
+    for lr in (0.05, 0.01):
+        config = tmp_path / f"lr{lr}.yaml"
+        config.write_text(textwrap.dedent(f"""
+            train: {{max_steps: 6, log_every: 1, eval_every: 3, device: cpu,
+                     out_dir: {tmp_path / f"run-lr{lr}"}, progress_bar: false}}
+            optim: {{optimizer: {{name: sgd, lr: {lr}}}}}
+            entry: {{model: "{name}:make_model", dataset: "{name}:dataset", step: "{name}:step_fn",
+                     eval_dataset: "{name}:val_dataset", eval_fn: "{name}:eval_fn"}}
+            """))  # fmt: skip
+        assert train(["--config", str(config), "--resume", "none"]) == 0
+        runs.append(tmp_path / f"run-lr{lr}")
+    capsys.readouterr()
+    data = [report.gather_run(r) for r in runs]
+    from koochak.loop import compare
+
+    assert compare.differing_keys([d.config for d in data]) == ["optim.optimizer.lr"]
+    fig = compare.build_comparison(data)
+    lines = {line.get_gid(): line for line in fig.axes[0].get_lines()}
+    assert list(lines["loss-run0"].get_xdata()) == list(range(6))
+    assert "loss-run1" in lines and "eval_loss-run1" in lines
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "run-lr0.05: optim.optimizer.lr=0.05" in labels
+    assert "run-lr0.01: optim.optimizer.lr=0.01" in labels
+    summary = compare.run_summary(data[0])
+    assert summary["last_step"] == 6 and summary["best_loss"] <= summary["final_loss"]
+    assert summary["wall_s"] > 0 and 0 < summary["goodput"] <= 1
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    assert report.main([str(runs[0]), str(runs[1]), "--out", str(tmp_path / "cmp")]) == 0
+    assert "wrote" in capsys.readouterr().out
+    page = (tmp_path / "cmp.html").read_text()
+    assert (tmp_path / "cmp.png").read_bytes()[:4] == b"\x89PNG"
+    assert "<th>optim.optimizer.lr</th>" in page and "<td>0.01</td>" in page
+    assert "best_eval_loss" in page and "goodput" in page

@@ -1,4 +1,5 @@
-"""``koochak-report RUN_DIR [--out PREFIX]``: one self-contained picture of a run, all attempts.
+"""``koochak-report RUN_DIR [RUN_DIR ...] [--out PREFIX]``: one self-contained picture of a run,
+all attempts (several runs: side by side, `koochak.loop.compare`).
 
 Reads what a koochak-train run leaves in its run directory (``train.out_dir``): the metric log
 (``log.jsonl``, else ``log.csv``) for the curves, and the run history (``attempts.jsonl``) for
@@ -597,11 +598,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="koochak-report",
         description="Render a koochak-train run directory (all attempts) as a PNG and an HTML page.",
     )
-    parser.add_argument("run_dir", help="the run's train.out_dir")
-    parser.add_argument("--out", default=None, help="output prefix (default RUN_DIR/report)")
+    parser.add_argument("run_dir", nargs="+", metavar="RUN_DIR",
+                        help="the run's train.out_dir; several: compare them side by side")  # fmt: skip
+    parser.add_argument("--out", default=None, help="output prefix (default RUN_DIR/report; "
+                        "for several runs ./koochak-compare)")  # fmt: skip
     args = parser.parse_args(argv)
     try:
-        png, page = write_report(args.run_dir, args.out)
+        if len(args.run_dir) > 1:
+            from koochak.loop.compare import write_comparison
+
+            png, page = write_comparison(args.run_dir, args.out)
+        else:
+            png, page = write_report(args.run_dir[0], args.out)
     except (ReportError, OSError) as exc:
         print(f"koochak-report: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return EXIT_USAGE
