@@ -177,6 +177,8 @@ def _apply_history(run_dir: Path, attempts: list[Attempt], missing: list[str]) -
                                    record.get("resumed_from")}  # fmt: skip
             previous = record.get("previous") or {}
             before = by_number.get(number - 1)
+            if previous.get("failure"):  # what the restart marker says (the log's record lacks it)
+                attempt.record.setdefault("previous_failure", str(previous["failure"]))
             if before is not None and previous.get("failure"):
                 before.failure = str(previous["failure"])
             if before is not None and previous.get("end") and before.end_reason is None:
