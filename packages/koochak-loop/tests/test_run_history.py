@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import subprocess
@@ -272,3 +273,39 @@ def test_the_resume_selection_records_the_candidates_passed_over_and_why(project
     assert (passed["tier"], passed["step"]) == (0, 8) and "manifest says" in passed["why"]
     (start,) = [r for r in read_history(run) if r["event"] == "start" and r["attempt"] == 2]
     assert start["previous"]["end"] == "finished" and start["previous"]["steps_redone"] == 2
+
+
+def test_a_killed_attempts_lost_node_and_requeue_are_told_from_slurm(tmp_path, monkeypatch):
+    """The previous attempt (job 77 on node1 and node2) left no end record; Slurm says node2's
+    slurmd started after that attempt began and the job was requeued once. (scontrol is a
+    stand-in printing what Slurm prints: a node cannot be lost on this machine's Slurm.)"""
+    began = 1796000000.0
+    after = datetime.datetime.fromtimestamp(began + 60).strftime("%Y-%m-%dT%H:%M:%S")
+    before = datetime.datetime.fromtimestamp(began - 60).strftime("%Y-%m-%dT%H:%M:%S")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "scontrol"
+    script.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        case "$2 $3" in
+          "job 77") echo "JobId=77 JobName=x JobState=CANCELLED Reason=None Restarts=1" ;;
+          "node node1") echo "NodeName=node1 State=IDLE SlurmdStartTime={before}" ;;
+          "node node2") echo "NodeName=node2 State=IDLE SlurmdStartTime={after}" ;;
+          *) exit 1 ;;
+        esac
+        """))  # fmt: skip
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    for name in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    start = {"version": 1, "event": "start", "attempt": 1, "time": began, "step": 0,
+             "hosts": {"node1": [0], "node2": [1]}, "slurm_job_id": "77", "slurm_restarts": 0}
+    progress = {"version": 1, "event": "progress", "attempt": 1, "time": began + 9, "step": 9}
+    (tmp_path / "attempts.jsonl").write_text(json.dumps(start) + "\n" + json.dumps(progress) + "\n")
+    record = begin_attempt(tmp_path, ["/local/x", "s3://b/x"], "s3://b/x/step000000008.pt",
+                           {"step": 8, "next_step": 9, "reason": "periodic"}, 9, 20)  # fmt: skip
+    assert record["previous_end"] == "node_lost" and record["previous_requeued"] == 1
+    assert record["previous_failure"] == ("node2 lost: rank 1 never ended (its slurmd restarted "
+                                          "after the attempt began); requeued by Slurm")  # fmt: skip
+    assert "the previous attempt ended after step 9 or later: node2 lost" in record["note"]
+    assert record["resumed_tier"] == 1
