@@ -230,6 +230,7 @@ HOSTILE = [
     '{"version": 1, "event": "start", "attempt": 1, "time": 1.0, "step": -4}',
     '{"version": 1, "event": "start", "attempt": 1, "time": 1.0, "step": 0, "hosts": "h"}',
     '{"version": 2, "event": "commit", "attempt": 1, "time": 1.0, "tier": "0", "step": 2}',
+    '{"version": 2, "event": "replicate", "attempt": 1, "tier": 1, "step": 2}',  # no time
     '{"version": 1, "event": 7, "attempt": 1, "time": 1.0}',
     '{"version": 9, "event": "start", "attempt": 1, "time": 1.0, "step": 0}',  # a newer format
     '{"version": 1, "event": "start", "attempt": 1, "time": 1.0, "step": 0, "hosts": {"h": [0]}}',
@@ -247,7 +248,7 @@ def test_hostile_or_torn_history_lines_are_skipped_with_one_warning(project, cap
     assert [(r["event"], r["version"]) for r in records] == [("start", 1), ("future-event", 2)]
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and str(run / "attempts.jsonl") in err[0], err
-    assert "10 torn or malformed line(s) skipped (the first: line 1)" in err[0]
+    assert "11 torn or malformed line(s) skipped (the first: line 1)" in err[0]
     assert "1 line(s) of a newer history version skipped" in err[0]
     assert main(["--config", str(config), "--resume", "none"]) == 0  # the next attempt starts
     err = capsys.readouterr().err

@@ -181,7 +181,9 @@ def _apply_history(run_dir: Path, attempts: list[Attempt], missing: list[str]) -
                 attempt.record.setdefault("previous_failure", str(previous["failure"]))
             if before is not None and previous.get("failure"):
                 before.failure = str(previous["failure"])
-            if before is not None and previous.get("end") and before.end_reason is None:
+            if before is not None and previous.get("end") and (
+                before.end_reason is None or previous["end"] == "node_lost"
+            ):  # a node lost outranks the "failed" its surviving rank 0 wrote
                 before.end_reason = str(previous["end"])
         if event in ("progress", "end", "commit") and when is not None:
             attempt.end_time = max(attempt.end_time or 0.0, float(when))

@@ -123,6 +123,8 @@ def _valid(record: Any) -> bool:
             return False
     if not isinstance(record.get("attempt"), int) or record["attempt"] < 0:
         return False
+    if record.get("time") is None:  # every record says when
+        return False
     if record.get("step") is not None and record["step"] < 0:
         return False
     required = _REQUIRED.get(record["event"], ())
