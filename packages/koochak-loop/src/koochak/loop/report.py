@@ -36,6 +36,7 @@ import os
 import secrets
 import statistics
 import sys
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -346,7 +347,7 @@ def _markers(ax: Any, attempts: list[Attempt], labels: bool) -> None:
         ax.axvline(attempt.start_step, color="#d62728", linestyle="--", linewidth=1.2,
                    gid=f"restart-{attempt.number}" + ("" if labels else "-rate"))  # fmt: skip
         if labels:
-            ax.annotate(restart_label(attempt), (attempt.start_step, 0.03),
+            ax.annotate(textwrap.fill(restart_label(attempt), 70), (attempt.start_step, 0.03),
                         xycoords=("data", "axes fraction"), xytext=(4, 0),
                         textcoords="offset points", va="bottom", ha="left", fontsize=8,
                         color="#d62728", gid=f"restart-label-{attempt.number}",
@@ -421,7 +422,7 @@ def _timeline(ax: Any, data: RunData, colors: list[str]) -> None:
             ax.axvspan(attempt.start_time - origin, attempt.end_time - origin,
                        color=colors[i % len(colors)], alpha=0.12,
                        gid=f"attempt-span-{attempt.number}")  # fmt: skip
-            ax.annotate(f"attempt {attempt.number}: {ending(attempt)}",
+            ax.annotate(textwrap.fill(f"attempt {attempt.number}: {ending(attempt)}", 90),
                         (attempt.start_time - origin, top - 0.45 - 0.18 * (i % 2)), fontsize=7,
                         gid=f"attempt-ending-{attempt.number}")  # fmt: skip
     for tier in data.tiers:
