@@ -310,3 +310,12 @@ def test_a_killed_attempts_lost_node_and_requeue_are_told_from_slurm(tmp_path, m
                                           "after the attempt began); requeued by Slurm")  # fmt: skip
     assert "the previous attempt ended after step 9 or later: node2 lost" in record["note"]
     assert record["resumed_tier"] == 1
+
+
+def test_prunes_of_a_run_without_replicas_are_in_the_history(project):
+    root, config = project
+    assert main(["--config", str(config), "--resume", "none", "train.keep_last_k=2"]) == 0
+    history = read_history(root / "run")
+    pruned = [s for r in history if r["event"] == "prune" for s in r["steps"]]
+    assert pruned == [1, 3] and {r["tier"] for r in history if r["event"] == "prune"} == {0}
+    assert [r["step"] for r in history if r["event"] == "commit"] == [1, 3, 5, 8]

@@ -73,12 +73,14 @@ class TierCommits:
     commits: dict[int, float] = field(default_factory=dict)  # step -> commit time (unix s)
     error: str | None = None
     present: set[int] | None = None  # steps committed there now (None: not listed)
+    pruned_recorded: set[int] = field(default_factory=set)  # the history's prune records
 
     @property
     def pruned(self) -> list[int]:
-        """Commits the history records that the tier no longer holds (when it was listed)."""
+        """Commits no longer there: what a listing of the tier lacks, else what the history
+        says its retention removed."""
         if self.present is None:
-            return []
+            return sorted(self.pruned_recorded & set(self.commits))
         return sorted(set(self.commits) - self.present)
 
 
@@ -259,6 +261,10 @@ def _tier_commits(
     count = max([len(locations)] + [int(r["tier"]) + 1 for r in recorded])
     tiers = [TierCommits(i, str(getattr(loc, "location", loc))) for i, loc in enumerate(locations)]
     tiers += [TierCommits(i, "(not in config.yaml)") for i in range(len(tiers), count)]
+    for record in history:
+        if record.get("event") == "prune" and 0 <= int(record["tier"]) < len(tiers):
+            steps = record.get("steps") or []
+            tiers[int(record["tier"])].pruned_recorded.update(s for s in steps if isinstance(s, int))
     for record in recorded:
         commits = tiers[int(record["tier"])].commits
         step, when = int(record["step"]), float(record["time"])

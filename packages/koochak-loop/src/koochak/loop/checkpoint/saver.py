@@ -30,6 +30,7 @@ import os
 import threading
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -40,6 +41,7 @@ from koochak.loop.checkpoint.background import lower_this_threads_priority
 from koochak.loop.checkpoint.format import (
     build_checkpoint,
     checkpoint_name,
+    step_of_name,
 )
 from koochak.loop.checkpoint.host_buffers import HostBuffers, HostCopy
 from koochak.loop.checkpoint.layouts import COORDINATOR, FOLLOWER, ROLES, Layout, Whole, layout_for
@@ -325,6 +327,7 @@ class CheckpointSaver:
         self.async_publish = async_publish
         self.on_checkpoint = on_checkpoint
         self.on_replication = on_replication
+        self._pruned: deque[str] = deque()  # removed by _prune, not yet reported
         self._store: Store | None = None
         self._async: AsyncPublisher | None = None
         self._buffers = HostBuffers()
@@ -409,6 +412,7 @@ class CheckpointSaver:
                         "publication": publication,
                     }
                 )
+            self._report_pruned()
             return path
 
         if self.async_publish and not sync:
@@ -525,6 +529,19 @@ class CheckpointSaver:
         ):
             if self._tracker is not None:
                 self._tracker.forget(name)
+            self._pruned.append(name)  # reported with the commit that caused it (announce)
+
+    def _report_pruned(self) -> None:
+        """Tell ``on_replication`` (status ``pruned``, tier 0) what the first tier's retention
+        removed, on the training thread, without replicas (with them the replicator does)."""
+        while self._pruned:
+            name = self._pruned.popleft()
+            if self.on_replication is not None:
+                self.on_replication({"status": "pruned", "step": step_of_name(name), "name": name,
+                                     "tier": 0, "location": self.store.location, "path": None,
+                                     "publication": None, "seconds": 0.0, "bytes": 0, "lag": 0,
+                                     "behind_s": None, "error": None,
+                                     "retry_in_s": None})  # fmt: skip
 
     def _best(self, store: Store, names: list[str]) -> set[str]:
         """The ``keep_best_k`` best of ``names`` (committed in ``store``): what no tier's
