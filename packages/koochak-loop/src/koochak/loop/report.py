@@ -429,8 +429,8 @@ def _timeline(ax: Any, data: RunData, colors: list[str]) -> None:
                        color=colors[i % len(colors)], alpha=0.12,
                        gid=f"attempt-span-{attempt.number}")  # fmt: skip
             ax.annotate(textwrap.fill(f"attempt {attempt.number}: {ending(attempt)}", 90),
-                        (attempt.start_time - origin, top - 0.45 - 0.18 * (i % 2)), fontsize=7,
-                        gid=f"attempt-ending-{attempt.number}")  # fmt: skip
+                        (attempt.start_time - origin, top - 0.35 - 0.18 * (i % 2)), fontsize=7,
+                        va="top", gid=f"attempt-ending-{attempt.number}")  # fmt: skip
     for tier in data.tiers:
         steps = sorted(tier.commits)
         pruned = set(tier.pruned)
