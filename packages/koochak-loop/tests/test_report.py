@@ -172,7 +172,8 @@ def test_the_story_survives_pruning_and_a_tier_this_host_cannot_list(two_attempt
     fig = report.build_figure(data)
     ckpt_ax = fig.axes[2]
     lines = {line.get_gid(): line for line in ckpt_ax.get_lines()}
-    assert len(lines["pruned-tier0"].get_xdata()) == 2 and len(lines["commits-tier0"].get_xdata()) == 2
+    assert len(lines["pruned-tier0"].get_xdata()) == 2
+    assert len(lines["commits-tier0"].get_xdata()) == 2
     assert len(lines["commits-tier1"].get_xdata()) == len(replica.commits)
     star = lines["resumed-from-2"]
     assert list(star.get_ydata()) == [0] and star.get_xdata()[0] == lines["pruned-tier0"].get_xdata()[1]

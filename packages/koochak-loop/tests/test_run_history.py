@@ -300,7 +300,8 @@ def test_a_killed_attempts_lost_node_and_requeue_are_told_from_slurm(tmp_path, m
     for name in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT"):
         monkeypatch.delenv(name, raising=False)
     start = {"version": 1, "event": "start", "attempt": 1, "time": began, "step": 0,
-             "hosts": {"node1": [0], "node2": [1]}, "slurm_job_id": "77", "slurm_restarts": 0}
+             "hosts": {"node1": [0], "node2": [1]}, "slurm_job_id": "77",
+             "slurm_restarts": 0}  # fmt: skip
     progress = {"version": 1, "event": "progress", "attempt": 1, "time": began + 9, "step": 9}
     (tmp_path / "attempts.jsonl").write_text(json.dumps(start) + "\n" + json.dumps(progress) + "\n")
     record = begin_attempt(tmp_path, ["/local/x", "s3://b/x"], "s3://b/x/step000000008.pt",

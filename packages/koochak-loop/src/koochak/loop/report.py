@@ -184,10 +184,10 @@ def _apply_history(run_dir: Path, attempts: list[Attempt], missing: list[str]) -
                 attempt.record.setdefault("previous_failure", str(previous["failure"]))
             if before is not None and previous.get("failure"):
                 before.failure = str(previous["failure"])
-            if before is not None and previous.get("end") and (
-                before.end_reason is None or previous["end"] == "node_lost"
-            ):  # a node lost outranks the "failed" its surviving rank 0 wrote
-                before.end_reason = str(previous["end"])
+            if before is not None and previous.get("end"):
+                lost = previous["end"] == "node_lost"  # outranks the "failed" rank 0 wrote
+                if before.end_reason is None or lost:
+                    before.end_reason = str(previous["end"])
         if event in ("progress", "end", "commit") and when is not None:
             attempt.end_time = max(attempt.end_time or 0.0, float(when))
         if event == "end":
@@ -264,7 +264,8 @@ def _tier_commits(
     for record in history:
         if record.get("event") == "prune" and 0 <= int(record["tier"]) < len(tiers):
             steps = record.get("steps") or []
-            tiers[int(record["tier"])].pruned_recorded.update(s for s in steps if isinstance(s, int))
+            found = {s for s in steps if isinstance(s, int)}
+            tiers[int(record["tier"])].pruned_recorded.update(found)
     for record in recorded:
         commits = tiers[int(record["tier"])].commits
         step, when = int(record["step"]), float(record["time"])

@@ -312,9 +312,7 @@ def begin_attempt(
         if tier is not None:
             record["resumed_tier"] = tier
     ended = None
-    if end is not None and end.get("reason") in _ENDS.values() or (
-        end is not None and end.get("reason") == "failed"
-    ):
+    if end is not None and end.get("reason") in (*_ENDS.values(), "failed"):
         ended = str(end["reason"])
     elif reason is not None:
         ended = _ENDS.get(reason, "crashed")
