@@ -230,3 +230,26 @@ def test_koochak_report_a_b_overlays_both_runs_named_by_what_differs(tmp_path, m
     assert (tmp_path / "cmp.png").read_bytes()[:4] == b"\x89PNG"
     assert "<th>optim.optimizer.lr</th>" in page and "<td>0.01</td>" in page
     assert "best_eval_loss" in page and "goodput" in page
+
+
+def test_a_report_mid_run_shows_the_commits_so_far(two_attempts, tmp_path):
+    """The second attempt still running (its end not yet written, its last line torn)."""
+    import json
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(two_attempts, run, ignore=shutil.ignore_patterns("report.*"))
+    lines = (run / "attempts.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    (cut,) = [i for i, r in enumerate(records) if r["event"] == "commit" and r["step"] == 8
+              and r["tier"] == 0]  # fmt: skip
+    (run / "attempts.jsonl").write_text("\n".join(lines[: cut + 1]) + '\n{"version": 2, "ev')
+    log = [line for line in (run / "log.jsonl").read_text().splitlines() if '"end"' not in line]
+    (run / "log.jsonl").write_text("\n".join(log) + "\n")
+    data = report.gather_run(run)
+    assert data.attempts[1].end_reason is None and report.ending(data.attempts[1]).startswith(
+        "running"
+    )
+    assert 8 in data.tiers[0].commits and 12 in data.tiers[0].commits  # 12: the tier lists it
+    assert report.main([str(run)]) == 0
+    assert "attempt 2 starts at step 6" in (run / "report.html").read_text()
