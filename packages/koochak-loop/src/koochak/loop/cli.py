@@ -252,16 +252,17 @@ def _find_resume(cfg: DictConfig, mode: str) -> tuple[str | None, dict[str, Any]
         from koochak.loop.device import get_device
 
         setup_ddp(resolve_train_config(cfg.train), get_device(str(cfg.train.device)))
+        passed: list[dict[str, Any]] = []  # (the sharded selection does not list what it skips)
         found = resume_checkpoint("auto", checkpoint_locations(cfg.train), sharded=True)
     else:
-        passed: list[dict[str, Any]] = []
+        passed = []
         found = resolve_auto_resume(checkpoint_locations(cfg.train), passed)  # every tier
-        if int(os.environ.get("RANK", "0")) == 0:  # the run history's resume record
-            from koochak.loop.run_history import record_resume_selection
+    if int(os.environ.get("RANK", "0")) == 0:  # the run history's resume record
+        from koochak.loop.run_history import record_resume_selection
 
-            record_resume_selection(str(cfg.train.out_dir), checkpoint_locations(cfg.train),
-                                    found[0] if found else None, found[1] if found else None,
-                                    passed, cfg.train.max_steps)  # fmt: skip
+        record_resume_selection(str(cfg.train.out_dir), checkpoint_locations(cfg.train),
+                                found[0] if found else None, found[1] if found else None,
+                                passed, cfg.train.max_steps)  # fmt: skip
     return (None, None) if found is None else (str(found[0]), found[1])
 
 
