@@ -495,7 +495,9 @@ def make_history_hooks(
     def on_replication(info: dict[str, Any]) -> None:
         if not started or info.get("step") is None:
             return
-        now, step, tier = time.time(), int(info["step"]), int(info.get("tier") or 0)
+        at = info.get("at")
+        now = float(at) if isinstance(at, (int, float)) else time.time()
+        step, tier = int(info["step"]), int(info.get("tier") or 0)
         behind = info.get("behind_s")
         behind = float(behind) if isinstance(behind, (int, float)) else None
         record = {"version": EVENTS_VERSION, "event": "replicate", "attempt": number,

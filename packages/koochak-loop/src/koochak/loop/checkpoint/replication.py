@@ -93,6 +93,7 @@ class ReplicationEvent:
     behind_s: float | None = None
     error: str | None = None
     retry_in_s: float | None = None
+    at: float | None = None  # when it happened (Unix seconds), for the published/pruned events
 
 
 @dataclass
@@ -185,7 +186,7 @@ class Replicator:
         with self._cond:
             self._committed_at[name] = self._clock()
             self._events.append(ReplicationEvent("published", name, step_of_name(name), 0,
-                                                 self.first.location, lag=0))  # fmt: skip
+                                                 self.first.location, at=time.time()))  # fmt: skip
             for lane in self._lanes:
                 if name not in lane.queue:
                     lane.queue.append(name)
@@ -541,7 +542,8 @@ class Replicator:
                 unpublish_checkpoint(store, key)
                 lane.committed.discard(key)
                 self._events.append(ReplicationEvent("pruned", key, step_of_name(key),
-                                                     lane.tier.index, store.location))  # fmt: skip
+                                                     lane.tier.index, store.location,
+                                                     at=time.time()))  # fmt: skip
 
     def _prune_first(self) -> None:
         """Prune the first tier to its keep_last_k, never removing a checkpoint no replica holds
@@ -563,7 +565,8 @@ class Replicator:
                 unpublish_checkpoint(self.first, key)
                 self._committed_at.pop(key, None)
                 self._events.append(ReplicationEvent("pruned", key, step_of_name(key), 0,
-                                                     self.first.location))  # fmt: skip
+                                                     self.first.location,
+                                                     at=time.time()))  # fmt: skip
             held = verdict.held
             # Until every tier has been compared with the first, "no replica holds it" may only
             # mean "not looked yet": say so only once it is known.

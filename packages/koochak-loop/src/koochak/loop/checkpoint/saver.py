@@ -570,6 +570,7 @@ class CheckpointSaver:
             "behind_s": event.behind_s,
             "error": event.error,
             "retry_in_s": event.retry_in_s,
+            "at": event.at,
         }
         if self.on_replication is not None:
             self.on_replication(info)
