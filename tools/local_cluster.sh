@@ -13,7 +13,8 @@
 #   tools/local_cluster.sh stop         stop everything this script started and remove the
 #                                       namespaces, veths and the bridge
 #   tools/local_cluster.sh status       say what runs; exit 0 only when all of it does
-#   tools/local_cluster.sh env          print the KEY=VALUE lines clients and tests read
+#   tools/local_cluster.sh env          print `export KEY='VALUE'` lines clients and tests read:
+#                                       eval "$(tools/local_cluster.sh env)" sets them
 #   tools/local_cluster.sh exec NODE CMD...   run CMD inside NODE's namespaces (as it sees things)
 #   tools/local_cluster.sh kill-node NODE     lose NODE: SIGKILL every process in it (slurmd and
 #                                       its job steps) and delete its node-local disk; Slurm marks
@@ -310,17 +311,21 @@ status() {  # exit 0 only when everything runs
   return "$ok"
 }
 
-print_env() {
-  cat <<EOF
-SLURM_CONF=$CONF
-KOOCHAK_CLUSTER_DIR=$DIR
-KOOCHAK_CLUSTER_NODES=${NODES[*]}
-KOOCHAK_CLUSTER_LOCAL=$LOCAL
-KOOCHAK_CLUSTER_NODELOCAL=$DIR/nodelocal
-KOOCHAK_CLUSTER_S3_ENDPOINT=http://$HOST_ADDR:$S3_PORT
-KOOCHAK_CLUSTER_S3_BUCKET=koochak-native
-EOF
-  s3 env | grep -E '^AWS_'
+emit() {  # emit KEY VALUE: one `export KEY='VALUE'` line, the value single-quoted for eval
+  local quoted=${2//\'/\'\\\'\'}
+  printf "export %s='%s'\n" "$1" "$quoted"
+}
+
+print_env() {  # export-ready and quoted: eval "$(tools/local_cluster.sh env)" sets them all
+  emit SLURM_CONF "$CONF"
+  emit KOOCHAK_CLUSTER_DIR "$DIR"
+  emit KOOCHAK_CLUSTER_NODES "${NODES[*]}"
+  emit KOOCHAK_CLUSTER_LOCAL "$LOCAL"
+  emit KOOCHAK_CLUSTER_NODELOCAL "$DIR/nodelocal"
+  emit KOOCHAK_CLUSTER_S3_ENDPOINT "http://$HOST_ADDR:$S3_PORT"
+  emit KOOCHAK_CLUSTER_S3_BUCKET koochak-native
+  local key value
+  while IFS='=' read -r key value; do emit "$key" "$value"; done < <(s3 env | grep -E '^AWS_')
 }
 
 node_arg() {

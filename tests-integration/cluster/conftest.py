@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ def _in_ci() -> bool:
 
 @dataclass(frozen=True)
 class LocalCluster:
-    env: dict[str, str]  # every KEY=VALUE line of `local_cluster.sh env`
+    env: dict[str, str]  # every `export KEY='VALUE'` line of `local_cluster.sh env`
 
     @property
     def slurm_conf(self) -> str:
@@ -101,8 +102,18 @@ def ensure_cluster() -> LocalCluster:
         if _in_ci():
             pytest.fail(f"CI requires the two-node cluster: {problem}", pytrace=False)
         pytest.skip(problem)
-    lines = _tool("env", timeout=60).stdout.splitlines()
-    return LocalCluster(dict(line.split("=", 1) for line in lines if "=" in line))
+    return LocalCluster(parse_env(_tool("env", timeout=60).stdout))
+
+
+def parse_env(text: str) -> dict[str, str]:
+    """The variables of ``local_cluster.sh env``'s ``export KEY='VALUE'`` lines (shell-quoted)."""
+    env = {}
+    for line in text.splitlines():
+        words = shlex.split(line)
+        if len(words) == 2 and words[0] == "export" and "=" in words[1]:
+            key, value = words[1].split("=", 1)
+            env[key] = value
+    return env
 
 
 def _cluster_lock(mode: int):

@@ -37,14 +37,34 @@ def test_status_of_a_cluster_that_never_started_says_stopped_and_fails(tmp_path)
         assert line in done.stdout.splitlines(), done.stdout  # fmt: skip
 
 
+def _evaluated(out: str, cwd: Path) -> dict[str, str]:
+    """What ``eval "$(local_cluster.sh env)"`` leaves exported in a real bash run in ``cwd``."""
+    done = subprocess.run(["bash", "-c", 'eval "$1" && env -0', "bash", out], capture_output=True,
+                          text=True, env={"PATH": os.environ["PATH"]}, cwd=cwd,
+                          timeout=60)  # fmt: skip
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    return dict(item.split("=", 1) for item in done.stdout.split("\0") if "=" in item)
+
+
 def test_env_selects_the_cluster_and_its_s3_on_the_bridge(tmp_path):
     out = _run("local_cluster.sh", "env", KOOCHAK_CLUSTER_DIR=str(tmp_path)).stdout
-    env = dict(line.split("=", 1) for line in out.splitlines())
+    assert all(line.startswith("export ") for line in out.splitlines()), out
+    env = _evaluated(out, tmp_path)
     assert env["SLURM_CONF"] == f"{tmp_path}/slurm.conf"
     assert env["KOOCHAK_CLUSTER_NODES"] == "node1 node2"
     assert env["KOOCHAK_CLUSTER_LOCAL"] == "/local"
     assert env["KOOCHAK_CLUSTER_S3_ENDPOINT"] == "http://10.231.77.1:5310"
     assert env["AWS_ACCESS_KEY_ID"] == "test"
+
+
+def test_env_is_safe_to_eval_with_spaces_and_quotes_in_the_directory(tmp_path):
+    odd = tmp_path / "a dir's $(touch pwned) name"
+    out = _run("local_cluster.sh", "env", KOOCHAK_CLUSTER_DIR=str(odd)).stdout
+    env = _evaluated(out, tmp_path)
+    assert env["KOOCHAK_CLUSTER_DIR"] == str(odd)
+    assert env["SLURM_CONF"] == f"{odd}/slurm.conf"
+    assert env["KOOCHAK_CLUSTER_NODES"] == "node1 node2"
+    assert not (tmp_path / "pwned").exists()  # the old unquoted lines ran `touch pwned` here
 
 
 def test_local_s3_binds_where_told_and_can_leave_the_mounts_out(tmp_path):

@@ -178,6 +178,15 @@ def test_overrides_apply_last(project):
     assert (root / "run" / "step000000002.pt").exists()
 
 
+def test_overrides_on_both_sides_of_a_flag_all_apply(project):
+    root, _, config = project
+    args = ["--config", str(config), "train.max_steps=2", "--resume", "none", "train.log_every=1"]
+    assert main(args) == 0
+    assert (root / "run" / "step000000002.pt").exists()
+    ckpt = torch.load(root / "run" / "step000000002.pt", weights_only=True)
+    assert ckpt["config"]["train"]["log_every"] == 1 and ckpt["config"]["train"]["max_steps"] == 2
+
+
 def one_line_error(capsys) -> str:
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err

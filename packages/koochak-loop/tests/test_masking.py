@@ -275,3 +275,70 @@ def test_a_real_koochak_train_process_writes_no_url_password(unnamed, tmp_path):
     assert "cannot reach https://***@minio.internal" in done.stderr  # the error line
     assert_no_credentials(done.stdout + done.stderr)
     assert_no_credentials_in_files(tmp_path)
+
+
+MARKED_USER = """
+import torch
+
+
+def make_model(cfg, *, token: str = "", plain: str = "", width: int = 1, endpoint: str = ""):
+    assert token.startswith("tok-MARKER1") and int(width) == 7  # the run itself sees the values
+    return torch.nn.Linear(2, int(width))
+
+
+def dataset(cfg, start_step=0):
+    while True:
+        yield torch.ones(2, 2), torch.ones(2, 7)
+
+
+def step_fn(model, batch, ctx):
+    x, y = batch
+    return {"loss": ((model(x) - y) ** 2).mean()}
+"""
+
+
+def test_no_credential_input_reaches_any_file_the_run_writes(tmp_path, monkeypatch, capsys):
+    """A marker in every way a credential gets into a run: a secret the profile names read with
+    ${oc.env:...}, an unnamed variable read with ${oc.env:...} (in a file and in an override, a
+    number among them), the AWS secret key, a password in a URL. None is in any file of out_dir
+    (config.yaml, checkpoints, logs, the history) nor on stdout/stderr."""
+    name = f"marked_user_{abs(hash(str(tmp_path)))}"
+    (tmp_path / f"{name}.py").write_text(MARKED_USER)
+    monkeypatch.chdir(tmp_path)
+    markers = {"TRACKING_TOKEN": "tok-MARKER1-aa", "PLAIN_SETTING": "MARKER2-plain-value",
+               "AWS_SECRET_ACCESS_KEY": "MARKER3-aws-secret-key", "WIDTH_FROM_ENV": "7",
+               "OVERRIDE_SECRET": "MARKER5-from-override"}  # fmt: skip
+    for variable, value in markers.items():
+        monkeypatch.setenv(variable, value)
+    monkeypatch.setenv("KOOCHAK_SECRET_NAMES", "TRACKING_TOKEN")
+    run = tmp_path / "run"
+    config = tmp_path / "cfg.yaml"
+    config.write_text(textwrap.dedent(f"""
+        train: {{max_steps: 3, ckpt_every: 1, device: cpu, out_dir: {run}, progress_bar: false}}
+        optim: {{optimizer: {{name: sgd, lr: 0.1}}}}
+        model:
+          token: ${{oc.env:TRACKING_TOKEN}}
+          plain: "prefix-${{oc.env:PLAIN_SETTING}}"
+          width: ${{oc.env:WIDTH_FROM_ENV}}
+          endpoint: "https://bot:MARKER4-url-password@tracker.internal/x"
+        wandb: {{project: "${{oc.env:AWS_SECRET_ACCESS_KEY}}"}}
+        entry: {{model: "{name}:make_model", dataset: "{name}:dataset", step: "{name}:step_fn"}}
+        """))  # fmt: skip
+    override = "model.plain=${oc.env:OVERRIDE_SECRET}"
+    assert main(["--config", str(config), "--resume", "none", override]) == 0
+    assert main(["--config", str(config), "train.max_steps=4", override]) == 0  # resumes: same
+    out = capsys.readouterr()
+    found = [p for p in run.rglob("*") if p.is_file()]
+    assert (run / "config.yaml") in found and (run / "step000000004.pt") in found
+    for marker in ("MARKER1", "MARKER2", "MARKER3", "MARKER4", "MARKER5"):
+        for path in found:
+            assert marker.encode() not in path.read_bytes(), (marker, path)
+        assert marker not in out.out + out.err, marker
+    import torch
+    import yaml
+
+    recorded = torch.load(run / "step000000004.pt", weights_only=True)["config"]["model"]
+    assert recorded["token"] == "[masked TRACKING_TOKEN]"
+    assert recorded["plain"] == "[masked OVERRIDE_SECRET]"
+    assert recorded["width"] == "[masked WIDTH_FROM_ENV]"
+    assert yaml.safe_load((run / "config.yaml").read_text())["model"] == recorded

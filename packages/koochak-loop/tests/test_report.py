@@ -105,7 +105,9 @@ def test_koochak_report_writes_a_png_and_a_self_contained_page(two_attempts, tmp
     png, page = tmp_path / "r.png", (tmp_path / "r.html").read_text()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert base64.b64encode(png.read_bytes()).decode() in page
-    assert "attempt 2: from step 6" in page and "keep_last_k" in page
+    assert "attempt 2: from step 6 (resumed from step 5, tier 0)" in page
+    assert "attempt 1 ends: failed: RuntimeError: preempted" in page  # the story, from the history
+    assert "step 5 replicated to tier 1" in page and "tier 1 commits step 12" in page
     # the loss curves' colours are in the picture (C0: attempt 1, C1: attempt 2)
     import matplotlib.image
 
@@ -122,3 +124,132 @@ def test_bad_run_dirs_and_a_missing_matplotlib_are_one_line(tmp_path, capsys, mo
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(report.ReportError, match=r"pip install 'koochak-loop\[report\]'"):
         report._pyplot()
+
+
+def test_outputs_never_write_through_a_link_planted_in_the_run_directory(two_attempts, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(two_attempts, run, ignore=shutil.ignore_patterns("report.*"))
+    victim = tmp_path / "outside.txt"
+    victim.write_text("keep me")
+    (run / "report.png").symlink_to(victim)
+    (run / "report.html").symlink_to(tmp_path / "created-outside.html")  # a dangling link
+    assert report.main([str(run)]) == 0
+    assert victim.read_text() == "keep me" and not (tmp_path / "created-outside.html").exists()
+    for name in ("report.png", "report.html"):
+        assert not (run / name).is_symlink() and (run / name).stat().st_size > 0
+    assert not [p for p in run.iterdir() if p.name.endswith(".tmp")]
+    assert report.main([str(run)]) == 0  # and again, over its own files
+
+
+def test_the_story_survives_pruning_and_a_tier_this_host_cannot_list(two_attempts, tmp_path):
+    """Retention pruned the first attempt's checkpoints in both tiers, and the replica cannot
+    be listed from here: every commit and replication is still on the timeline (from the run
+    history), the pruned ones hollow, and a star marks the commit attempt 2 resumed from."""
+    import shutil
+
+    import yaml
+
+    run = tmp_path / "run"
+    shutil.copytree(two_attempts, run, ignore=shutil.ignore_patterns("report.*"))
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["train"]["checkpoint_dir"] = str(tmp_path / "run")
+    config["train"]["checkpoint_replicas"] = [str(tmp_path / "unreachable" / "replica")]
+    (tmp_path / "unreachable").write_text("not a directory")  # listing it fails
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    for step in (2, 5):
+        for suffix in (".pt", ".pt.ready.json"):
+            (run / f"step{step:09d}{suffix}").unlink()
+    data = report.gather_run(run)
+    first, replica = data.tiers
+    assert sorted(first.commits) == [2, 5, 8, 12] and first.pruned == [2, 5]
+    # (a copy that ends after its attempt failed is in the replica but not in the history)
+    assert {5, 8, 12} <= set(replica.commits) and replica.present is None
+    assert len(data.lags(1)) >= 3
+    assert any("tier 1" in m and "run history's" in m for m in data.missing), data.missing
+    assert data.attempts[1].resumed["tier"] == 0 and data.attempts[1].resumed["step"] == 5
+    fig = report.build_figure(data)
+    ckpt_ax = fig.axes[2]
+    lines = {line.get_gid(): line for line in ckpt_ax.get_lines()}
+    assert len(lines["pruned-tier0"].get_xdata()) == 2
+    assert len(lines["commits-tier0"].get_xdata()) == 2
+    assert len(lines["commits-tier1"].get_xdata()) == len(replica.commits)
+    star = lines["resumed-from-2"]
+    assert list(star.get_ydata()) == [0] and star.get_xdata()[0] == lines["pruned-tier0"].get_xdata()[1]
+    texts = {t.get_gid(): t.get_text() for t in ckpt_ax.texts}
+    assert texts["resumed-label-2"] == "attempt 2 resumed here (tier 0, step 5)"
+    assert texts["attempt-ending-1"] == "attempt 1: failed: RuntimeError: preempted"
+    assert {f"commit-label-tier{t}-{s}" for t in (0, 1) for s in (5, 8, 12)} <= set(texts)
+    assert "commit-label-tier0-2" in texts
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    assert report.main([str(run)]) == 0
+    page = (run / "report.html").read_text()
+    assert "tier 0 commits step 2 (pruned since)" in page and "step 8 replicated to tier 1" in page
+
+
+def test_koochak_report_a_b_overlays_both_runs_named_by_what_differs(tmp_path, monkeypatch, capsys):
+    name = f"comparepkg_{abs(hash(str(tmp_path)))}"
+    (tmp_path / f"{name}.py").write_text(USER_CODE)
+    monkeypatch.chdir(tmp_path)
+    runs = []
+    for lr in (0.05, 0.01):
+        config = tmp_path / f"lr{lr}.yaml"
+        config.write_text(textwrap.dedent(f"""
+            train: {{max_steps: 6, log_every: 1, eval_every: 3, device: cpu,
+                     out_dir: {tmp_path / f"run-lr{lr}"}, progress_bar: false}}
+            optim: {{optimizer: {{name: sgd, lr: {lr}}}}}
+            entry: {{model: "{name}:make_model", dataset: "{name}:dataset", step: "{name}:step_fn",
+                     eval_dataset: "{name}:val_dataset", eval_fn: "{name}:eval_fn"}}
+            """))  # fmt: skip
+        assert train(["--config", str(config), "--resume", "none"]) == 0
+        runs.append(tmp_path / f"run-lr{lr}")
+    capsys.readouterr()
+    data = [report.gather_run(r) for r in runs]
+    from koochak.loop import compare
+
+    assert compare.differing_keys([d.config for d in data]) == ["optim.optimizer.lr"]
+    fig = compare.build_comparison(data)
+    lines = {line.get_gid(): line for line in fig.axes[0].get_lines()}
+    assert list(lines["loss-run0"].get_xdata()) == list(range(6))
+    assert "loss-run1" in lines and "eval_loss-run1" in lines
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "run-lr0.05: optim.optimizer.lr=0.05" in labels
+    assert "run-lr0.01: optim.optimizer.lr=0.01" in labels
+    summary = compare.run_summary(data[0])
+    assert summary["last_step"] == 6 and summary["best_loss"] <= summary["final_loss"]
+    assert summary["wall_s"] > 0 and 0 < summary["goodput"] <= 1
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    assert report.main([str(runs[0]), str(runs[1]), "--out", str(tmp_path / "cmp")]) == 0
+    assert "wrote" in capsys.readouterr().out
+    page = (tmp_path / "cmp.html").read_text()
+    assert (tmp_path / "cmp.png").read_bytes()[:4] == b"\x89PNG"
+    assert "<th>optim.optimizer.lr</th>" in page and "<td>0.01</td>" in page
+    assert "best_eval_loss" in page and "goodput" in page
+
+
+def test_a_report_mid_run_shows_the_commits_so_far(two_attempts, tmp_path):
+    """The second attempt still running (its end not yet written, its last line torn)."""
+    import json
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(two_attempts, run, ignore=shutil.ignore_patterns("report.*"))
+    lines = (run / "attempts.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    (cut,) = [i for i, r in enumerate(records) if r["event"] == "commit" and r["step"] == 8
+              and r["tier"] == 0]  # fmt: skip
+    (run / "attempts.jsonl").write_text("\n".join(lines[: cut + 1]) + '\n{"version": 2, "ev')
+    log = [line for line in (run / "log.jsonl").read_text().splitlines() if '"end"' not in line]
+    (run / "log.jsonl").write_text("\n".join(log) + "\n")
+    data = report.gather_run(run)
+    assert data.attempts[1].end_reason is None and report.ending(data.attempts[1]).startswith(
+        "running"
+    )
+    assert 8 in data.tiers[0].commits and 12 in data.tiers[0].commits  # 12: the tier lists it
+    assert report.main([str(run)]) == 0
+    assert "attempt 2 starts at step 6" in (run / "report.html").read_text()

@@ -238,3 +238,16 @@ def test_a_model_with_other_parameters_is_refused_in_one_line():
                                           r"checkpoint cannot be resumed"):  # fmt: skip
         check_model_shapes(saved, live, "x")
     check_model_shapes(saved, _mlp(4).state_dict())  # the same architecture: nothing to say
+
+
+def test_an_unchanged_nan_is_no_change_and_floats_compare_by_their_bits():
+    nan = float("nan")
+    old = _config(data__pad_value=nan, model__scales=[1.0, nan], optim__optimizer__lr=0.001)
+    new = _config(data__pad_value=float("nan"), model__scales=[1, float("nan")])
+    assert check_resume_config(old, new).breaking == ()
+    assert compare_configs(old, new).harmless == ()
+    drift = compare_configs(_config(data__pad_value=0.0), _config(data__pad_value=-0.0))
+    assert [c.key for c in drift.breaking] == ["data.pad_value"]
+    drift = compare_configs(_config(data__pad_value=nan), _config(data__pad_value=1.5))
+    assert [c.key for c in drift.breaking] == ["data.pad_value"]
+    assert compare_configs(_config(data__pad_value=10**400), _config(data__pad_value=1.0)).breaking

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import subprocess
@@ -121,8 +122,17 @@ def test_a_resumed_attempt_starts_with_its_record_in_every_sink(project, capsys,
     assert "attempt 2: resuming from" in text
 
     history = read_history(run)
-    assert [r["event"] for r in history if r["event"] != "progress"] == ["start", "end", "start",
-                                                                          "end"]  # fmt: skip
+    story = [(r["event"], r["attempt"], r.get("step")) for r in history
+             if r["event"] != "progress"]  # fmt: skip
+    assert story == [("start", 1, 0), ("commit", 1, 1), ("commit", 1, 3), ("end", 1, 5),
+                     ("resume", 2, 3), ("start", 2, 4), ("commit", 2, 5), ("commit", 2, 8),
+                     ("end", 2, 8)]  # fmt: skip
+    assert {r["version"] for r in history if r["event"] == "commit"} == {2}
+    assert {r["tier"] for r in history if r["event"] == "commit"} == {0}
+    (start,) = [r for r in history if r["event"] == "start" and r["attempt"] == 2]
+    assert start["previous"] == {"end": "failed", "step": 5, "steps_redone": 1,
+                                 "steps_redone_exact": True}  # fmt: skip
+    assert start["world_size"] == 1 and list(start["hosts"].values()) == [[0]]
 
     # Once more on the finished run: one line says there is nothing to train.
     assert main(["--config", str(config)]) == 0
@@ -143,7 +153,10 @@ def test_a_killed_attempt_is_a_crash_after_its_last_logged_step(tmp_path):
                            "s3://b/r/step000000004.pt", checkpoint, 5, 10)  # fmt: skip
     assert record["attempt"] == 2 and record["resumed_tier"] == 1
     assert record["previous_end"] == "crashed" and record["steps_redone"] == 2
-    assert "crashed or was killed after step 7" in record["note"]
+    # no end record: the last step logged is a lower bound of what the attempt did (issue 37)
+    assert record["steps_redone_exact"] is False and record["previous_step"] == 7
+    assert "crashed or was killed after step 7 or later" in record["note"]
+    assert "at least 2 step(s) redone" in record["note"]
     evacuated = begin_attempt(tmp_path / "none", [str(tmp_path)], str(tmp_path / "step.pt"),
                               {"reason": "evacuation"}, 5, 10)  # fmt: skip
     assert evacuated["previous_end"] == "evacuated" and evacuated["attempt"] == 2
@@ -202,7 +215,108 @@ def test_kill_9_then_resume_says_crashed_after_the_last_logged_step(project):
     resumed = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     (said,) = [line for line in resumed.stderr.splitlines() if "attempt 2: resuming" in line]
-    assert "(tier 0) at step 4 of 8" in said and "crashed or was killed after step 5" in said
-    assert "1 step(s) redone" in said
+    assert "(tier 0) at step 4 of 8" in said and "killed after step 5 or later" in said
+    assert "at least 1 step(s) redone" in said
     attempt = [r for r in read_jsonl_log(root / "run" / "log.jsonl") if r["event"] == "attempt"]
     assert attempt[-1]["metrics"]["previous_end"] == "crashed"
+
+
+HOSTILE = [
+    '{"version": 1, "event": "start", "attempt": "x", "time": 1.0, "step": 0}',  # wrong type
+    "[1, 2]",
+    '{"version": 1, "event": "progress", "attempt": 1, "time": "soon", "step": 3}',
+    '{"version": 1, "event": "end", "attempt": true, "time": 2.0, "step": 3}',
+    '{"version": 1, "event": "start", "attempt": 1, "time": 1e999, "step": 0}',
+    '{"version": 1, "event": "start", "attempt": 1, "time": 1.0, "step": -4}',
+    '{"version": 1, "event": "start", "attempt": 1, "time": 1.0, "step": 0, "hosts": "h"}',
+    '{"version": 2, "event": "commit", "attempt": 1, "time": 1.0, "tier": "0", "step": 2}',
+    '{"version": 2, "event": "replicate", "attempt": 1, "tier": 1, "step": 2}',  # no time
+    '{"version": 1, "event": 7, "attempt": 1, "time": 1.0}',
+    '{"version": 9, "event": "start", "attempt": 1, "time": 1.0, "step": 0}',  # a newer format
+    '{"version": 1, "event": "start", "attempt": 1, "time": 1.0, "step": 0, "hosts": {"h": [0]}}',
+    '{"version": 2, "event": "future-event", "attempt": 1, "time": 1.0, "shape": [1]}',
+    '{"torn',
+]
+
+
+def test_hostile_or_torn_history_lines_are_skipped_with_one_warning(project, capsys):
+    root, config = project
+    run = root / "run"
+    run.mkdir()
+    (run / "attempts.jsonl").write_text("\n".join(HOSTILE) + "\n")
+    records = read_history(run)
+    assert [(r["event"], r["version"]) for r in records] == [("start", 1), ("future-event", 2)]
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and str(run / "attempts.jsonl") in err[0], err
+    assert "11 torn or malformed line(s) skipped (the first: line 1)" in err[0]
+    assert "1 line(s) of a newer history version skipped" in err[0]
+    assert main(["--config", str(config), "--resume", "none"]) == 0  # the next attempt starts
+    err = capsys.readouterr().err
+    assert "torn or malformed" in err and "Traceback" not in err
+    from koochak.loop import report
+
+    assert report.main([str(run)]) == 0, capsys.readouterr().err
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_the_resume_selection_records_the_candidates_passed_over_and_why(project, capsys):
+    root, config = project
+    run = root / "run"
+    assert main(["--config", str(config), "--resume", "none"]) == 0
+    newest = run / "step000000008.pt"
+    newest.write_bytes(newest.read_bytes()[:-10])  # torn: its manifest's size no longer holds
+    assert main(["--config", str(config), "train.max_steps=10"]) == 0
+    (chosen,) = [r for r in read_history(run) if r["event"] == "resume"]
+    assert chosen["version"] == 2 and chosen["attempt"] == 2
+    assert (chosen["tier"], chosen["step"]) == (0, 5)  # the first attempt saved 1, 3, 5 and 8
+    assert chosen["path"].endswith("step000000005.pt")
+    (passed,) = chosen["passed_over"]
+    assert (passed["tier"], passed["step"]) == (0, 8) and "manifest says" in passed["why"]
+    (start,) = [r for r in read_history(run) if r["event"] == "start" and r["attempt"] == 2]
+    assert start["previous"]["end"] == "finished" and start["previous"]["steps_redone"] == 2
+
+
+def test_a_killed_attempts_lost_node_and_requeue_are_told_from_slurm(tmp_path, monkeypatch):
+    """The previous attempt (job 77 on node1 and node2) left no end record; Slurm says node2's
+    slurmd started after that attempt began and the job was requeued once. (scontrol is a
+    stand-in printing what Slurm prints: a node cannot be lost on this machine's Slurm.)"""
+    began = 1796000000.0
+    after = datetime.datetime.fromtimestamp(began + 60).strftime("%Y-%m-%dT%H:%M:%S")
+    before = datetime.datetime.fromtimestamp(began - 60).strftime("%Y-%m-%dT%H:%M:%S")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "scontrol"
+    script.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        case "$2 $3" in
+          "job 77") echo "JobId=77 JobName=x JobState=CANCELLED Reason=None Restarts=1" ;;
+          "node node1") echo "NodeName=node1 State=IDLE SlurmdStartTime={before}" ;;
+          "node node2") echo "NodeName=node2 State=IDLE SlurmdStartTime={after}" ;;
+          *) exit 1 ;;
+        esac
+        """))  # fmt: skip
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    for name in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    start = {"version": 1, "event": "start", "attempt": 1, "time": began, "step": 0,
+             "hosts": {"node1": [0], "node2": [1]}, "slurm_job_id": "77",
+             "slurm_restarts": 0}  # fmt: skip
+    progress = {"version": 1, "event": "progress", "attempt": 1, "time": began + 9, "step": 9}
+    (tmp_path / "attempts.jsonl").write_text(json.dumps(start) + "\n" + json.dumps(progress) + "\n")
+    record = begin_attempt(tmp_path, ["/local/x", "s3://b/x"], "s3://b/x/step000000008.pt",
+                           {"step": 8, "next_step": 9, "reason": "periodic"}, 9, 20)  # fmt: skip
+    assert record["previous_end"] == "node_lost" and record["previous_requeued"] == 1
+    assert record["previous_failure"] == ("node2 lost: rank 1 never ended (its slurmd restarted "
+                                          "after the attempt began); requeued by Slurm")  # fmt: skip
+    assert "the previous attempt ended after step 9 or later: node2 lost" in record["note"]
+    assert record["resumed_tier"] == 1
+
+
+def test_prunes_of_a_run_without_replicas_are_in_the_history(project):
+    root, config = project
+    assert main(["--config", str(config), "--resume", "none", "train.keep_last_k=2"]) == 0
+    history = read_history(root / "run")
+    pruned = [s for r in history if r["event"] == "prune" for s in r["steps"]]
+    assert pruned == [1, 3] and {r["tier"] for r in history if r["event"] == "prune"} == {0}
+    assert [r["step"] for r in history if r["event"] == "commit"] == [1, 3, 5, 8]

@@ -99,8 +99,11 @@ def test_two_tiers_replicate_every_checkpoint_and_announce_the_replica(tmp_path)
     announced = [e for e in events if e[0] == "checkpoint"]
     assert [e[1] for e in announced] == steps
     assert all(e[2] == str(tmp_path / "durable" / _name(e[1])) and e[3] == 1 for e in announced)
-    replicated = [e for e in events if e[0] == "replication"]
+    replicated = [e for e in events if e[0] == "replication" and e[1] != "published"]
     assert {e[1] for e in replicated} == {"committed"} and len(replicated) == len(steps)
+    published = [e for e in events if e[:2] == ("replication", "published")]
+    assert [e[2] for e in published] == [_name(s) for s in steps]  # tier 0's, for the history
+    assert {e[3] for e in published} == {0}
     # Each announcement comes right after the replica commit it announces.
     for index, event in enumerate(events):
         if event[0] == "checkpoint":

@@ -136,3 +136,45 @@ def test_without_the_package_the_error_is_one_line_naming_the_extra(run, tmp_pat
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "koochak-loop[safetensors]" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_reserved_safetensors_name_is_refused_in_one_line_before_anything_is_written(
+    tmp_path, make_ckpt, capsys
+):
+    ckpt = make_ckpt(4)
+    ckpt["model"]["__metadata__"] = torch.zeros(2)
+    save(ckpt, tmp_path / "run")
+    for _ in range(2):  # and again: never a good export the second time
+        assert main([str(tmp_path / "run"), str(tmp_path / "out"), "--format", "safetensors"]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "'__metadata__'" in err and "reserved" in err, err
+        assert not (tmp_path / "out" / "model.safetensors").exists()
+    with pytest.raises(ValueError, match="reserved by the safetensors format"):
+        list(safetensors_out.safetensors_chunks({"__metadata__": torch.zeros(1)}))
+
+
+def test_a_committed_export_that_does_not_read_back_is_never_reported_as_good(
+    run, tmp_path, monkeypatch, capsys
+):
+    """An export committed by an older Koochak that did not check it (an unreadable file with
+    its ready manifest): the same export again must not exit 0 and call it good."""
+    location, _ = run
+    real = safetensors_out.safetensors_chunks
+
+    def torn(state, **kwargs):  # the header of a file cut short: committed, then unreadable
+        chunks = real(state, **kwargs)
+        yield bytes(next(chunks))
+
+    monkeypatch.setattr("koochak.loop.checkpoint.export.safetensors_chunks", torn)
+    with pytest.raises(ValueError, match="does not read back as safetensors.*withdrawn"):
+        export_weights(location, tmp_path / "out", format="safetensors")
+    assert not (tmp_path / "out" / "model.safetensors.ready.json").exists()
+    monkeypatch.setattr("koochak.loop.checkpoint.export.check_written", lambda *a: None)
+    export_weights(location, tmp_path / "out", format="safetensors")  # the old, unchecked way
+    monkeypatch.undo()
+    assert main([str(location), str(tmp_path / "out"), "--format", "safetensors"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "does not read back" in err and "--replace" in err, err
+    out = tmp_path / "out"
+    assert main([str(location), str(out), "--format", "safetensors", "--replace"]) == 0
+    assert safetensors_torch.load_file(str(out / "model.safetensors")).keys()

@@ -42,10 +42,10 @@ from koochak.loop.dist import exit_distributed_process
 from koochak.loop.evacuation import Evacuated, make_evacuation
 from koochak.loop.health import GpuUnhealthy
 from koochak.loop.logging.wandb_logger import check_restart_settings
-from koochak.loop.masking import mask_text, masked_output, masking_active
+from koochak.loop.masking import mask_text, masked_output, masking_active, recorded_config
 from koochak.loop.parent_death import tie_to_parent
 from koochak.loop.scruffy_exit import checkpoint_exit_code
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 EXIT_USAGE = 2
 EXIT_TRAINING_FAILED = 1
@@ -252,9 +252,17 @@ def _find_resume(cfg: DictConfig, mode: str) -> tuple[str | None, dict[str, Any]
         from koochak.loop.device import get_device
 
         setup_ddp(resolve_train_config(cfg.train), get_device(str(cfg.train.device)))
+        passed: list[dict[str, Any]] = []  # (the sharded selection does not list what it skips)
         found = resume_checkpoint("auto", checkpoint_locations(cfg.train), sharded=True)
     else:
-        found = resolve_auto_resume(checkpoint_locations(cfg.train))  # every tier
+        passed = []
+        found = resolve_auto_resume(checkpoint_locations(cfg.train), passed)  # every tier
+    if int(os.environ.get("RANK", "0")) == 0:  # the run history's resume record
+        from koochak.loop.run_history import record_resume_selection
+
+        record_resume_selection(str(cfg.train.out_dir), checkpoint_locations(cfg.train),
+                                found[0] if found else None, found[1] if found else None,
+                                passed, cfg.train.max_steps)  # fmt: skip
     return (None, None) if found is None else (str(found[0]), found[1])
 
 
@@ -356,7 +364,10 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
         "optimizer": optimizer,
         "scheduler": scheduler,
         "train_cfg": cfg.train,
-        "config_json": to_container(cfg),
+        # What the run records (config.yaml, checkpoints, W&B): secrets masked (masking.py).
+        "config_json": recorded_config(
+            to_container(cfg), OmegaConf.to_container(cfg, resolve=False)
+        ),
         "checkpoint_dict": checkpoint,
         "eval_dataset": (
             _build("entry.eval_dataset", entry.eval_dataset, _call_builder, make_eval, cfg)
@@ -426,7 +437,9 @@ def run_with_one_line_errors(
 
 def main(argv: Sequence[str] | None = None) -> int:
     tie_to_parent()  # under `uv run` or the launcher: no orphan trainer when it is killed
-    args = _parser().parse_args(argv)
+    # Overrides may stand on both sides of a flag (`--config c a=1 --resume none b=2`, as users
+    # append flags to a command line): parse_args would take only the first run of them.
+    args = _parser().parse_intermixed_args(argv)
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         with masked_output():
             return _run(args)

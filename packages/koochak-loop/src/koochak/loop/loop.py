@@ -235,8 +235,9 @@ def training_loop(
         # A hook's StopTraining is recorded here and honoured at the end of the update. Under DDP
         # the ranks agree on it after every update in which a hook could have asked.
         stop: list[str] = []
-        ask_every_step = bool(step_end_hooks) or (
-            cfg.checkpoint_async and bool(hooks.get("on_checkpoint"))
+        ask_every_step = bool(step_end_hooks) or (  # (the run history's never stops a run)
+            cfg.checkpoint_async
+            and any(not getattr(h, "never_stops", False) for h in hooks.get("on_checkpoint", ()))
         )
 
         def fire(event: str, info: dict[str, Any]) -> None:

@@ -1,16 +1,25 @@
-"""``koochak-report RUN_DIR [--out PREFIX]``: one self-contained picture of a run, all attempts.
+"""``koochak-report RUN_DIR [RUN_DIR ...] [--out PREFIX]``: one self-contained picture of a run,
+all attempts (several runs: side by side, `koochak.loop.compare`).
 
 Reads what a koochak-train run leaves in its run directory (``train.out_dir``): the metric log
-(``log.jsonl``, else ``log.csv``), the run history (``attempts.jsonl``), the resolved config
-(``config.yaml``, for the checkpoint tiers) and each tier's checkpoints (their ready manifests'
-commit times). Writes ``report.png`` and ``report.html`` (the PNG embedded as base64, with the
-summary and what the run's files did not record) beside them, or at ``--out PREFIX``:
+(``log.jsonl``, else ``log.csv``) for the curves, and the run history (``attempts.jsonl``) for
+the story: how each attempt ended (a lost node, a requeue), what it resumed from, every
+checkpoint commit per tier and every replication with its lag, pruned since or not. The tiers
+(from ``config.yaml``) are listed only to add what the history lacks (a run of an older
+Koochak) and to say which commits are still there; a tier that cannot be listed from here (a
+node-local disk, an S3 tier without its endpoint) costs nothing the history holds. It works
+from the submitting host, mid-run and after pruning. Writes ``report.png`` and
+``report.html`` (the PNG embedded as base64, with the story, the commits and what the run's
+files did not record) beside them, or at ``--out PREFIX``:
 
 - loss (and every ``eval_*`` curve) over the steps of all attempts, a dashed restart marker at
   each attempt's first step, labelled with how the previous attempt ended;
 - tokens/s (else samples/s) and MFU per logged row;
-- a checkpoint timeline per tier: commit times over the run's wall clock, the attempts as bands,
-  each replica commit joined to the first tier's with its lag.
+- a checkpoint timeline per tier: commit times over the run's wall clock (hollow: pruned since),
+  the attempts as bands labelled with how each ended, each replica commit joined to the first
+  tier's with its lag, and a star on the commit each attempt resumed from.
+
+``koochak-report RUN [RUN ...]`` with several runs compares them instead (`koochak.loop.compare`).
 
 matplotlib is the ``report`` extra (``pip install 'koochak-loop[report]'``), imported only here.
 """
@@ -19,11 +28,15 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import html
+import io
 import json
 import os
+import secrets
 import statistics
 import sys
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +62,8 @@ class Attempt:
     start_time: float | None = None
     end_time: float | None = None
     end_reason: str | None = None
+    failure: str | None = None  # how it ended, for people ("node2 lost: rank 1 ...")
+    resumed: dict[str, Any] | None = None  # {"tier", "step", "path", "passed_over"}
 
 
 @dataclass
@@ -57,6 +72,16 @@ class TierCommits:
     location: str
     commits: dict[int, float] = field(default_factory=dict)  # step -> commit time (unix s)
     error: str | None = None
+    present: set[int] | None = None  # steps committed there now (None: not listed)
+    pruned_recorded: set[int] = field(default_factory=set)  # the history's prune records
+
+    @property
+    def pruned(self) -> list[int]:
+        """Commits no longer there: what a listing of the tier lacks, else what the history
+        says its retention removed."""
+        if self.present is None:
+            return sorted(self.pruned_recorded & set(self.commits))
+        return sorted(set(self.commits) - self.present)
 
 
 @dataclass
@@ -66,11 +91,18 @@ class RunData:
     tiers: list[TierCommits]
     end: dict[str, Any] | None
     missing: list[str]
+    replications: list[dict[str, Any]] = field(default_factory=list)  # the history's
+    config: dict[str, Any] = field(default_factory=dict)  # config.yaml (for comparisons)
 
     def lags(self, tier: int) -> list[float]:
-        """Seconds from the first tier's commit to tier ``tier``'s, per checkpoint both hold."""
+        """Seconds from the first tier's commit to tier ``tier``'s, per checkpoint: as the run
+        recorded them (its replications), else from both tiers' commit times."""
+        recorded = {int(r["step"]): float(r["lag_s"]) for r in self.replications
+                    if r.get("tier") == tier and r.get("status") == "committed"
+                    and r.get("lag_s") is not None and r.get("step") is not None}  # fmt: skip
         first, other = self.tiers[0].commits, self.tiers[tier].commits
-        return [other[s] - first[s] for s in sorted(set(first) & set(other))]
+        both = set(first) & set(other) | set(recorded)
+        return [recorded[s] if s in recorded else other[s] - first[s] for s in sorted(both)]
 
 
 # ----------------------------------------------------------------------------- reading
@@ -122,24 +154,51 @@ def _split_attempts(records: list[dict[str, Any]], missing: list[str]) -> tuple[
     return attempts, end
 
 
-def _apply_history(run_dir: Path, attempts: list[Attempt], missing: list[str]) -> None:
+def _apply_history(run_dir: Path, attempts: list[Attempt], missing: list[str]) -> list[Any]:
+    """The history's story onto the attempts (times, how each ended, what it resumed from);
+    returns the history's records."""
     from koochak.loop.run_history import read_history
 
     history = read_history(run_dir)
     if not history:
-        missing.append("attempts.jsonl absent: attempt wall times are the log's")
+        missing.append("attempts.jsonl absent: attempt wall times are the log's, commits the "
+                       "tiers' (pruned ones are lost)")  # fmt: skip
     by_number = {a.number: a for a in attempts}
     for record in history:
-        attempt = by_number.get(int(record.get("attempt") or 0))
+        number = int(record.get("attempt") or 0)
+        event, when = record.get("event"), record.get("time")
+        if event == "start" and number not in by_number:  # an attempt that logged no row
+            by_number[number] = Attempt(number, int(record.get("step") or 0), {})
+            attempts.append(by_number[number])
+        attempt = by_number.get(number)
         if attempt is None:
             continue
-        when = record.get("time")
-        if record.get("event") == "start" and when is not None:
+        if event == "start" and when is not None:
             attempt.start_time = float(when)
-        if record.get("event") in ("progress", "end") and when is not None:
+            if record.get("resumed_from") and attempt.resumed is None:
+                attempt.resumed = {"tier": record.get("resumed_tier"), "path":
+                                   record.get("resumed_from")}  # fmt: skip
+            previous = record.get("previous") or {}
+            before = by_number.get(number - 1)
+            if previous.get("failure"):  # what the restart marker says (the log's record lacks it)
+                attempt.record.setdefault("previous_failure", str(previous["failure"]))
+            if before is not None and previous.get("failure"):
+                before.failure = str(previous["failure"])
+            if before is not None and previous.get("end"):
+                lost = previous["end"] == "node_lost"  # outranks the "failed" rank 0 wrote
+                if before.end_reason is None or lost:
+                    before.end_reason = str(previous["end"])
+        if event in ("progress", "end", "commit") and when is not None:
             attempt.end_time = max(attempt.end_time or 0.0, float(when))
-        if record.get("event") == "end":
+        if event == "end":
             attempt.end_reason = str(record.get("reason"))
+            if record.get("error") and attempt.failure is None:
+                attempt.failure = str(record["error"])
+        if event == "resume" and record.get("step") is not None:
+            attempt.resumed = {"tier": record.get("tier"), "step": int(record["step"]),
+                               "path": record.get("path"),
+                               "passed_over": record.get("passed_over") or []}  # fmt: skip
+    attempts.sort(key=lambda a: a.number)
     for attempt in attempts:
         if attempt.end_time is None:
             times = [r.get("time") for r in attempt.rows if r.get("time")]
@@ -147,19 +206,42 @@ def _apply_history(run_dir: Path, attempts: list[Attempt], missing: list[str]) -
         if attempt.end_reason is None and attempt is not attempts[-1]:
             nxt = attempts[attempts.index(attempt) + 1]
             attempt.end_reason = str(nxt.record.get("previous_end") or "crashed")
+        if attempt.resumed is not None and attempt.resumed.get("step") is None:
+            attempt.resumed["step"] = attempt.start_step - 1  # the checkpoint before its start
+    return history
 
 
-def _tier_locations(run_dir: Path, missing: list[str]) -> list[Any]:
+def ending(attempt: Attempt) -> str:
+    """How an attempt ended, for people: the failure the history names, else its reason."""
+    if attempt.failure and attempt.end_reason == "failed":
+        return f"failed: {attempt.failure}"
+    if attempt.failure:
+        return attempt.failure
+    return attempt.end_reason or "running or unknown"
+
+
+def _read_config(run_dir: Path, missing: list[str]) -> dict[str, Any]:
     import yaml
 
     config = run_dir / "config.yaml"
     if not config.exists():
         missing.append("config.yaml absent: only the run directory is read as a checkpoint tier")
+        return {}
+    try:
+        loaded = yaml.safe_load(config.read_text(encoding="utf-8")) or {}
+    except (OSError, ValueError) as exc:
+        missing.append(f"config.yaml unreadable ({type(exc).__name__}: {exc})")
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def _tier_locations(run_dir: Path, config: dict[str, Any], missing: list[str]) -> list[Any]:
+    if not config:
         return [str(run_dir)]
     try:
         from koochak.loop.checkpoint.tiers import checkpoint_locations
 
-        train = dict((yaml.safe_load(config.read_text(encoding="utf-8")) or {}).get("train") or {})
+        train = dict(config.get("train") or {})
         train.setdefault("out_dir", str(run_dir))
         return list(checkpoint_locations(train))
     except Exception as exc:  # noqa: BLE001 - a report shows what it can
@@ -167,41 +249,72 @@ def _tier_locations(run_dir: Path, missing: list[str]) -> list[Any]:
         return [str(run_dir)]
 
 
-def _tier_commits(locations: list[Any], missing: list[str]) -> list[TierCommits]:
+def _tier_commits(
+    locations: list[Any], history: list[dict[str, Any]], missing: list[str]
+) -> list[TierCommits]:
+    """Each tier's commits: the history's (every one, pruned since or not), then what a listing
+    of the tier adds (an older run's) and which are still there."""
     from koochak.loop.checkpoint import checkpoint_store
     from koochak.loop.checkpoint.format import step_of_name
 
-    tiers = []
-    for index, location in enumerate(locations):
-        tier = TierCommits(index, str(getattr(location, "location", location)))
+    recorded = [r for r in history if r.get("event") == "commit"]
+    count = max([len(locations)] + [int(r["tier"]) + 1 for r in recorded])
+    tiers = [TierCommits(i, str(getattr(loc, "location", loc))) for i, loc in enumerate(locations)]
+    tiers += [TierCommits(i, "(not in config.yaml)") for i in range(len(tiers), count)]
+    for record in history:
+        if record.get("event") == "prune" and 0 <= int(record["tier"]) < len(tiers):
+            steps = record.get("steps") or []
+            found = {s for s in steps if isinstance(s, int)}
+            tiers[int(record["tier"])].pruned_recorded.update(found)
+    for record in recorded:
+        commits = tiers[int(record["tier"])].commits
+        step, when = int(record["step"]), float(record["time"])
+        commits[step] = min(commits.get(step, when), when)
+    for tier, location in zip(tiers, locations):
         try:
+            present = {}
             for info in checkpoint_store(location).list():
                 if not info.key.endswith(_READY):
                     continue
                 step = step_of_name(info.key[: -len(_READY)].rsplit("/", 1)[-1])
                 if step is not None:
-                    tier.commits[step] = info.mtime_ns / 1e9
+                    present[step] = info.mtime_ns / 1e9
         except Exception as exc:  # noqa: BLE001 - one unreachable tier does not stop the report
             tier.error = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
-            missing.append(f"tier {index} ({tier.location}) could not be listed: {tier.error}")
-        tiers.append(tier)
-    missing.append("checkpoints pruned by retention (keep_last_k) are not on the timeline; "
-                   "commit times are the ready manifests' modification times")  # fmt: skip
+            held = "its commits are the run history's" if tier.commits else "nothing recorded"
+            missing.append(f"tier {tier.index} ({tier.location}) could not be listed from here "
+                           f"({tier.error}); {held}")  # fmt: skip
+            continue
+        if not present and tier.commits:  # an empty root: a node-local disk seen from elsewhere
+            missing.append(f"tier {tier.index} ({tier.location}) lists no checkpoint from here "
+                           "(another node's disk?); its commits are the run history's")  # fmt: skip
+            continue
+        tier.present = set(present)
+        for step, when in present.items():
+            tier.commits.setdefault(step, when)
+        if tier.pruned:
+            missing.append(f"tier {tier.index}: checkpoint(s) {', '.join(map(str, tier.pruned))} "
+                           "pruned since (kept on the timeline from the run history)")  # fmt: skip
+    if not recorded:
+        missing.append("no commits in the run history (an older koochak): the timeline holds "
+                       "only what the tiers still list, with the ready manifests' times")  # fmt: skip
     return tiers
 
 
 def gather_run(run_dir: str | os.PathLike[str]) -> RunData:
-    """Everything the report shows, read from ``run_dir`` (and its checkpoint tiers)."""
+    """Everything the report shows, read from ``run_dir`` (the history first, then the tiers)."""
     root = Path(run_dir)
     if not root.is_dir():
         raise ReportError(f"{root}: not a directory (give koochak-report a run's train.out_dir)")
     missing: list[str] = []
     attempts, end = _split_attempts(_read_metric_log(root, missing), missing)
+    history = _apply_history(root, attempts, missing)
     if not attempts:
         raise ReportError(f"{root}: the metric log holds no rows yet")
-    _apply_history(root, attempts, missing)
-    tiers = _tier_commits(_tier_locations(root, missing), missing)
-    return RunData(root, attempts, tiers, end, missing)
+    config = _read_config(root, missing)
+    tiers = _tier_commits(_tier_locations(root, config, missing), history, missing)
+    replications = [r for r in history if r.get("event") == "replicate"]
+    return RunData(root, attempts, tiers, end, missing, replications, config)
 
 
 # ----------------------------------------------------------------------------- drawing
@@ -223,7 +336,9 @@ def restart_label(attempt: Attempt) -> str:
     record = attempt.record
     previous = record.get("previous_end")
     text = f"attempt {attempt.number}"
-    if previous:
+    if record.get("previous_failure"):
+        text += f": previous {record['previous_failure']}"
+    elif previous:
         text += f": previous {previous}"
         if record.get("previous_step") is not None:
             text += f" after step {record['previous_step']}"
@@ -239,7 +354,7 @@ def _markers(ax: Any, attempts: list[Attempt], labels: bool) -> None:
         ax.axvline(attempt.start_step, color="#d62728", linestyle="--", linewidth=1.2,
                    gid=f"restart-{attempt.number}" + ("" if labels else "-rate"))  # fmt: skip
         if labels:
-            ax.annotate(restart_label(attempt), (attempt.start_step, 0.03),
+            ax.annotate(textwrap.fill(restart_label(attempt), 70), (attempt.start_step, 0.03),
                         xycoords=("data", "axes fraction"), xytext=(4, 0),
                         textcoords="offset points", va="bottom", ha="left", fontsize=8,
                         color="#d62728", gid=f"restart-label-{attempt.number}",
@@ -296,37 +411,75 @@ def build_figure(data: RunData) -> Any:
     rate_ax.set_title("throughput" + (" and MFU" if mfu_ax.get_lines() else " (no MFU logged)"))
 
     # -- checkpoint timeline per tier
-    origin = min([a.start_time for a in attempts if a.start_time] +
-                 [t for tier in data.tiers for t in tier.commits.values()] or [0.0])  # fmt: skip
-    for i, attempt in enumerate(attempts):
-        if attempt.start_time and attempt.end_time:
-            ckpt_ax.axvspan(attempt.start_time - origin, attempt.end_time - origin,
-                            color=colors[i % len(colors)], alpha=0.12,
-                            gid=f"attempt-span-{attempt.number}")  # fmt: skip
-            ckpt_ax.annotate(f"attempt {attempt.number} ({attempt.end_reason or 'running'})",
-                             (attempt.start_time - origin, len(data.tiers) - 0.45), fontsize=8)
-    first = data.tiers[0].commits if data.tiers else {}
-    for tier in data.tiers:
-        steps = sorted(tier.commits)
-        ckpt_ax.plot([tier.commits[s] - origin for s in steps], [tier.index] * len(steps), "o",
-                     color=colors[tier.index % len(colors)], gid=f"commits-tier{tier.index}")  # fmt: skip
-        for step in steps:
-            ckpt_ax.annotate(str(step), (tier.commits[step] - origin, tier.index),
-                             xytext=(0, 6), textcoords="offset points", fontsize=7, ha="center")
-        if tier.index > 0:
-            both = [s for s in steps if s in first]
-            for n, step in enumerate(both):
-                ckpt_ax.plot([first[step] - origin, tier.commits[step] - origin], [0, tier.index],
-                             color="gray", linewidth=0.8,
-                             gid=f"lag-tier{tier.index}" if n == 0 else None)  # fmt: skip
-    ckpt_ax.set_yticks([t.index for t in data.tiers],
-                       [_tier_tick(data, t) for t in data.tiers], fontsize=8)  # fmt: skip
-    ckpt_ax.set_ylim(-0.5, max(len(data.tiers) - 0.3, 0.7))
-    ckpt_ax.set_xlabel("seconds since the first attempt began")
-    ckpt_ax.set_title("checkpoint commits per tier (step numbers; gray: replication lag)")
+    _timeline(ckpt_ax, data, colors)
     fig.text(0.01, 0.005, "\n".join(summary_lines(data)[:4]), fontsize=7, va="bottom")
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     return fig
+
+
+def _timeline(ax: Any, data: RunData, colors: list[str]) -> None:
+    """Commits per tier over the wall clock (hollow: pruned since), attempts as bands named by
+    how they ended, replication lag lines, a star on each attempt's resume checkpoint."""
+    attempts = data.attempts
+    origin = min([a.start_time for a in attempts if a.start_time] +
+                 [t for tier in data.tiers for t in tier.commits.values()] or [0.0])  # fmt: skip
+    top = max(len(data.tiers), 1)
+    for i, attempt in enumerate(attempts):
+        if attempt.start_time and attempt.end_time:
+            ax.axvspan(attempt.start_time - origin, attempt.end_time - origin,
+                       color=colors[i % len(colors)], alpha=0.12,
+                       gid=f"attempt-span-{attempt.number}")  # fmt: skip
+            ax.annotate(textwrap.fill(f"attempt {attempt.number}: {ending(attempt)}", 90),
+                        (attempt.start_time - origin, top - 0.35 - 0.18 * (i % 2)), fontsize=7,
+                        va="top", gid=f"attempt-ending-{attempt.number}")  # fmt: skip
+    for tier in data.tiers:
+        steps = sorted(tier.commits)
+        pruned = set(tier.pruned)
+        kept = [s for s in steps if s not in pruned]
+        color = colors[tier.index % len(colors)]
+        ax.plot([tier.commits[s] - origin for s in kept], [tier.index] * len(kept), "o",
+                color=color, gid=f"commits-tier{tier.index}")  # fmt: skip
+        if pruned:
+            ax.plot([tier.commits[s] - origin for s in sorted(pruned)], [tier.index] * len(pruned),
+                    "o", markerfacecolor="white", color=color,
+                    gid=f"pruned-tier{tier.index}")  # fmt: skip
+        for step in steps:
+            ax.annotate(str(step), (tier.commits[step] - origin, tier.index), xytext=(0, 6),
+                        textcoords="offset points", fontsize=7, ha="center",
+                        gid=f"commit-label-tier{tier.index}-{step}")  # fmt: skip
+    _lag_lines(ax, data, origin)
+    for attempt in attempts:
+        resumed = attempt.resumed or {}
+        tier, step = resumed.get("tier"), resumed.get("step")
+        if tier is None or step is None or not 0 <= int(tier) < len(data.tiers):
+            continue
+        when = data.tiers[int(tier)].commits.get(int(step))
+        if when is None:
+            continue
+        ax.plot([when - origin], [int(tier)], "*", markersize=15, color="#d62728",
+                markeredgecolor="black", gid=f"resumed-from-{attempt.number}")  # fmt: skip
+        ax.annotate(f"attempt {attempt.number} resumed here (tier {tier}, step {step})",
+                    (when - origin, int(tier)), xytext=(6, -14), textcoords="offset points",
+                    fontsize=7, color="#d62728",
+                    gid=f"resumed-label-{attempt.number}")  # fmt: skip
+    ax.set_yticks([t.index for t in data.tiers],
+                  [_tier_tick(data, t) for t in data.tiers], fontsize=8)  # fmt: skip
+    ax.set_ylim(-0.5, max(top - 0.3, 0.7))
+    ax.set_xlabel("seconds since the first attempt began")
+    ax.set_title("checkpoint commits per tier (hollow: pruned since; gray: replication lag; "
+                 "star: resumed from)")  # fmt: skip
+
+
+def _lag_lines(ax: Any, data: RunData, origin: float) -> None:
+    """A gray line from each first-tier commit to its replica's commit."""
+    first = data.tiers[0].commits if data.tiers else {}
+    drawn: set[int] = set()
+    for tier in data.tiers[1:]:
+        for step in (s for s in sorted(tier.commits) if s in first):
+            ax.plot([first[step] - origin, tier.commits[step] - origin], [0, tier.index],
+                    color="gray", linewidth=0.8,
+                    gid=f"lag-tier{tier.index}" if tier.index not in drawn else None)  # fmt: skip
+            drawn.add(tier.index)
 
 
 def _tier_tick(data: RunData, tier: TierCommits) -> str:
@@ -343,8 +496,11 @@ def summary_lines(data: RunData) -> list[str]:
     for attempt in data.attempts:
         steps = [r["step"] for r in attempt.rows]
         span = f"steps {min(steps)}..{max(steps)}" if steps else "no logged rows"
-        lines.append(f"attempt {attempt.number}: from step {attempt.start_step}, {span}, "
-                     f"ended {attempt.end_reason or 'running or unknown'}")  # fmt: skip
+        resumed = attempt.resumed or {}
+        start = f"from step {attempt.start_step}"
+        if resumed.get("step") is not None:
+            start += f" (resumed from step {resumed['step']}, tier {resumed.get('tier')})"
+        lines.append(f"attempt {attempt.number}: {start}, {span}, ended {ending(attempt)}")
     if data.end and data.end.get("note"):
         lines.append(str(data.end["note"]))
     elif data.end:
@@ -358,6 +514,41 @@ def summary_lines(data: RunData) -> list[str]:
     return lines
 
 
+def story_lines(data: RunData) -> list[str]:
+    """The run's events in order, one line each: the HTML's story."""
+    origin = min([a.start_time for a in data.attempts if a.start_time] or [0.0])
+    events: list[tuple[float, str]] = []
+    for attempt in data.attempts:
+        if attempt.start_time:
+            resumed = attempt.resumed or {}
+            text = f"attempt {attempt.number} starts at step {attempt.start_step}"
+            if resumed.get("step") is not None:
+                text += f", resumed from step {resumed['step']} in tier {resumed.get('tier')}"
+            for passed in resumed.get("passed_over") or []:
+                text += (f"; passed over step {passed.get('step')} in tier {passed.get('tier')}: "
+                         f"{passed.get('why')}")  # fmt: skip
+            events.append((attempt.start_time, text))
+        if attempt.end_time and attempt is not data.attempts[-1] or attempt.end_reason:
+            events.append((attempt.end_time or 0.0,
+                           f"attempt {attempt.number} ends: {ending(attempt)}"))  # fmt: skip
+    for tier in data.tiers:
+        for step, when in tier.commits.items():
+            gone = " (pruned since)" if step in tier.pruned else ""
+            events.append((when, f"tier {tier.index} commits step {step}{gone}"))
+    for record in data.replications:
+        if record.get("status") != "committed":
+            events.append((float(record["time"]), f"replication of step {record.get('step')} to "
+                           f"tier {record.get('tier')} {record.get('status')}: "
+                           f"{record.get('error') or ''}"))  # fmt: skip
+            continue
+        lag = record.get("lag_s")
+        events.append((float(record["time"]), f"step {record.get('step')} replicated to tier "
+                       f"{record.get('tier')}" + (f", {lag:.2f} s after the first tier's commit"
+                                                  if lag is not None else "")))  # fmt: skip
+    events.sort(key=lambda item: item[0])
+    return [f"+{when - origin:8.2f} s  {text}" for when, text in events]
+
+
 # ----------------------------------------------------------------------------- writing
 
 
@@ -369,21 +560,49 @@ def write_report(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | 
     prefix = Path(out) if out is not None else data.run_dir / "report"
     prefix.parent.mkdir(parents=True, exist_ok=True)
     png, page = prefix.with_name(prefix.name + ".png"), prefix.with_name(prefix.name + ".html")
-    fig.savefig(png, dpi=100)
+    image = io.BytesIO()
+    fig.savefig(image, format="png", dpi=100)
     _pyplot().close(fig)
-    encoded = base64.b64encode(png.read_bytes()).decode("ascii")
+    encoded = base64.b64encode(image.getvalue()).decode("ascii")
     items = "".join(f"<li>{html.escape(line)}</li>" for line in summary_lines(data))
     gaps = "".join(f"<li>{html.escape(line)}</li>" for line in data.missing)
-    page.write_text(
+    story = html.escape("\n".join(story_lines(data)))
+    text = (
         "<!doctype html>\n<html><head><meta charset='utf-8'>"
         f"<title>koochak run report: {html.escape(str(data.run_dir))}</title></head><body>"
         f"<h1>Run report: {html.escape(str(data.run_dir))}</h1><ul>{items}</ul>"
         f"<img alt='loss, throughput and checkpoint timeline' "
         f"src='data:image/png;base64,{encoded}'>"
-        f"<h2>Not recorded by the run's files</h2><ul>{gaps}</ul></body></html>\n",
-        encoding="utf-8",
+        f"<h2>The story</h2><pre>{story}</pre>"
+        f"<h2>Not recorded by the run's files</h2><ul>{gaps}</ul></body></html>\n"
     )
+    write_output(png, image.getvalue())
+    write_output(page, text.encode("utf-8"))
     return png, page
+
+
+def write_output(path: Path, data: bytes) -> None:
+    """Put ``data`` at ``path`` without ever writing through a link planted there: a new file
+    is created (``O_CREAT | O_EXCL | O_NOFOLLOW``, relative to the directory opened once) under
+    a hidden name, synced, and renamed over ``path`` — a rename replaces a symlink itself, never
+    the file it points to."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    directory = os.open(path.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    temp = f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    try:
+        fd = os.open(temp, flags, 0o644, dir_fd=directory)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temp, path.name, src_dir_fd=directory, dst_dir_fd=directory)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temp, dir_fd=directory)
+            raise
+    finally:
+        os.close(directory)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -391,11 +610,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="koochak-report",
         description="Render a koochak-train run directory (all attempts) as a PNG and an HTML page.",
     )
-    parser.add_argument("run_dir", help="the run's train.out_dir")
-    parser.add_argument("--out", default=None, help="output prefix (default RUN_DIR/report)")
+    parser.add_argument("run_dir", nargs="+", metavar="RUN_DIR",
+                        help="the run's train.out_dir; several: compare them side by side")  # fmt: skip
+    parser.add_argument("--out", default=None, help="output prefix (default RUN_DIR/report; "
+                        "for several runs ./koochak-compare)")  # fmt: skip
     args = parser.parse_args(argv)
     try:
-        png, page = write_report(args.run_dir, args.out)
+        if len(args.run_dir) > 1:
+            from koochak.loop.compare import write_comparison
+
+            png, page = write_comparison(args.run_dir, args.out)
+        else:
+            png, page = write_report(args.run_dir[0], args.out)
     except (ReportError, OSError) as exc:
         print(f"koochak-report: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return EXIT_USAGE

@@ -29,6 +29,7 @@ refused, naming the parameter and both shapes, with no override).
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -169,6 +170,21 @@ def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def same_value(a: Any, b: Any) -> bool:
+    """Whether a config value is unchanged: a float by its bits (``nan`` is ``nan``; ``0.0`` and
+    ``-0.0`` differ), an int and the float of it alike (a YAML ``1`` and ``1.0``), lists element
+    by element; everything else by ``==``."""
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    kinds = {type(a), type(b)}
+    if float in kinds and kinds <= {int, float}:
+        try:
+            return struct.pack("<d", float(a)) == struct.pack("<d", float(b))
+        except OverflowError:  # an int beyond any float: not the float it is compared with
+            return False
+    return bool(a == b)
+
+
 def _allowed(key: str, patterns: Sequence[str]) -> bool:
     """``key`` is one of ``patterns``, under one of them (``optim.optimizer`` covers its keys),
     or a pattern is ``*``."""
@@ -192,7 +208,7 @@ def compare_configs(
     breaking, harmless, extended = [], [], False
     for key in sorted(set(before) | set(after)):
         was, now = before.get(key, _ABSENT), after.get(key, _ABSENT)
-        if was == now:
+        if same_value(was, now):
             continue
         change = ConfigChange(key, was, now)
         same = resume_class(key) == SAME_RUN

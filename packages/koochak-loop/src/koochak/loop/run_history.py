@@ -10,12 +10,23 @@ line, appended): a ``start`` line per attempt, a ``progress`` line per logged ro
 attempt's last step is known) and an ``end`` line, and at the end of an attempt adds the run's
 goodput to ``on_train_end``'s info (``info["run"]``): useful steps over the wall time since the
 first attempt began, restarts and the gaps between attempts included.
+
+The same file is the run's story for `koochak.loop.report`: each attempt's start (with the
+hosts of its ranks and its Slurm job), each checkpoint commit per tier with its time, each
+replication with its lag, each prune, each resume selection (the tier and step chosen, the
+candidates passed over and why) and each end, appended as they happen (docs/formats.md, "Run
+history"). A line that is torn, of an unknown version or with a field of the wrong type is
+skipped with one warning; it never stops a run or a report. A killed attempt writes no end:
+the next one says how it ended as far as its records and Slurm show (`koochak.loop.slurm_facts`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
+import socket
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -25,14 +36,31 @@ from koochak.loop.hooks import Hooks, rank0_only
 
 __all__ = [
     "HISTORY_FILE",
+    "append_record",
     "begin_attempt",
+    "record_resume_selection",
     "format_duration",
     "make_history_hooks",
     "read_history",
 ]
 
 HISTORY_FILE = "attempts.jsonl"
-HISTORY_VERSION = 1
+HISTORY_VERSION = 1  # start, progress, end (an older reader reads these)
+EVENTS_VERSION = 2  # commit, replicate, prune, resume (an older reader skips these)
+_VERSIONS = (HISTORY_VERSION, EVENTS_VERSION)
+_ANY = object()
+_INT, _NUM, _STR, _LIST, _MAP = int, (int, float), str, list, dict
+# field -> its type (None always allowed); a record with another is skipped as hostile or torn
+_FIELDS: dict[str, Any] = {
+    "attempt": _INT, "step": _INT, "time": _NUM, "event": _STR, "reason": _STR, "error": _STR,
+    "resumed_from": _STR, "resumed_tier": _INT, "wall_time": _NUM, "tier": _INT, "path": _STR,
+    "status": _STR, "lag_s": _NUM, "seconds": _NUM, "bytes": _INT, "host": _STR, "rank": _INT,
+    "world_size": _INT, "exit_code": _INT, "slurm_job_id": _STR, "slurm_restarts": _INT,
+    "hosts": _MAP, "previous": _MAP, "passed_over": _LIST, "steps": _LIST, "note": _STR,
+}  # fmt: skip
+_REQUIRED = {"start": ("step",), "progress": ("step",), "end": ("step",),
+             "commit": ("tier", "step"), "replicate": ("tier",), "prune": ("tier", "steps"),
+             "resume": ()}  # fmt: skip
 # A checkpoint's reason -> how the attempt that wrote it ended (periodic: it did not end there).
 _ENDS = {"terminal": "finished", "stopped": "stopped", "evacuation": "evacuated",
          "gpu_health": "gpu_health"}  # fmt: skip
@@ -42,22 +70,74 @@ def history_path(out_dir: str | os.PathLike[str]) -> str:
     return os.path.join(os.fspath(out_dir), HISTORY_FILE)
 
 
-def read_history(out_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The records of ``<out_dir>/attempts.jsonl`` (torn or foreign lines skipped; none: [])."""
+def read_history(out_dir: str | os.PathLike[str], *, warn: bool = True) -> list[dict[str, Any]]:
+    """The records of ``<out_dir>/attempts.jsonl`` (none: ``[]``). A torn or hostile line (not
+    JSON, not an object, a field of the wrong type) and a line of a version this reader does
+    not know are skipped, with one warning naming the file and the first such line."""
+    path = history_path(out_dir)
     try:
-        with open(history_path(out_dir), encoding="utf-8") as f:
+        with open(path, encoding="utf-8", errors="replace") as f:
             lines = f.read().splitlines()
     except OSError:  # none yet (or unreadable): the history is for people, never fatal
         return []
-    records = []
-    for line in lines:
+    records, bad, newer, first = [], 0, 0, None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
         try:
             record = json.loads(line)
         except ValueError:
-            continue  # a line torn by a kill
-        if isinstance(record, dict) and record.get("version") == HISTORY_VERSION:
-            records.append(record)
+            record = None
+        version = record.get("version") if isinstance(record, dict) else None
+        if isinstance(version, int) and not isinstance(version, bool) and version > max(_VERSIONS):
+            newer += 1  # a newer Koochak's: skipped, as its format promises
+            continue
+        if not _valid(record):
+            bad += 1
+            first = first or number
+            continue
+        records.append(record)
+    if warn and (bad or newer):
+        said = []
+        if bad:
+            said.append(f"{bad} torn or malformed line(s) skipped (the first: line {first})")
+        if newer:
+            said.append(f"{newer} line(s) of a newer history version skipped")
+        announce(f"{path}: " + "; ".join(said), level=logging.WARNING)
     return records
+
+
+def _valid(record: Any) -> bool:
+    """A record of a known version whose every known field has its type."""
+    if not isinstance(record, dict) or record.get("version") not in _VERSIONS:
+        return False
+    if isinstance(record.get("version"), bool) or not isinstance(record.get("event"), str):
+        return False
+    for key, kind in _FIELDS.items():
+        value = record.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, kind):
+            return False
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+    if not isinstance(record.get("attempt"), int) or record["attempt"] < 0:
+        return False
+    if record.get("time") is None:  # every record says when
+        return False
+    if record.get("step") is not None and record["step"] < 0:
+        return False
+    required = _REQUIRED.get(record["event"], ())
+    return all(record.get(key) is not None for key in required)
+
+
+def append_record(out_dir: str | os.PathLike[str], record: Mapping[str, Any]) -> None:
+    """Append one record of `EVENTS_VERSION` to the history (open, append, close): for an event
+    recorded outside an attempt's hooks (the resume selection, made before the loop starts).
+    Never fatal: a history that cannot be written is said once and training goes on."""
+    history = _HistoryFile(out_dir)
+    history.append({"version": EVENTS_VERSION, **record})
+    history.close()
 
 
 def format_duration(seconds: float | None) -> str:
@@ -89,21 +169,118 @@ def _tier_of(path: str | None, tiers: Sequence[Any]) -> int | None:
     return best[0] if best is not None else (0 if len(tiers) == 1 else None)
 
 
-def _previous(records: list[dict[str, Any]]) -> tuple[int, dict[str, Any] | None, int | None]:
-    """(number of the last attempt, its end record, the last step it completed)."""
+def _previous(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The last attempt's facts: ``number``, its ``start`` and ``end`` records, ``done`` (the
+    last step it is known to have completed: its end's, else the highest it logged or
+    committed) and ``exact`` (whether ``done`` is its end's, not a lower bound)."""
     last = 0
     for record in records:
         if record.get("event") == "start":
             last = max(last, int(record.get("attempt") or 0))
-    end, done = None, None
+    facts: dict[str, Any] = {"number": last, "start": None, "end": None, "done": None,
+                             "exact": False}  # fmt: skip
     for record in records:
         if record.get("attempt") != last:
             continue
-        if record.get("event") == "end":
-            end = record
-        if record.get("event") in ("progress", "end", "start") and record.get("step") is not None:
-            done = max(done or 0, int(record["step"]))
-    return last, end, done
+        event, step = record.get("event"), record.get("step")
+        if event == "start":
+            facts["start"] = record
+        if event == "end":
+            facts["end"] = record
+        if event in ("progress", "end", "start", "commit") and step is not None:
+            facts["done"] = max(facts["done"] or 0, int(step))
+    if facts["end"] is not None and facts["end"].get("step") is not None:
+        facts["done"], facts["exact"] = int(facts["end"]["step"]), True
+    return facts
+
+
+def _number(last: int, resumed: bool) -> int:
+    # A first attempt that resumes continues a run whose history began elsewhere (or was lost).
+    return last + 1 if last else (2 if resumed else 1)
+
+
+def _nothing_to_train(checkpoint: Mapping[str, Any] | None, max_steps: int | None) -> bool:
+    """A run that already finished (or a hook stopped): resuming it trains nothing."""
+    reason = str(checkpoint.get("reason", "periodic")) if checkpoint is not None else None
+    start = int(checkpoint.get("next_step", 0)) if checkpoint is not None else 0
+    return reason == "stopped" or (
+        reason == "terminal" and max_steps is not None and start >= max_steps
+    )
+
+
+def record_resume_selection(
+    out_dir: str | os.PathLike[str] | None,
+    tiers: Sequence[Any],
+    path: str | None,
+    checkpoint: Mapping[str, Any] | None,
+    passed: Sequence[Mapping[str, Any]],
+    max_steps: int | None = None,
+) -> None:
+    """Append the resume selection (made before the attempt starts): the tier and step chosen
+    (none: a fresh start) and each candidate passed over with why. Rank 0 only; nothing for a
+    run with nothing left to train (which is no attempt)."""
+    if out_dir is None or (checkpoint is None and not passed):
+        return
+    if _nothing_to_train(checkpoint, max_steps):
+        return
+    last = _previous(read_history(out_dir, warn=False))["number"]
+    record: dict[str, Any] = {"event": "resume", "attempt": _number(last, checkpoint is not None),
+                              "time": time.time(), "path": _masked(path),
+                              "tier": _tier_of(path, tiers)}  # fmt: skip
+    if checkpoint is not None:
+        record["step"] = int(checkpoint.get("step", checkpoint.get("next_step", 0)))
+    record["passed_over"] = [
+        {"tier": p.get("tier"), "step": p.get("step"), "why": _masked(str(p.get("why")))[:300]}
+        for p in passed
+    ]
+    append_record(out_dir, record)
+
+
+def _hosts(rank: int) -> dict[str, list[int]]:
+    """``{host: [ranks]}`` of this attempt (a collective under DDP: every rank calls it)."""
+    host = socket.gethostname()
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            names: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(names, host)
+            found: dict[str, list[int]] = {}
+            for index, name in enumerate(names):
+                found.setdefault(str(name), []).append(index)
+            return found
+    except (ImportError, RuntimeError):
+        pass
+    return {host: [rank]}
+
+
+def _loss(previous: Mapping[str, Any]) -> dict[str, Any]:
+    """How Slurm saw the previous attempt end, when its start named a job: ``requeued`` (times)
+    and ``lost`` ({host: why}); ``{}`` without Slurm or without an answer."""
+    start = previous.get("start") or {}
+    job = start.get("slurm_job_id")
+    if not job:
+        return {}
+    from koochak.loop import slurm_facts
+
+    found: dict[str, Any] = {}
+    facts = slurm_facts.job_facts(job)
+    restarts = facts.get("restarts")
+    if os.environ.get("SLURM_JOB_ID") == job:  # this attempt is that job, requeued
+        restarts = max(restarts or 0, int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0))
+    if restarts and restarts > int(start.get("slurm_restarts") or 0):
+        found["requeued"] = restarts - int(start.get("slurm_restarts") or 0)
+    if facts.get("state"):
+        found["job_state"] = facts["state"]
+    hosts = start.get("hosts") or {}
+    if previous.get("end") is None or previous["end"].get("reason") == "failed":
+        lost = slurm_facts.lost_nodes(sorted(hosts), float(start.get("time") or 0.0))
+        if lost:
+            found["lost"] = lost
+    if found.get("lost") or found.get("requeued"):
+        found["text"] = slurm_facts.describe_loss(hosts, found.get("lost", {}),
+                                                  found.get("requeued"))  # fmt: skip
+    return found
 
 
 def begin_attempt(
@@ -115,35 +292,47 @@ def begin_attempt(
     max_steps: int | None,
     rank: int = 0,
 ) -> dict[str, Any]:
-    """This attempt's record (every rank gets one; rank 0 reads the history and says it)."""
+    """This attempt's record (every rank calls it: under DDP the ranks' hosts are gathered;
+    rank 0 reads the history, asks Slurm about a previous attempt that left no end, and says it)."""
+    hosts = _hosts(rank)
     records = read_history(out_dir) if out_dir is not None and rank == 0 else []
-    last, end, done = _previous(records)
-    attempt = last + 1 if last else (2 if checkpoint is not None else 1)
+    previous = _previous(records)
+    last, end = previous["number"], previous["end"]
+    attempt = _number(last, checkpoint is not None)
     record: dict[str, Any] = {"attempt": attempt, "start_step": start_step,
-                              "max_steps": max_steps, "time": time.time()}  # fmt: skip
+                              "max_steps": max_steps, "time": time.time(), "hosts": hosts,
+                              "world_size": sum(len(r) for r in hosts.values())}  # fmt: skip
+    if os.environ.get("SLURM_JOB_ID"):
+        record["slurm_job_id"] = os.environ["SLURM_JOB_ID"]
+        record["slurm_restarts"] = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
     reason = str(checkpoint.get("reason", "periodic")) if checkpoint is not None else None
     if checkpoint is not None:
         record["resumed_from"] = resume_path
         tier = _tier_of(resume_path, tiers)
         if tier is not None:
             record["resumed_tier"] = tier
-    previous = None
-    if end is not None and end.get("reason") in ("failed", "gpu_health", "evacuated", "stopped"):
-        previous = str(end["reason"])
+    ended = None
+    if end is not None and end.get("reason") in (*_ENDS.values(), "failed"):
+        ended = str(end["reason"])
     elif reason is not None:
-        previous = _ENDS.get(reason, "crashed")
+        ended = _ENDS.get(reason, "crashed")
     elif last:
-        previous = "crashed" if end is None else str(end.get("reason") or "crashed")
-    if previous is not None:
-        record["previous_end"] = previous
-        completed = done if done is not None else start_step
-        if end is not None and end.get("step") is not None:
-            completed = int(end["step"])
+        ended = "crashed" if end is None else str(end.get("reason") or "crashed")
+    if ended is not None:
+        loss = _loss(previous) if rank == 0 and last and ended in ("crashed", "failed") else {}
+        if loss.get("lost"):
+            ended = "node_lost"
+        record["previous_end"] = ended
+        if loss.get("text"):
+            record["previous_failure"] = loss["text"]
+        if loss.get("requeued"):
+            record["previous_requeued"] = loss["requeued"]
+        completed = previous["done"] if previous["done"] is not None else start_step
         record["previous_step"] = max(completed, start_step)
         record["steps_redone"] = max(0, completed - start_step)
-    finished = reason in ("terminal", "stopped") and (
-        reason == "stopped" or (max_steps is not None and start_step >= max_steps)
-    )
+        # Without an end record the last step is what it logged or committed: a lower bound.
+        record["steps_redone_exact"] = bool(previous["exact"]) or not last
+    finished = _nothing_to_train(checkpoint, max_steps)
     record["nothing_to_train"] = finished
     record["note"] = _note(record, end, checkpoint, finished)
     if rank == 0 and (checkpoint is not None or last):
@@ -168,20 +357,41 @@ def _note(record: Mapping[str, Any], end: Mapping[str, Any] | None,
     tier = record.get("resumed_tier")
     where = f"{record.get('resumed_from')}" + (f" (tier {tier})" if tier is not None else "")
     redone = record.get("steps_redone", 0)
+    at_least = "" if record.get("steps_redone_exact", True) else "at least "
     return (f"attempt {attempt}: resuming from {where} at step {start}{of}; the previous attempt "
-            f"{_ended(record, end)}; {redone} step(s) redone")  # fmt: skip
+            f"{_ended(record, end)}; {at_least}{redone} step(s) redone")  # fmt: skip
 
 
 def _ended(record: Mapping[str, Any], end: Mapping[str, Any] | None) -> str:
     previous, step = record.get("previous_end"), record.get("previous_step")
+    after = f"after step {step}" if record.get("steps_redone_exact", True) else (
+        f"after step {step} or later")  # fmt: skip
+    if record.get("previous_failure"):
+        return f"ended {after}: {record['previous_failure']}"
     if previous == "failed":
         error = f" ({end['error']})" if end is not None and end.get("error") else ""
-        return f"failed after step {step}{error}"
+        return f"failed {after}{error}"
     if previous == "gpu_health":
-        return f"stopped on a GPU health check after step {step}"
+        return f"stopped on a GPU health check {after}"
     if previous == "crashed":
-        return f"crashed or was killed after step {step}"
-    return f"{previous} after step {step}"
+        return f"crashed or was killed {after}"
+    return f"{previous} {after}"
+
+
+# How an attempt ended -> koochak-train's exit code for it (koochak.loop.cli, launch).
+_EXIT_CODES = {"finished": 0, "stopped": 0, "evacuated": 75, "failed": 1, "gpu_health": 79}
+# The attempt record's keys about the previous attempt, kept in the start record's "previous".
+_PREVIOUS = ("previous_end", "previous_step", "steps_redone", "steps_redone_exact",
+             "previous_failure", "previous_requeued")  # fmt: skip
+
+
+def _masked(text: str | None) -> str | None:
+    """A path or message as the history may keep it (URL passwords, named secrets masked)."""
+    if text is None:
+        return None
+    from koochak.loop.masking import mask_text
+
+    return mask_text(text)
 
 
 class _HistoryFile:
@@ -252,10 +462,64 @@ def make_history_hooks(
 
     def on_train_start(info: dict[str, Any]) -> None:
         started.append(True)
-        history.append({"event": "start", "attempt": number, "time": attempt["time"],
-                        "step": attempt["start_step"], "resumed": "resumed_from" in attempt,
-                        "resumed_from": attempt.get("resumed_from"),
-                        "resumed_tier": attempt.get("resumed_tier")})  # fmt: skip
+        record = {"event": "start", "attempt": number, "time": attempt["time"],
+                  "step": attempt["start_step"], "resumed": "resumed_from" in attempt,
+                  "resumed_from": _masked(attempt.get("resumed_from")),
+                  "resumed_tier": attempt.get("resumed_tier"), "host": socket.gethostname(),
+                  "hosts": attempt.get("hosts"), "world_size": attempt.get("world_size")}  # fmt: skip
+        for key in ("slurm_job_id", "slurm_restarts"):
+            if attempt.get(key) is not None:
+                record[key] = attempt[key]
+        previous = {key[len("previous_"):] if key.startswith("previous_") else key: attempt[key]
+                    for key in _PREVIOUS if attempt.get(key) is not None}  # fmt: skip
+        if previous:
+            record["previous"] = previous
+        history.append(record)
+
+    committed: set[tuple[int, int]] = set()  # (tier, step) this attempt recorded
+
+    def commit(tier: int, step: int, when: float, path: Any = None, **more: Any) -> None:
+        if (tier, step) in committed:
+            return
+        committed.add((tier, step))
+        history.append({"version": EVENTS_VERSION, "event": "commit", "attempt": number,
+                        "time": when, "tier": tier, "step": step,
+                        "path": _masked(str(path)) if path else None, **more})  # fmt: skip
+
+    def on_checkpoint(info: dict[str, Any]) -> None:
+        # Without replicas: the first tier's commit, as it happens. With them this names the
+        # first replica, which on_replication records (with the first tier's commit time).
+        if started and info.get("tier") in (None, 0) and info.get("step") is not None:
+            commit(0, int(info["step"]), time.time(), info.get("path"))
+
+    def on_replication(info: dict[str, Any]) -> None:
+        if not started or info.get("step") is None:
+            return
+        at = info.get("at")
+        now = float(at) if isinstance(at, (int, float)) else time.time()
+        step, tier = int(info["step"]), int(info.get("tier") or 0)
+        behind = info.get("behind_s")
+        behind = float(behind) if isinstance(behind, (int, float)) else None
+        record = {"version": EVENTS_VERSION, "event": "replicate", "attempt": number,
+                  "time": now, "tier": tier, "step": step, "status": str(info.get("status")),
+                  "lag_s": behind, "seconds": info.get("seconds")}  # fmt: skip
+        if info.get("error"):
+            record["error"] = _masked(str(info["error"]))[:300]
+        status = info.get("status")
+        if status == "published":  # the first tier's commit (the copies start from it)
+            commit(0, step, now)
+            return
+        if status == "pruned":
+            history.append({"version": EVENTS_VERSION, "event": "prune", "attempt": number,
+                            "time": now, "tier": tier, "steps": [step]})  # fmt: skip
+            return
+        history.append(record)
+        if status == "committed":
+            if behind is not None:  # the first tier committed it `behind` seconds ago
+                commit(0, step, now - behind, derived="replication")
+            commit(tier, step, now, info.get("path"))
+
+    on_checkpoint.never_stops = True  # type: ignore[attr-defined]  # see loop: ask_every_step
 
     def on_log(info: dict[str, Any]) -> None:
         history.append({"event": "progress", "attempt": number, "time": time.time(),
@@ -264,7 +528,8 @@ def make_history_hooks(
     def end(step: int, reason: str, wall_time: float | None, error: str | None = None) -> Any:
         now = time.time()
         record = {"event": "end", "attempt": number, "time": now, "step": step,
-                  "reason": reason, "wall_time": wall_time}  # fmt: skip
+                  "reason": reason, "wall_time": wall_time, "host": socket.gethostname(),
+                  "rank": 0, "exit_code": _EXIT_CODES.get(reason)}  # fmt: skip
         if error:
             record["error"] = error
         history.append(record)
@@ -305,5 +570,7 @@ def make_history_hooks(
         "on_log": [rank0_only(on_log)],
         "on_train_end": [rank0_only(on_train_end)],
         "on_exception": [rank0_only(on_exception)],
+        "on_checkpoint": [rank0_only(on_checkpoint)],
+        "on_replication": [rank0_only(on_replication)],
     }
     return first, {"on_train_start": [rank0_only(on_train_start)]}

@@ -41,6 +41,7 @@ from koochak.loop.checkpoint.format import checkpoint_name
 from koochak.loop.checkpoint.publication import checkpoint_store, publication_path
 from koochak.loop.checkpoint.resume import _highest_valid
 from koochak.loop.checkpoint.safetensors_out import (
+    check_names,
     check_written,
     require_safetensors,
     safetensors_chunks,
@@ -106,17 +107,23 @@ def export_weights(
     provenance = {"checkpoint": path, "checkpoint_sha256": sha256, "step": int(ckpt["step"]),
                   "ema": ema, "dtype": dtype, "format": format}  # fmt: skip
     state = _weights(ckpt, ema, path)
+    if format == "safetensors":
+        check_names(list(state))  # before anything is published
     config = _config_doc(ckpt, name, provenance)
     target = checkpoint_store(dest)
     found = {name: _found(target, name, provenance, _WEIGHTS_SAME)}
+    if found[name] == "same" and format == "safetensors":
+        found[name] = _reads_back(target, name, list(state))
     if config is not None:
         found[config_name] = _found(target, config_name, provenance, _CONFIG_SAME)
     if not replace:
         for key, what in found.items():
             if what not in ("absent", "same"):
+                by = "" if what.startswith("does not read back") else (
+                    f", not by this export of {path}")  # fmt: skip
                 raise ExportExists(
-                    f"{target.location.rstrip('/')}/{key} exists and {what}, not by this export "
-                    f"of {path}; nothing was changed (pass --replace / replace=True to replace it)"
+                    f"{target.location.rstrip('/')}/{key} exists and {what}{by}; nothing was "
+                    "changed (pass --replace / replace=True to replace it)"
                 )
     if config is not None and (replace or found[config_name] != "same"):
         artifact.publish(target, config_name, config, kind="config", latest=None,
@@ -140,8 +147,23 @@ def export_weights(
     finally:
         data.close()
     if format == "safetensors" and publication.path is not None:
-        check_written(publication.path, list(state))
+        try:
+            check_written(publication.path, list(state))
+        except ValueError as exc:  # never left committed as a good export
+            artifact.unpublish(target, name)
+            raise ValueError(f"{exc}; the export was withdrawn") from None
     return publication
+
+
+def _reads_back(target: Store, name: str, keys: list[str]) -> str:
+    """``"same"`` when the committed safetensors file reads back with ``keys``, else what it is."""
+    try:
+        publication, _ = artifact.read_manifest(target, name)
+        if publication.path is not None:
+            check_written(publication.path, keys)
+    except (ValueError, OSError) as exc:
+        return f"does not read back ({' '.join(str(exc).split())[:200]})"
+    return "same"
 
 
 def _checkpoint(store: Store, step: int | None) -> tuple[str, dict[str, Any], str]:

@@ -73,7 +73,9 @@ class ReplicationEvent:
     """What happened to one checkpoint in one tier, delivered on the training thread.
 
     ``status``: ``committed``, ``failed`` (retried after ``retry_in_s``) or ``dropped`` (will
-    not be replicated there; ``error`` says why). ``lag`` is how many checkpoints the tier still
+    not be replicated there; ``error`` says why); and, for the run history, ``published`` (the
+    first tier, ``tier`` 0, committed it: the copies start from here) and ``pruned`` (a tier's
+    retention removed it). ``lag`` is how many checkpoints the tier still
     has to copy; ``behind_s`` how long ago the first tier committed this one (None for a
     checkpoint an earlier attempt saved).
     """
@@ -91,6 +93,7 @@ class ReplicationEvent:
     behind_s: float | None = None
     error: str | None = None
     retry_in_s: float | None = None
+    at: float | None = None  # when it happened (Unix seconds), for the published/pruned events
 
 
 @dataclass
@@ -182,6 +185,8 @@ class Replicator:
         """Queue ``name``, just committed in the first tier, for every replica tier."""
         with self._cond:
             self._committed_at[name] = self._clock()
+            self._events.append(ReplicationEvent("published", name, step_of_name(name), 0,
+                                                 self.first.location, at=time.time()))  # fmt: skip
             for lane in self._lanes:
                 if name not in lane.queue:
                     lane.queue.append(name)
@@ -536,6 +541,9 @@ class Replicator:
             for key in retention.to_drop(names, keep_last_k=keep, best=spared, in_flight=copying):
                 unpublish_checkpoint(store, key)
                 lane.committed.discard(key)
+                self._events.append(ReplicationEvent("pruned", key, step_of_name(key),
+                                                     lane.tier.index, store.location,
+                                                     at=time.time()))  # fmt: skip
 
     def _prune_first(self) -> None:
         """Prune the first tier to its keep_last_k, never removing a checkpoint no replica holds
@@ -556,6 +564,9 @@ class Replicator:
             for key in verdict.drop:
                 unpublish_checkpoint(self.first, key)
                 self._committed_at.pop(key, None)
+                self._events.append(ReplicationEvent("pruned", key, step_of_name(key), 0,
+                                                     self.first.location,
+                                                     at=time.time()))  # fmt: skip
             held = verdict.held
             # Until every tier has been compared with the first, "no replica holds it" may only
             # mean "not looked yet": say so only once it is known.

@@ -137,15 +137,18 @@ def highest_valid_published(location: Locations) -> str | None:
     return found.path if found is not None else None
 
 
-def resolve_auto_resume(location: Locations) -> ResumePoint | None:
+def resolve_auto_resume(
+    location: Locations, passed: list[dict[str, Any]] | None = None
+) -> ResumePoint | None:
     """``(path, checkpoint)`` of the highest valid published checkpoint, or None to start fresh.
 
     The checkpoint comes from the same single read whose manifest, size, SHA256 and resume cursor
     were validated. Invalid candidates are skipped (reason logged); any other OSError propagates.
     ``location`` may be a list of tiers (first tier first): the highest step valid in any of
-    them wins, read from the first tier that has it.
+    them wins, read from the first tier that has it. ``passed`` (a list) receives one
+    ``{"tier", "step", "why"}`` per candidate passed over (the run history's resume record).
     """
-    found = _highest_valid(_tier_stores(location))
+    found = _highest_valid(_tier_stores(location), passed)
     if found is None:
         return None
     return ResumePoint(publication_path(found.store, found.publication), found.checkpoint)
@@ -166,13 +169,17 @@ def _tier_stores(location: Locations) -> list[Store]:
     return [checkpoint_store(location)]  # type: ignore[arg-type]
 
 
-def _highest_valid(stores: Sequence[Store]) -> _Found | None:
+def _highest_valid(
+    stores: Sequence[Store], passed: list[dict[str, Any]] | None = None
+) -> _Found | None:
     """The newest checkpoint that validates in any of ``stores`` (tiers, first tier first).
 
     Steps are tried newest first, within a step the tiers in order. InvalidArtifact skips one
     copy; with several tiers an OSError does too, but when no tier yields that step the first
     such error is raised instead of stepping back. A single location raises every OSError.
+    ``passed`` receives ``{"tier", "step", "why"}`` for each copy or tier passed over.
     """
+    passed = passed if passed is not None else []
     candidates: dict[int, list[tuple[int, str]]] = {}
     listed_stores = []
     gone: list[tuple[int, Store]] = []
@@ -184,6 +191,8 @@ def _highest_valid(stores: Sequence[Store]) -> _Found | None:
                 raise
             log.warning("skipping checkpoint tier %d (%s): cannot list it (%s: %s)",
                         tier, store.location, type(exc).__name__, exc)  # fmt: skip
+            passed.append({"tier": tier, "step": None,
+                           "why": f"cannot list it ({type(exc).__name__}: {exc})"})  # fmt: skip
             continue
         if not listed and len(stores) > 1 and _vanished(store):
             gone.append((tier, store))
@@ -195,6 +204,8 @@ def _highest_valid(stores: Sequence[Store]) -> _Found | None:
     for tier, store in gone if candidates else ():
         log.warning("skipping checkpoint tier %d (%s): it is gone (node-local storage on "
                     "another node?)", tier, store.location)  # fmt: skip
+        passed.append({"tier": tier, "step": None, "why": "it is gone (node-local storage on "
+                       "another node?)"})  # fmt: skip
     chosen = -1
     found = None
     for number in sorted(candidates, reverse=True):
@@ -205,16 +216,21 @@ def _highest_valid(stores: Sequence[Store]) -> _Found | None:
                 publication, ckpt = _read_validated(store, key)
             except artifact.InvalidArtifact as exc:
                 log.warning("skipping %s #%d (%s): %s", key, number, store.location, exc)
+                passed.append({"tier": tier, "step": number, "why": str(exc)})
                 continue
             except FileNotFoundError as exc:  # still missing after read_settle_seconds
                 log.warning("skipping %s #%d (%s): %s; trying an older checkpoint", key, number,
                             store.location, missing_object(exc, store))  # fmt: skip
+                passed.append({"tier": tier, "step": number,
+                               "why": missing_object(exc, store)})  # fmt: skip
                 continue
             except OSError as exc:
                 if len(stores) == 1:
                     raise
                 log.warning("cannot read %s #%d in tier %d (%s): %s: %s", key, number, tier,
                             store.location, type(exc).__name__, exc)  # fmt: skip
+                passed.append({"tier": tier, "step": number,
+                               "why": f"cannot read it ({type(exc).__name__}: {exc})"})  # fmt: skip
                 error = error or exc
                 continue
             found = _Found(tier, store, publication, ckpt)

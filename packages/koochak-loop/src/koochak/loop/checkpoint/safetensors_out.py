@@ -20,6 +20,9 @@ import torch
 from koochak.loop.checkpoint.parts_tree import byte_view
 
 EXTRA = "koochak-loop[safetensors]"
+# Header keys the format keeps for itself: a tensor of that name would replace the metadata map
+# and leave a file no safetensors reader opens.
+RESERVED = frozenset({"__metadata__"})
 # A cast is done in pieces of this many elements (at most 32 MiB at 8 bytes an element).
 PIECE_ELEMENTS = 4 << 20
 
@@ -52,6 +55,19 @@ def require_safetensors():
     return safetensors
 
 
+def check_names(keys: Iterator[object] | list[object]) -> None:
+    """ValueError (one line) for a tensor name the format cannot hold: not a string, or one the
+    header reserves (``__metadata__``)."""
+    for key in keys:
+        if not isinstance(key, str):
+            raise ValueError(f"state dict key {key!r} is not a string")
+        if key in RESERVED:
+            raise ValueError(
+                f"tensor {key!r}: the name is reserved by the safetensors format (its header's "
+                "metadata map); rename the parameter or export with --format torch"
+            )
+
+
 def safetensors_chunks(
     state: Mapping[str, torch.Tensor],
     *,
@@ -63,11 +79,12 @@ def safetensors_chunks(
     ``dtype`` casts the floating-point tensors. Each chunk is a view of a tensor, or of one
     cast piece of it, valid until the next chunk is asked for; nothing else is kept, so the
     extra memory stays under 64 MiB (plus one tensor that must first be made contiguous).
-    ValueError naming the tensor for a dtype the format cannot hold, a non-string key, or a
-    sparse tensor.
+    ValueError naming the tensor for a dtype the format cannot hold, a non-string or reserved
+    key (`check_names`), or a sparse tensor; raised before the first chunk.
     """
     if sys.byteorder != "little":  # pragma: no cover - no big-endian host runs the tests
         raise NotImplementedError("safetensors export writes little-endian bytes only")
+    check_names(list(state))
     header: dict[str, object] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -75,8 +92,6 @@ def safetensors_chunks(
     begin = 0
     for key in order:
         tensor = state[key]
-        if not isinstance(key, str):
-            raise ValueError(f"state dict key {key!r} is not a string")
         if not isinstance(tensor, torch.Tensor) or tensor.layout is not torch.strided:
             raise ValueError(f"{key}: only dense tensors can be written as safetensors")
         kind = _target_dtype(tensor, dtype)
@@ -127,7 +142,10 @@ def check_written(path: str, keys: list[str]) -> None:
     """Open ``path`` with the safetensors package (its header only) and compare its tensor
     names with ``keys``; ValueError if it does not read back."""
     safetensors = require_safetensors()
-    with safetensors.safe_open(path, framework="pt") as handle:
-        found = sorted(handle.keys())
+    try:
+        with safetensors.safe_open(path, framework="pt") as handle:
+            found = sorted(handle.keys())
+    except Exception as exc:  # the package's own SafetensorError is no ValueError
+        raise ValueError(f"{path}: does not read back as safetensors ({exc})") from None
     if found != sorted(keys):
         raise ValueError(f"{path}: safetensors reads {len(found)} tensor(s), {len(keys)} written")

@@ -30,6 +30,7 @@ import os
 import threading
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -40,6 +41,7 @@ from koochak.loop.checkpoint.background import lower_this_threads_priority
 from koochak.loop.checkpoint.format import (
     build_checkpoint,
     checkpoint_name,
+    step_of_name,
 )
 from koochak.loop.checkpoint.host_buffers import HostBuffers, HostCopy
 from koochak.loop.checkpoint.layouts import COORDINATOR, FOLLOWER, ROLES, Layout, Whole, layout_for
@@ -325,6 +327,7 @@ class CheckpointSaver:
         self.async_publish = async_publish
         self.on_checkpoint = on_checkpoint
         self.on_replication = on_replication
+        self._pruned: deque[str] = deque()  # removed by _prune, not yet reported
         self._store: Store | None = None
         self._async: AsyncPublisher | None = None
         self._buffers = HostBuffers()
@@ -409,6 +412,7 @@ class CheckpointSaver:
                         "publication": publication,
                     }
                 )
+            self._report_pruned()
             return path
 
         if self.async_publish and not sync:
@@ -478,6 +482,11 @@ class CheckpointSaver:
             self._async.close()
         if self._replicator is not None:
             self._replicator.close()
+            try:  # what the copies in flight did: the run history records every commit
+                for event in self._replicator.take_events():
+                    self._deliver(event)
+            except Exception as exc:  # the caller is already failing; keep its exception primary
+                log.error("reporting the last replications also failed: %s", exc)
         if self._follower is not None:
             self._follower.close()
 
@@ -520,6 +529,19 @@ class CheckpointSaver:
         ):
             if self._tracker is not None:
                 self._tracker.forget(name)
+            self._pruned.append(name)  # reported with the commit that caused it (announce)
+
+    def _report_pruned(self) -> None:
+        """Tell ``on_replication`` (status ``pruned``, tier 0) what the first tier's retention
+        removed, on the training thread, without replicas (with them the replicator does)."""
+        while self._pruned:
+            name = self._pruned.popleft()
+            if self.on_replication is not None:
+                self.on_replication({"status": "pruned", "step": step_of_name(name), "name": name,
+                                     "tier": 0, "location": self.store.location, "path": None,
+                                     "publication": None, "seconds": 0.0, "bytes": 0, "lag": 0,
+                                     "behind_s": None, "error": None,
+                                     "retry_in_s": None})  # fmt: skip
 
     def _best(self, store: Store, names: list[str]) -> set[str]:
         """The ``keep_best_k`` best of ``names`` (committed in ``store``): what no tier's
@@ -548,6 +570,7 @@ class CheckpointSaver:
             "behind_s": event.behind_s,
             "error": event.error,
             "retry_in_s": event.retry_in_s,
+            "at": event.at,
         }
         if self.on_replication is not None:
             self.on_replication(info)

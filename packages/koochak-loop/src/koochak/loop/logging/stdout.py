@@ -101,8 +101,10 @@ _MISSING = object()
 def _write_config(out_dir: str, name: str, text: str) -> str | None:
     """The whole resolved config to ``<out_dir>/<name>`` (replaced atomically); None if that
     failed (a warning: this copy is for people, the run does not depend on it)."""
+    from koochak.loop.masking import mask_text
     from koochak.storage.fsutil import atomic_write_text
 
+    text = mask_text(text)  # a config handed to the loop directly: named secrets, credentials
     path = os.path.join(out_dir, name)
     try:
         os.makedirs(out_dir, exist_ok=True)
