@@ -88,18 +88,17 @@ def test_resume_none_in_a_used_out_dir_makes_the_new_run_its_owner(project, caps
     assert _train(config, "train.max_steps=10", "train.keep_last_k=2") == 0  # the older run
     older = _steps(run)
     assert older[0] == 10 and len(older) == 2
-    old = read_marker(LocalStore(str(run)))
-    assert old is not None
+    old_run = resolve_auto_resume(run).checkpoint["run_id"]
     # The "different run" refusal's advice: start over in the same out_dir.
     assert _train(config, "train.max_steps=6", "train.keep_last_k=2", resume="none") == 0
     newer = _steps(run)
     assert newer[0] == 6 and len(newer) == 2  # the new run's: kept, not pruned as they commit
     assert os.path.realpath(run / "latest.pt") == str(run / "step000000006.pt")
-    new = read_marker(LocalStore(str(run)))
-    assert new is not None and new.run_id != old.run_id
     # Selection sees only the owner's: resume, and export's default step.
     found = resolve_auto_resume(run)
     assert found is not None and found.checkpoint["step"] == 6
+    new = read_marker(LocalStore(str(run)))
+    assert new is not None and new.run_id != old_run
     assert found.checkpoint["run_id"] == new.run_id
     capsys.readouterr()
     assert export_main([str(run), str(root / "export")]) == 0
@@ -108,7 +107,7 @@ def test_resume_none_in_a_used_out_dir_makes_the_new_run_its_owner(project, caps
     assert all(torch.equal(exported[k], expected[k]) for k in expected)
     # The older run's checkpoints are neither selected nor deleted: moved aside, said in a line.
     aside = list((run / "superseded").iterdir())
-    assert len(aside) == 1 and aside[0].name.startswith(old.run_id)
+    assert len(aside) == 1 and aside[0].name.startswith(old_run)
     assert _steps(aside[0]) == older
     assert any("moved to" in r.getMessage() and "step000000010.pt" in r.getMessage()
                for r in caplog.records)  # fmt: skip
