@@ -190,3 +190,27 @@ def test_a_live_run_keeps_every_tier_against_a_second_launch(project, capsys, mo
     assert _steps(root / "durable") == [6]
     found = resolve_auto_resume(root / "durable")
     assert found.checkpoint["run_id"] == marker.run_id
+
+
+# ------------------------------------------------------------------ defect 4: liveness
+
+
+def test_a_live_run_on_another_machine_of_this_hostname_is_not_taken_over(project, capsys):
+    """A lease whose host is this hostname but whose boot id is another's, renewed just now: a
+    machine of the same name (a cloned image), not this one before a reboot. Refused, exit 2."""
+    import json
+    import socket
+    import uuid
+
+    root, config = project
+    (root / "run").mkdir()
+    record = {"version": 1, "token": uuid.uuid4().hex, "host": socket.gethostname(),
+              "boot_id": str(uuid.uuid4()), "pid_ns": "pid:[1]", "pid": 4242, "pid_start": 7,
+              "started": time.time() - 0.5, "ttl_seconds": 600.0, "purpose": "koochak run"}  # fmt: skip
+    (root / "run" / "koochak-run.lease.json").write_text(json.dumps(record))
+    before = _files(root / "run")
+    capsys.readouterr()
+    assert _train(config, "train.max_steps=2") == 2
+    err = capsys.readouterr().err
+    assert "another run holds this location" in err and "pid 4242" in err
+    assert _files(root / "run") == before
