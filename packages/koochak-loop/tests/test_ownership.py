@@ -214,3 +214,18 @@ def test_a_live_run_on_another_machine_of_this_hostname_is_not_taken_over(projec
     err = capsys.readouterr().err
     assert "another run holds this location" in err and "pid 4242" in err
     assert _files(root / "run") == before
+
+
+# ------------------------------------------------------------------ defect 2: durability
+
+
+def test_the_first_tier_stays_bounded_when_a_replica_keeps_fewer(project):
+    """keep_last_k 2 in the first tier, 1 in the replica: a checkpoint the replica held and
+    pruned since was durable, so the first tier prunes it too (it kept all 24 before)."""
+    root, config = project
+    replica = f"train.checkpoint_replicas=[{{location: '{root}/durable', keep_last_k: 1}}]"
+    assert _train(config, "train.max_steps=24", "train.keep_last_k=2",
+                  f"train.checkpoint_dir={root}/fast", replica) == 0  # fmt: skip
+    first = _steps(root / "fast")
+    assert first[0] == 24 and len(first) <= 3, first
+    assert _steps(root / "durable") == [24]
