@@ -138,10 +138,13 @@ def _take_leases(location: Any, cfg: TrainConfig) -> Leases | None:
                 refusal = f"{key}: {exc}"
                 token = exc.holder.token if exc.holder is not None else None
                 for (other, other_place), taken in zip(places, held):
-                    if taken.record.token == token:  # our own lease, seen under another name
-                        refusal = (f"{key} ({place}): is the same storage as {other} "
-                                   f"({other_place}): it shows this run's lease; a replica "
-                                   "must be another storage")  # fmt: skip
+                    if taken.record.token != token:
+                        continue
+                    # Our own lease, seen under another name: out_dir may well be the first
+                    # tier (held already); a replica must be another storage.
+                    refusal = None if key == "train.out_dir" else (
+                        f"{key} ({place}): is the same storage as {other} ({other_place}): it "
+                        "shows this run's lease; a replica must be another storage")  # fmt: skip
             except Exception as exc:  # the others must not wait for a rank 0 that leaves
                 if key.startswith("train.checkpoint_replicas") and not lasting(exc):
                     # A replica down for now (EIO, a host down): replication retries it, and
