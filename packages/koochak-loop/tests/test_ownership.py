@@ -153,7 +153,10 @@ def test_a_live_run_keeps_every_tier_against_a_second_launch(project, capsys, mo
     (another out_dir, the same replica) are both refused with exit 2, and leave every file as
     they found it; A then finishes with its own checkpoints."""
     root, config = project
-    tiers = [f"train.checkpoint_dir={root}/local{{node}}", f"train.checkpoint_replicas=[{root}/durable]"]
+    tiers = [
+        f"train.checkpoint_dir={root}/local{{node}}",
+        f"train.checkpoint_replicas=[{root}/durable]",
+    ]
     env = dict(os.environ, KOOCHAK_NODE_INDEX="0", KOOCHAK_TEST_STEP_SLEEP="0.5")
     env.pop("KOOCHAK_TEST_STEP_SLEEP_B", None)
     live = subprocess.Popen(

@@ -302,7 +302,7 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
     if int(os.environ.get("RANK", "0")) == 0:
         print(format_summary(report), flush=True)
     _check_launch(cfg)
-    _hold_location(cfg, args.resume)  # refuse a second live run here before building anything (exit 2)
+    _hold_location(cfg, args.resume)  # refuse a second live run before building anything (exit 2)
     # Install the evacuation handler before building the model and data (which can take minutes):
     # a SIGUSR1 in that window is then recorded and honoured after the first update, instead of
     # killing the process with the signal's default action.

@@ -259,7 +259,9 @@ def _committed(store: Store, key: str, location: Any) -> list[str]:
         raise _fail(key, location, "cannot be listed", exc) from None
 
 
-def _take_marker(store: Store, key: str, location: Any, found: TierMarker, run_id: str) -> TierMarker:
+def _take_marker(
+    store: Store, key: str, location: Any, found: TierMarker, run_id: str
+) -> TierMarker:
     """Replace ``found`` by this run's marker (compare-and-swap); ConfigError when raced."""
     marker = new_marker(run_id)
     try:
