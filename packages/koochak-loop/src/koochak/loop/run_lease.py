@@ -115,56 +115,73 @@ def hold_location(location: Any, cfg: TrainConfig, *, early: bool = False) -> An
 
 
 def _take_leases(location: Any, cfg: TrainConfig) -> Leases | None:
+    """Rank 0 takes the lease on every place the run writes; with a node-local first tier
+    (``{node}``) the first rank of every other node (LOCAL_RANK 0) takes its node's. One
+    all-gather tells every rank the first refusal; then every rank releases what it took."""
     from koochak.loop.checkpoint.publication import checkpoint_store
     from koochak.loop.checkpoint.tier_marker import check_parents, lasting
+    from koochak.loop.checkpoint.tiers import is_node_local, on_this_node
     from koochak.storage import lease as leases
 
-    places = [(k, loc) for k, loc in lease_locations(cfg)]
-    if not any(_same_place(loc) == _same_place(location) for _, loc in places):
-        places.insert(0, (_key(cfg), location))
-    held: list[Any] = []
-    failure, refusal = None, None
-    if dist.get_rank() == 0:
+    rank = dist.get_rank()
+    places: list[tuple[str, Any]] = []
+    if rank == 0:
         check_parents(cfg)  # a typo'd replica is refused before taking a lease creates it
-        for key, place in places:
-            try:
-                held.append(leases.acquire_lease(
-                    checkpoint_store(place),
-                    ttl_seconds=leases.TTL_SECONDS,
-                    renew_seconds=leases.RENEW_SECONDS,
-                    purpose=f"koochak run in {cfg.out_dir}",
-                ))  # fmt: skip
-            except leases.LeaseHeld as exc:
-                refusal = f"{key}: {exc}"
-                token = exc.holder.token if exc.holder is not None else None
-                for (other, other_place), taken in zip(places, held):
-                    if taken.record.token != token:
-                        continue
-                    # Our own lease, seen under another name: out_dir may well be the first
-                    # tier (held already); a replica must be another storage.
-                    refusal = None if key == "train.out_dir" else (
-                        f"{key} ({place}): is the same storage as {other} ({other_place}): it "
-                        "shows this run's lease; a replica must be another storage")  # fmt: skip
-            except Exception as exc:  # the others must not wait for a rank 0 that leaves
-                if key.startswith("train.checkpoint_replicas") and not lasting(exc):
-                    # A replica down for now (EIO, a host down): replication retries it, and
-                    # its marker claim refuses it if another run owns it meanwhile.
-                    log.warning("%s (%s): cannot take the run's lease there now (%s: %s)",
-                                key, place, type(exc).__name__, exc)  # fmt: skip
+        places = list(lease_locations(cfg))
+        if not any(_same_place(loc) == _same_place(location) for _, loc in places):
+            places.insert(0, (_key(cfg), location))
+    elif is_node_local(cfg.checkpoint_dir) and dist.get_local_rank() == 0:
+        places = [("train.checkpoint_dir", on_this_node(cfg.checkpoint_dir))]  # this node's
+    held: list[tuple[str, Any, Any]] = []
+    failure, refusal = None, None
+    for key, place in places:
+        try:
+            taken = leases.acquire_lease(
+                checkpoint_store(place),
+                ttl_seconds=leases.TTL_SECONDS,
+                renew_seconds=leases.RENEW_SECONDS,
+                purpose=f"koochak run in {cfg.out_dir}",
+            )
+            held.append((key, place, taken))
+        except leases.LeaseHeld as exc:
+            refusal = f"{key}: {exc}"
+            token = exc.holder.token if exc.holder is not None else None
+            for other, other_place, taken in held:
+                if taken.record.token != token:
                     continue
-                failure, refusal = exc, f"{key}: rank 0 could not take the run's lease: {exc}"
-            if refusal is not None:
-                for taken in reversed(held):  # a refused start changes nothing anywhere
-                    taken.release()
-                held = []
-                break
+                # Our own lease, seen under another name: out_dir may well be the first tier
+                # (held already); a replica must be another storage.
+                refusal = None if key == "train.out_dir" else (
+                    f"{key} ({place}): is the same storage as {other} ({other_place}): it "
+                    "shows this run's lease; a replica must be another storage")  # fmt: skip
+        except Exception as exc:  # the others must not wait for a rank that leaves
+            if key.startswith("train.checkpoint_replicas") and not lasting(exc):
+                # A replica down for now (EIO, a host down): replication retries it, and its
+                # marker claim refuses it if another run owns it meanwhile.
+                log.warning("%s (%s): cannot take the run's lease there now (%s: %s)",
+                            key, place, type(exc).__name__, exc)  # fmt: skip
+                continue
+            failure, refusal = exc, f"{key}: rank {rank} could not take the run's lease: {exc}"
+        if refusal is not None:
+            break
     if dist.get_world_size() > 1:
-        refusal = ddp.broadcast_object(refusal)  # the one collective: every rank learns it now
-    if failure is not None:
-        raise failure
+        refusal = _first_of_any_rank(refusal)  # the one collective: every rank learns it now
     if refusal is not None:
+        for _, _, taken in reversed(held):  # a refused start changes nothing anywhere
+            taken.release()
+        if failure is not None:
+            raise failure
         raise ConfigError(refusal)
-    return Leases(held).keep_renewed() if dist.get_rank() == 0 else None
+    return Leases([taken for _, _, taken in held]).keep_renewed() if held else None
+
+
+def _first_of_any_rank(message: str | None) -> str | None:
+    """The first rank's non-None ``message``, on every rank (one all-gather)."""
+    import torch.distributed
+
+    found: list[str | None] = [None] * dist.get_world_size()
+    torch.distributed.all_gather_object(found, message)
+    return next((m for m in found if m is not None), None)
 
 
 def claim_run(
@@ -212,10 +229,11 @@ def release_unclaimed() -> None:
 
 
 def check_held(lease: Any, world_size: int, updates: int) -> None:
-    """Before a checkpoint publish: `LeaseLost` on every rank once rank 0's lease is lost.
+    """Before a checkpoint publish: `LeaseLost` on every rank once a lease of the run is lost.
 
-    Only rank 0 holds the lease; with several ranks this is one all-reduce (at checkpoint
-    publishes only, never per step), and a broadcast of the reason once it is lost.
+    Rank 0 holds the run's leases (and each other node's first rank its node-local first
+    tier's); with several ranks this is one all-reduce (at checkpoint publishes only, never per
+    step), and an all-gather of the reason once one is lost.
     """
     reason = lease.lost_reason if lease is not None else None
     message = None
@@ -228,6 +246,6 @@ def check_held(lease: Any, world_size: int, updates: int) -> None:
     if world_size > 1:
         if not ddp.any_rank(message is not None, ddp.collective_device()):
             return
-        message = ddp.broadcast_object(message)
+        message = _first_of_any_rank(message)  # the node whose lease it is may not be rank 0
     if message is not None:
         raise LeaseLost(message)
