@@ -207,6 +207,16 @@ def restored_state(location: str, fsdp_enabled: bool = True) -> dict:
                       "ema": ema.state_dict()})  # fmt: skip
 
 
+def run_of(out: str, run_name: str) -> str:
+    """The run id of ``run_name``'s checkpoints (derived from its out_dir): a run resumed from a
+    copy of them under another out_dir names it, or its tiers are another run's (issue 35)."""
+    from types import SimpleNamespace
+
+    from koochak.loop.checkpoint.tier_marker import default_run_id
+
+    return default_run_id(SimpleNamespace(out_dir=os.path.join(out, run_name)))
+
+
 def only(out: str, run_name: str, step: int, copy_name: str) -> str:
     """A directory holding nothing but ``run_name``'s checkpoint of ``step`` (all its objects,
     as ``checkpoint_objects`` lists them), so that resume="auto" there chooses it."""
@@ -366,7 +376,7 @@ def scenario(out: str, what: str) -> None:
         run_name = f"save{source}" if source != "plain" else "plain"
         location = only(out, run_name, SAVE_AT, f"{name}.ckpt")
         compare_restore(out, name, location)
-        run(out, name, resume_dir=location)
+        run(out, name, resume_dir=location, run_id=run_of(out, run_name))
     elif what.startswith("back"):  # back<W>: an FSDP checkpoint restored without FSDP
         source = what[len("back") :]
         location = only(out, f"save{source}", SAVE_AT, f"back{source}.ckpt")
@@ -396,7 +406,7 @@ def scenario(out: str, what: str) -> None:
                        os.path.join(name, "durable"))  # fmt: skip
         # No first tier at all: every node's directory is gone.
         run(out, name, resume_dir=os.path.join(out, name, "node{node}"),
-            checkpoint_replicas=[durable])  # fmt: skip
+            checkpoint_replicas=[durable], run_id=run_of(out, f"tiers{source}"))  # fmt: skip
     elif what == "damaged":
         damaged(out)
     elif what == "export":  # save4's checkpoint as one weights file, read on one process

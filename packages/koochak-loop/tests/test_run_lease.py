@@ -341,3 +341,42 @@ def test_under_ddp_a_lost_lease_stops_every_rank_before_the_next_publish(project
         assert "this run's lease on its checkpoint location is lost" in err, f"rank {rank}: {err}"
         assert "pid 4242 on node-b" in err and "stopped after 4 updates" in err
     assert sorted(p.name for p in (root / "run").glob("step*.pt")) == ["step000000001.pt"]
+
+
+@pytest.mark.slow
+def test_a_live_run_in_another_nodes_first_tier_refuses_every_rank(project):
+    """A node-local first tier (``{node}``): the first rank of every node takes the lease on its
+    node's directory, so a run still live there (a double submission that landed on node 1)
+    refuses the whole launch, exit 2 on every rank, before anything is built (issue 35)."""
+    root, name, config = project
+    holder = _hold(root / "node1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ["-m", "koochak.loop.cli", "--config", str(config), "--resume", "auto",
+            "train.ddp=true", f"train.checkpoint_dir={root}/node{{node}}",
+            f"train.checkpoint_replicas=[{root}/durable]"]  # fmt: skip
+    procs = []
+    try:
+        for rank in (0, 1):  # two nodes of one rank each: each is its node's first rank
+            env = dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2",
+                       KOOCHAK_NODE_INDEX=str(rank), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port), PYTHONPATH=str(root),
+                       LEASE_TEST_BUILT=str(root / f"built{rank}"))  # fmt: skip
+            procs.append(subprocess.Popen([sys.executable, *args], cwd=root, env=env, text=True,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))  # fmt: skip
+        results = [(p.communicate(timeout=180), p.returncode) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        holder.kill()
+        holder.wait()
+    for rank, ((_, err), code) in enumerate(results):
+        assert code == 2, f"rank {rank}: {err}"
+        assert f"another run holds this location: pid {holder.pid}" in err, f"rank {rank}: {err}"
+        assert f"{root / 'node1'}" in err, f"rank {rank}: {err}"
+    assert not (root / "built0").exists() and not (root / "built1").exists()
+    # What rank 0 took (node 0's tier, the replica, out_dir) was released: nothing left behind.
+    assert not (root / "node0").exists() and not (root / "durable").exists()

@@ -133,4 +133,4 @@ def test_version_1_records_still_read_but_prove_nothing_by_pid():
     record = _publish_intent.parse(old, "old.json")
     assert record.pid_ns == ""
     assert _publish_intent.why_dead(record) is None  # written before namespaces were recorded
-    assert b'"version": 2' in mine.to_bytes() and b'"pid_ns"' in mine.to_bytes()
+    assert b'"version": 3' in mine.to_bytes() and b'"pid_ns"' in mine.to_bytes()

@@ -185,3 +185,28 @@ def test_a_lease_that_could_not_be_renewed_for_its_ttl_counts_as_lost(store, cap
     assert held.lost and store.list(f"{leases.LEASE_KEY}.renewed-") == []
     held.release()
     assert store.list() == []
+
+
+def test_same_hostname_on_another_machine_is_alive_until_its_ttl(store):
+    """Another boot id proves a reboot only for this very machine and a record last renewed
+    before this boot: a same-named machine renewing 0.5 s ago keeps its lease."""
+    import socket
+
+    from koochak.storage import _publish_intent
+
+    now = time.time()
+    for machine in ("another-machine", ""):  # a version 2 record, and one that only names a host
+        twin = _elsewhere(now - 0.5, host=socket.gethostname(), boot_id="another-boot",
+                          machine_id=machine)  # fmt: skip
+        store.put(leases.LEASE_KEY, twin.to_bytes())
+        with pytest.raises(leases.LeaseHeld, match="another run holds this location"):
+            leases.acquire_lease(store)
+        assert leases.read_lease(store) == twin
+        store.delete(leases.LEASE_KEY)
+    # This machine before its reboot (our identity, last renewed before this boot): taken over.
+    booted = _publish_intent._boot_time()
+    stale = _elsewhere(booted - 60, host=socket.gethostname(), boot_id="another-boot",
+                       machine_id=_publish_intent._machine_id())  # fmt: skip
+    store.put(leases.LEASE_KEY, stale.to_bytes())
+    assert leases.why_gone(store, leases.LEASE_KEY, stale) == "its host has rebooted since"
+    leases.acquire_lease(store).release()

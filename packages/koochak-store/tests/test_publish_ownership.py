@@ -59,14 +59,22 @@ def test_a_dead_publishers_leftovers_on_this_host_are_replaced(store, caplog):
     assert _keys(store) == {NAME, NAME + READY_SUFFIX}
 
 
+def _before_this_boot():
+    """This machine's intent from its previous boot: another boot id, written before this boot."""
+    booted = _publish_intent._boot_time()
+    assert booted is not None
+    return dataclasses.replace(_publish_intent.ours(NAME), boot_id="before", written=booted - 60)
+
+
 def test_a_rebooted_hosts_leftovers_are_replaced(store):
-    _leave_uncommitted(store, dataclasses.replace(_publish_intent.ours(NAME), boot_id="before"))
+    _leave_uncommitted(store, _before_this_boot())
     publish(store, NAME, b"mine")
     assert store.get(NAME) == b"mine"
 
 
 def test_another_hosts_publisher_counts_as_alive_until_its_deadline(store):
-    elsewhere = dataclasses.replace(_publish_intent.ours(NAME), host="node-elsewhere", pid=1)
+    elsewhere = dataclasses.replace(_publish_intent.ours(NAME), host="node-elsewhere", pid=1,
+                                    machine_id="another-machine")  # fmt: skip
     _leave_uncommitted(store, elsewhere)
     with pytest.raises(FileExistsError, match="node-elsewhere"):
         publish(store, NAME, b"mine")
@@ -86,7 +94,7 @@ def test_an_unreadable_intent_removes_nothing(store):
 
 
 def test_an_intent_without_an_object_from_a_dead_publisher_is_cleared(store):
-    store.put(INTENT, dataclasses.replace(_publish_intent.ours(NAME), boot_id="before").to_bytes())
+    store.put(INTENT, _before_this_boot().to_bytes())
     publish(store, NAME, b"mine")
     assert _keys(store) == {NAME, NAME + READY_SUFFIX}
 
@@ -117,11 +125,29 @@ def test_intent_records_are_strict(tmp_path):
     good = _publish_intent.ours(NAME)
     assert _publish_intent.parse(good.to_bytes(), "x") == good
     doc = json.loads(good.to_bytes())
-    # version 1 had no pid_ns field: a version-1 record carrying one is malformed
-    for broken in ({**doc, "extra": 1}, {**doc, "version": 3}, {**doc, "pid": "1"},
-                   {**doc, "pid_ns": 7}, {**doc, "version": 1}):  # fmt: skip
+    # version 1 had no pid_ns field, versions 1 and 2 no machine_id and written: an older
+    # record carrying them is malformed
+    for broken in ({**doc, "extra": 1}, {**doc, "version": 4}, {**doc, "pid": "1"},
+                   {**doc, "pid_ns": 7}, {**doc, "version": 1}, {**doc, "version": 2},
+                   {**doc, "machine_id": 1}, {**doc, "written": "now"}):  # fmt: skip
         with pytest.raises(ValueError, match="x"):
             _publish_intent.parse(json.dumps(broken).encode(), "x")
+
+
+def test_same_hostname_another_machine_is_alive_until_its_deadline(store):
+    """Another boot id is a reboot of this machine only when the machine identity matches and
+    the record predates this boot: a same-named machine's live publisher is never taken over."""
+    other = dataclasses.replace(_publish_intent.ours(NAME), boot_id="another-boot",
+                                machine_id="another-machine", pid=1)  # fmt: skip
+    _leave_uncommitted(store, other)
+    with pytest.raises(FileExistsError, match="being published"):
+        publish(store, NAME, b"mine")
+    # Written after this host booted: never "from before a reboot", even with our identity
+    # (a cloned machine-id) or an older record that only names the host.
+    for record in (dataclasses.replace(other, machine_id=_publish_intent._machine_id()),
+                   dataclasses.replace(other, machine_id="")):  # fmt: skip
+        assert _publish_intent.why_dead(record) is None
+    assert store.get(INTENT)
 
 
 def test_intent_names_are_not_artifact_names(store):

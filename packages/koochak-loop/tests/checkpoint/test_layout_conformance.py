@@ -371,3 +371,103 @@ def test_a_sharded_checkpoint_resumes_on_another_world_size(trained, mode):
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     assert restore_training_state(ckpt, model, optimizer) == world.STEPS
     _same(model.state_dict(), run.final["model"], "model")
+
+
+# ---------------------------------------------------------------------------- ownership
+
+
+def _store(location):
+    return LocalStore(location) if isinstance(location, Path) else open_store(location)
+
+
+def _snapshot(locations) -> dict:
+    """Every object of every tier and its bytes."""
+    found = {}
+    for location in locations:
+        store = _store(location)
+        for info in store.list(""):
+            found[(str(location), info.key)] = store.get(info.key)
+    return found
+
+
+def _claim(first, replicas, layout, mode, **more):
+    from koochak.loop.config import resolve_train_config
+    from koochak.loop.run_lease import claim_run
+
+    fresh = more.pop("fresh", False)
+    cfg = world.train_cfg(str(first), replicas, layout, mode == "async", **more)
+    return claim_run(resolve_train_config(cfg), 0, fresh=fresh)
+
+
+@pytest.mark.parametrize("layout, tiers, mode", COMBOS)
+def test_every_tier_is_marked_for_the_run_its_checkpoints_name(trained, layout, tiers, mode):
+    """Identity: each tier's marker names the run that wrote every checkpoint committed there."""
+    from koochak.loop.checkpoint.tier_marker import read_marker
+
+    run = trained(layout, tiers, mode)
+    for location in [run.first, *run.replicas]:
+        store = _store(location)
+        marker = read_marker(store)
+        assert marker is not None, location
+        for step in _committed(location):
+            assert load(store, checkpoint_name(step))["run_id"] == marker.run_id, (location, step)
+
+
+@pytest.mark.parametrize("layout, tiers, mode", COMBOS)
+def test_another_run_is_refused_on_every_tier_and_changes_nothing(trained, layout, tiers, mode):
+    """Lease, then marker: a run with another identity on these tiers is refused naming the
+    owner, and every object of every tier is byte-identical afterwards."""
+    from koochak.loop.checkpoint.tier_marker import read_marker
+    from koochak.loop.config import ConfigError
+
+    run = trained(layout, tiers, mode)
+    owner = read_marker(_store(run.first)).run_id
+    before = _snapshot([run.first, *run.replicas])
+    with pytest.raises(ConfigError, match=f"run {owner!r}"):
+        _claim(run.first, run.replicas, layout, mode, run_id="an-intruder")
+    assert _snapshot([run.first, *run.replicas]) == before
+
+
+@pytest.mark.parametrize("layout, tiers, mode", [c for c in COMBOS if c.values[1] != "s3 replica"])
+def test_a_markerless_tier_of_another_run_is_refused_naming_it(trained, tmp_path, layout, tiers,
+                                                               mode):  # fmt: skip
+    """A tier holding another run's committed checkpoints and no marker (written before
+    markers): refused naming the run found in its checkpoints, never adopted."""
+    from koochak.loop.checkpoint.tier_marker import MARKER_KEY, read_marker
+    from koochak.loop.config import ConfigError
+
+    run = trained(layout, tiers, mode)
+    owner = read_marker(_store(run.first)).run_id
+    if run.replicas:  # the replica, copied without its marker, behind a new first tier
+        tier = tmp_path / "replica"
+        shutil.copytree(run.replicas[0], tier)
+        first, replicas = tmp_path / "first", [str(tier)]
+    else:
+        tier = first = _copy_first(run, tmp_path / "first")
+        replicas = []
+    (tier / MARKER_KEY).unlink()
+    before = _snapshot([tier])
+    with pytest.raises(ConfigError, match=f"no tier marker but holds .* run {owner!r}"):
+        _claim(first, replicas, layout, mode, run_id="an-intruder")
+    assert _snapshot([tier]) == before
+
+
+@pytest.mark.parametrize("layout", [pytest.param(layout, marks=[pytest.mark.slow] * (layout == "sharded"))
+                                    for layout in LAYOUTS])  # fmt: skip
+def test_a_run_starting_over_owns_the_tier_and_sets_the_older_run_aside(trained, tmp_path,
+                                                                        layout):  # fmt: skip
+    """Selection and retention: a run starting over (--resume none) owns the tier; the older
+    run's checkpoints are moved to superseded/ whole (still loadable there), never selected."""
+    from koochak.loop.checkpoint.tier_marker import read_marker
+
+    run = trained(layout, "one tier", "sync")
+    owner = read_marker(_store(run.first)).run_id
+    first = _copy_first(run, tmp_path / "first")
+    steps = _committed(first)
+    lease, run_id = _claim(first, [], layout, "sync", fresh=True)
+    lease.release()
+    assert run_id != owner and read_marker(LocalStore(first)).run_id == run_id
+    assert resolve_auto_resume(first) is None
+    (aside,) = (first / "superseded").iterdir()
+    assert aside.name.startswith(owner) and _committed(aside) == steps
+    _same(load(aside / checkpoint_name(world.STEPS))["model"], run.final["model"], "model")

@@ -71,9 +71,11 @@ def materialize_config(
     run_dir: str,
     patches: Sequence[ConfigPatch] = (),
     out_dir_config_key: str | None = "train.out_dir",
+    run_id: str | None = None,
 ) -> str:
     """The resolved YAML text of ``base_config`` with ``out_dir_config_key`` set to ``run_dir``
-    (unless it is None or empty) and then ``patches`` applied in order."""
+    (unless it is None or empty), ``train.run_id`` set to ``run_id`` where the config names no
+    run (``run_id`` None: left as it is), and then ``patches`` applied in order."""
     from koochak.storage.strict_yaml import load_yaml_file
     from omegaconf import OmegaConf  # only prepare_run needs it; the runner never does
     from omegaconf.errors import OmegaConfBaseException
@@ -94,6 +96,8 @@ def materialize_config(
         cfg = OmegaConf.create(doc)
         if out_dir_config_key:
             OmegaConf.update(cfg, out_dir_config_key, run_dir, merge=True, force_add=True)
+        if run_id is not None and OmegaConf.select(cfg, "train.run_id") is None:
+            OmegaConf.update(cfg, "train.run_id", run_id, merge=True, force_add=True)
         for patch in patches:
             value = list(patch.value) if isinstance(patch.value, tuple) else patch.value
             OmegaConf.update(cfg, patch.path, value, merge=patch.merge, force_add=True)

@@ -86,6 +86,7 @@ def prepare_run(
     out_dir_config_key: str | None = "train.out_dir",
     outputs: Sequence[DeclaredOutput] = (),
     launch_dir: str | os.PathLike[str] | None = None,
+    run_id: str | None = None,
 ) -> PreparedRun:
     """Compile a config and a profile into a `PreparedRun`; nothing is written.
 
@@ -93,6 +94,11 @@ def prepare_run(
     them are replaced (``{config}`` needs ``base_config``). The config is materialised with
     ``out_dir_config_key`` pinned to ``run_dir``. ``launch.json``, ``config.yaml`` and
     ``preflight.json`` go in ``launch_dir`` (default ``run_dir``).
+
+    The run's identity (``run_id``, default ``name``) is recorded in a koochak-train config
+    (``out_dir_config_key`` ``train.out_dir``) as ``train.run_id`` unless the config names one:
+    every attempt of the prepared run (a requeue, a retry, a resubmission on other nodes that
+    logs to another ``run_dir``) is then the same run to its checkpoint tiers.
     """
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ValueError(
@@ -103,6 +109,10 @@ def prepare_run(
     cwd = _absolute(cwd, "cwd")
     run_dir = _absolute(run_dir, "run_dir")
     launch_dir = run_dir if launch_dir is None else _absolute(launch_dir, "launch_dir")
+    if run_id is not None and (not isinstance(run_id, str) or not _NAME.fullmatch(run_id)):
+        raise ValueError(
+            f"prepare_run run_id={run_id!r}; expected letters, digits, '_', '.', '-' (at most 128)"
+        )
     if isinstance(python_args, (str, bytes)) or not isinstance(python_args, Sequence):
         raise ValueError("prepare_run python_args=: expected a list of strings, not one string")
     if not python_args:
@@ -116,9 +126,9 @@ def prepare_run(
     staged = []  # the files stage() writes, the manifest last
     config_path = config_sha256 = None
     if base_config is not None:
-        text = materialize_config(
-            base_config, run_dir=run_dir, patches=patches, out_dir_config_key=out_dir_config_key
-        )
+        identity = (run_id or name) if out_dir_config_key == "train.out_dir" else None
+        text = materialize_config(base_config, run_dir=run_dir, patches=patches,
+                                  out_dir_config_key=out_dir_config_key, run_id=identity)  # fmt: skip
         content = text.encode("utf-8")
         config_path = os.path.join(launch_dir, CONFIG_NAME)
         config_sha256 = hashlib.sha256(content).hexdigest()

@@ -277,23 +277,19 @@ def _check_launch(cfg: DictConfig) -> None:
         check_launch_environment("train.fsdp.enabled" if cfg.train.fsdp.enabled else "train.ddp")
     for location in checkpoint_locations(cfg.train):
         checkpoint_store(location)
+    from koochak.loop.checkpoint.tier_marker import check_reachable
     from koochak.loop.config import resolve_train_config
 
-    train = resolve_train_config(cfg.train)
-    from koochak.loop.checkpoint.tier_marker import check_reachable, claim_tiers
-
-    if len(checkpoint_locations(train)) > 1:  # every tier reachable, writable and this run's
-        claim_tiers(train, write=int(os.environ.get("RANK", "0")) == 0)
-    else:
-        check_reachable(train)
+    check_reachable(resolve_train_config(cfg.train))  # every tier can be listed
 
 
-def _hold_location(cfg: DictConfig) -> None:
-    """Take the run's lease now, before the model and data are built; training_loop finds it.
-    Under DDP/FSDP with several ranks the process group starts here, so that every rank learns
-    of a refusal through one broadcast (training_loop then uses the same group)."""
+def _hold_location(cfg: DictConfig, resume: str) -> None:
+    """Claim the run's locations now (the leases, then the tier markers: ``claim_run``), before
+    the model and data are built; training_loop finds the claim. Under DDP/FSDP with several
+    ranks the process group starts here, so that every rank learns of a refusal through one
+    broadcast (training_loop then uses the same group)."""
     from koochak.loop.config import resolve_train_config
-    from koochak.loop.run_lease import hold_location
+    from koochak.loop.run_lease import claim_run
 
     train = resolve_train_config(cfg.train)
     if (train.ddp or train.fsdp.enabled) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -301,7 +297,7 @@ def _hold_location(cfg: DictConfig) -> None:
         from koochak.loop.device import get_device
 
         setup_ddp(train, get_device(str(cfg.train.device)))
-    hold_location(checkpoint_locations(cfg.train)[0], train, early=True)
+    claim_run(train, int(os.environ.get("RANK", "0")), fresh=resume == "none", early=True)
 
 
 def _prepare(args: argparse.Namespace) -> dict[str, Any]:
@@ -314,7 +310,7 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
     if int(os.environ.get("RANK", "0")) == 0:
         print(format_summary(report), flush=True)
     _check_launch(cfg)
-    _hold_location(cfg)  # refuse a second live run here before building anything (exit 2)
+    _hold_location(cfg, args.resume)  # refuse a second live run before building anything (exit 2)
     # Install the evacuation handler before building the model and data (which can take minutes):
     # a SIGUSR1 in that window is then recorded and honoured after the first update, instead of
     # killing the process with the signal's default action.

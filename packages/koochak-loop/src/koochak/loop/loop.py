@@ -34,7 +34,6 @@ from koochak.loop.batch import to_device
 from koochak.loop.checkpoint.restore import restore_rng, restore_training_state
 from koochak.loop.checkpoint.resume import resume_checkpoint, resume_publication_path
 from koochak.loop.checkpoint.saver import Checkpointer, make_checkpointer
-from koochak.loop.checkpoint.tier_marker import run_identity
 from koochak.loop.checkpoint.tiers import checkpoint_locations
 from koochak.loop.config import TrainConfig, resolve_train_config
 from koochak.loop.device import get_device, get_lr
@@ -54,7 +53,7 @@ from koochak.loop.resume_config import (
     format_change,
     schedule_follows_max_steps,
 )
-from koochak.loop.run_lease import check_held, hold_location
+from koochak.loop.run_lease import check_held, claim_run
 from koochak.loop.state_dicts import match_state_dict_to_model, unwrap_model
 from koochak.loop.throughput import make_throughput_hooks
 
@@ -127,15 +126,24 @@ def training_loop(
     setup = ddp.setup_ddp(cfg, get_device(cfg.device))  # process group; device from LOCAL_RANK
     device, rank, world_size = setup.device, setup.rank, setup.world_size
     tiers = checkpoint_locations(cfg)  # checkpoint_dir (else out_dir), then any replicas
-    # With replicas every tier is checked and marked first; the caller's checkpoint names the run.
-    run_id = run_identity(cfg, rank, checkpoint_dict)
-    resume_path, checkpoint_dict = resume_checkpoint(
-        resume, tiers, checkpoint_dict, auto_resume_path, sharded=cfg.fsdp.enabled
-    ) or (None, None)
+    # One owner per location, before anything there is read or written: the lease on every tier
+    # and out_dir, then the tier markers; the caller's checkpoint names the run. A run that
+    # starts over (no checkpoint to continue) becomes the owner: see tier_marker.claim_tiers.
+    fresh = checkpoint_dict is None and resume != "auto"
+    lease, run_id = claim_run(cfg, rank, checkpoint_dict, fresh=fresh)
+    try:
+        resume_path, checkpoint_dict = resume_checkpoint(
+            resume, tiers, checkpoint_dict, auto_resume_path, sharded=cfg.fsdp.enabled
+        ) or (None, None)
+        if checkpoint_dict is not None:  # the same run, or refuse before anything is built
+            _check_resumed_model(checkpoint_dict, model, resume_path)
+            _check_resumed_config(checkpoint_dict, _config_of(config_json, cfg), cfg,
+                                  resume_path, rank)  # fmt: skip
+    except BaseException:
+        if lease is not None:
+            lease.release()
+        raise
     start_step = int(checkpoint_dict["next_step"]) if checkpoint_dict else 0
-    if checkpoint_dict is not None:  # the same run, or refuse before anything is built
-        _check_resumed_model(checkpoint_dict, model, resume_path)
-        _check_resumed_config(checkpoint_dict, _config_of(config_json, cfg), cfg, resume_path, rank)
     # A run a hook stopped is over: resuming it trains no further (like one that reached max_steps).
     stopped_before = checkpoint_dict is not None and checkpoint_dict.get("reason") == "stopped"
     raw_model = model.to(device)
@@ -157,7 +165,6 @@ def training_loop(
         step=start_step,
     )
     num_params = sum(p.numel() for p in raw_model.parameters())
-    lease = hold_location(tiers[0], cfg)  # one live run per location: a refusal reaches every rank
     if rank == 0:
         print(_param_banner(raw_model, num_params), flush=True)
     step = start_step

@@ -7,8 +7,12 @@ after the manifest, so an object found without its manifest comes with the recor
 it, and a later publish of the name removes that object only when the record proves its
 publisher dead:
 
-* on the same host: the host has booted since (another boot id), or — only within the same pid
-  namespace — the pid is gone or is now another process (another start time). Two containers
+* on the same machine: it has booted since (another boot id, and the record was written before
+  this boot: ``from_before_this_boot``), or — only within the same pid
+  namespace — the pid is gone or is now another process (another start time). The machine is
+  told by its identity (``/etc/machine-id``, version 3 records), never by its hostname alone:
+  two machines may share a hostname, and a record written after this host booted is never
+  "from before a reboot", whatever its boot id says. Two containers
   on one node share the hostname and boot id but not the pid namespace, where a pid names
   another process or none: a record from another namespace (or one that does not say, as
   version 1 records do not) can never be proven dead by its pid;
@@ -31,14 +35,18 @@ from functools import cache
 from koochak.storage.strict_json import loads_strict, require_version
 
 INTENT_SUFFIX = ".publishing.json"
-INTENT_VERSION = 2
-_READABLE = (1, 2)  # version 1 had no pid_ns: read as "", which proves nothing by pid
+INTENT_VERSION = 3
+# Version 1 had no pid_ns (read as "", which proves nothing by pid); versions 1 and 2 had no
+# machine_id and written (read as "" and -1: a reboot is then never proven, only the deadline).
+_READABLE = (1, 2, 3)
 # How long a publication may take from its intent to its manifest before it must give up.
 LEASE_SECONDS = 3600.0
 # How far apart two hosts' clocks may be for a passed deadline to prove a publisher gone.
 CLOCK_SKEW_SECONDS = 300.0
 
-_FIELDS = {"version", "key", "host", "boot_id", "pid_ns", "pid", "pid_start", "deadline"}
+_FIELDS = {"version", "key", "host", "boot_id", "pid_ns", "pid", "pid_start", "deadline",
+           "machine_id", "written"}  # fmt: skip
+_ADDED = {1: {"pid_ns", "machine_id", "written"}, 2: {"machine_id", "written"}, 3: set()}
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,9 @@ class Intent:
     pid_start: int  # the pid's start time in clock ticks since boot; -1 where unknown
     deadline: float  # Unix seconds: committed or given up by then
     pid_ns: str = ""  # /proc/self/ns/pid, e.g. "pid:[4026531836]"; "" where unknown
+    machine_id: str = ""  # /etc/machine-id; "" where unknown (then the hostname stands in)
+    written: float = -1.0  # Unix seconds when it was written; -1 where unknown
+
     def to_bytes(self) -> bytes:
         doc = {"version": INTENT_VERSION, **asdict(self)}
         return (json.dumps(doc, sort_keys=True, indent=2) + "\n").encode("utf-8")
@@ -71,6 +82,8 @@ def ours(key: str, lease: float | None = None) -> Intent:
         pid=pid,
         pid_start=_start_ticks(pid),
         deadline=time.time() + lease,
+        machine_id=_machine_id(),
+        written=time.time(),
     )
 
 
@@ -78,18 +91,18 @@ def parse(raw: bytes, where: str) -> Intent:
     """Read an intent record; ValueError naming ``where`` and the field when it is malformed."""
     doc = loads_strict(raw, where)
     version = require_version(doc, where, _READABLE)
-    fields = _FIELDS if version >= 2 else _FIELDS - {"pid_ns"}
+    fields = _FIELDS - _ADDED[version]
     if set(doc) != fields:
         extra = sorted(set(doc) - fields) or sorted(fields - set(doc))
         raise ValueError(f"{where}: unknown or missing field {extra[0]!r}")
-    types = {"key": str, "host": str, "boot_id": str, "pid": int, "pid_start": int}
-    if version >= 2:
-        types["pid_ns"] = str
+    types = {"key": str, "host": str, "boot_id": str, "pid": int, "pid_start": int,
+             "pid_ns": str, "machine_id": str}  # fmt: skip
     for name, kind in types.items():
-        if type(doc[name]) is not kind:
+        if name in doc and type(doc[name]) is not kind:
             raise ValueError(f"{where}: field {name!r} must be a {kind.__name__}")
-    if type(doc["deadline"]) not in (int, float):
-        raise ValueError(f"{where}: field 'deadline' must be a number")
+    for name in ("deadline", "written"):
+        if name in doc and type(doc[name]) not in (int, float):
+            raise ValueError(f"{where}: field {name!r} must be a number")
     doc.pop("version")
     return Intent(**doc)
 
@@ -99,14 +112,59 @@ def why_dead(intent: Intent, now: float | None = None) -> str | None:
     now = time.time() if now is None else now
     if now > intent.deadline + CLOCK_SKEW_SECONDS:
         return "its deadline passed"
-    if intent.host != socket.gethostname() or not intent.boot_id:
+    if not same_machine(intent.host, intent.machine_id) or not intent.boot_id:
         return None
     if intent.boot_id != _boot_id():
-        return "its host has rebooted since"
+        if from_before_this_boot(intent.written):
+            return "its host has rebooted since"
+        return None  # another machine of this name (or identity), or a time we cannot place
     if intent.pid_start < 0 or not intent.pid_ns or intent.pid_ns != _pid_ns():
         return None  # its pid names another process, or none, in our namespace: cannot tell
     if _start_ticks(intent.pid) != intent.pid_start:
         return f"pid {intent.pid} is no longer running"
+    return None
+
+
+def same_machine(host: str, machine_id: str) -> bool:
+    """Whether a record from ``host`` with ``machine_id`` may be from this machine: by machine
+    identity where the record has one, else by hostname (an older record)."""
+    if machine_id:
+        return machine_id == _machine_id()
+    return host == socket.gethostname()
+
+
+def from_before_this_boot(written: float | None) -> bool:
+    """Whether a record written at ``written`` (Unix seconds; None or < 0: unknown) was written
+    before this host's current boot. Unknown is never "before": a record is only ever proven
+    dead by a reboot it provably predates."""
+    boot = _boot_time()
+    return written is not None and written >= 0 and boot is not None and written < boot
+
+
+@cache
+def _machine_id() -> str:
+    """This machine's identity (``/etc/machine-id``, else D-Bus's copy); "" where it has none."""
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            with open(path) as handle:
+                found = handle.read().strip()
+        except OSError:
+            continue
+        if found:
+            return found
+    return ""
+
+
+@cache
+def _boot_time() -> float | None:
+    """When this host booted (Unix seconds, /proc/stat's btime); None without /proc."""
+    try:
+        with open("/proc/stat") as handle:
+            for line in handle:
+                if line.startswith("btime "):
+                    return float(line.split()[1])
+    except (OSError, ValueError):
+        pass
     return None
 
 

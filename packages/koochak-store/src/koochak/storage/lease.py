@@ -10,8 +10,10 @@ directory, an object-storage mount (exclusive mode) or S3 (conditional writes).
 A second acquirer finds the object and is refused (``LeaseHeld``, naming the holder) unless the
 holder is provably gone:
 
-* on the same host: the host has booted since (another boot id), or — in the same pid namespace —
-  its pid is gone or is another process (another start time);
+* on the same machine (told by ``/etc/machine-id``, not by hostname: version 2 records): the
+  machine has booted since (another boot id) and the holder's last renewal predates this boot,
+  or — in the same pid namespace — its pid is gone or is another process (another start time).
+  A record from another machine, or renewed after this host booted, is alive until its ttl;
 * on any host: its last renewal is older than ``ttl_seconds`` plus ``CLOCK_SKEW_SECONDS`` (a
   live holder renews far more often than that), so a dead holder elsewhere is taken over at most
   ``ttl_seconds + CLOCK_SKEW_SECONDS`` (15 minutes by default) after its last renewal.
@@ -36,7 +38,15 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 
-from koochak.storage._publish_intent import CLOCK_SKEW_SECONDS, _boot_id, _pid_ns, _start_ticks
+from koochak.storage._publish_intent import (
+    CLOCK_SKEW_SECONDS,
+    _boot_id,
+    _machine_id,
+    _pid_ns,
+    _start_ticks,
+    from_before_this_boot,
+    same_machine,
+)
 from koochak.storage.protocol import Store, capabilities_of
 from koochak.storage.strict_json import loads_strict, require_version
 
@@ -52,13 +62,14 @@ __all__ = [
 ]
 
 LEASE_KEY = "koochak-run.lease.json"
-LEASE_VERSION = 1
+LEASE_VERSION = 2
+_READABLE = (1, 2)  # version 1 had no machine_id (read as "": the hostname stands in)
 TTL_SECONDS = 600.0
 RENEW_SECONDS = 60.0
 
 _log = logging.getLogger(__name__)
 _FIELDS = {"version", "token", "host", "boot_id", "pid_ns", "pid", "pid_start", "started",
-           "ttl_seconds", "purpose"}  # fmt: skip
+           "ttl_seconds", "purpose", "machine_id"}  # fmt: skip
 _ACTIVE: set[str] = set()  # tokens this process holds now (a leftover of ours is not active)
 
 
@@ -75,6 +86,7 @@ class LeaseRecord:
     started: float  # Unix seconds
     ttl_seconds: float
     purpose: str = ""
+    machine_id: str = ""  # /etc/machine-id; "" where unknown (then the hostname stands in)
 
     def to_bytes(self) -> bytes:
         doc = {"version": LEASE_VERSION, **asdict(self)}
@@ -109,19 +121,21 @@ def _ours(ttl_seconds: float, purpose: str) -> LeaseRecord:
         started=time.time(),
         ttl_seconds=float(ttl_seconds),
         purpose=purpose,
+        machine_id=_machine_id(),
     )
 
 
 def _parse(raw: bytes, where: str) -> LeaseRecord:
     doc = loads_strict(raw, where)
-    require_version(doc, where, LEASE_VERSION)
-    if set(doc) != _FIELDS:
-        extra = sorted(set(doc) - _FIELDS) or sorted(_FIELDS - set(doc))
+    version = require_version(doc, where, _READABLE)
+    fields = _FIELDS if version >= 2 else _FIELDS - {"machine_id"}
+    if set(doc) != fields:
+        extra = sorted(set(doc) - fields) or sorted(fields - set(doc))
         raise ValueError(f"{where}: unknown or missing field {extra[0]!r}")
     kinds = {"token": str, "host": str, "boot_id": str, "pid_ns": str, "pid": int,
-             "pid_start": int, "purpose": str}  # fmt: skip
+             "pid_start": int, "purpose": str, "machine_id": str}  # fmt: skip
     for name, kind in kinds.items():
-        if type(doc[name]) is not kind:
+        if name in doc and type(doc[name]) is not kind:
             raise ValueError(f"{where}: field {name!r} must be a {kind.__name__}")
     for name in ("started", "ttl_seconds"):
         if type(doc[name]) not in (int, float) or doc[name] < 0:
@@ -169,15 +183,23 @@ def why_gone(store: Store, key: str, record: LeaseRecord, now: float | None = No
     now = time.time() if now is None else now
     if record.token in _ACTIVE:
         return None  # held by this very process, now
-    if record.host == socket.gethostname() and record.boot_id:
+    renewed = _last_renewed(store, key, record)
+    if same_machine(record.host, record.machine_id) and record.boot_id:
         if record.boot_id != _boot_id():
-            return "its host has rebooted since"
+            # Provably this machine before its reboot only when it was last renewed before
+            # this boot; else another machine of this name, alive until its ttl.
+            if renewed is not None and from_before_this_boot(renewed):
+                return "its host has rebooted since"
+            return _expired(record, renewed, now)
         same_ns = bool(record.pid_ns) and record.pid_ns == _pid_ns()
         if same_ns and record.pid_start >= 0 and _start_ticks(record.pid) != record.pid_start:
             return f"pid {record.pid} is no longer running"
         if same_ns and record.pid == os.getpid() and record.pid_start == _start_ticks(os.getpid()):
             return "this process left it behind"  # ours, but not held now
-    renewed = _last_renewed(store, key, record)
+    return _expired(record, renewed, now)
+
+
+def _expired(record: LeaseRecord, renewed: float | None, now: float) -> str | None:
     if renewed is not None and now > renewed + record.ttl_seconds + CLOCK_SKEW_SECONDS:
         return (
             f"it was last renewed {now - renewed:.0f} s ago (it expires "

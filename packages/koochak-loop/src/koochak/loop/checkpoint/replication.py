@@ -105,6 +105,7 @@ class _Lane:
     busy: str | None = None  # the name being copied
     source: Store | None = None  # the tier it is read from (the first, else a replica)
     committed: set[str] = field(default_factory=set)  # names known committed here
+    held: set[str] = field(default_factory=set)  # ... or committed here once (pruned since)
     scanned: bool = False  # compared with the first tier yet
     failures: int = 0  # consecutive failed attempts
     retry_at: float = 0.0
@@ -180,6 +181,7 @@ class Replicator:
                 if name in lane.queue:
                     lane.queue.remove(name)
                 lane.committed.discard(name)
+                lane.held.discard(name)  # a new version: not durable until copied again
 
     def submit(self, name: str) -> None:
         """Queue ``name``, just committed in the first tier, for every replica tier."""
@@ -381,6 +383,7 @@ class Replicator:
         missing.reverse()  # oldest first: replication goes in order
         with self._cond:
             lane.committed |= here
+            lane.held |= here
             pending = [key for key in missing if key not in lane.queue]
             lane.queue = deque(sorted([*pending, *lane.queue], key=lambda k: step_of_name(k) or 0))
             lane.scanned = True
@@ -428,6 +431,7 @@ class Replicator:
             lane.failures = 0
             if result is not None:
                 lane.committed.add(name)  # lets the first tier prune it; still busy until pruned
+                lane.held.add(name)
         if result is not None:
             # Retention before the commit is reported: whoever waits for this commit (the end of
             # the run) must not exit in the middle of a prune.
@@ -553,12 +557,13 @@ class Replicator:
         names = retention.committed_names(self.first)
         spared = self._spared(self.first, names)
         with self._cond:
+            durable, newest = self._was_durable(names)
             verdict = retention.judge(
                 names,
                 keep_last_k=self.first_keep,
-                best=spared,
+                best=spared | newest,
                 in_flight={lane.busy for lane in self._lanes if lane.source is self.first},
-                durable=set().union(*(lane.committed for lane in self._lanes)),
+                durable=durable,
                 prune_unreplicated=self.prune_unreplicated,
             )
             for key in verdict.drop:
@@ -578,6 +583,19 @@ class Replicator:
             log.warning("the first tier (%s) keeps %d checkpoint(s) beyond keep_last_k=%d "
                         "until a durable tier holds them: %s", self.first.location, len(held),
                         self.first_keep, ", ".join(fresh))  # fmt: skip
+
+    def _was_durable(self, names: list[str]) -> tuple[set[str], set[str]]:
+        """Of the first tier's ``names``: those that count as durable (every durable tier has
+        held it, even if one pruned it since by its own keep_last_k; or a newer checkpoint is
+        committed in every durable tier now), and the newest one committed in any durable tier
+        (never pruned here while it is that). Holding the condition."""
+        held = set.intersection(*(lane.held for lane in self._lanes))
+        everywhere = set.intersection(*(lane.committed for lane in self._lanes))
+        anywhere = set().union(*(lane.committed for lane in self._lanes))
+        covered = max((step_of_name(n) or 0 for n in everywhere), default=-1)
+        durable = {n for n in names if n in held or (step_of_name(n) or 0) < covered}
+        newest = max(anywhere, key=lambda n: step_of_name(n) or 0, default=None)
+        return durable, ({newest} if newest is not None else set())
 
     def _spared(self, store: Store, names: list[str]) -> set[str]:
         """What ``spare`` (keep_best_k) keeps in ``store`` whatever its keep_last_k says."""

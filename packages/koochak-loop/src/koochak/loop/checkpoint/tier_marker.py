@@ -1,20 +1,28 @@
 """Tiers know whose they are: a small marker object in every tier, naming the run that owns it.
 
-``claim_tiers`` runs once at the start of a run (rank 0), before any checkpoint is selected or
-written:
+``claim_tiers`` runs once at the start of a run (rank 0), after the run holds its lease on every
+tier (``run_lease.claim_run``) and before any checkpoint is selected or written:
 
 1. the run's id: ``train.run_id``, else that of the checkpoint the caller resumes (a
    ``checkpoint_dict`` passed to ``training_loop``), else the first tier's marker's (a retry),
    else one derived from ``train.out_dir``'s absolute path (``default_run_id``: a retry whose
-   node-local first tier is gone is still the same run);
+   node-local first tier is gone is still the same run). A run that starts over
+   (``--resume none``) takes ``train.run_id``, else a new id whenever its tiers hold anything;
 2. every tier's marker ``koochak-tier.json`` (docs/formats.md, "Tier marker") is read, and
    written create-only where there is none (first use). A tier whose marker names another run
    and that holds committed checkpoints is refused (ConfigError naming the key and both runs):
    it is never written or pruned. A marker whose run committed nothing there (a first attempt
-   that died before its first commit) is taken over with one line;
-3. each marker carries a random ``tier_id``: two tiers showing the same one are one storage
+   that died before its first commit) is taken over with one line, compare-and-swap against
+   the marker read. A tier without a marker that holds another run's committed checkpoints
+   (written before markers existed) is refused naming that run, never adopted;
+3. a run that starts over becomes the owner of every tier: the committed checkpoints it finds
+   there (an older run's, or an earlier start's) are moved aside to ``superseded/<run>-<time>/``
+   in the same location (one line each), where nothing selects or prunes them, and the tier's
+   marker names the new run. So selection and retention, which look only at the location's
+   own numbered checkpoints, only ever see the owner's;
+4. each marker carries a random ``tier_id``: two tiers showing the same one are one storage
    under two names (two mounts of one bucket, which paths cannot show) and are refused;
-4. a tier that cannot be written (a bucket that does not exist, missing credentials) is refused
+5. a tier that cannot be written (a bucket that does not exist, missing credentials) is refused
    naming its key; a directory replica whose parent does not exist too, unless its entry says
    ``create: true`` (a typo must not put a "durable" tier on local disk).
 """
@@ -100,12 +108,25 @@ def write_marker(store: Store, marker: TierMarker) -> TierMarker:
     return marker
 
 
-def replace_marker(store: Store, marker: TierMarker) -> None:
+class MarkerRaced(Exception):
+    """The marker changed between reading it and replacing it: another run claimed the tier."""
+
+
+def replace_marker(store: Store, expected: TierMarker | None, marker: TierMarker) -> None:
+    """Replace the tier's marker by ``marker``, compare-and-swap against ``expected`` (the one
+    read): MarkerRaced when the tier holds another by now, or another is written in between
+    (the new one is put create-only after the old is deleted). Runs under the run's lease."""
+    if read_marker(store) != expected:
+        raise MarkerRaced()
+    if expected is not None:
+        try:
+            store.delete(MARKER_KEY)
+        except FileNotFoundError:
+            pass
     try:
-        store.delete(MARKER_KEY)
-    except FileNotFoundError:
-        pass
-    write_marker(store, marker)
+        store.put(MARKER_KEY, marker.to_bytes())
+    except FileExistsError:
+        raise MarkerRaced() from None
 
 
 def default_run_id(cfg: TrainConfig) -> str:
@@ -114,6 +135,13 @@ def default_run_id(cfg: TrainConfig) -> str:
     where = os.path.abspath(os.path.expanduser(cfg.out_dir))
     digest = hashlib.sha256(where.encode()).hexdigest()[:12]
     return f"{os.path.basename(where.rstrip('/')) or 'run'}-{digest}"
+
+
+def new_run_id(cfg: TrainConfig) -> str:
+    """A run id no earlier start has: ``default_run_id`` plus the UTC start time and a random
+    suffix, for a run that starts over where another (or an earlier start) left checkpoints."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    return f"{default_run_id(cfg)}-{stamp}-{secrets.token_hex(2)}"
 
 
 def tier_keys(cfg: TrainConfig) -> list[str]:
@@ -127,19 +155,20 @@ def _fail(key: str, location: Any, what: str, exc: BaseException | None = None) 
     return ConfigError(f"{key} ({location}): {what}{why}")
 
 
-def claim_tiers(cfg: TrainConfig, *, write: bool = True, resumed_run: str | None = None) -> str:
+def claim_tiers(
+    cfg: TrainConfig, *, write: bool = True, resumed_run: str | None = None, fresh: bool = False
+) -> str:
     """Check and mark every tier of the run; return the run's id (see the module's docstring).
     ConfigError naming the key for every refusal. ``write=False`` (a rank other than 0 in a
     preflight): every check that needs no write, nothing written. ``resumed_run``: the run id
-    of a checkpoint the caller already chose to resume (it names the run, after ``train.run_id``)."""
+    of a checkpoint the caller already chose to resume (it names the run, after ``train.run_id``).
+    ``fresh``: the run starts over and becomes the owner of every tier (point 3)."""
     tiers = checkpoint_tiers(cfg)
     keys = tier_keys(cfg)
-    replicas = check_replicas(cfg.checkpoint_replicas)
+    check_parents(cfg)
     stores: list[Store] = []
     markers: list[TierMarker | None] = []
     for i, (tier, key) in enumerate(zip(tiers, keys)):
-        if i > 0 and not replicas[i - 1].create:
-            _check_parent(key, tier.location, [tiers[0].location, cfg.out_dir])
         store = None
         try:
             store = checkpoint_store(tier.location)
@@ -149,48 +178,62 @@ def claim_tiers(cfg: TrainConfig, *, write: bool = True, resumed_run: str | None
         except ValueError as exc:
             raise _fail(key, tier.location, "cannot read its tier marker", exc) from None
         except Exception as exc:  # a bucket that does not exist, missing credentials, ...
-            if store is None or i == 0 or _lasting(exc):
+            if store is None or i == 0 or lasting(exc):
                 raise _fail(key, tier.location, "cannot be read", exc) from None
             log.warning("%s (%s): cannot read its tier marker now (%s: %s); replication retries "
                         "the tier", key, tier.location, type(exc).__name__, exc)  # fmt: skip
             stores.append(store)
             markers.append(_UNREADABLE)
     first = markers[0] if markers[0] is not _UNREADABLE else None
-    run_id = (cfg.run_id or resumed_run or (first.run_id if first is not None else None)
-              or default_run_id(cfg))  # fmt: skip
+    if fresh:
+        used = any(m is not None for m in markers) or any(
+            _committed(s, k, t.location) for s, k, t, m in zip(stores, keys, tiers, markers)
+            if m is not _UNREADABLE
+        )  # fmt: skip
+        run_id = cfg.run_id or (new_run_id(cfg) if used else default_run_id(cfg))
+    else:
+        run_id = (cfg.run_id or resumed_run or (first.run_id if first is not None else None)
+                  or default_run_id(cfg))  # fmt: skip
     held: list[tuple[int, TierMarker]] = []
-    if write and first is None and markers[0] is not _UNREADABLE:
+    if write and first is None and markers[0] is not _UNREADABLE and not fresh:
         _say_if_gone(stores, markers, keys, tiers, run_id)
     for i, (store, marker, key) in enumerate(zip(stores, markers, keys)):
         location = tiers[i].location
         if marker is _UNREADABLE:
             continue
-        if marker is not None and marker.run_id != run_id:
-            try:
-                committed = retention.committed_names(store)
-            except Exception as exc:
-                raise _fail(key, location, "cannot be listed", exc) from None
+        if fresh and write:
+            _supersede(store, key, location, marker, run_id)
+            if marker is not None and marker.run_id != run_id:
+                marker = _take_marker(store, key, location, marker, run_id)
+        elif marker is not None and marker.run_id != run_id:
+            committed = _committed(store, key, location)
             if committed:
                 raise _fail(key, location, f"holds {len(committed)} checkpoint(s) of run "
                             f"{marker.run_id!r}, not of this run {run_id!r}; refusing to write "
-                            "or prune it (use another location, or set train.run_id="
-                            f"{marker.run_id} if this is that run)")  # fmt: skip
+                            "or prune it (use another location, --resume none to start over "
+                            f"there, or set train.run_id={marker.run_id} if this is that run)")  # fmt: skip
             if not write:
                 continue
             log.warning("%s (%s): taking over the tier marker of run %r, which committed "
                         "nothing there, for run %r", key, location, marker.run_id, run_id)  # fmt: skip
-            marker = None
-            try:
-                replace_marker(store, new_marker(run_id))
-            except Exception as exc:
-                raise _fail(key, location, "cannot be written", exc) from None
+            marker = _take_marker(store, key, location, marker, run_id)
+        elif marker is None:
+            committed = _committed(store, key, location)
+            if committed:
+                found = _run_of(store, committed[0])
+                if found is not None and found != run_id:
+                    raise _fail(key, location, f"has no tier marker but holds "
+                                f"{len(committed)} checkpoint(s) of run {found!r}, not of this "
+                                f"run {run_id!r}; refusing to adopt them (use another location, "
+                                f"--resume none to start over there, or set train.run_id={found} "
+                                "if this is that run)")  # fmt: skip
         if marker is None:
             if not write:
                 continue
             try:
                 marker = write_marker(store, new_marker(run_id))
             except Exception as exc:
-                if i == 0 or _lasting(exc):
+                if i == 0 or lasting(exc):
                     raise _fail(key, location, "cannot be written", exc) from None
                 # A replica down for now (EIO, a host down): replication retries it meanwhile.
                 log.warning("%s (%s): cannot write its tier marker now (%s: %s); replication "
@@ -207,6 +250,77 @@ def claim_tiers(cfg: TrainConfig, *, write: bool = True, resumed_run: str | None
             raise _fail(keys[i], tiers[i].location, f"belongs to run {marker.run_id!r}, not to "
                         f"this run {run_id!r} (another run marked it just now)")  # fmt: skip
     return run_id
+
+
+def _committed(store: Store, key: str, location: Any) -> list[str]:
+    try:
+        return retention.committed_names(store)
+    except Exception as exc:
+        raise _fail(key, location, "cannot be listed", exc) from None
+
+
+def _take_marker(
+    store: Store, key: str, location: Any, found: TierMarker, run_id: str
+) -> TierMarker:
+    """Replace ``found`` by this run's marker (compare-and-swap); ConfigError when raced."""
+    marker = new_marker(run_id)
+    try:
+        replace_marker(store, found, marker)
+    except MarkerRaced:
+        raise _fail(key, location, f"its tier marker changed while run {run_id!r} claimed it "
+                    "(another run marked it just now)") from None  # fmt: skip
+    except Exception as exc:
+        raise _fail(key, location, "cannot be written", exc) from None
+    return marker
+
+
+def _run_of(store: Store, name: str) -> str | None:
+    """The run id checkpoint ``name`` of ``store`` records (None: a checkpoint from before run
+    ids, or one that cannot be read: then it is not evidence of another run)."""
+    from koochak.loop.checkpoint.resume import read_published
+
+    try:
+        found = read_published(store, name).checkpoint.get("run_id")
+    except Exception as exc:
+        log.warning("%s/%s: cannot read which run it belongs to (%s: %s)", store.location, name,
+                    type(exc).__name__, exc)  # fmt: skip
+        return None
+    return found if isinstance(found, str) and found else None
+
+
+SUPERSEDED_PREFIX = "superseded"
+
+
+def _supersede(store: Store, key: str, location: Any, marker: TierMarker | None,
+               run_id: str) -> None:  # fmt: skip
+    """A run starting over owns the tier: move its committed checkpoints (an older run's, or
+    an earlier start's) to ``superseded/<run>-<time>/`` in the same location, each verified
+    there before it is removed here, and say so in one line. Nothing selects or prunes them
+    there; they are the user's to keep or delete."""
+    from koochak.loop.checkpoint.format import LATEST_NAME
+    from koochak.loop.checkpoint.publication import unpublish_checkpoint
+    from koochak.loop.checkpoint.tiers import replicate_checkpoint
+
+    names = _committed(store, key, location)
+    if not names:
+        return
+    owner = marker.run_id if marker is not None else (_run_of(store, names[0]) or "unknown-run")
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    aside = f"{store.location.rstrip('/')}/{SUPERSEDED_PREFIX}/{owner}-{stamp}"
+    try:
+        target = checkpoint_store(aside)
+        for name in reversed(names):  # oldest first: an interrupted move leaves the newest here
+            replicate_checkpoint(store, target, name)
+            unpublish_checkpoint(store, name)
+    except Exception as exc:
+        raise _fail(key, location, f"cannot move run {owner!r}'s checkpoints aside to {aside} "
+                    f"for the new run {run_id!r}", exc) from None  # fmt: skip
+    local = store.local_path(LATEST_NAME)
+    if local is not None and os.path.islink(local):
+        os.unlink(local)  # it pointed at one of them
+    log.warning("%s (%s): run %r starts over here and owns it now; the %d checkpoint(s) of run "
+                "%r found there (%s) were moved to %s, where no run selects or prunes them",
+                key, location, run_id, len(names), owner, ", ".join(names), aside)  # fmt: skip
 
 
 def _say_if_gone(stores: list[Store], markers: list[Any], keys: list[str], tiers: Any,
@@ -228,7 +342,7 @@ def _say_if_gone(stores: list[Store], markers: list[Any], keys: list[str], tiers
             return
 
 
-def _lasting(exc: BaseException) -> bool:
+def lasting(exc: BaseException) -> bool:
     """An error a retry will not cure: no such bucket or directory, no access, no credentials
     (a store's transient errors are OSErrors: EIO, a host down, a timeout)."""
     if isinstance(exc, (FileNotFoundError, PermissionError, NotADirectoryError, ValueError)):
@@ -244,7 +358,7 @@ def check_reachable(cfg: TrainConfig) -> None:
         try:
             checkpoint_store(tier.location).list(MARKER_KEY)
         except Exception as exc:
-            if _lasting(exc):
+            if lasting(exc):
                 raise _fail(key, tier.location, "cannot be read", exc) from None
 
 
@@ -255,6 +369,16 @@ def _local_path(location: Any) -> str | None:
     if "://" in text and not text.startswith("file://"):
         return None
     return os.path.realpath(os.path.expanduser(text.removeprefix("file://")))
+
+
+def check_parents(cfg: TrainConfig) -> None:
+    """Every directory replica without ``create: true`` exists, or its parent does (or is one
+    the run creates anyway); else ConfigError naming its key (a typo)."""
+    tiers = checkpoint_tiers(cfg)
+    replicas = check_replicas(cfg.checkpoint_replicas)
+    for i, key in enumerate(tier_keys(cfg)[1:], start=1):
+        if not replicas[i - 1].create:
+            _check_parent(key, tiers[i].location, [tiers[0].location, cfg.out_dir])
 
 
 def _check_parent(key: str, location: Any, run_dirs: list[Any]) -> None:
@@ -276,21 +400,22 @@ def _check_parent(key: str, location: Any, run_dirs: list[Any]) -> None:
         )
 
 
-def run_identity(cfg: TrainConfig, rank: int, resumed: Mapping[str, Any] | None = None) -> str:
-    """The run's id on every rank; with replicas, rank 0 first claims the tiers (``claim_tiers``)
-    and every rank raises the same ConfigError when it refuses one. ``resumed``: a checkpoint
-    the caller already chose to resume; its ``run_id`` names the run unless ``train.run_id``
-    does."""
+def run_identity(
+    cfg: TrainConfig, rank: int, resumed: Mapping[str, Any] | None = None, *, fresh: bool = False
+) -> str:
+    """The run's id on every rank: rank 0 first claims the tiers (``claim_tiers``; call it
+    holding the run's leases, ``run_lease.claim_run``) and every rank raises the same
+    ConfigError when it refuses one. ``resumed``: a checkpoint the caller already chose to
+    resume; its ``run_id`` names the run unless ``train.run_id`` does. ``fresh``: the run
+    starts over and owns its tiers."""
     resumed_run = resumed.get("run_id") if resumed is not None else None
     resumed_run = resumed_run if isinstance(resumed_run, str) and resumed_run else None
-    if len(checkpoint_tiers(cfg)) < 2:
-        return cfg.run_id or resumed_run or default_run_id(cfg)
     from koochak.loop import ddp
 
     outcome: tuple[str, str] | None = None
     if rank == 0:
         try:
-            outcome = ("ok", claim_tiers(cfg, resumed_run=resumed_run))
+            outcome = ("ok", claim_tiers(cfg, resumed_run=resumed_run, fresh=fresh))
         except ConfigError as exc:
             outcome = ("refused", str(exc))
         except Exception as exc:  # tell the other ranks before raising, or they wait forever

@@ -100,7 +100,12 @@ _MISSING = object()
 
 def _write_config(out_dir: str, name: str, text: str) -> str | None:
     """The whole resolved config to ``<out_dir>/<name>`` (replaced atomically); None if that
-    failed (a warning: this copy is for people, the run does not depend on it)."""
+    failed (a warning: this copy is for people, the run does not depend on it).
+
+    A read-only file there is a staged, manifest-pinned config (koochak-jobs stages it 0444 and
+    the runner checks its digest at every start): it is never replaced. The resolved config then
+    goes beside it as ``<stem>.resolved<suffix>`` (``config.resolved.yaml``), and nowhere when
+    it equals the pinned file."""
     from koochak.loop.masking import mask_text
     from koochak.storage.fsutil import atomic_write_text
 
@@ -108,6 +113,12 @@ def _write_config(out_dir: str, name: str, text: str) -> str | None:
     path = os.path.join(out_dir, name)
     try:
         os.makedirs(out_dir, exist_ok=True)
+        if os.path.isfile(path) and not os.stat(path).st_mode & 0o222:
+            with open(path, encoding="utf-8") as handle:
+                if handle.read() == text:
+                    return path
+            stem, suffix = os.path.splitext(name)
+            path = os.path.join(out_dir, f"{stem}.resolved{suffix}")
         atomic_write_text(path, text)
     except OSError as exc:
         warnings.warn(f"could not write the resolved config to {path}: {exc}", stacklevel=3)
