@@ -42,6 +42,7 @@ from koochak.loop.ema import ModelEma, make_model_ema
 from koochak.loop.evacuation import Evacuated, EvacuationController, make_evacuation
 from koochak.loop.health import GpuHealthWatchdog, GpuUnhealthy, make_gpu_health
 from koochak.loop.hooks import StopTraining, emit, merge
+from koochak.loop.init_from import apply_init_weights, load_init_weights
 from koochak.loop.metric_reduction import CountedBatches, reduce_eval, reduce_logged
 from koochak.loop.precision import Scaler, autocast_factory
 from koochak.loop.prefetch import cuda_prefetch
@@ -72,7 +73,7 @@ def training_loop(
     *,
     model: torch.nn.Module,
     dataset: Iterable[Any],
-    step_fn: Callable[[torch.nn.Module, Any, StepContext], Mapping[str, Any]],
+    step_fn: Callable[[torch.nn.Module, Any, StepContext], Mapping[str, Any]] | None = None,
     optimizer: torch.optim.Optimizer | Callable[[torch.nn.Module], torch.optim.Optimizer],
     scheduler: Any = None,
     train_cfg: Mapping[str, Any] | TrainConfig,
@@ -112,6 +113,8 @@ def training_loop(
     ``load_state_dict`` that every checkpoint carries and a resume restores (``ctx.state``).
     """
     cfg = resolve_train_config(train_cfg)
+    if step_fn is None and update_fn is standard_update:
+        raise TypeError("training_loop: step_fn is required unless a custom update_fn is given")
     hooks = merge(hooks)
     warned: set[int] = set()  # hooks that already warned once
     started = time.perf_counter()
@@ -133,6 +136,10 @@ def training_loop(
         _check_resumed_config(checkpoint_dict, _config_of(config_json, cfg), cfg, resume_path, rank)
     # A run a hook stopped is over: resuming it trains no further (like one that reached max_steps).
     stopped_before = checkpoint_dict is not None and checkpoint_dict.get("reason") == "stopped"
+    origin = checkpoint_dict.get("origin") if checkpoint_dict else None
+    if checkpoint_dict is None and cfg.init_from:  # a fine-tune: weights only, all else fresh
+        weights, origin = load_init_weights(cfg.init_from, ema=cfg.init_from_ema)
+        apply_init_weights(model, weights, cfg.init_from)
     raw_model = model.to(device)
     if cfg.fsdp.enabled:  # parameters become DTensor shards: build the optimizer after this
         fsdp.shard_model(raw_model, cfg.fsdp, device)
@@ -172,7 +179,8 @@ def training_loop(
         start_info = {"step": start_step, "max_steps": cfg.max_steps, "train_cfg": train_dict,
                       "config_json": config_json, "model": raw_model, "num_params": num_params,
                       "rank": rank, "world_size": world_size, "out_dir": cfg.out_dir,
-                      "resumed": checkpoint_dict is not None, "resume_path": resume_path}  # fmt: skip
+                      "resumed": checkpoint_dict is not None, "resume_path": resume_path,
+                      "origin": origin}  # fmt: skip
         # The attempt record every sink starts with; <out_dir>/attempts.jsonl keeps the history.
         attempt = run_history.begin_attempt(cfg.out_dir, tiers, resume_path, checkpoint_dict,
                                             start_step, cfg.max_steps, rank)  # fmt: skip
@@ -196,7 +204,8 @@ def training_loop(
         # What every checkpoint is captured from (live objects: each capture reads them anew).
         parts = {"model": raw_model, "optimizer": optimizer, "scheduler": scheduler,
                  "scaler": scaler, "ema": ema, "config": _config_of(config_json, cfg),
-                 "data": data_cursor, "run_id": run_id, "state": user_state}  # fmt: skip
+                 "data": data_cursor, "run_id": run_id, "state": user_state,
+                 "origin": origin}  # fmt: skip
         checkpoints = make_checkpointer(
             cfg, parts, rank=rank, resumed=checkpoint_dict, started=started,
             on_checkpoint=lambda info: fire("on_checkpoint", info),
