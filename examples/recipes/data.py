@@ -17,9 +17,14 @@ def _generator(index: int) -> torch.Generator:
     return torch.Generator().manual_seed(100_003 * rank + index)
 
 
+def _first(cfg: Any, start_step: int) -> int:
+    """The first batch a run resumed at update ``start_step`` draws (micro-batches consumed)."""
+    return start_step * (int(cfg.train.grad_accum) if cfg is not None else 1)
+
+
 def ring(cfg: Any = None, start_step: int = 0) -> Iterator[torch.Tensor]:
     """Points on a noisy ring (what the GAN learns to draw), 32 per batch."""
-    for index in itertools.count(start_step):
+    for index in itertools.count(_first(cfg, start_step)):
         g = _generator(index)
         angle = torch.rand(32, generator=g) * 2 * math.pi
         radius = 1 + 0.05 * torch.randn(32, generator=g)
@@ -28,7 +33,7 @@ def ring(cfg: Any = None, start_step: int = 0) -> Iterator[torch.Tensor]:
 
 def regression(cfg: Any = None, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """``(x, y)`` with y a fixed smooth function of x, 32 per batch."""
-    for index in itertools.count(start_step):
+    for index in itertools.count(_first(cfg, start_step)):
         x = torch.randn(32, 8, generator=_generator(index))
         yield x, (x[:, :4].sin().sum(dim=1, keepdim=True) + x[:, 4:].mean(dim=1, keepdim=True))
 

@@ -251,3 +251,54 @@ def test_mfu_unknown_is_said_once_when_the_models_forward_never_counted(tmp_path
     assert said == ["koochak: no MFU in the logged rows: the model's own forward never ran with "
                     "gradients, so nothing was counted; set train.flops_per_step (the training "
                     "FLOPs of one update on one rank)"]  # fmt: skip
+
+
+def _mlp_run(out, steps, lr=0.05, **train):
+    torch.manual_seed(0)
+    model = data.make_mlp()
+    rows: list[dict] = []
+    starts: list[dict] = []
+    training_loop(model=model, dataset=data.regression(), step_fn=data.mse_step,
+                  optimizer=torch.optim.AdamW(model.parameters(), lr=lr),
+                  hooks={"on_log": [lambda info: rows.append(info["metrics"])],
+                         "on_train_start": [lambda info: starts.append(
+                             {k: v.clone() for k, v in info["model"].state_dict().items()})]},
+                  train_cfg={"max_steps": steps, "log_every": 1, "device": "cpu",
+                             "out_dir": str(out), **train})  # fmt: skip
+    return model, rows, starts[0]
+
+
+def test_init_from_starts_a_fresh_run_from_an_export_a_file_or_a_location(tmp_path):
+    from koochak.loop.checkpoint import export_weights
+
+    source, source_rows, _ = _mlp_run(tmp_path / "source", 60)
+    _, fresh_rows, _ = _mlp_run(tmp_path / "fresh", 1)
+    export_weights(tmp_path / "source", tmp_path / "export")
+    step_file = tmp_path / "source" / "step000000060.pt"
+    for init in (tmp_path / "source", step_file, tmp_path / "export" / "model.pt"):
+        out = tmp_path / f"tune-{init.name}"
+        _, rows, start = _mlp_run(out, 2, lr=1e-4, init_from=str(init))
+        _same_weights = [torch.equal(start[k], v) for k, v in source.state_dict().items()]
+        assert all(_same_weights), init  # the source's weights, before the first update
+        # The first loss is the source run's trained level, not a fresh model's.
+        assert rows[0]["loss"] < 0.5 * fresh_rows[0]["loss"]
+        trained = sum(row["loss"] for row in source_rows[-10:]) / 10
+        assert rows[0]["loss"] < 2 * trained
+        end = load(out / "step000000002.pt")
+        assert end["next_step"] == 2 and end["origin"]["ema"] is False
+        assert end["origin"]["path"].endswith(init.name if init.is_file() else "000060.pt")
+        assert len(end["origin"]["sha256"]) == 64
+        assert all(s["step"] == 2 for s in end["optimizer"]["state"].values())  # a fresh AdamW
+
+
+def test_init_from_refuses_weights_of_another_shape_by_name(tmp_path):
+    _mlp_run(tmp_path / "source", 2)
+    torch.manual_seed(0)
+    wide = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    with pytest.raises(ValueError, match=r"0\.weight has shape \(32, 8\) there but \(64, 8\)"):
+        training_loop(model=wide, dataset=data.regression(), step_fn=data.mse_step,
+                      optimizer=torch.optim.SGD(wide.parameters(), lr=0.1),
+                      train_cfg={"max_steps": 1, "device": "cpu", "out_dir": str(tmp_path / "w"),
+                                 "init_from": str(tmp_path / "source")})  # fmt: skip
+    with pytest.raises(ValueError, match="init_from_ema, but the checkpoint has no EMA shadow"):
+        _mlp_run(tmp_path / "e", 1, init_from=str(tmp_path / "source"), init_from_ema=True)

@@ -317,8 +317,9 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
     make_model = import_entry(entry.model, "entry.model")
     make_dataset = import_entry(entry.dataset, "entry.dataset")
     # A custom update (entry.update) may compute its losses itself and need no step_fn.
-    step_fn = import_entry(entry.step, "entry.step") if entry.step or not entry.update else None
-    update_fn = import_entry(entry.update, "entry.update") if entry.update else None
+    update = entry.get("update")  # not entry.update: a mapping's own method of that name
+    step_fn = import_entry(entry.step, "entry.step") if entry.step or not update else None
+    update_fn = import_entry(update, "entry.update") if update else None
     make_state = import_entry(entry.state, "entry.state") if entry.state else None
     make_eval = (
         import_entry(entry.eval_dataset, "entry.eval_dataset") if entry.eval_dataset else None
