@@ -1,14 +1,17 @@
 """`training_loop`: the one function that owns the repetitive mechanics of training.
 
 It reads in the order it runs. Setup once: device -> [resume lookup] -> [shard] -> [FSDP] ->
-optimizer -> attempt record -> start hook -> compile -> [DDP] -> [restore]. Then, per update: batch -> micro-steps x grad_accum -> gradient gate
--> update (optimizer -> scaler -> [EMA] -> scheduler) -> observe (hooks, log) -> [GPU health] ->
-maybe eval -> maybe save -> [evacuate]. Finally the terminal state is packed into a resume-ready
+optimizer -> attempt record -> start hook -> compile -> [DDP] -> [restore]. Then, per update:
+batch -> micro-steps x grad_accum (``update_fn``; ``update.standard_update`` by default) ->
+gradient gate -> update (optimizer -> scaler -> [EMA] -> scheduler) -> observe (hooks, log) ->
+[GPU health] -> maybe eval -> maybe save -> [evacuate]. Finally the terminal state is packed into a resume-ready
 checkpoint, saved, and returned. Checkpoint mechanics live in the ``checkpoint`` subpackage
 (``resume`` finds the checkpoint to continue from, ``restore`` puts it back, ``saver`` captures and
 publishes, sync or async); the rest in ``evacuation``, ``health``, ``ddp`` and ``fsdp``.
 
-The user's ``step_fn(model, batch, ctx) -> {"loss": Tensor, ...}`` owns the model semantics.
+The user's ``step_fn(model, batch, ctx) -> {"loss": Tensor, ...}`` owns the model semantics;
+an ``update_fn`` (``koochak.loop.update``: its contract) may own the whole update's gradients,
+and ``state`` adds the user's own stateful objects to every checkpoint.
 Every optional behaviour is a helper call or a hook. On the ordinary path the loop adds no
 device->host synchronisation at all, except one scalar per step when clipping is on and one
 batched read of the logged scalars on logging steps.
@@ -310,7 +313,7 @@ def training_loop(
             try:
                 outputs, last_batch = run_update()
             except DataEnd:
-                optimizer.zero_grad(set_to_none=True)  # a partial update is dropped, not applied
+                zero_grad(set_to_none=True)  # a partial update is dropped, not applied
                 break
 
             # ---- cadences: which of log, finite check, GPU health, eval, save end this update;
