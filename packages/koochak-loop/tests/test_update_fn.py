@@ -274,8 +274,10 @@ def test_init_from_starts_a_fresh_run_from_an_export_a_file_or_a_location(tmp_pa
     source, source_rows, _ = _mlp_run(tmp_path / "source", 60)
     _, fresh_rows, _ = _mlp_run(tmp_path / "fresh", 1)
     export_weights(tmp_path / "source", tmp_path / "export")
+    export_weights(tmp_path / "source", tmp_path / "export", format="safetensors")
     step_file = tmp_path / "source" / "step000000060.pt"
-    for init in (tmp_path / "source", step_file, tmp_path / "export" / "model.pt"):
+    exports = [tmp_path / "export" / "model.pt", tmp_path / "export" / "model.safetensors"]
+    for init in (tmp_path / "source", step_file, *exports):
         out = tmp_path / f"tune-{init.name}"
         _, rows, start = _mlp_run(out, 2, lr=1e-4, init_from=str(init))
         _same_weights = [torch.equal(start[k], v) for k, v in source.state_dict().items()]
