@@ -304,3 +304,16 @@ def test_init_from_refuses_weights_of_another_shape_by_name(tmp_path):
                                  "init_from": str(tmp_path / "source")})  # fmt: skip
     with pytest.raises(ValueError, match="init_from_ema, but the checkpoint has no EMA shadow"):
         _mlp_run(tmp_path / "e", 1, init_from=str(tmp_path / "source"), init_from_ema=True)
+
+
+def test_compile_says_nothing_when_the_compiled_forward_ran(tmp_path, monkeypatch):
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model: real(model, backend="eager"))  # fast
+    model = _TwoParts()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        training_loop(model=model, dataset=data.regression(), step_fn=data.mse_step,
+                      optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+                      train_cfg={"max_steps": 3, "log_every": 1, "compile": True, "device": "cpu",
+                                 "out_dir": str(tmp_path)})  # fmt: skip
+    assert [str(w.message) for w in caught if "train.compile" in str(w.message)] == []
