@@ -317,3 +317,15 @@ def test_compile_says_nothing_when_the_compiled_forward_ran(tmp_path, monkeypatc
                       train_cfg={"max_steps": 3, "log_every": 1, "compile": True, "device": "cpu",
                                  "out_dir": str(tmp_path)})  # fmt: skip
     assert [str(w.message) for w in caught if "train.compile" in str(w.message)] == []
+
+
+def test_the_quick_start_example_prints_none_of_the_new_warnings(tmp_path, capsys):
+    from examples.digits import main as digits
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        digits.main([f"train.out_dir={tmp_path}", "train.max_steps=4", "train.log_every=2",
+                     "train.eval_every=0", "optim.scheduler.name=none", "--resume", "none"])  # fmt: skip
+    said = [str(w.message) for w in caught] + capsys.readouterr().err.splitlines()
+    for new in ("checkpointed optimizer", "forward never ran", "no MFU"):
+        assert not [line for line in said if new in line], new
