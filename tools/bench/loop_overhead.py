@@ -725,7 +725,7 @@ def main(argv: list[str] | None = None) -> int:
         k = figures["koochak"]
         goal = GOALS[w.name]
         met = k["best_ratio"] <= goal
-        others = [name for name in figures if name not in ("raw", "koochak")]
+        others = [name for name in figures if name not in ("raw", "koochak", "koochak-baseline")]
         below = [name for name in others if k["best_ratio"] < figures[name]["best_ratio"]]
         line = (f"goal {w.name}: koochak <= {goal:.2f}x raw (best block): "
                 f"{k['best_ratio']:.3f}x, {'met' if met else 'MISSED'}")  # fmt: skip
@@ -733,6 +733,10 @@ def main(argv: list[str] | None = None) -> int:
             line += f"; below {len(below)} of {len(others)} anchors"
             if len(below) < len(others):
                 line += " (not below: " + ", ".join(sorted(set(others) - set(below))) + ")"
+        if "koochak-baseline" in figures:  # --baseline-loop: this version against that one
+            base = figures["koochak-baseline"]
+            line += (f"; vs --baseline-loop: best {k['best_ratio']:.3f}x vs "
+                     f"{base['best_ratio']:.3f}x, median {k['ratio']:.3f}x vs {base['ratio']:.3f}x")  # fmt: skip
         print(line)
         verdicts.append({"workload": w.name, "ratio": k["best_ratio"], "median_ratio": k["ratio"],
                          "goal": goal, "met": met, "anchors": len(others),
