@@ -93,3 +93,43 @@ def test_single_process_recipes_resume_bit_identically_after_kill_9(tmp_path):
 @pytest.mark.parametrize("mode", ["train.ddp=true", "train.fsdp.enabled=true"])
 def test_the_gan_recipe_resumes_bit_identically_on_two_gloo_ranks(tmp_path, mode):
     _kill_and_resume("gan.yaml", tmp_path, mode, ranks=2)
+
+
+# The hand-written loop has no hooks: the process kills itself inside update KILL_AT's forward.
+_OWN_LOOP = """
+import os, signal, sys
+import torch.nn.functional as F
+real, calls = F.mse_loss, [0]
+def mse(*args, **kwargs):
+    calls[0] += 1
+    if os.environ.get("RECIPE_KILL_AT") and calls[0] == int(os.environ["RECIPE_KILL_AT"]) + 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(*args, **kwargs)
+F.mse_loss = mse
+from examples.recipes.own_loop import main
+main(sys.argv[1])
+"""
+
+
+@pytest.mark.slow
+def test_your_own_loop_with_koochaks_checkpoints_resumes_bit_identically_after_kill_9(tmp_path):
+    def run(out: Path, kill: bool = False) -> int:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env.pop("RECIPE_KILL_AT", None)
+        if kill:
+            env["RECIPE_KILL_AT"] = str(KILL_AT)
+        cmd = [sys.executable, "-c", _OWN_LOOP, str(out)]
+        done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == (-9 if kill else 0), done.stderr[-3000:]
+        return done.returncode
+
+    run(tmp_path / "ref")
+    run(tmp_path / "run", kill=True)
+    assert sorted(p.name for p in (tmp_path / "run").glob("step*.pt")) == [
+        "step000000004.pt", "step000000009.pt"
+    ]  # fmt: skip
+    run(tmp_path / "run")
+    _assert_same_end(tmp_path / "ref", tmp_path / "run")
+    # The replica tier got the end too, and the user's scheduler rode in user_state.
+    end = load(tmp_path / "run-replica" / "step000000040.pt")
+    assert end["user_state"]["entries"]["sched"]["last_epoch"] == 40
