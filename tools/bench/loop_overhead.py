@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import io
 import json
 import os
@@ -42,6 +43,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -176,8 +178,9 @@ def _raw_steps(model: nn.Module, opt, data) -> list[float]:
     return marks
 
 
-def run_koochak(w: Workload, data) -> list[float]:
-    from koochak.loop import training_loop
+def run_koochak(w: Workload, data, training_loop: Callable[..., Any] | None = None) -> list[float]:
+    if training_loop is None:
+        from koochak.loop import training_loop
 
     model, opt = fresh(w)
     marks: list[float] = []
@@ -418,6 +421,22 @@ CONTENDERS: dict[str, tuple[str | None, Callable[[Workload, list], list[float]]]
 }
 
 
+def add_baseline_loop(path: str) -> None:
+    """Contender ``koochak-baseline``: ``training_loop`` from another version of loop.py (e.g.
+    ``git show main:packages/koochak-loop/src/koochak/loop/loop.py > /tmp/loop.py``), imported
+    beside this one against the installed package, so a change's before and after run
+    interleaved in one process and are each compared with the same raw loop."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("koochak.loop._baseline_loop", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    CONTENDERS["koochak-baseline"] = (
+        None, functools.partial(run_koochak, training_loop=module.training_loop))  # fmt: skip
+
+
 def available() -> tuple[list[str], list[str]]:
     import importlib.util
 
@@ -599,8 +618,11 @@ def reexec_with_anchors(argv: list[str]) -> int | None:
     if all(importlib.util.find_spec(m) is not None for m in ANCHOR_MODULES):
         return None
     if os.environ.get("KOOCHAK_BENCH_ANCHORS_REEXEC"):
-        print("--anchors: the private environment still lacks " + ", ".join(
-            m for m in ANCHOR_MODULES if importlib.util.find_spec(m) is None), file=sys.stderr)
+        print(
+            "--anchors: the private environment still lacks "
+            + ", ".join(m for m in ANCHOR_MODULES if importlib.util.find_spec(m) is None),
+            file=sys.stderr,
+        )
         return 2
     env_dir = anchors_env()
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -624,11 +646,23 @@ def main(argv: list[str] | None = None) -> int:
         default=bool(os.environ.get("KOOCHAK_BENCH_FULL")),
         help="the issue's size (more steps and repeats)",
     )
+    parser.add_argument(
+        "--baseline-loop",
+        default=None,
+        metavar="LOOP_PY",
+        help="also run training_loop from this loop.py (before vs after)",
+    )
     parser.add_argument("--only", default=None, help="comma-separated contenders (raw always runs)")
-    parser.add_argument("--anchors", action="store_true",
-                        help="install Ignite, Lightning and Accelerate privately and run them too")
-    parser.add_argument("--explain", action="store_true",
-                        help="also print where koochak's remaining microseconds per update go")
+    parser.add_argument(
+        "--anchors",
+        action="store_true",
+        help="install Ignite, Lightning and Accelerate privately and run them too",
+    )
+    parser.add_argument(
+        "--explain",
+        action="store_true",
+        help="also print where koochak's remaining microseconds per update go",
+    )
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None, help="updates per run (both workloads)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
@@ -654,6 +688,8 @@ def main(argv: list[str] | None = None) -> int:
     workloads = _workloads(steps)
     if args.ddp:
         return _main_ddp(args, steps, repeats, workloads)
+    if args.baseline_loop:
+        add_baseline_loop(args.baseline_loop)
     names, missing = available()
     if args.only:
         wanted = {"raw", *args.only.split(",")}
@@ -689,7 +725,7 @@ def main(argv: list[str] | None = None) -> int:
         k = figures["koochak"]
         goal = GOALS[w.name]
         met = k["best_ratio"] <= goal
-        others = [name for name in figures if name not in ("raw", "koochak")]
+        others = [name for name in figures if name not in ("raw", "koochak", "koochak-baseline")]
         below = [name for name in others if k["best_ratio"] < figures[name]["best_ratio"]]
         line = (f"goal {w.name}: koochak <= {goal:.2f}x raw (best block): "
                 f"{k['best_ratio']:.3f}x, {'met' if met else 'MISSED'}")  # fmt: skip
@@ -697,6 +733,10 @@ def main(argv: list[str] | None = None) -> int:
             line += f"; below {len(below)} of {len(others)} anchors"
             if len(below) < len(others):
                 line += " (not below: " + ", ".join(sorted(set(others) - set(below))) + ")"
+        if "koochak-baseline" in figures:  # --baseline-loop: this version against that one
+            base = figures["koochak-baseline"]
+            line += (f"; vs --baseline-loop: best {k['best_ratio']:.3f}x vs "
+                     f"{base['best_ratio']:.3f}x, median {k['ratio']:.3f}x vs {base['ratio']:.3f}x")  # fmt: skip
         print(line)
         verdicts.append({"workload": w.name, "ratio": k["best_ratio"], "median_ratio": k["ratio"],
                          "goal": goal, "met": met, "anchors": len(others),
@@ -707,10 +747,12 @@ def main(argv: list[str] | None = None) -> int:
         rows = explain(w)
         cost = call_cost()
         calls = sum(row[1] for row in rows)
-        print(f"\nwhere koochak's remaining time per update goes ({w.name}): the Python calls it "
-              f"makes beyond the raw loop's, {calls:.1f} per update; one call costs {cost:.2f} us "
-              f"here unprofiled, so about {calls * cost:.1f} us per update. By function (calls "
-              "per update; self time under cProfile, which inflates every call, for the ranking):")
+        print(
+            f"\nwhere koochak's remaining time per update goes ({w.name}): the Python calls it "
+            f"makes beyond the raw loop's, {calls:.1f} per update; one call costs {cost:.2f} us "
+            f"here unprofiled, so about {calls * cost:.1f} us per update. By function (calls "
+            "per update; self time under cProfile, which inflates every call, for the ranking):"
+        )
         for name, n, us in rows[:12]:
             print(f"  {name:48} {n:6.2f} calls {us:7.2f} us profiled, ~{n * cost:5.2f} us")
         ops = opcodes_per_update(w)
@@ -722,9 +764,12 @@ def main(argv: list[str] | None = None) -> int:
                 by_file.setdefault(name, {})[short] = by_file.get(name, {}).get(short, 0.0) + c
         extra = {f: c - by_file["raw"].get(f, 0.0) for f, c in by_file["koochak"].items()}
         top = sorted(((f, c) for f, c in extra.items() if c >= 1), key=lambda fc: -fc[1])[:6]
-        print(f"Python bytecodes per update (deterministic): raw loop {raw_ops:.0f}, koochak "
-              f"{koochak_ops:.0f} (+{koochak_ops - raw_ops:.0f}: "
-              + ", ".join(f"{f} {c:+.0f}" for f, c in top) + ")")
+        print(
+            f"Python bytecodes per update (deterministic): raw loop {raw_ops:.0f}, koochak "
+            f"{koochak_ops:.0f} (+{koochak_ops - raw_ops:.0f}: "
+            + ", ".join(f"{f} {c:+.0f}" for f, c in top)
+            + ")"
+        )
         print("koochak's own lines, by bytecodes per update (the user's step_fn included):")
         import linecache
 

@@ -17,8 +17,9 @@ from koochak.storage.lazy_exports import lazy_exports
 if TYPE_CHECKING:
     from koochak.loop.config import ConfigError, get_section, load_config, to_container
     from koochak.loop.hooks import add, emit, fail_closed, merge, rank0_only
-    from koochak.loop.loop import StepContext, training_loop
+    from koochak.loop.loop import training_loop
     from koochak.loop.precision import Scaler, autocast_context
+    from koochak.loop.update import StepContext, micro_step, standard_update
 
 _HOME = {
     "ConfigError": "koochak.loop.config",
@@ -30,7 +31,9 @@ _HOME = {
     "fail_closed": "koochak.loop.hooks",
     "merge": "koochak.loop.hooks",
     "rank0_only": "koochak.loop.hooks",
-    "StepContext": "koochak.loop.loop",
+    "StepContext": "koochak.loop.update",
+    "micro_step": "koochak.loop.update",
+    "standard_update": "koochak.loop.update",
     "training_loop": "koochak.loop.loop",
     "Scaler": "koochak.loop.precision",
     "autocast_context": "koochak.loop.precision",
@@ -47,7 +50,9 @@ __all__ = [
     "get_section",
     "load_config",
     "merge",
+    "micro_step",
     "rank0_only",
+    "standard_update",
     "to_container",
     "training_loop",
 ]

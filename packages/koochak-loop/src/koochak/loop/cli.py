@@ -320,7 +320,11 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
     entry = get_section(cfg, "entry")
     make_model = import_entry(entry.model, "entry.model")
     make_dataset = import_entry(entry.dataset, "entry.dataset")
-    step_fn = import_entry(entry.step, "entry.step")
+    # A custom update (entry.update) may compute its losses itself and need no step_fn.
+    update = entry.get("update")  # not entry.update: a mapping's own method of that name
+    step_fn = import_entry(entry.step, "entry.step") if entry.step or not update else None
+    update_fn = import_entry(update, "entry.update") if update else None
+    make_state = import_entry(entry.state, "entry.state") if entry.state else None
     make_eval = (
         import_entry(entry.eval_dataset, "entry.eval_dataset") if entry.eval_dataset else None
     )
@@ -375,7 +379,15 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
         "resume": args.resume,
         "auto_resume_path": resume_path,
         "evacuation": evacuation,
+        **({"update_fn": update_fn} if update_fn is not None else {}),
+        # Called by training_loop once the model is on its device (and sharded).
+        **({"state": partial(_state_for, make_state, entry.state, cfg)} if make_state else {}),
     }
+
+
+def _state_for(make_state: Any, path: str, cfg: DictConfig, model: Any) -> Any:
+    """``entry.state(model, cfg)``: the stateful objects every checkpoint carries."""
+    return _build("entry.state", path, make_state, model, cfg)
 
 
 def _optimizer_for(model: Any, cfg: DictConfig) -> Any:

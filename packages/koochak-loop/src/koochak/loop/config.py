@@ -98,6 +98,8 @@ class TrainConfig:
     ddp: bool = False
     find_unused_parameters: bool = False
     compile: bool = False
+    init_from: Optional[str] = None  # export, checkpoint file or checkpoint location: weights only
+    init_from_ema: bool = False  # init_from takes the (first) EMA shadow's weights instead
     cuda_prefetch: bool = False
     progress_bar: bool = True
     strict_config: bool = True
@@ -221,6 +223,8 @@ class EntryConfig:
     model: Optional[str] = None  # module:callable returning an nn.Module
     dataset: Optional[str] = None  # module:callable returning an iterable
     step: Optional[str] = None  # module:callable, step_fn(model, batch, ctx) -> dict
+    update: Optional[str] = None  # module:callable, update_fn(batches, model, optimizer, ctx)
+    state: Optional[str] = None  # module:callable, fn(model, cfg) -> {name: stateful object}
     eval_dataset: Optional[str] = None
     eval_fn: Optional[str] = None
     optimizer: Optional[str] = None  # module:callable, fn(model, cfg) -> Optimizer
@@ -409,7 +413,9 @@ def _check_values(values: Mapping[str, Any], section: str) -> None:
         raise ConfigError(f"train.device: expected one of {DEVICE_CHOICES}, got {device!r}")
     flops = values.get("flops_per_step") if section == "train" else None
     if flops is not None and (isinstance(flops, bool) or not flops > 0):
-        raise ConfigError(f"train.flops_per_step: expected a positive number or null, got {flops!r}")
+        raise ConfigError(
+            f"train.flops_per_step: expected a positive number or null, got {flops!r}"
+        )
     for key in ("gpu_health_max_temperature_c", "gpu_health_max_kernel_seconds"):
         if section == "train" and key in values and values[key] <= 0:
             raise ConfigError(f"train.{key}: expected a positive number, got {values[key]!r}")

@@ -26,6 +26,8 @@ Hooks = dict[str, list[Hook]]
 
 EVENTS = (
     "on_train_start",
+    "on_after_backward",
+    "on_before_optimizer_step",
     "on_step_end",
     "on_log",
     "on_eval_end",

@@ -1,14 +1,17 @@
 """`training_loop`: the one function that owns the repetitive mechanics of training.
 
 It reads in the order it runs. Setup once: device -> [resume lookup] -> [shard] -> [FSDP] ->
-optimizer -> attempt record -> start hook -> compile -> [DDP] -> [restore]. Then, per update: batch -> micro-steps x grad_accum -> gradient gate
--> update (optimizer -> scaler -> [EMA] -> scheduler) -> observe (hooks, log) -> [GPU health] ->
-maybe eval -> maybe save -> [evacuate]. Finally the terminal state is packed into a resume-ready
+optimizer -> attempt record -> start hook -> compile -> [DDP] -> [restore]. Then, per update:
+batch -> micro-steps x grad_accum (``update_fn``; ``update.standard_update`` by default) ->
+gradient gate -> update (optimizer -> scaler -> [EMA] -> scheduler) -> observe (hooks, log) ->
+[GPU health] -> maybe eval -> maybe save -> [evacuate]. Finally the terminal state is packed into a resume-ready
 checkpoint, saved, and returned. Checkpoint mechanics live in the ``checkpoint`` subpackage
 (``resume`` finds the checkpoint to continue from, ``restore`` puts it back, ``saver`` captures and
 publishes, sync or async); the rest in ``evacuation``, ``health``, ``ddp`` and ``fsdp``.
 
-The user's ``step_fn(model, batch, ctx) -> {"loss": Tensor, ...}`` owns the model semantics.
+The user's ``step_fn(model, batch, ctx) -> {"loss": Tensor, ...}`` owns the model semantics;
+an ``update_fn`` (``koochak.loop.update``: its contract) may own the whole update's gradients,
+and ``state`` adds the user's own stateful objects to every checkpoint.
 Every optional behaviour is a helper call or a hook. On the ordinary path the loop adds no
 device->host synchronisation at all, except one scalar per step when clipping is on and one
 batched read of the logged scalars on logging steps.
@@ -24,7 +27,6 @@ import time
 import warnings
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from itertools import chain, repeat
 from typing import Any
 
@@ -40,9 +42,9 @@ from koochak.loop.device import get_device, get_lr
 from koochak.loop.elastic import elastic_cursor
 from koochak.loop.ema import ModelEma, make_model_ema
 from koochak.loop.evacuation import Evacuated, EvacuationController, make_evacuation
-from koochak.loop.gradients import GradReader, apply_gate, check_finite, total_norm
 from koochak.loop.health import GpuHealthWatchdog, GpuUnhealthy, make_gpu_health
 from koochak.loop.hooks import StopTraining, emit, merge
+from koochak.loop.init_from import apply_init_weights, load_init_weights
 from koochak.loop.metric_reduction import CountedBatches, reduce_eval, reduce_logged
 from koochak.loop.precision import Scaler, autocast_factory
 from koochak.loop.prefetch import cuda_prefetch
@@ -56,34 +58,25 @@ from koochak.loop.resume_config import (
 from koochak.loop.run_lease import check_held, claim_run
 from koochak.loop.state_dicts import match_state_dict_to_model, unwrap_model
 from koochak.loop.throughput import make_throughput_hooks
+from koochak.loop.update import (
+    DataEnd,
+    GradientGate,
+    StepContext,
+    UpdateFn,
+    bind_update,
+    standard_update,
+    to_host,
+)
+from koochak.loop.user_state import StateArg, resolve_state, untracked_parameters
 
 _NULL = contextlib.nullcontext()
-_END = object()
-
-
-@dataclass
-class StepContext:
-    """What ``step_fn`` and ``eval_fn`` receive as ``ctx`` (attribute or ``ctx["key"]`` access)."""
-
-    device: torch.device
-    rank: int
-    world_size: int
-    autocast: Callable[[], AbstractContextManager[Any]]  # ctx.autocast() -> a fresh context
-    scaler: Scaler
-    config_json: Mapping[str, Any] | None
-    train_cfg: dict[str, Any]
-    step: int = 0  # zero-based index of the update being computed
-    micro_step: int = 0  # index within the grad_accum micro-batches of this update
-
-    def __getitem__(self, key: str) -> Any:
-        return getattr(self, key)
 
 
 def training_loop(
     *,
     model: torch.nn.Module,
     dataset: Iterable[Any],
-    step_fn: Callable[[torch.nn.Module, Any, StepContext], Mapping[str, Any]],
+    step_fn: Callable[[torch.nn.Module, Any, StepContext], Mapping[str, Any]] | None = None,
     optimizer: torch.optim.Optimizer | Callable[[torch.nn.Module], torch.optim.Optimizer],
     scheduler: Any = None,
     train_cfg: Mapping[str, Any] | TrainConfig,
@@ -97,6 +90,8 @@ def training_loop(
     auto_resume_path: str | None = None,
     evacuation: bool | EvacuationController | None = None,
     gpu_health: GpuHealthWatchdog | None = None,
+    update_fn: UpdateFn = standard_update,
+    state: StateArg = None,
 ) -> dict[str, Any]:
     """Train ``model`` on ``dataset`` until ``train.max_steps`` updates or the data runs out.
 
@@ -114,8 +109,15 @@ def training_loop(
     with ``auto_resume_path``. ``evacuation`` (or ``train.evacuation_enabled``) saves a terminal
     checkpoint and exits 75 on SIGUSR1; ``gpu_health`` checks a CUDA device (exit 79 when bad).
     See docs/checkpoints.md.
+
+    ``update_fn(batches, model, optimizer, ctx) -> outputs`` computes one update's gradients
+    (default `standard_update`: the micro-steps); its contract is in ``koochak.loop.update``.
+    ``state`` (or a factory ``model -> mapping``) names further objects with ``state_dict``/
+    ``load_state_dict`` that every checkpoint carries and a resume restores (``ctx.state``).
     """
     cfg = resolve_train_config(train_cfg)
+    if step_fn is None and update_fn is standard_update:
+        raise TypeError("training_loop: step_fn is required unless a custom update_fn is given")
     hooks = merge(hooks)
     warned: set[int] = set()  # hooks that already warned once
     started = time.perf_counter()
@@ -146,10 +148,15 @@ def training_loop(
     start_step = int(checkpoint_dict["next_step"]) if checkpoint_dict else 0
     # A run a hook stopped is over: resuming it trains no further (like one that reached max_steps).
     stopped_before = checkpoint_dict is not None and checkpoint_dict.get("reason") == "stopped"
+    origin = checkpoint_dict.get("origin") if checkpoint_dict else None
+    if checkpoint_dict is None and cfg.init_from:  # a fine-tune: weights only, all else fresh
+        weights, origin = load_init_weights(cfg.init_from, ema=cfg.init_from_ema)
+        apply_init_weights(model, weights, cfg.init_from)
     raw_model = model.to(device)
     if cfg.fsdp.enabled:  # parameters become DTensor shards: build the optimizer after this
         fsdp.shard_model(raw_model, cfg.fsdp, device)
     optimizer, scheduler = _built(optimizer, scheduler, raw_model, cfg)
+    user_state = resolve_state(state, raw_model)  # a second optimizer, its scheduler, ...
     dataset, eval_dataset = ddp.shard_datasets(dataset, eval_dataset, cfg, setup)
     data_cursor = elastic_cursor(dataset, checkpoint_dict, start_step, cfg.grad_accum)
     dataset = say_if_not_resumable(dataset, rank)  # a shuffling DataLoader: one line, at start
@@ -163,6 +170,10 @@ def training_loop(
         config_json=config_json,
         train_cfg=train_dict,
         step=start_step,
+        step_fn=step_fn,
+        grad_accum=cfg.grad_accum,
+        amp=cfg.amp != "none",
+        state=user_state,
     )
     num_params = sum(p.numel() for p in raw_model.parameters())
     if rank == 0:
@@ -180,7 +191,8 @@ def training_loop(
         start_info = {"step": start_step, "max_steps": cfg.max_steps, "train_cfg": train_dict,
                       "config_json": config_json, "model": raw_model, "num_params": num_params,
                       "rank": rank, "world_size": world_size, "out_dir": cfg.out_dir,
-                      "resumed": checkpoint_dict is not None, "resume_path": resume_path}  # fmt: skip
+                      "resumed": checkpoint_dict is not None, "resume_path": resume_path,
+                      "origin": origin}  # fmt: skip
         # The attempt record every sink starts with; <out_dir>/attempts.jsonl keeps the history.
         attempt = run_history.begin_attempt(cfg.out_dir, tiers, resume_path, checkpoint_dict,
                                             start_step, cfg.max_steps, rank)  # fmt: skip
@@ -198,12 +210,14 @@ def training_loop(
         train_model = ddp.wrap_model(train_model, setup, cfg)
         ema = make_model_ema(cfg.ema, raw_model, start_step)  # one shadow per rank, no comms
         if checkpoint_dict is not None:
-            restore_training_state(checkpoint_dict, raw_model, optimizer, scheduler, scaler, ema)
+            restore_training_state(checkpoint_dict, raw_model, optimizer, scheduler, scaler, ema,
+                                   user_state, resume_path or "the checkpoint")  # fmt: skip
         raw_model.train()
         # What every checkpoint is captured from (live objects: each capture reads them anew).
         parts = {"model": raw_model, "optimizer": optimizer, "scheduler": scheduler,
                  "scaler": scaler, "ema": ema, "config": _config_of(config_json, cfg),
-                 "data": data_cursor, "run_id": run_id}  # fmt: skip
+                 "data": data_cursor, "run_id": run_id, "state": user_state,
+                 "origin": origin}  # fmt: skip
         checkpoints = make_checkpointer(
             cfg, parts, rank=rank, resumed=checkpoint_dict, started=started,
             on_checkpoint=lambda info: fire("on_checkpoint", info),
@@ -213,20 +227,28 @@ def training_loop(
 
         # Everything the per-step code needs, looked up once: an ordinary update (no logging,
         # check, eval, save or health step) then costs what a hand-written loop costs.
-        named_params = [(n, p) for n, p in raw_model.named_parameters() if p.requires_grad]
+        named_params = _stepped_params(raw_model, optimizer)  # what the gradient gate sees
+        if rank == 0:
+            _warn_untracked(untracked_parameters(raw_model, optimizer, user_state))
         grad_accum, clip, log_every = cfg.grad_accum, cfg.grad_clip, cfg.log_every
         max_steps, check_every = cfg.max_steps, cfg.nonfinite_grad_check_every
         end_step = max_steps if max_steps is not None else sys.maxsize
         if stopped_before:
             end_step = start_step  # no update runs; the terminal state is saved again
         step_scheduler = scheduler is not None and cfg.scheduler_step == "update"
-        autocast = ctx.autocast if cfg.amp != "none" else None
         scaled = scaler.enabled  # fp16 on CUDA
         step_end_hooks, log_hooks = hooks.get("on_step_end"), hooks.get("on_log")
-        no_sync = _no_sync(train_model, raw_model, cfg)  # skips all but the last micro-step's sync
+        before_step = None
+        if hooks.get("on_before_optimizer_step"):  # gradients unscaled; clipped if clipping is on
+
+            def before_step(at: int) -> None:
+                fire("on_before_optimizer_step",
+                     {"step": at, "model": raw_model, "optimizer": optimizer})  # fmt: skip
+
+        ctx.no_sync = _no_sync(train_model, raw_model, cfg)  # all but the last micro-step's sync
         # Sharded gradients: norms and finite checks are taken over every rank's shards.
         across = fsdp.ShardReduction(device) if cfg.fsdp.enabled and world_size > 1 else None
-        gradient_gate = GradientGate(named_params, scaler, optimizer, clip, across)
+        gradient_gate = GradientGate(named_params, scaler, optimizer, clip, across, before_step)
         clip_every_step = gradient_gate.every_step
         poll = checkpoints.poller()  # None when nothing can finish in the background
         # The cadences, as the index of the next update that ends one of them: ordinary updates
@@ -258,10 +280,16 @@ def training_loop(
             batches = cuda_prefetch(dataset, device, prepare_batch_fn)
         else:
             batches = _on_device(dataset, device, prepare_batch_fn)
+        if hooks.get("on_after_backward"):
+            ctx.after_backward = lambda: fire(
+                "on_after_backward",
+                {"step": ctx.step, "micro_step": ctx.micro_step, "model": raw_model},
+            )
         # One call per update, its fixed arguments bound once.
-        micro_steps = _micro_steps(
-            batches, step_fn, train_model, ctx, autocast, scaler, grad_accum, no_sync
-        )
+        run_update = bind_update(update_fn, batches, train_model, optimizer, ctx)
+        # A custom update may leave gradients outside the main optimizer (a GAN's D): zero all.
+        zero_grad = optimizer.zero_grad if update_fn is standard_update else raw_model.zero_grad
+        forward_ran = _ForwardSeen(train_model) if cfg.compile and rank == 0 else None
 
         # FSDP: free the weights eval gathered (the EMA shadow's, maybe) before training resumes.
         settle = (lambda: fsdp.reshard(raw_model)) if cfg.fsdp.enabled else None
@@ -291,11 +319,11 @@ def training_loop(
             if poll is not None:
                 poll()  # deliver a finished async publication; raise if it failed
 
-            # ---- micro-steps: autocast -> step_fn -> scaled backward, grad_accum times
+            # ---- update_fn: micro-steps (autocast -> step_fn -> scaled backward) x grad_accum
             try:
-                outputs, last_batch = micro_steps()
-            except _DataEnd:
-                optimizer.zero_grad(set_to_none=True)  # a partial update is dropped, not applied
+                outputs, last_batch = run_update()
+            except DataEnd:
+                zero_grad(set_to_none=True)  # a partial update is dropped, not applied
                 break
 
             # ---- cadences: which of log, finite check, GPU health, eval, save end this update;
@@ -325,12 +353,14 @@ def training_loop(
                 ema.update(step + 1)  # host-side decay, multi-tensor lerp: no device sync
             if step_scheduler:
                 _step_scheduler(scheduler, outputs)
-            optimizer.zero_grad(set_to_none=True)
+            zero_grad(set_to_none=True)
 
             # ---- observe: hooks; on the updates a cadence ends: log, GPU health, eval, save
             if step_end_hooks:
                 fire("on_step_end", {"step": step, "outputs": outputs})
             if due:
+                if forward_ran is not None:  # compiled: did its forward ever run? (said once)
+                    forward_ran = forward_ran.check()
                 if is_log:
                     assert host is not None
                     metrics = _log_metrics(host, gate, lr, time.perf_counter() - window_start)
@@ -379,7 +409,7 @@ def training_loop(
         if step > window_from:  # updates since the last log (so outputs is not None)
             assert outputs is not None
             window_s = time.perf_counter() - window_start
-            metrics = _log_metrics(_to_host(outputs, None), None, get_lr(optimizer), window_s)
+            metrics = _log_metrics(to_host(outputs, None), None, get_lr(optimizer), window_s)
             metrics = _add_rate(metrics, last_batch, step - window_from, grad_accum, world_size,
                                 reduce)  # fmt: skip
             emit(hooks, "on_log", {"step": step - 1, "metrics": metrics}, warned=warned)
@@ -444,176 +474,6 @@ def _prepared(
     # A loop, not map: a StopIteration escaping prepare_batch_fn is an error, not the data's end.
     for batch in dataset:
         yield prepare_batch_fn(to_device(batch, device))
-
-
-class _DataEnd(Exception):
-    """The data ran out before an update had all its micro-batches (raised by ``_micro_steps``'s
-    callable, so that an ordinary update pays no end-of-data test in the loop)."""
-
-
-def _micro_steps(
-    batches: Iterator[Any],
-    step_fn: Callable[..., Mapping[str, Any]],
-    model: torch.nn.Module,
-    ctx: StepContext,
-    autocast: Callable[[], AbstractContextManager[Any]] | None,
-    scaler: Scaler,
-    grad_accum: int,
-    no_sync: Callable[[], AbstractContextManager[Any]] | None,
-) -> Callable[[], tuple[Mapping[str, Any], Any]]:
-    """The run's per-update callable, its fixed arguments bound once: it runs one update's
-    micro-steps and returns ``(accumulated outputs, last batch)``, or raises ``_DataEnd`` when the
-    data runs out (a partly accumulated update is dropped, with a warning)."""
-    if grad_accum == 1 and autocast is None and not scaler.enabled:
-        # The common case: one batch in full precision, nothing to accumulate, scale or keep local.
-        def one_batch() -> tuple[Mapping[str, Any], Any]:
-            try:
-                batch = next(batches)
-            except StopIteration:
-                raise _DataEnd from None
-            out = step_fn(model, batch, ctx)
-            try:
-                loss = out["loss"]
-            except (KeyError, TypeError, IndexError):
-                raise _not_a_loss(out) from None
-            loss.backward()
-            return out, batch
-
-        return one_batch
-
-    def micro_steps() -> tuple[Mapping[str, Any], Any]:
-        pending: Any = None
-        batch: Any = None
-        for micro in range(grad_accum):
-            batch = next(batches, _END)
-            if batch is _END:
-                if pending is not None:
-                    warnings.warn(
-                        f"dataset ran out inside update {ctx.step}: its {micro} micro-batch(es) "
-                        f"were dropped rather than applied as a partial grad_accum={grad_accum} "
-                        "update",
-                        RuntimeWarning,
-                        stacklevel=3,
-                    )
-                raise _DataEnd
-            ctx.micro_step = micro
-            if grad_accum == 1:
-                return _micro_step(step_fn, model, batch, ctx, autocast, scaler, 1), batch
-            # Under DDP and FSDP only the last micro-step reduces gradients across ranks.
-            with no_sync() if no_sync is not None and micro < grad_accum - 1 else _NULL:
-                out = _micro_step(step_fn, model, batch, ctx, autocast, scaler, grad_accum)
-            pending = _accumulate(pending, out, grad_accum)
-        return pending, batch
-
-    return micro_steps
-
-
-def _micro_step(
-    step_fn: Callable[..., Mapping[str, Any]],
-    model: torch.nn.Module,
-    batch: Any,
-    ctx: StepContext,
-    autocast: Callable[[], AbstractContextManager[Any]] | None,
-    scaler: Scaler,
-    grad_accum: int,
-) -> Mapping[str, Any]:
-    if autocast is None:
-        out = step_fn(model, batch, ctx)
-    else:
-        with autocast():
-            out = step_fn(model, batch, ctx)
-    try:
-        loss = out["loss"]
-    except (KeyError, TypeError, IndexError):
-        raise _not_a_loss(out) from None
-    # Dividing each micro-loss by grad_accum makes k accumulated micro-batches equal one k x batch.
-    if grad_accum > 1:
-        loss = loss / grad_accum
-    (scaler.scale(loss) if scaler.enabled else loss).backward()
-    return out
-
-
-def _not_a_loss(out: Any) -> TypeError:
-    return TypeError(
-        f"step_fn must return a dict with a 'loss' tensor, got {type(out).__name__}"
-        + (f" with keys {sorted(out)}" if isinstance(out, Mapping) else "")
-    )
-
-
-def _accumulate(
-    total: dict[str, Any] | None, out: Mapping[str, Any], grad_accum: int
-) -> dict[str, Any]:
-    """Running mean of the micro-steps' scalars (detached; stays on the device)."""
-    total = {} if total is None else total
-    for key, value in out.items():
-        if isinstance(value, torch.Tensor):
-            value = value.detach()
-        if isinstance(value, (torch.Tensor, int, float)) and not isinstance(value, bool):
-            total[key] = total.get(key, 0.0) + value / grad_accum
-    return total
-
-
-class GradientGate:
-    """Unscale -> finite check -> clip, when anything needs the gradients' norm; built once.
-
-    Called on every update when clipping is on (``every_step``), otherwise only on the updates
-    that log or check. Returns the gate's metrics and, on logging steps, every logged scalar on
-    the host (read together with the norm, in one device sync). ``across`` makes the norm and
-    checks those of every rank's gradient shards together (FSDP).
-    """
-
-    def __init__(
-        self,
-        named_params: list[tuple[str, torch.nn.Parameter]],
-        scaler: Scaler,
-        optimizer: torch.optim.Optimizer,
-        clip: float | None,
-        across: Any = None,
-    ) -> None:
-        self.named_params, self.scaler, self.optimizer = named_params, scaler, optimizer
-        self.clip, self.across = clip, across
-        self.every_step = clip is not None
-        self.grads = GradReader(named_params)  # resolved once: sharded or not, one dtype or not
-
-    def __call__(
-        self, outputs: Mapping[str, Any], is_log: bool, is_check: bool, step: int
-    ) -> tuple[dict[str, float] | None, dict[str, float] | None]:
-        clip, scaler, across = self.clip, self.scaler, self.across
-        if clip is None and not is_log and not is_check:
-            return None, None
-        scaler.unscale_(self.optimizer)
-        if is_check and not scaler.enabled:  # under a GradScaler, overflow is a skip
-            check_finite(self.named_params, step, across)
-        norm = total_norm(self.grads(), across, uniform=self.grads.uniform)
-        host: dict[str, float] | None = None
-        if is_log:
-            host = _to_host(outputs, norm)
-            norm_value = host.pop("grad_norm")
-        else:
-            norm_value = norm.item()
-        gate = apply_gate(self.named_params, norm_value, max_norm=clip, step=step,
-                          allow_skip=scaler.enabled, across=across)  # fmt: skip
-        return gate, host
-
-
-def _to_host(outputs: Mapping[str, Any], norm: torch.Tensor | None) -> dict[str, float]:
-    """Every scalar of ``outputs`` (and the grad norm) as floats, with a single device read."""
-    names, tensors, host = [], [], {}
-    for key, value in outputs.items():
-        if isinstance(value, torch.Tensor):
-            if value.numel() == 1:
-                names.append(key)
-                tensors.append(value.detach().reshape(()).float())
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            host[key] = float(value)
-    if norm is not None:
-        names.append("grad_norm")
-        tensors.append(norm.reshape(()).float())
-    if tensors:
-        device = tensors[0].device
-        values = torch.stack([t.to(device) for t in tensors]).tolist()
-        host.update(zip(names, values))
-    return host
 
 
 def _periods(cfg: TrainConfig, eval_fn: Any, health: GpuHealthWatchdog | None) -> list[int]:
@@ -790,6 +650,51 @@ def _no_sync(
     if cfg.fsdp.enabled:
         return lambda: fsdp.no_gradient_sync(raw_model)
     return None
+
+
+def _stepped_params(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> list[tuple[str, torch.nn.Parameter]]:
+    """The model's trainable parameters that the main optimizer steps, by name: what the
+    gradient gate measures and clips (a custom update's other optimizers keep their own)."""
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) in stepped]
+
+
+def _warn_untracked(names: Sequence[str]) -> None:
+    if names:
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        warnings.warn(
+            f"{len(names)} parameter(s) require grad but are in no checkpointed optimizer or "
+            f"state entry: {shown}. Whatever updates them keeps state that a resume loses; pass "
+            "their optimizer in training_loop(state={...}) (koochak-train: entry.state), or set "
+            "requires_grad=False",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+class _ForwardSeen:
+    """Whether the compiled module's forward ran during the first update (``torch.compile``
+    compiles nothing when the update calls submodules directly); says so once if not."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.ran = False
+        self.handle = model.register_forward_pre_hook(self._seen)
+
+    def _seen(self, module: Any, args: Any) -> None:
+        self.ran = True
+
+    def check(self) -> None:
+        self.handle.remove()
+        if not self.ran:
+            warnings.warn(
+                "train.compile: the compiled model's forward never ran in the first update (the "
+                "step_fn/update_fn called its submodules directly), so nothing was compiled; call "
+                "model(...) itself, e.g. dispatch on an argument: model(z, 'G')",
+                UserWarning,
+                stacklevel=3,
+            )
 
 
 def _param_banner(model: torch.nn.Module, num_params: int) -> str:

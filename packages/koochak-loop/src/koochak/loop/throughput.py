@@ -97,11 +97,16 @@ def make_throughput_hooks(train_cfg: Any, world_size: int = 1) -> Hooks:
                 device_peak = peak()
                 if device_peak:
                     row["mfu"] = flops / step_time / device_peak
-            elif not state["said"] and state["counter"] is None and cfg.flops_per_step is None:
+            elif not state["said"] and cfg.flops_per_step is None:
                 state["said"] = True
-                why = "train.compile" if cfg.compile else "FSDP"
-                announce(f"no MFU in the logged rows: FLOPs are not counted under {why}; set "
-                         "train.flops_per_step (the training FLOPs of one update on one rank)")  # fmt: skip
+                if state["counter"] is None:
+                    why = "FLOPs are not counted under " + (
+                        "train.compile" if cfg.compile else "FSDP"
+                    )
+                else:  # an update that calls submodules (a GAN's model.G): nothing was counted
+                    why = "the model's own forward never ran with gradients, so nothing was counted"
+                announce(f"no MFU in the logged rows: {why}; set train.flops_per_step (the "
+                         "training FLOPs of one update on one rank)")  # fmt: skip
         info["metrics"] = row
 
     def on_end(info: dict[str, Any]) -> None:

@@ -18,6 +18,7 @@ from koochak.loop.elastic import check_elastic_state
 from koochak.loop.ema import check_ema_state
 from koochak.loop.seed import check_rng_state
 from koochak.loop.state_dicts import unwrap_model
+from koochak.loop.user_state import check_user_state
 
 CHECKPOINT_VERSION = 1
 # Numbered checkpoint names; group 1 is the number used for ordering and cursor checks.
@@ -43,6 +44,8 @@ _KNOWN_KEYS = _REQUIRED_KEYS | frozenset(
         "metrics",
         "data",
         "run_id",
+        "user_state",
+        "origin",
     }
 )
 
@@ -78,6 +81,8 @@ def build_checkpoint(
     reason: str = "periodic",
     data: Mapping[str, Any] | None = None,
     run_id: str | None = None,
+    user_state: Mapping[str, Any] | None = None,
+    origin: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Assemble a checkpoint dict.
 
@@ -87,7 +92,9 @@ def build_checkpoint(
     The tensors are the live ones (``state_dict`` shares storage); serialize at once if the values
     must be frozen. ``data`` is the elastic data cursor (``ElasticBatches.state_after``); the
     field is left out when None, so checkpoints of runs without one read as before; so is
-    ``run_id`` (the run's stable id, ``train.run_id``; docs/formats.md, "Tier marker").
+    ``run_id`` (the run's stable id, ``train.run_id``; docs/formats.md, "Tier marker"), and so
+    are ``user_state`` (`koochak.loop.user_state.capture_state`) and ``origin`` (where
+    ``train.init_from`` took the weights from: ``{"path", "sha256", "ema"}``).
     """
     if reason not in REASONS:
         raise ValueError(f"checkpoint reason must be one of {REASONS}, got {reason!r}")
@@ -118,6 +125,10 @@ def build_checkpoint(
         ckpt["data"] = dict(data)
     if run_id is not None:
         ckpt["run_id"] = str(run_id)
+    if user_state is not None:
+        ckpt["user_state"] = dict(user_state)
+    if origin is not None:
+        ckpt["origin"] = dict(origin)
     return ckpt
 
 
@@ -217,6 +228,23 @@ def check_checkpoint_format(ckpt: Any, source: str) -> None:
         check_ema_state(ckpt["ema"], source)
     if ckpt.get("data") is not None:
         check_elastic_state(ckpt["data"], source)
+    if "user_state" in ckpt:
+        check_user_state(ckpt["user_state"], source)
+    if "origin" in ckpt:
+        check_origin(ckpt["origin"], source)
+
+
+def check_origin(origin: Any, source: str) -> None:
+    """The ``origin`` field: ``{"path": str, "sha256": str, "ema": bool}`` and nothing else."""
+    if not isinstance(origin, Mapping) or set(origin) != {"path", "sha256", "ema"}:
+        raise ValueError(f"{source}: field 'origin' must be a mapping with exactly the keys "
+                         f"['ema', 'path', 'sha256'], got {_short(origin)}"
+                         + (f" with keys {sorted(map(str, origin))}" if isinstance(origin, Mapping)
+                            else ""))  # fmt: skip
+    if not isinstance(origin["path"], str) or not isinstance(origin["sha256"], str):
+        raise ValueError(f"{source}: field 'origin': 'path' and 'sha256' must be strings")
+    if not isinstance(origin["ema"], bool):
+        raise ValueError(f"{source}: field 'origin': 'ema' must be true or false")
 
 
 def _short(value: Any) -> str:

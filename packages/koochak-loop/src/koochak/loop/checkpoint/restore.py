@@ -17,6 +17,7 @@ from koochak.loop.dist import is_dtensor
 from koochak.loop.ema import ModelEma, restore_ema
 from koochak.loop.seed import rng_world_note, set_rng_state
 from koochak.loop.state_dicts import match_state_dict_to_model, unwrap_model
+from koochak.loop.user_state import restore_state
 
 log = logging.getLogger("koochak.loop.checkpoint")
 
@@ -28,8 +29,12 @@ def restore_training_state(
     scheduler: Any = None,
     scaler: Any = None,
     ema: ModelEma | None = None,
+    state: Mapping[str, Any] | None = None,
+    where: str = "the checkpoint",
 ) -> int:
-    """Load weights, optimizer, scheduler, scaler and EMA state from ``ckpt``; return ``next_step``.
+    """Load weights, optimizer, scheduler, scaler, EMA and the user's ``state`` entries from
+    ``ckpt``; return ``next_step``. ``state`` (``training_loop(state=...)``) must name exactly the
+    entries the checkpoint holds (`koochak.loop.user_state.restore_state`); None skips it.
 
     The model may be wrapped (DDP, compile) or not, or sharded with FSDP: then the global tensors
     of the checkpoint are cut into this rank's shards (the optimizer state too), so a checkpoint
@@ -40,11 +45,11 @@ def restore_training_state(
     if is_lazy(ckpt):  # chosen by resolve_sharded: read this rank's slabs (every rank at once)
         ckpt = materialize(ckpt, model, optimizer, ema)
     target = unwrap_model(model)
-    state = match_state_dict_to_model(target, ckpt["model"])
+    weights = match_state_dict_to_model(target, ckpt["model"])
     sharded = any(is_dtensor(p) for p in target.parameters())
     if sharded:
-        state = fsdp.localize(state, target.state_dict())
-    target.load_state_dict(state)
+        weights = fsdp.localize(weights, target.state_dict())
+    target.load_state_dict(weights)
     if optimizer is not None:
         if ckpt.get("optimizer") is None:
             raise ValueError("checkpoint has no 'optimizer' state but an optimizer was given")
@@ -55,6 +60,8 @@ def restore_training_state(
     if scaler is not None and ckpt.get("scaler") is not None and hasattr(scaler, "load_state_dict"):
         scaler.load_state_dict(ckpt["scaler"])
     restore_ema(ema, ckpt)  # the shadows continue, or (none saved) start from these weights
+    if state is not None:
+        restore_state(ckpt.get("user_state"), state, where)
     return int(ckpt["next_step"])
 
 

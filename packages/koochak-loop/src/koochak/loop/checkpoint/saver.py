@@ -63,6 +63,7 @@ from koochak.loop.checkpoint.tiers import (
 )
 from koochak.loop.config import TrainConfig
 from koochak.loop.seed import get_rng_state
+from koochak.loop.user_state import capture_state
 from koochak.storage import artifact
 from koochak.storage.store import Store
 
@@ -88,12 +89,15 @@ def capture_checkpoint(
     ema: Any = None,
     data: Callable[[int], Mapping[str, Any]] | None = None,
     run_id: str | None = None,
+    state: Mapping[str, Any] | None = None,
+    origin: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Build the checkpoint dict; every rank must call it (it gathers per-rank RNG states).
 
     Rank 0's dict carries every rank's RNG state in ``rng_per_rank`` and is the one published;
     the others get their own state only (what ``training_loop`` returns there). ``data`` gives
-    the elastic data cursor at ``next_step``.
+    the elastic data cursor at ``next_step``; ``state`` is the user's open state mapping
+    (``training_loop(state=...)``), ``origin`` what ``train.init_from`` loaded.
     """
     own = get_rng_state()
     states = ddp.gather_rng_states(own)
@@ -115,6 +119,8 @@ def capture_checkpoint(
         ema=ema.state_dict() if ema is not None else None,
         data=data(next_step) if data is not None else None,
         run_id=run_id,
+        user_state=capture_state(state),
+        origin=origin,
     )
     return ckpt
 
