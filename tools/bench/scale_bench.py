@@ -308,6 +308,15 @@ def _busiest(counts: list[dict[str, Any]], phases: tuple[str, ...], key: str) ->
     return max(sum(rank[p][key] for p in phases) for rank in counts)
 
 
+def _bound(bound: tuple[float, int], share: float) -> float:
+    """A Done-when bound (factor x S/N + MiB) in units of S/N."""
+    return (bound[0] * share + bound[1] * MIB) / share
+
+
+def _verdict(ok: bool) -> str:
+    return "within" if ok else "OVER"
+
+
 def report(n: int, result: dict[str, Any], reshard: dict[str, Any] | None) -> list[str]:
     lines = []
     for setup, data in result["setups"].items():
@@ -326,12 +335,61 @@ def report(n: int, result: dict[str, Any], reshard: dict[str, Any] | None) -> li
             lines.append(f"  {phase:12} read {cells[0]:6.2f}  hashed {cells[1]:6.2f}  "
                          f"written {cells[2]:6.2f}   (x S/{ranks})")  # fmt: skip
         saved = data["counts"]
-        bound = (SAVE_BOUND[0] * share + SAVE_BOUND[1] * MIB) / share
         total = [_busiest(saved, ("save", "replicate", "commit"), k) / share
                  for k in ("rchar", "hashed")]  # fmt: skip
+        bound = _bound(SAVE_BOUND, share)
         lines.append(f"  save+replicate+commit: read {total[0]:.2f}, hashed {total[1]:.2f} x S/{n}"
-                     f" (bound {bound:.2f})")  # fmt: skip
+                     f" (bound {bound:.2f}: {_verdict(max(total) <= bound)})")  # fmt: skip
+        worlds = [(n, data["resume"]["counts"])]
+        if reshard is not None:
+            worlds.append((n // 2, reshard[setup]["counts"]))
+        for ranks, counts in worlds:
+            unit = size / ranks
+            total = [_busiest(counts, ("select", "resume"), k) / unit
+                     for k in ("rchar", "hashed", "wchar")]  # fmt: skip
+            bound = _bound(RESUME_BOUND, unit)
+            lines.append(f"  select+resume on {ranks}: read {total[0]:.2f}, hashed {total[1]:.2f}, "
+                         f"written {total[2]:.2f} x S/{ranks} (bound {bound:.2f}: "
+                         f"{_verdict(max(total) <= bound)})")  # fmt: skip
     return lines
+
+
+def render(path: str) -> None:
+    """The tables of an earlier ``--json`` run (its last line), e.g. a run on older code, then
+    one markdown table of the busiest rank's read / hashed bytes (x S/N) per phase group."""
+    with open(path) as f:
+        raw = json.loads(f.read().strip().splitlines()[-1])
+    for n, run in raw.items():
+        for line in report(int(n), run["save"], run["reshard"]):
+            print(line)
+    print()
+    print("| N | first tier | save | replicate | commit | save+replicate+commit (bound) "
+          "| select+resume at N (bound) | at N/2 (bound) | non-tensor kB |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for n, run in raw.items():
+        ranks = int(n)
+        for setup, data in run["save"]["setups"].items():
+            share = data["size"] / ranks
+
+            def cell(counts: Any, phases: tuple[str, ...], unit: float) -> str:
+                read = _busiest(counts, phases, "rchar") / unit
+                hashed = _busiest(counts, phases, "hashed") / unit
+                return f"{read:.2f} / {hashed:.2f}"
+
+            row = [n, setup] + [cell(data["counts"], (p,), share)
+                                for p in ("save", "replicate", "commit")]  # fmt: skip
+            row.append(f"{cell(data['counts'], ('save', 'replicate', 'commit'), share)} "
+                       f"({_bound(SAVE_BOUND, share):.2f})")  # fmt: skip
+            row.append(f"{cell(data['resume']['counts'], ('select', 'resume'), share)} "
+                       f"({_bound(RESUME_BOUND, share):.2f})")  # fmt: skip
+            if run["reshard"] is not None:
+                half = data["size"] / (ranks // 2)
+                row.append(f"{cell(run['reshard'][setup]['counts'], ('select', 'resume'), half)} "
+                           f"({_bound(RESUME_BOUND, half):.2f})")  # fmt: skip
+            else:
+                row.append("-")
+            row.append(f"{(data['size'] - run['save']['sharded_bytes']) / 1e3:.1f}")
+            print("| " + " | ".join(str(c) for c in row) + " |")
 
 
 def main() -> None:
@@ -340,6 +398,7 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=60.0, help="checkpoint size in MB (~)")
     parser.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     parser.add_argument("--json", action="store_true", help="print the raw counters too")
+    parser.add_argument("--render", metavar="FILE", help="print the tables of an earlier --json run")
     parser.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--task", default="save", help=argparse.SUPPRESS)
     parser.add_argument("--dim", type=int, default=0, help=argparse.SUPPRESS)
@@ -347,6 +406,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.rank_main:
         return rank_main(args)
+    if args.render:
+        return render(args.render)
     # parameters + two AdamW moments, float32: 12 bytes per parameter
     dim = max(8, int((args.mb * 1e6 / 12 / LAYERS) ** 0.5) // 8 * 8)
     print(f"scale_bench: {LAYERS} Linear({dim}, {dim}) + AdamW, FSDP2 1-D, 2 ranks per node, "
