@@ -398,7 +398,9 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=60.0, help="checkpoint size in MB (~)")
     parser.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     parser.add_argument("--json", action="store_true", help="print the raw counters too")
-    parser.add_argument("--render", metavar="FILE", help="print the tables of an earlier --json run")
+    parser.add_argument(
+        "--render", metavar="FILE", help="print the tables of an earlier --json run"
+    )
     parser.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--task", default="save", help=argparse.SUPPRESS)
     parser.add_argument("--dim", type=int, default=0, help=argparse.SUPPRESS)
