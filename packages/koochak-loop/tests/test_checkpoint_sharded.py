@@ -114,13 +114,37 @@ def test_the_chosen_checkpoint_loads_into_a_fresh_sharded_model(group, tmp_path)
         assert torch.equal(value, saved["model"][key]), key
 
 
-def test_a_part_gone_after_selection_fails_the_load_naming_it(group, tmp_path):
+def test_selection_and_load_read_each_part_once(group, tmp_path, monkeypatch):
     store = LocalStore(str(tmp_path))
-    _save(store, 4)
+    saved = _save(store, 4)
+    opened, stats, real_open, real_stat = [], [], LocalStore.open, LocalStore.stat
+    monkeypatch.setattr(
+        LocalStore, "open", lambda self, key: opened.append(key) or real_open(self, key)
+    )
+    monkeypatch.setattr(
+        LocalStore, "stat", lambda self, key: stats.append(key) or real_stat(self, key)
+    )
+    found = resume_checkpoint("auto", tmp_path, sharded=True)
+    model, opt = _sharded(seed=9)
+    model.load_state_dict(materialize(found.checkpoint, model, opt)["model"])
+    parts = [key for key in opened if ".part-" in key]
+    assert sorted(parts) == sorted(set(parts)) and len(parts) == 2  # each read once, at selection
+    assert not [key for key in stats if ".part-" in key]  # and none stat'ed
+    for key, value in fsdp.full(model.state_dict()).items():
+        assert torch.equal(value, saved["model"][key]), key
+
+
+def test_a_part_gone_after_selection_is_restored_from_the_bytes_selection_verified(group, tmp_path):
+    store = LocalStore(str(tmp_path))
+    saved = _save(store, 4)
     found = resume_checkpoint("auto", tmp_path, sharded=True)
     gone = tmp_path / f"{checkpoint_name(4)}.part-00000-00001"
     gone.unlink()
-    model, opt = _sharded()
+    model, opt = _sharded(seed=9)
+    model.load_state_dict(materialize(found.checkpoint, model, opt)["model"])
+    for key, value in fsdp.full(model.state_dict()).items():
+        assert torch.equal(value, saved["model"][key]), key
+    # The verified bytes were handed over: a second load reads the store, and names the part.
     with pytest.raises(ShardedLoadError, match=f"rank 0: .*part {gone.name} is missing"):
         materialize(found.checkpoint, model, opt)
 
@@ -184,8 +208,9 @@ def test_a_stalled_part_fails_the_load_in_bounded_time_naming_it(group, tmp_path
     store = LocalStore(str(tmp_path))
     _save(store, 4)
     found = resume_checkpoint("auto", tmp_path, sharded=True)
-    stalled_part["on"] = True
     model, opt = _sharded()
+    materialize(found.checkpoint, model, opt)  # the selection's verified bytes, handed over
+    stalled_part["on"] = True  # so this second load reads the part from the store
     part = f"{checkpoint_name(4)}.part-00000-00001"
     with pytest.raises(
         ShardedLoadError, match=f"rank 0: TimeoutError: .*part {part} made no progress"
