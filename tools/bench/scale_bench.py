@@ -140,11 +140,17 @@ def digest_of(model: Any, opt: Any) -> str:
 
 
 def _replicate_own(first: Any, replica: Any, written: list[tuple[str, int, str]]) -> None:
-    """A rank's copy of its own parts into the replica, as FollowerReplicator makes it."""
+    """A rank's copy of its own parts into the replica, as FollowerReplicator makes it (and its
+    receipt, where the library has them)."""
     from koochak.storage.transfer import CopyItem, copy_objects
 
     items = [CopyItem(key, size, sha) for key, size, sha in written]
     copy_objects(first, replica, items, show_progress=False)
+    try:
+        from koochak.loop.checkpoint.part_receipt import put_receipt
+    except ImportError:  # before issue 36: the coordinator re-hashed the parts instead
+        return
+    put_receipt(replica, NAME, int(os.environ["RANK"]), written)
 
 
 def _self_replicating(nodes: list[int], node_local: bool) -> set[int]:
@@ -155,7 +161,7 @@ def _self_replicating(nodes: list[int], node_local: bool) -> set[int]:
         if not node_local:
             return set()
         return {r for r, node in enumerate(nodes) if node != nodes[0]}
-    return set(self_replicating_writers(nodes, node_local=node_local))
+    return set(self_replicating_writers(len(nodes)))
 
 
 def task_save(args: argparse.Namespace) -> dict[str, Any]:
