@@ -164,6 +164,19 @@ def _self_replicating(nodes: list[int], node_local: bool) -> set[int]:
     return set(self_replicating_writers(len(nodes)))
 
 
+def _kind(key: str) -> str:
+    """Which kind of checkpoint object ``key`` is, for the non-tensor breakdown."""
+    if key == NAME:
+        return "index"
+    if key.endswith(".ready.json"):
+        return "manifest"
+    if key.endswith("-index"):
+        return "fragments"
+    if key.endswith("part-00000-00000"):
+        return "part 0"
+    return "parts"
+
+
 def task_save(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from koochak.loop.checkpoint.saver import capture_checkpoint
@@ -214,14 +227,14 @@ def task_save(args: argparse.Namespace) -> dict[str, Any]:
 
         gathered: list[Any] = [None] * world
         torch.distributed.all_gather_object(gathered, counts)
-        size = None
+        size, kinds = None, {}
         if rank == 0:
-            size = sum(
-                os.path.getsize(os.path.join(replica.root, f))
-                for f in os.listdir(replica.root)
-                if f.startswith(NAME)
-            )
-        out["setups"][setup] = {"counts": gathered, "size": size}
+            for f in os.listdir(replica.root):
+                if f.startswith(NAME) and not f.endswith("-receipt"):
+                    kind = _kind(f)
+                    kinds[kind] = kinds.get(kind, 0) + os.path.getsize(replica.root / f)
+            size = sum(kinds.values())
+        out["setups"][setup] = {"counts": gathered, "size": size, "objects": kinds}
         # Recovery: the first tier is gone (every node's directory of it).
         torch.distributed.barrier()
         if rank == 0:
@@ -329,7 +342,13 @@ def report(n: int, result: dict[str, Any], reshard: dict[str, Any] | None) -> li
         size = data["size"]
         non_tensor = size - result["sharded_bytes"]
         share = size / n
-        lines.append(f"N={n} {setup:6} S={size / 1e6:.1f} MB  non-tensor {non_tensor / 1e3:.1f} kB")
+        kinds = ", ".join(
+            f"{kind} {nbytes / 1e3:.1f} kB"
+            for kind, nbytes in sorted(data.get("objects", {}).items())
+            if kind != "parts"
+        )
+        lines.append(f"N={n} {setup:6} S={size / 1e6:.1f} MB  non-tensor {non_tensor / 1e3:.1f} kB"
+                     f" ({kinds})")  # fmt: skip
         rows = [(p, [data["counts"]], n) for p in ("save", "replicate", "commit")]
         rows += [(p, [data["resume"]["counts"]], n) for p in ("select", "resume")]
         if reshard is not None:

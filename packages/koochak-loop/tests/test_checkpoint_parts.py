@@ -437,7 +437,8 @@ def test_index_bytes_are_deterministic_and_parse_back(tmp_path):
     "edit, message",
     [
         (lambda d: d.update(format="zip"), "field 'format'"),
-        (lambda d: d.update(version=2), "version=2; this Koochak reads version 1"),
+        (lambda d: d.update(version=3), "version=3; this Koochak reads version 1"),
+        (lambda d: d.update(version=2), "a version-2 index .a head naming per-writer fragments"),
         (lambda d: d.update(version=True), "must be the integer 1"),
         (lambda d: d.update(extra=1), "unknown field 'extra'"),
         (lambda d: d.pop("skeleton"), "missing field 'skeleton'"),

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from koochak.loop import dist
 from koochak.loop.checkpoint.format import CHECKPOINT_PATTERN, check_resume_cursor, check_rng_fields
+from koochak.loop.checkpoint.index_fragments import is_head, parse_head, read_index, writers_for
 from koochak.loop.checkpoint.layout_read import PARTS, checkpoint_of_payload, layout_of
 from koochak.loop.checkpoint.parts_index import (
     Extent,
@@ -64,16 +65,21 @@ READ_STALL_SECONDS = 120.0
 # ----------------------------------------------------------------------------- read
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class Source:
     """A checkpoint in parts being read: its store, parsed index and name for messages, and
-    the parts already read whole and verified (by number), whose bytes a slab read takes
-    instead of reading them again (the selection fills it, ``materialize`` empties it)."""
+    the parts already read whole and verified (by key), whose bytes a slab read takes instead
+    of reading them again (the selection fills it, ``materialize`` empties it).
+
+    ``complete``: for an index assembled from only some writers' fragments (version 2, what
+    this rank was predicted to restore), how to get the whole one; a slab read that needs rows
+    outside the partial index swaps it in (once) rather than read what it does not describe."""
 
     store: Store
     index: PartsIndex
     where: str
-    verified: dict[int, bytearray] = field(default_factory=dict)
+    verified: dict[str, bytearray] = field(default_factory=dict)
+    complete: Callable[[], PartsIndex] | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -104,6 +110,10 @@ def read_slabs(
     Each part read is read whole and hashed; it must match its size and SHA256 in the index
     before any of its bytes is used (ValueError naming ``source`` and the part otherwise).
     """
+    if not _covered(source.index, wanted):
+        if source.complete is None:
+            raise ValueError(f"{source.where}: the index read does not describe every row asked")
+        source.index, source.complete = source.complete(), None
     index = source.index
     out: list[torch.Tensor] = []
     targets: dict[int, list[tuple[int, int, memoryview]]] = {}
@@ -129,13 +139,31 @@ def read_slabs(
                 continue
             _add_range(targets, shard.extents, (lo - first) * row_bytes, (hi - lo) * row_bytes,
                        view[(lo - start) * row_bytes : (hi - start) * row_bytes])  # fmt: skip
-    for number in [p for p in targets if p in source.verified]:
-        kept = source.verified[number]
+    for number in [p for p in targets if index.parts[p].key in source.verified]:
+        kept = source.verified[index.parts[number].key]
         for at, length, dest in targets.pop(number):
             dest[:] = memoryview(kept)[at : at + length]
     _in_parallel(source, [(p, lambda tick, p=p, t=t: _read_part(source, p, t, tick))
                           for p, t in sorted(targets.items())], workers)  # fmt: skip
     return out
+
+
+def _covered(index: PartsIndex, wanted: Sequence[tuple[int, int, int]]) -> bool:
+    """Whether ``index``'s shards hold every row ``wanted`` asks for (a partial index may not)."""
+    for number, start, rows in wanted:
+        entry = index.tensors[number]
+        if not entry.shape or _numel(entry.shape) == 0:
+            if not entry.shards:
+                return False
+            continue
+        held = 0
+        for shard in entry.shards:
+            lo = max(start, shard.offsets[0])
+            hi = min(start + rows, shard.offsets[0] + shard.shape[0])
+            held += max(0, hi - lo)
+        if held < rows:
+            return False
+    return True
 
 
 def _add_range(
@@ -202,7 +230,7 @@ def _read_part(
         raise ValueError(f"{source.where}: part {part.key} has SHA256 {sha.hexdigest()}; the "
                          f"index says {part.sha256}")  # fmt: skip
     if whole is not None:
-        source.verified[number] = whole
+        source.verified[part.key] = whole
 
 
 def verify_parts(
@@ -328,7 +356,18 @@ def open_candidate(
     path = publication_path(store, publication)
     reader = layout_of(data)
     if reader is PARTS:  # references: each rank reads its slabs at restore
-        ckpt = open_lazy(store, parse_index(data, path, name), path, rank=rank, world=world)
+        complete = None
+        if is_head(data):  # version 2: only the fragments of the writers whose rows it restores
+            head = parse_head(data, path, name)
+            index = read_index(store, data, path, name, writers=writers_for(head, rank, world))
+            if world > 1:
+
+                def complete() -> PartsIndex:
+                    return read_index(store, data, path, name)
+
+        else:
+            index = parse_index(data, path, name)
+        ckpt = open_lazy(store, index, path, rank=rank, world=world, complete=complete)
     else:
         ckpt = reader.read(store, name, data, path)
     check_resume_cursor(ckpt, name)
@@ -337,7 +376,13 @@ def open_candidate(
 
 
 def open_lazy(
-    store: Store, index: PartsIndex, path: str, *, rank: int = 0, world: int = 1
+    store: Store,
+    index: PartsIndex,
+    path: str,
+    *,
+    rank: int = 0,
+    world: int = 1,
+    complete: Callable[[], PartsIndex] | None = None,
 ) -> dict[str, Any]:
     """The checkpoint of a parsed ``index`` with ``StoredTensor`` references for its tensors:
     the parts rank ``rank`` of ``world`` restores from (``parts_to_read``) read whole, hashed
@@ -345,7 +390,7 @@ def open_lazy(
     yet; ValueError naming a missing, short, long or damaged one), the skeleton joined, the RNG
     states read (resume must be able to restore them) and the format checked: the parts layout
     read lazily. No part is stat'ed: a part nobody reads here is checked when it is read."""
-    source = Source(store, index, path)
+    source = Source(store, index, path, complete=complete)
     verify_parts(source, parts_to_read(index, rank, world), keep=True)
     refs = [StoredTensor(source, i) for i in range(len(index.tensors))]
     payload = _join(load_skeleton(index.skeleton, path), refs, path)

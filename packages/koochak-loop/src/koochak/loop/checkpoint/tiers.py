@@ -29,6 +29,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from koochak.loop.checkpoint.index_fragments import is_head, parse_head, read_index
 from koochak.loop.checkpoint.part_receipt import read_receipt
 from koochak.loop.checkpoint.parts_index import looks_like_index, parse_index
 from koochak.loop.checkpoint.publication import unpublish_checkpoint
@@ -152,27 +153,52 @@ def checkpoint_copy_items(
 ) -> list[CopyItem]:
     """Every object of checkpoint ``name`` in ``store`` except its manifest, in commit order, as
     ``copy_objects`` items carrying the size and SHA256 its commit promises (so every copied
-    byte is verified): a one-file checkpoint is its file; one in parts is its parts, then its
-    index (the object the manifest describes).
+    byte is verified): a one-file checkpoint is its file; one in parts is its parts (and, in
+    version 2, each writer's index fragment), then its index (the object the manifest
+    describes).
 
     The index is read once and checked against the manifest before its part digests are
     trusted; ValueError when it does not match (changed or damaged since it was committed).
     """
-    parts = _committed_parts(store, name, committed)
-    last = CopyItem(name, committed.size, committed.sha256)
-    return [CopyItem(part.key, part.size, part.sha256) for part in parts] + [last]
+    local, _ = _committed_objects(store, name, committed)
+    return local + [CopyItem(name, committed.size, committed.sha256)]
 
 
-def _committed_parts(store: Store, name: str, committed: artifact.Publication) -> list[Any]:
-    """The parts (``parts_index.Part``) the committed index of ``name`` lists; [] for one
-    file. ValueError when the index does not match its manifest."""
+def _committed_objects(
+    store: Store, name: str, committed: artifact.Publication, remote: Collection[int] = ()
+) -> tuple[list[CopyItem], dict[int, list[tuple[str, int, str]]]]:
+    """``(local, expected)`` for the committed checkpoint ``name`` (nothing for one file): the
+    objects of every writer not in ``remote`` (its parts, and its fragment in version 2) as copy
+    items, and for each ``remote`` writer the ``(key, size, sha256)`` its receipt must name (its
+    parts; in version 2 just its fragment, whose digest covers its parts: no remote writer's
+    fragment is read). ValueError when the index does not match its manifest."""
     if committed.size == 0 or not looks_like_index(store.get(name, 0, 1)):
-        return []
+        return [], {}
     where = f"{store.location}/{name}"
     raw = store.get(name, 0, committed.size + 1)
     if len(raw) != committed.size or hashlib.sha256(raw).hexdigest() != committed.sha256:
         raise ValueError(f"{where}: the index does not match its ready manifest")
-    return list(parse_index(raw, where, name).parts)
+    expected: dict[int, list[tuple[str, int, str]]] = {}
+    if is_head(raw):
+        head = parse_head(raw, where, name)
+        mine = [w for w in range(head.writers) if w not in remote]
+        parts = read_index(store, raw, where, name, writers=mine).parts
+        local = []
+        for writer in mine:
+            ref = head.fragments[writer]
+            local += [CopyItem(p.key, p.size, p.sha256) for p in parts if p.writer == writer]
+            local.append(CopyItem(ref.key, ref.size, ref.sha256))
+        for writer in sorted(set(remote) & set(range(head.writers))):
+            ref = head.fragments[writer]
+            expected[writer] = [(ref.key, ref.size, ref.sha256)]
+        return local, expected
+    local = []
+    for part in parse_index(raw, where, name).parts:
+        if part.writer in remote:
+            expected.setdefault(part.writer, []).append((part.key, part.size, part.sha256))
+        else:
+            local.append(CopyItem(part.key, part.size, part.sha256))
+    return local, expected
 
 
 # How long the coordinator waits for the parts other ranks replicate themselves, and how often
@@ -223,9 +249,7 @@ def replicate_checkpoint(
     except artifact.InvalidArtifact:
         existing = None
     if existing != manifest:
-        parts = _committed_parts(source, name, committed)
-        remote = [p for p in parts if p.writer in remote_writers]
-        local = [CopyItem(p.key, p.size, p.sha256) for p in parts if p.writer not in remote_writers]
+        local, remote = _committed_objects(source, name, committed, remote_writers)
         if remote:
             artifact.unpublish(target, name)  # un-commit; other nodes' parts stay
             for item in local:
@@ -258,13 +282,12 @@ def replicate_checkpoint(
     return Replicated(publication, moved)
 
 
-def wait_for_parts(store: Store, name: str, parts: Sequence[Any], wait_s: float) -> None:
-    """Wait until, for each writer of ``parts`` (``parts_index.Part``), its receipt in ``store``
-    names exactly its parts of them (key, size, SHA256): one small read per writer, none of the
-    data. TimeoutError naming the first writer whose receipt does not, after ``wait_s``."""
-    expected: dict[int, list[tuple[str, int, str]]] = {}
-    for part in parts:
-        expected.setdefault(part.writer, []).append((part.key, part.size, part.sha256))
+def wait_for_parts(
+    store: Store, name: str, expected: Mapping[int, Sequence[tuple[str, int, str]]], wait_s: float
+) -> None:
+    """Wait until, for each writer of ``expected``, its receipt in ``store`` names each of its
+    ``(key, size, sha256)`` (its parts, or its index fragment): one small read per writer, none
+    of the data. TimeoutError naming the first writer whose receipt does not, after ``wait_s``."""
     deadline = time.monotonic() + wait_s
     pending = sorted(expected)
     delay = _REMOTE_POLL_S[0]
@@ -284,7 +307,7 @@ def wait_for_parts(store: Store, name: str, parts: Sequence[Any], wait_s: float)
 
 
 def _receipt_problem(
-    store: Store, name: str, writer: int, parts: list[tuple[str, int, str]]
+    store: Store, name: str, writer: int, parts: Sequence[tuple[str, int, str]]
 ) -> str:
     """Why ``writer``'s receipt does not (yet) vouch for ``parts``; "" when it does."""
     try:
@@ -293,7 +316,7 @@ def _receipt_problem(
         return str(exc)
     if found is None:
         return "no receipt yet"
-    if sorted(found) != sorted(parts):
+    if not set(parts) <= set(found):
         return "its receipt names other parts or digests (an older save, or one in progress)"
     return ""
 
