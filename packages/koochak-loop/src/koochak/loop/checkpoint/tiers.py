@@ -26,6 +26,7 @@ import hashlib
 import os
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -205,6 +206,8 @@ def _committed_objects(
 # it looks.
 REMOTE_PARTS_WAIT_S = 300.0
 _REMOTE_POLL_S = (0.02, 1.0)
+# Receipts read at once (one small object per writer: latency, not bandwidth, at many ranks).
+_RECEIPT_READERS = 16
 
 
 def replicate_checkpoint(
@@ -292,7 +295,13 @@ def wait_for_parts(
     pending = sorted(expected)
     delay = _REMOTE_POLL_S[0]
     while True:
-        pending = [w for w in pending if _receipt_problem(store, name, w, expected[w])]
+        with ThreadPoolExecutor(
+            max_workers=_RECEIPT_READERS, thread_name_prefix="koochak-receipt"
+        ) as pool:
+            problems = list(
+                pool.map(lambda w: _receipt_problem(store, name, w, expected[w]), pending)
+            )
+        pending = [w for w, problem in zip(pending, problems) if problem]
         if not pending:
             return
         if time.monotonic() >= deadline:
