@@ -159,12 +159,11 @@ def encode_head(
 
 
 def is_head(raw: bytes | bytearray | memoryview) -> bool:
-    """Whether an index object is a version-2 head (cheap: its version field)."""
-    try:
-        doc = json.loads(bytes(raw))
-    except ValueError:
-        return False
-    return isinstance(doc, dict) and doc.get("version") == HEAD_VERSION
+    """Whether an index object is a version-2 head, from its last bytes alone (an index is
+    written compact with its keys sorted, so it ends ``"version":V,"writers":W}``): a version-1
+    index, however large, is not parsed twice. Anything else is left to ``parse_index``, which
+    refuses a version-2 document it is handed, naming it."""
+    return f'"version":{HEAD_VERSION},"writers":'.encode() in bytes(raw[-64:])
 
 
 def parse_head(raw: bytes | bytearray | memoryview, where: str, name: str | None = None) -> Head:
