@@ -680,7 +680,7 @@ class FollowerReplicator:
                 self._busy = name
             try:
                 for tier in self.replicas:
-                    if sorted(read_receipt(tier.store, name, self.rank) or ()) == sorted(parts):
+                    if _receipt_of(tier.store, name, self.rank) == sorted(parts):
                         continue  # already there, verified (a retry, or a run started again)
                     for key, _, _ in parts:  # an older save of the same step: replaced
                         try:
@@ -735,6 +735,15 @@ class FollowerReplicator:
             with self._cond:
                 if name in self._done:
                     self._done.remove(name)
+
+
+def _receipt_of(store: Store, name: str, rank: int) -> list[tuple[str, int, str]]:
+    """The parts ``rank``'s receipt in ``store`` names (sorted); [] for none, or one that cannot
+    be read as a receipt (it is replaced with the copy)."""
+    try:
+        return sorted(read_receipt(store, name, rank) or ())
+    except ValueError:
+        return []
 
 
 def _path(store: Store, publication: artifact.Publication) -> str:
