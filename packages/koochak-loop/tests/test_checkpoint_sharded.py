@@ -329,8 +329,10 @@ def test_a_rank_reads_the_head_and_only_the_fragments_and_parts_of_its_rows(tmp_
     )
     _, ckpt = open_candidate(store, name, rank=1, world=2)  # rows 4..7: writers 2 and 3
     objects = {key.removeprefix(name) for key in opened if key.startswith(name + ".part")}
-    assert objects == {".part-00000-index", ".part-00002-index", ".part-00003-index",
-                       ".part-00000-00000", ".part-00002-00000", ".part-00003-00000"}  # fmt: skip
+    assert objects == {".part-00000-index", ".part-00001-index", ".part-00002-index",
+                       ".part-00003-index", ".part-00000-00000", ".part-00002-00000",
+                       ".part-00003-00000"}  # fmt: skip
+    assert ".part-00001-00000" not in objects  # its own fragment (its RNG state), not its part
     ref = ckpt["model"]["weight"]
     (slab,) = read_slabs(ref.source, [(ref.number, 4, 4)])
     assert torch.equal(slab, rows[4:])

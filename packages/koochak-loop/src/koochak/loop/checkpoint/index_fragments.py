@@ -20,7 +20,7 @@ import base64
 import binascii
 import json
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from koochak.loop.checkpoint.parts_index import (
@@ -45,6 +45,7 @@ _HEAD_KEYS = frozenset({"format", "version", "name", "writers", "tensors", "frag
 _HEAD_TENSOR_KEYS = frozenset({"dtype", "shape", "split"})
 _REF_KEYS = frozenset({"key", "writer", "size", "sha256", "parts"})
 _FRAGMENT_KEYS = frozenset({"format", "version", "name", "writer", "parts", "whole", "slabs"})
+_FRAGMENT_OPTIONAL = frozenset({"rng"})
 _FRAGMENT_PART_KEYS = frozenset({"key", "size", "sha256"})
 _FRAGMENT_TENSOR_KEYS = frozenset({"tensor", "extents"})
 _EXTENT_KEYS = frozenset({"part", "offset", "length"})
@@ -95,13 +96,19 @@ Runs = Sequence[tuple[int, Sequence[tuple[int, int, int]]]]
 
 
 def encode_fragment(
-    name: str, writer: int, parts: Sequence[tuple[str, int, str]], whole: Runs, slabs: Runs
+    name: str,
+    writer: int,
+    parts: Sequence[tuple[str, int, str]],
+    whole: Runs,
+    slabs: Runs,
+    rng: bytes | None = None,
 ) -> bytes:
     """Writer ``writer``'s fragment: its ``parts`` ``(key, size, sha256)`` in number order, and
     where its bytes of each tensor lie, as ``(number, extents as (part, offset, length))``
     (``part`` counting within this writer's parts): ``whole``, by the head's tensor number, the
     tensors writer 0 holds whole; ``slabs``, by ``k`` (the head's ``k``-th tensor split by
-    rows), this writer's rows of each."""
+    rows), this writer's rows of each. ``rng``: the writer's own RNG state (a weights-only
+    ``torch.save`` of it), so no rank reads another's to resume."""
 
     def runs(items: Runs) -> list[dict[str, Any]]:
         return [
@@ -109,17 +116,18 @@ def encode_fragment(
             for n, ext in items
         ]
 
-    return _dumps(
-        {
-            "format": FRAGMENT_FORMAT,
-            "version": FRAGMENT_VERSION,
-            "name": name,
-            "writer": writer,
-            "parts": [{"key": k, "size": n, "sha256": sha} for k, n, sha in parts],
-            "whole": runs(whole),
-            "slabs": runs(slabs),
-        }
-    )
+    doc: dict[str, Any] = {
+        "format": FRAGMENT_FORMAT,
+        "version": FRAGMENT_VERSION,
+        "name": name,
+        "writer": writer,
+        "parts": [{"key": k, "size": n, "sha256": sha} for k, n, sha in parts],
+        "whole": runs(whole),
+        "slabs": runs(slabs),
+    }
+    if rng is not None:
+        doc["rng"] = base64.b64encode(rng).decode("ascii")
+    return _dumps(doc)
 
 
 def encode_head(
@@ -237,11 +245,11 @@ def head_object_keys(head: Head) -> list[str]:
 
 def writers_for(head: Head, rank: int, world: int) -> list[int]:
     """The writers whose fragments rank ``rank`` of ``world`` reads to restore its rows of each
-    tensor split by rows (FSDP2's ``Shard(0)`` on ``world`` ranks), and writer 0 (the tensors
-    held whole); every writer on one process."""
+    tensor split by rows (FSDP2's ``Shard(0)`` on ``world`` ranks), writer 0 (the tensors held
+    whole) and writer ``rank`` (its own RNG state); every writer on one process."""
     if world <= 1:
         return list(range(head.writers))
-    wanted = {0}
+    wanted = {0} | ({rank} if rank < head.writers else set())  # its own RNG state
     for _, shape, split in head.tensors:
         if split != "rows":
             continue
@@ -302,13 +310,19 @@ def assemble(
     parts: list[dict[str, Any]] = []
     shards: list[list[dict[str, Any]]] = [[] for _ in head.tensors]
     split_rows = [i for i, (_, _, split) in enumerate(head.tensors) if split == "rows"]
+    rng: list[bytes | None] = [None] * head.writers
     for writer in sorted(fragments):
         at = f"{where}: fragment {fragment_key(head.name, writer)}"
         doc = loads_strict(fragments[writer], at)
         if not isinstance(doc, dict) or doc.get("format") != FRAGMENT_FORMAT:
             raise ValueError(f"{at}: field 'format' must be {FRAGMENT_FORMAT!r}")
         require_version(doc, at, FRAGMENT_VERSION)
-        check_fields(doc, at, _FRAGMENT_KEYS)
+        check_fields(doc, at, _FRAGMENT_KEYS, _FRAGMENT_OPTIONAL)
+        if doc.get("rng") is not None:
+            try:
+                rng[writer] = base64.b64decode(str(doc["rng"]).encode("ascii"), validate=True)
+            except (binascii.Error, UnicodeEncodeError):
+                raise ValueError(f"{at}: field 'rng' is not valid base64") from None
         if doc["name"] != head.name or doc["writer"] != writer:
             raise ValueError(f"{at}: fields 'name' and 'writer' must be {head.name!r}, {writer}")
         mine = doc["parts"]
@@ -371,4 +385,5 @@ def assemble(
         ],
         "skeleton": base64.b64encode(head.skeleton).decode("ascii"),
     }
-    return index_of_doc(doc, where, head.name, partial=partial)
+    index = index_of_doc(doc, where, head.name, partial=partial)
+    return replace(index, rng=tuple(rng))

@@ -150,6 +150,10 @@ class PartsIndex:
     parts: tuple[Part, ...]
     tensors: tuple[TensorEntry, ...]
     skeleton: bytes
+    # Version 2: each writer's own RNG state as its fragment carries it (a weights-only
+    # ``torch.save`` of the state), by writer; None for a writer whose fragment was not read or
+    # holds none. Empty for version 1 (every rank's state is in the skeleton).
+    rng: tuple[bytes | None, ...] = ()
 
     @property
     def size(self) -> int:

@@ -36,7 +36,7 @@ from koochak.loop.checkpoint.parts_index import (
 )
 from koochak.loop.checkpoint.parts_io import host_tensor, write_parts
 from koochak.loop.checkpoint.parts_plan import resolve_parts
-from koochak.loop.checkpoint.parts_tree import dtype_name
+from koochak.loop.checkpoint.parts_tree import dtype_name, skeleton_bytes
 from koochak.loop.checkpoint.publication import publish, unpublish_checkpoint
 from koochak.loop.checkpoint.serialization import encode_index, split_checkpoint
 from koochak.loop.dist import is_dtensor, local_tensor, placed_like
@@ -214,10 +214,16 @@ def _write_and_commit(
     split, numbers, leaves = None, {}, []
     try:
         leaves = dtensor_leaves(ckpt)
-        split, numbers = _split_rank0(ckpt, leaves) if rank == 0 else (None, {})
+        regular = _regular(leaves, dist.get_world_size())
+        source = ckpt
+        if regular and rank == 0 and ckpt.get("rng_per_rank") is not None:
+            # Each rank's RNG state rides in its own fragment: the head carries none of them.
+            source = {**ckpt, "rng_per_rank": None}
+        split, numbers = _split_rank0(source, leaves) if rank == 0 else (None, {})
         report = _write_mine(store, name, split, numbers, leaves, parts, workers)
-        if _regular(leaves, dist.get_world_size()):
-            report = _write_fragment(store, name, report)
+        if regular:
+            own = ckpt.get("rng") if dist.get_world_size() > 1 else None
+            report = _write_fragment(store, name, report, own)
     except Exception as exc:
         report = _Report((), (), (), _message(exc))
     if written is not None:
@@ -309,9 +315,9 @@ def _write_mine(
     return _Report(tuple(path for path, _ in leaves), tuple(out_parts), tuple(shards))
 
 
-def _write_fragment(store: Store, name: str, report: _Report) -> _Report:
-    """Put this rank's index fragment (its parts and where its bytes of each tensor lie) and
-    return the compact report that names it instead."""
+def _write_fragment(store: Store, name: str, report: _Report, rng: Any = None) -> _Report:
+    """Put this rank's index fragment (its parts, where its bytes of each tensor lie, and its
+    RNG state ``rng``, if any) and return the compact report that names it instead."""
     import hashlib
 
     from koochak.loop.checkpoint.index_fragments import FragmentRef, encode_fragment, fragment_key
@@ -319,7 +325,8 @@ def _write_fragment(store: Store, name: str, report: _Report) -> _Report:
     rank = dist.get_rank()
     whole = [(n, ext) for n, _, _, ext in report.shards if n >= 0]
     slabs = [(-1 - n, ext) for n, _, _, ext in report.shards if n < 0]
-    raw = encode_fragment(name, rank, report.parts, whole, slabs)
+    state = skeleton_bytes(rng) if rng is not None else None
+    raw = encode_fragment(name, rank, report.parts, whole, slabs, state)
     key = fragment_key(name, rank)
     info = store.put(key, raw)
     sha = info.sha256 or hashlib.sha256(raw).hexdigest()

@@ -35,7 +35,12 @@ import torch
 from koochak.loop import dist
 from koochak.loop.checkpoint.format import CHECKPOINT_PATTERN, check_resume_cursor, check_rng_fields
 from koochak.loop.checkpoint.index_fragments import is_head, parse_head, read_index, writers_for
-from koochak.loop.checkpoint.layout_read import PARTS, checkpoint_of_payload, layout_of
+from koochak.loop.checkpoint.layout_read import (
+    PARTS,
+    checkpoint_of_payload,
+    layout_of,
+    with_fragment_rng,
+)
 from koochak.loop.checkpoint.parts_index import (
     Extent,
     PartsIndex,
@@ -393,7 +398,7 @@ def open_lazy(
     source = Source(store, index, path, complete=complete)
     verify_parts(source, parts_to_read(index, rank, world), keep=True)
     refs = [StoredTensor(source, i) for i in range(len(index.tensors))]
-    payload = _join(load_skeleton(index.skeleton, path), refs, path)
+    payload = with_fragment_rng(_join(load_skeleton(index.skeleton, path), refs, path), index, path)
     for key in ("rng", "rng_per_rank"):  # small, and resume must be able to restore them
         if payload.get(key) is not None:
             payload[key] = _read_all(payload[key])
