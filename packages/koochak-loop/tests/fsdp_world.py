@@ -266,7 +266,9 @@ def diff(a, b, path: str) -> list[str]:
 
 def damaged(out: str) -> None:
     """A checkpoint with a damaged part is passed over for the older one; a part that goes
-    missing after selection fails the load on every rank, naming it."""
+    missing after selection is not read again (the load restores the bytes the selection
+    verified), and a second load of the same selection, which reads the store, fails on every
+    rank naming it."""
     import shutil
 
     from koochak.loop.checkpoint import checkpoint_name
@@ -293,10 +295,11 @@ def damaged(out: str) -> None:
     from koochak.loop.config import FsdpConfig
 
     fsdp.shard_model(model, FsdpConfig(shard_modules=["Block"]), torch.device("cpu"))
+    first = _restore_error(chosen.checkpoint, model)
     error = _restore_error(chosen.checkpoint, model)
     stalled = _stalled_on_rank_1(out, model)
     with open(os.path.join(out, f"damaged.{rank()}.json"), "w") as f:
-        json.dump({"chosen": chosen.path, "error": error, "stalled": stalled}, f)
+        json.dump({"chosen": chosen.path, "first": first, "error": error, "stalled": stalled}, f)
 
 
 def _restore_error(checkpoint: dict, model: nn.Module) -> str | None:
@@ -310,8 +313,9 @@ def _restore_error(checkpoint: dict, model: nn.Module) -> str | None:
 
 
 def _stalled_on_rank_1(out: str, model: nn.Module) -> str | None:
-    """Rank 1's read of its own part (one rank 0 never reads) delivers nothing: every rank must
-    still fail, naming that part, once the stall bound passes (lowered to 1 s here)."""
+    """Rank 1's read of its own part (one rank 0 never reads) delivers nothing in a second load
+    of a selection (the first took the bytes the selection verified): every rank must still
+    fail, naming that part, once the stall bound passes (lowered to 1 s here)."""
     import io
     import threading
 
@@ -321,6 +325,7 @@ def _stalled_on_rank_1(out: str, model: nn.Module) -> str | None:
 
     location = only(out, "save2", SAVE_AT, "stalled.ckpt")
     found = resume_checkpoint("auto", location, sharded=True)
+    _restore_error(found.checkpoint, model)
     release, real_open = threading.Event(), LocalStore.open
 
     class Hung(io.RawIOBase):
@@ -401,7 +406,7 @@ def scenario(out: str, what: str) -> None:
             checkpoint_async=True)  # fmt: skip
     elif what.startswith("tierscut"):  # tierscut<S>: resume tiers<S>'s step from the durable tier
         os.environ["KOOCHAK_NODE_INDEX"] = str(rank())
-        source, name = what[len("tierscut") :], f"tierscut{what[len('tierscut'):]}to{w}"
+        source, name = what[len("tierscut") :], f"tierscut{what[len('tierscut') :]}to{w}"
         durable = only(out, os.path.join(f"tiers{source}", "durable"), SAVE_AT,
                        os.path.join(name, "durable"))  # fmt: skip
         # No first tier at all: every node's directory is gone.

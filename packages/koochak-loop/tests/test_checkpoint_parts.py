@@ -437,7 +437,8 @@ def test_index_bytes_are_deterministic_and_parse_back(tmp_path):
     "edit, message",
     [
         (lambda d: d.update(format="zip"), "field 'format'"),
-        (lambda d: d.update(version=2), "version=2; this Koochak reads version 1"),
+        (lambda d: d.update(version=3), "version=3; this Koochak reads version 1"),
+        (lambda d: d.update(version=2), "a version-2 index .a head naming per-writer fragments"),
         (lambda d: d.update(version=True), "must be the integer 1"),
         (lambda d: d.update(extra=1), "unknown field 'extra'"),
         (lambda d: d.pop("skeleton"), "missing field 'skeleton'"),
@@ -578,3 +579,27 @@ def test_skeleton_field_is_the_weights_only_payload(tmp_path):
     skeleton = load_skeleton(base64.b64decode(doc["skeleton"]), "ck")
     assert skeleton["big"] == (TENSOR_TAG, 0) and skeleton["version"] == 1
     assert os.path.exists(tmp_path / NAME)
+
+
+def test_one_process_reads_and_writes_many_parts_on_a_bounded_pool(tmp_path, monkeypatch):
+    import concurrent.futures
+
+    import koochak.loop.checkpoint.parts_io as parts_io
+    import koochak.loop.checkpoint.verified_read as verified_read
+    from koochak.loop.checkpoint import build_checkpoint, load, save
+
+    pools = []
+
+    class Recorded(concurrent.futures.ThreadPoolExecutor):
+        def __init__(self, max_workers=None, **kwargs):
+            pools.append(max_workers)
+            super().__init__(max_workers=max_workers, **kwargs)
+
+    monkeypatch.setattr(parts_io, "ThreadPoolExecutor", Recorded)
+    monkeypatch.setattr(verified_read, "ThreadPoolExecutor", Recorded)
+    model = torch.nn.Linear(64, 64)
+    save(build_checkpoint(step=1, next_step=2, model=model), LocalStore(tmp_path), parts=40)
+    assert len([n for n in os.listdir(tmp_path) if ".part-" in n]) == 40
+    loaded = load(tmp_path / "step000000001.pt")
+    assert torch.equal(loaded["model"]["weight"], model.weight.detach())
+    assert pools and max(pools) <= parts_io.MAX_PART_THREADS < 40

@@ -12,7 +12,7 @@ import pytest
 import torch
 from koochak.loop import fsdp
 from koochak.loop.checkpoint import build_checkpoint, checkpoint_name, load
-from koochak.loop.checkpoint.parts_index import parse_index
+from koochak.loop.checkpoint.index_fragments import is_head, parse_head, read_index
 from koochak.loop.checkpoint.resume import resume_checkpoint
 from koochak.loop.checkpoint.sharded import ShardedLoadError, save_sharded
 from koochak.loop.checkpoint.sharded_read import Source, materialize, read_slabs
@@ -62,7 +62,9 @@ def test_every_rank_writes_parts_and_the_index_says_where_every_shard_lies(group
     store = LocalStore(str(tmp_path / "ckpt"))
     saved = _save(store, 5)
     name = checkpoint_name(5)
-    index = parse_index(store.get(name), name, name)
+    assert is_head(store.get(name))  # version 2: a head naming each writer's fragment
+    assert parse_head(store.get(name), name, name).fragments[0].key == f"{name}.part-00000-index"
+    index = read_index(store, store.get(name), name, name)
     assert index.writers == 1
     assert [p.key for p in index.parts] == [f"{name}.part-00000-00000", f"{name}.part-00000-00001"]
     loaded = load(tmp_path / "ckpt" / name)  # one process reads it whole
@@ -76,7 +78,7 @@ def test_slab_reads_are_exact_rows_of_the_global_tensors(group, tmp_path):
     store = LocalStore(str(tmp_path))
     saved = _save(store, 1)
     name = checkpoint_name(1)
-    source = Source(store, parse_index(store.get(name), name, name), name)
+    source = Source(store, read_index(store, store.get(name), name, name), name)
     full = load(tmp_path / name)
     from koochak.loop.checkpoint.parts_tree import load_skeleton
 
@@ -114,13 +116,37 @@ def test_the_chosen_checkpoint_loads_into_a_fresh_sharded_model(group, tmp_path)
         assert torch.equal(value, saved["model"][key]), key
 
 
-def test_a_part_gone_after_selection_fails_the_load_naming_it(group, tmp_path):
+def test_selection_and_load_read_each_part_once(group, tmp_path, monkeypatch):
     store = LocalStore(str(tmp_path))
-    _save(store, 4)
+    saved = _save(store, 4)
+    opened, stats, real_open, real_stat = [], [], LocalStore.open, LocalStore.stat
+    monkeypatch.setattr(
+        LocalStore, "open", lambda self, key: opened.append(key) or real_open(self, key)
+    )
+    monkeypatch.setattr(
+        LocalStore, "stat", lambda self, key: stats.append(key) or real_stat(self, key)
+    )
+    found = resume_checkpoint("auto", tmp_path, sharded=True)
+    model, opt = _sharded(seed=9)
+    model.load_state_dict(materialize(found.checkpoint, model, opt)["model"])
+    parts = [key for key in opened if ".part-" in key]
+    assert sorted(parts) == sorted(set(parts)) and len(parts) == 2  # each read once, at selection
+    assert not [key for key in stats if ".part-" in key]  # and none stat'ed
+    for key, value in fsdp.full(model.state_dict()).items():
+        assert torch.equal(value, saved["model"][key]), key
+
+
+def test_a_part_gone_after_selection_is_restored_from_the_bytes_selection_verified(group, tmp_path):
+    store = LocalStore(str(tmp_path))
+    saved = _save(store, 4)
     found = resume_checkpoint("auto", tmp_path, sharded=True)
     gone = tmp_path / f"{checkpoint_name(4)}.part-00000-00001"
     gone.unlink()
-    model, opt = _sharded()
+    model, opt = _sharded(seed=9)
+    model.load_state_dict(materialize(found.checkpoint, model, opt)["model"])
+    for key, value in fsdp.full(model.state_dict()).items():
+        assert torch.equal(value, saved["model"][key]), key
+    # The verified bytes were handed over: a second load reads the store, and names the part.
     with pytest.raises(ShardedLoadError, match=f"rank 0: .*part {gone.name} is missing"):
         materialize(found.checkpoint, model, opt)
 
@@ -130,7 +156,7 @@ def test_a_failed_save_leaves_nothing_committed(group, tmp_path, monkeypatch):
 
     store = LocalStore(str(tmp_path))
     monkeypatch.setattr(
-        sharded, "encode_index", lambda index: (_ for _ in ()).throw(OSError(28, "No space left"))
+        sharded, "publish", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left"))
     )
     with pytest.raises(RuntimeError, match="step000000002.pt was not saved: OSError"):
         _save(store, 2)
@@ -184,8 +210,9 @@ def test_a_stalled_part_fails_the_load_in_bounded_time_naming_it(group, tmp_path
     store = LocalStore(str(tmp_path))
     _save(store, 4)
     found = resume_checkpoint("auto", tmp_path, sharded=True)
-    stalled_part["on"] = True
     model, opt = _sharded()
+    materialize(found.checkpoint, model, opt)  # the selection's verified bytes, handed over
+    stalled_part["on"] = True  # so this second load reads the part from the store
     part = f"{checkpoint_name(4)}.part-00000-00001"
     with pytest.raises(
         ShardedLoadError, match=f"rank 0: TimeoutError: .*part {part} made no progress"
@@ -239,3 +266,76 @@ def test_a_sharded_save_never_deletes_what_a_live_publisher_of_its_name_wrote(gr
         assert store.get(f"{name}.part-00000-00000") == b"the other publisher's bytes"
     _save(store, 3)  # once it is gone the name is free again (its leftover part is cleared)
     assert artifact.read_manifest(store, name) is not None
+
+
+def test_a_version_1_sharded_checkpoint_still_selects_and_loads(group, tmp_path, monkeypatch):
+    import koochak.loop.checkpoint.sharded as sharded
+
+    store = LocalStore(str(tmp_path))
+    monkeypatch.setattr(sharded, "_regular", lambda leaves, world: False)  # the old writer
+    saved = _save(store, 4)
+    monkeypatch.undo()
+    raw = store.get(checkpoint_name(4))
+    assert json.loads(raw)["version"] == 1 and not is_head(raw)
+    found = resume_checkpoint("auto", tmp_path, sharded=True)
+    model, opt = _sharded(seed=9)
+    model.load_state_dict(materialize(found.checkpoint, model, opt)["model"])
+    for key, value in fsdp.full(model.state_dict()).items():
+        assert torch.equal(value, saved["model"][key]), key
+    assert torch.equal(load(tmp_path / checkpoint_name(4))["model"]["0.fc.weight"],
+                       saved["model"]["0.fc.weight"])  # fmt: skip
+
+
+def _four_writers(root):
+    """A committed version-2 checkpoint of 4 writers, each holding 2 rows of one (8, 4) tensor
+    and no tensor whole; (store, name, rows). Writer 0's part 0 is where a save keeps the
+    tensors every rank restores whole, so every rank reads it."""
+    from koochak.loop.checkpoint.index_fragments import (
+        FragmentRef,
+        encode_fragment,
+        encode_head,
+        fragment_key,
+    )
+    from koochak.loop.checkpoint.parts_index import part_key
+    from koochak.loop.checkpoint.parts_tree import TENSOR_TAG, skeleton_bytes
+    from koochak.loop.checkpoint.publication import publish
+
+    store, name = LocalStore(str(root)), checkpoint_name(7)
+    rows = torch.arange(32, dtype=torch.float32).reshape(8, 4)
+    refs = []
+    for writer in range(4):
+        raw = rows[2 * writer : 2 * writer + 2].numpy().tobytes()
+        sha = store.put(part_key(name, writer, 0), raw).sha256
+        fragment = encode_fragment(name, writer, [(part_key(name, writer, 0), len(raw), sha)],
+                                   [], [(0, [(0, 0, len(raw))])])  # fmt: skip
+        info = store.put(fragment_key(name, writer), fragment)
+        refs.append(FragmentRef(fragment_key(name, writer), writer, len(fragment), info.sha256, 1))
+    ckpt = build_checkpoint(step=7, next_step=8, model=torch.nn.Linear(4, 8, bias=False))
+    skeleton = skeleton_bytes({**ckpt, "model": {"weight": (TENSOR_TAG, 0)}})
+    publish(store, name, encode_head(name, 4, [("float32", (8, 4), "rows")], refs, skeleton))
+    return store, name, rows
+
+
+def test_a_rank_reads_the_head_and_only_the_fragments_and_parts_of_its_rows(tmp_path, monkeypatch):
+    from koochak.loop.checkpoint.sharded_read import open_candidate
+
+    store, name, rows = _four_writers(tmp_path)
+    opened, real_get, real_open = [], LocalStore.get, LocalStore.open
+    monkeypatch.setattr(
+        LocalStore, "get", lambda self, key, *a: opened.append(key) or real_get(self, key, *a)
+    )
+    monkeypatch.setattr(
+        LocalStore, "open", lambda self, key: opened.append(key) or real_open(self, key)
+    )
+    _, ckpt = open_candidate(store, name, rank=1, world=2)  # rows 4..7: writers 2 and 3
+    objects = {key.removeprefix(name) for key in opened if key.startswith(name + ".part")}
+    assert objects == {".part-00000-index", ".part-00001-index", ".part-00002-index",
+                       ".part-00003-index", ".part-00000-00000", ".part-00002-00000",
+                       ".part-00003-00000"}  # fmt: skip
+    assert ".part-00001-00000" not in objects  # its own fragment (its RNG state), not its part
+    ref = ckpt["model"]["weight"]
+    (slab,) = read_slabs(ref.source, [(ref.number, 4, 4)])
+    assert torch.equal(slab, rows[4:])
+    (whole,) = read_slabs(ref.source, [(ref.number, 0, 8)])  # beyond its fragments: all read
+    assert torch.equal(whole, rows)
+    assert load(store, name)["model"]["weight"].equal(rows)  # one process: every fragment

@@ -193,7 +193,9 @@ def test_a_checkpoint_with_a_damaged_part_is_never_selected(out):
 def test_a_load_that_cannot_complete_fails_on_every_rank_naming_the_part(out):
     part = f"step{world.SAVE_AT:09d}.pt.part-00001-00000"
     for rank in (0, 1):
-        error = json.loads((out / f"damaged.{rank}.json").read_text())["error"]
+        found = json.loads((out / f"damaged.{rank}.json").read_text())
+        assert found["first"] is None  # the selection's verified bytes: the part is not read again
+        error = found["error"]  # a second load reads the store
         assert error.startswith("ShardedLoadError") and f"part {part} is missing" in error
 
 
@@ -291,3 +293,18 @@ def test_compiled_fsdp_trains_like_eager(out):
     compiled = [e for e in _seen(out, "compile")[0]["logs"] if "loss" in e]
     eager = [e for e in _seen(out, "save2")[0]["logs"] if "loss" in e][: len(compiled)]
     assert [round(e["loss"], 4) for e in compiled] == [round(e["loss"], 4) for e in eager]
+
+
+def test_each_ranks_rng_state_rides_in_its_own_fragment_not_the_head(out):
+    from koochak.loop.checkpoint import load
+    from koochak.loop.checkpoint.index_fragments import parse_head
+    from koochak.loop.checkpoint.parts_tree import load_skeleton
+
+    name = f"step{world.SAVE_AT:09d}.pt"
+    head = parse_head((out / "save2" / name).read_bytes(), name, name)
+    assert load_skeleton(head.skeleton, name)["rng_per_rank"] is None  # the head holds none
+    for writer in (0, 1):
+        fragment = json.loads((out / "save2" / f"{name}.part-{writer:05d}-index").read_text())
+        assert fragment["rng"]  # its own state
+    states = load(out / "save2" / name)["rng_per_rank"]  # one process: every fragment
+    assert len(states) == 2 and all(state is not None for state in states)

@@ -55,12 +55,15 @@ def test_both_tiers_hold_every_committed_checkpoint_each_node_its_own_parts(out)
         assert {key.split(".part-")[1][:5] for key in parts} == {"00000", "00001"}
         for key in objects:  # whole in the durable tier
             assert (run / "durable" / key).is_file(), key
+        # rank 1 copied its own parts into the durable tier and left its receipt there
+        assert (run / "durable" / f"{name}.part-00001-receipt").is_file()
         for key in parts:  # each node holds its own ranks' parts, and no other's
             node = int(key.split(".part-")[1][:5])
             assert (run / f"node{node}" / key).is_file(), key
             assert not (run / f"node{1 - node}" / key).exists(), key
-    for rank_log in json.loads((out / "tiers2.seen.0.json").read_text()), json.loads(
-        (out / "tiers2.seen.1.json").read_text()
+    for rank_log in (
+        json.loads((out / "tiers2.seen.0.json").read_text()),
+        json.loads((out / "tiers2.seen.1.json").read_text()),
     ):
         assert rank_log["code"] == 0, rank_log
 
@@ -92,6 +95,8 @@ def test_a_shared_first_tier_replicates_async_sharded_saves_whole(out):
 
     steps = [checkpoint_name(world.SAVE_AT), checkpoint_name(world.MAX_STEPS)]
     assert _manifests(out / "tiersshared2") == _manifests(out / "tiersshared2.d") == steps
+    for name in steps:  # rank 1 replicated its own parts (a receipt), rank 0 none of them
+        assert (out / "tiersshared2.d" / f"{name}.part-00001-receipt").is_file()
     durable = load(out / "tiersshared2.d" / steps[0])
     first = load(out / "tiersshared2" / steps[0])
     assert world.diff(first["model"], durable["model"], "model") == []

@@ -243,8 +243,9 @@ def test_a_run_in_parts_replicates_prunes_per_tier_and_resumes_from_the_replica(
     _objects_are_those_of_commits(durable)
 
 
-def test_a_checkpoint_from_several_writers_replicates_without_special_cases(tmp_path):
-    # The layout sharded (FSDP) saves write: each rank writes its own parts, one index names all.
+def _two_writers(tmp_path):
+    """A committed checkpoint of two writers in ``tmp_path / "first"`` (the layout sharded
+    saves write: each rank its own parts, one index names all); (store, name, parts, rows)."""
     first = LocalStore(tmp_path / "first")
     name = _name(7)
     rows = torch.arange(24, dtype=torch.float32).reshape(6, 4)
@@ -267,6 +268,11 @@ def test_a_checkpoint_from_several_writers_replicates_without_special_cases(tmp_
     skeleton = {**ckpt, "model": {"weight": (TENSOR_TAG, 0)}}
     index = PartsIndex(name, 2, parts, tensors, skeleton_bytes(skeleton))
     publish(first, name, encode_index(index))
+    return first, name, parts, rows
+
+
+def test_a_checkpoint_from_several_writers_replicates_without_special_cases(tmp_path):
+    first, name, _, rows = _two_writers(tmp_path)
     replica = LocalStore(tmp_path / "replica")
     replicate_checkpoint(first, replica, name)
     assert checkpoint_objects(replica, name) == checkpoint_objects(first, name)
@@ -274,6 +280,49 @@ def test_a_checkpoint_from_several_writers_replicates_without_special_cases(tmp_
     publication, data = artifact.read_verified(replica, name)
     back = read_checkpoint(replica, name, data, name)
     assert torch.equal(back["model"]["weight"], rows)
+    assert torch.equal(load(replica, name)["model"]["weight"], rows)
+
+
+class _Reads(LocalStore):
+    """A LocalStore that records the keys it reads."""
+
+    def __init__(self, root, **kwargs):
+        super().__init__(root, **kwargs)
+        self.reads: list[str] = []
+
+    def get(self, key, start=None, end=None):
+        self.reads.append(key)
+        return super().get(key, start, end)
+
+    def open(self, key):
+        self.reads.append(key)
+        return super().open(key)
+
+
+def test_the_coordinator_commits_from_each_writers_receipt_never_reading_its_parts(tmp_path):
+    from koochak.loop.checkpoint.part_receipt import put_receipt
+    from koochak.loop.checkpoint.replication import FollowerReplicator, ReplicaTier
+
+    first, name, parts, rows = _two_writers(tmp_path)
+    replica = _Reads(tmp_path / "replica")
+    with pytest.raises(TimeoutError, match="writer 1 \\(no receipt yet\\)"):
+        replicate_checkpoint(first, replica, name, remote_writers={1}, wait_s=0.05)
+    theirs = [(p.key, p.size, p.sha256) for p in parts if p.writer == 1]
+    put_receipt(replica, name, 1, [(key, size, "0" * 64) for key, size, _ in theirs])
+    with pytest.raises(TimeoutError, match="writer 1 \\(its receipt names other"):
+        replicate_checkpoint(first, replica, name, remote_writers={1}, wait_s=0.05)
+    assert _committed(tmp_path / "replica") == []
+    # Writer 1 copies its own part, verified as it is written, and leaves its receipt.
+    follower = FollowerReplicator(
+        first, [ReplicaTier(1, replica, None)], rank=1, keep_last_k=None, prune=False
+    )
+    follower.submit(name, theirs)
+    follower.settle()
+    follower.close()
+    replica.reads.clear()
+    replicate_checkpoint(first, replica, name, remote_writers={1}, wait_s=5)
+    assert _committed(tmp_path / "replica") == [name]
+    assert part_key(name, 1, 0) not in replica.reads  # its receipt vouches for it
     assert torch.equal(load(replica, name)["model"]["weight"], rows)
 
 

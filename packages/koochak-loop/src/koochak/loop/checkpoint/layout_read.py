@@ -32,7 +32,18 @@ from typing import Any, Protocol
 
 import torch
 from koochak.loop.checkpoint.format import check_checkpoint_format
-from koochak.loop.checkpoint.parts_index import looks_like_index, object_keys, parse_index
+from koochak.loop.checkpoint.index_fragments import (
+    head_object_keys,
+    is_head,
+    parse_head,
+    read_index,
+)
+from koochak.loop.checkpoint.parts_index import (
+    PartsIndex,
+    looks_like_index,
+    object_keys,
+    parse_index,
+)
 from koochak.loop.checkpoint.parts_io import read_parts
 from koochak.loop.checkpoint.parts_tree import check_depth, join_tensors, load_skeleton
 from koochak.storage.artifact import READY_SUFFIX
@@ -81,13 +92,28 @@ class _Parts:
             raise ValueError(
                 f"{source}: a checkpoint in parts needs the store that holds its parts"
             )
-        index = parse_index(head, source, name)
+        index = read_index(store, head, source, name)  # a version-2 head: with its fragments
         tensors = parts_reader(store, index, source, workers=workers)  # read_parts' contract
         payload = join_tensors(load_skeleton(index.skeleton, source), tensors, source)
+        payload = with_fragment_rng(payload, index, source)
         return checkpoint_of_payload(payload, source)
 
     def objects(self, name, head, where) -> list[str]:
+        if is_head(head):  # version 2: the head names every object
+            return head_object_keys(parse_head(head, where, name))
         return object_keys(parse_index(head, where, name))
+
+
+def with_fragment_rng(payload: Any, index: PartsIndex, source: str) -> Any:
+    """``payload`` with ``rng_per_rank`` rebuilt from the writers' fragments (index version 2,
+    where each rank's RNG state rides in its own fragment and the head holds none): a state per
+    writer whose fragment was read, None for the others (a resuming rank reads its own)."""
+    states = index.rng
+    if isinstance(payload, dict) and payload.get("rng_per_rank") is None and any(states):
+        payload["rng_per_rank"] = [
+            None if blob is None else load_skeleton(blob, source) for blob in states
+        ]
+    return payload
 
 
 ONE_FILE: Reader = _OneFile()

@@ -29,6 +29,8 @@ from koochak.storage.strict_json import check_fields, loads_strict, require_vers
 
 PARTS_FORMAT = "koochak-checkpoint-parts"
 PARTS_VERSION = 1
+# Version 2 is a head that names one index fragment per writer (``index_fragments``).
+HEAD_VERSION = 2
 PART_INFIX = ".part-"
 
 # The dtypes a part may hold, by the name the index uses (torch's name without "torch.").
@@ -148,6 +150,10 @@ class PartsIndex:
     parts: tuple[Part, ...]
     tensors: tuple[TensorEntry, ...]
     skeleton: bytes
+    # Version 2: each writer's own RNG state as its fragment carries it (a weights-only
+    # ``torch.save`` of the state), by writer; None for a writer whose fragment was not read or
+    # holds none. Empty for version 1 (every rank's state is in the skeleton).
+    rng: tuple[bytes | None, ...] = ()
 
     @property
     def size(self) -> int:
@@ -258,7 +264,23 @@ def _parse_index(raw: bytes | bytearray | memoryview, where: str, name: str | No
         raise ValueError(
             f"{where}: field 'format' is {doc.get('format')!r}; a parts index says {PARTS_FORMAT!r}"
         )
+    if doc.get("version") == HEAD_VERSION and type(doc.get("version")) is int:
+        raise ValueError(
+            f"{where}: a version-{HEAD_VERSION} index (a head naming per-writer fragments); "
+            "read it with index_fragments.read_index, which fetches its fragments"
+        )
     require_version(doc, where, PARTS_VERSION)
+    return index_of_doc(doc, where, name)
+
+
+def index_of_doc(
+    doc: dict[str, Any], where: str, name: str | None, *, partial: bool = False
+) -> PartsIndex:
+    """A version-1 index document (already JSON-decoded, version checked) checked field by
+    field as ``parse_index`` does; ValueError naming ``where`` and the field. ``partial``: the
+    document holds only some writers' shards (assembled from some fragments of a version-2
+    head), so a tensor's shards need not tile it (they still may not exceed it), and a tensor
+    may have none."""
     check_fields(doc, where, _TOP_KEYS)
     index_name = doc["name"]
     if not isinstance(index_name, str) or not index_name:
@@ -270,9 +292,9 @@ def _parse_index(raw: bytes | bytearray | memoryview, where: str, name: str | No
     writers = _int(doc["writers"], f"{where}: field 'writers'", minimum=1)
     if writers > _MAX_WRITERS:
         raise ValueError(f"{where}: field 'writers' is {writers}; at most {_MAX_WRITERS} are read")
-    parts = _parse_parts(doc["parts"], index_name, writers, where)
+    parts = _parse_parts(doc["parts"], index_name, writers, where, partial=partial)
     bound = max(sum(part.size for part in parts), _MIN_ELEMENT_BOUND)
-    tensors = _parse_tensors(doc["tensors"], len(parts), bound, where)
+    tensors = _parse_tensors(doc["tensors"], len(parts), bound, where, partial=partial)
     _check_parts_tiled(parts, tensors, where)
     skeleton = doc["skeleton"]
     if not isinstance(skeleton, str):
@@ -284,8 +306,10 @@ def _parse_index(raw: bytes | bytearray | memoryview, where: str, name: str | No
     return PartsIndex(index_name, writers, parts, tensors, skeleton_bytes)
 
 
-def _parse_parts(value: Any, name: str, writers: int, where: str) -> tuple[Part, ...]:
-    if not isinstance(value, list) or not value:
+def _parse_parts(
+    value: Any, name: str, writers: int, where: str, *, partial: bool = False
+) -> tuple[Part, ...]:
+    if not isinstance(value, list) or not (value or partial):
         raise ValueError(f"{where}: field 'parts' must be a non-empty list")
     parts = []
     counts: dict[int, int] = {}
@@ -316,7 +340,7 @@ def _parse_parts(value: Any, name: str, writers: int, where: str) -> tuple[Part,
 
 
 def _parse_tensors(
-    value: Any, part_count: int, bound: int, where: str
+    value: Any, part_count: int, bound: int, where: str, *, partial: bool = False
 ) -> tuple[TensorEntry, ...]:
     if not isinstance(value, list):
         raise ValueError(f"{where}: field 'tensors' must be a list")
@@ -330,13 +354,14 @@ def _parse_tensors(
         if not isinstance(dtype, str) or dtype not in _ITEMSIZE:
             raise ValueError(f"{at}.dtype is {dtype!r}; expected one of {DTYPE_NAMES}")
         shape = _dims(entry["shape"], f"{at}.shape", bound)
-        if not isinstance(entry["shards"], list) or not entry["shards"]:
+        if not isinstance(entry["shards"], list) or not (entry["shards"] or partial):
             raise ValueError(f"{at}.shards must be a non-empty list")
         shards = tuple(
             _parse_shard(shard, shape, _ITEMSIZE[dtype], part_count, f"{at}.shards[{i}]")
             for i, shard in enumerate(entry["shards"])
         )
-        _check_shards_tile(shape, shards, at)
+        if not partial:
+            _check_shards_tile(shape, shards, at)
         tensors.append(TensorEntry(dtype, shape, shards))
     return tuple(tensors)
 

@@ -44,6 +44,9 @@ _BATCH_BYTES = 1 << 20
 # opens with 8 MiB), so a BufferedReader reads straight into the tensor instead of through its
 # own buffer (one copy fewer), and large enough that per-call costs vanish.
 _READ_PIECE = 16 << 20
+# Threads one call reads or writes parts on unless told (``workers``): a pool, not one thread
+# per part (a checkpoint of 8,000 ranks' parts read by one process would start 8,000).
+MAX_PART_THREADS = 16
 
 
 def host_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -293,7 +296,8 @@ class _Filler:
 
 
 def _run_parallel(calls: Sequence[Any], workers: int | None, cleanup: Any = None) -> list[Any]:
-    """Run ``calls`` on up to ``workers`` threads (default one each); results in order.
+    """Run ``calls`` on up to ``workers`` threads (default ``MAX_PART_THREADS``); results in
+    order.
 
     The first failure cancels calls not yet started and is raised once the running ones end;
     ``cleanup(done)`` then gets the positions of the calls that succeeded.
@@ -305,7 +309,7 @@ def _run_parallel(calls: Sequence[Any], workers: int | None, cleanup: Any = None
             if cleanup is not None:
                 cleanup([])
             raise
-    count = max(1, min(len(calls), workers or len(calls)))
+    count = max(1, min(len(calls), workers or MAX_PART_THREADS))
     with ThreadPoolExecutor(max_workers=count, thread_name_prefix="koochak-part") as pool:
         futures: list[Future[Any]] = [pool.submit(call) for call in calls]
         wait(futures, return_when=FIRST_EXCEPTION)

@@ -37,6 +37,7 @@ import koochak.loop.checkpoint.retention as retention
 from koochak.loop.checkpoint.background import lower_this_threads_priority
 from koochak.loop.checkpoint.budget import BandwidthBudget, bandwidth_budget
 from koochak.loop.checkpoint.format import CHECKPOINT_PATTERN, step_of_name
+from koochak.loop.checkpoint.part_receipt import put_receipt, read_receipt
 from koochak.loop.checkpoint.parts_index import PART_INFIX
 from koochak.loop.checkpoint.publication import unpublish_checkpoint
 from koochak.loop.checkpoint.tiers import Replicated, describe_tier, replicate_checkpoint
@@ -149,8 +150,8 @@ class Replicator:
         self.prune_unreplicated = prune_unreplicated
         self._spare = spare
         self._clock = clock
-        # Ranks whose parts lie on other nodes (a node-local first tier under FSDP): their
-        # nodes copy them to each replica (FollowerReplicator); this waits for them there.
+        # Ranks that copy their own parts to each replica (FollowerReplicator, under FSDP):
+        # this waits for their receipts there instead of copying (or reading) their parts.
         self.remote_writers = frozenset(remote_writers)
         self._cond = threading.Condition()
         # train.checkpoint_replication_bandwidth_mb_s: each tier's copies paced to it.
@@ -408,7 +409,11 @@ class Replicator:
         for source in sources:
             with self._cond:
                 lane.source = source  # retention leaves ``name`` alone there meanwhile
-            remote = self.remote_writers if source is self.first else ()
+            remote = self.remote_writers if source is self.first else frozenset()
+            with self._cond:
+                earlier = name not in self._committed_at
+            if remote and earlier:  # an earlier run's save: no follower copies it now
+                remote = self._writers_not_in_first(name, remote)
             pace = lane.budget.take if lane.budget is not None else None
             try:
                 return replicate_checkpoint(
@@ -421,6 +426,18 @@ class Replicator:
         if error is not None:
             raise error
         return None
+
+    def _writers_not_in_first(self, name: str, writers: frozenset[int]) -> frozenset[int]:
+        """Those of ``writers`` none of whose parts of ``name`` the first tier holds (another
+        node's, under a node-local first tier): their receipts are waited for; the coordinator
+        copies the rest itself (one listing of the name's parts, for an earlier run's save)."""
+        prefix = f"{name}{PART_INFIX}"
+        present = set()
+        for info in self.first.list(prefix):
+            writer = info.key[len(prefix) : len(prefix) + 5]
+            if writer.isdigit() and not info.key.endswith("-receipt"):
+                present.add(int(writer))
+        return frozenset(w for w in writers if w not in present)
 
     def _done(self, lane: _Lane, name: str, result: Replicated | None, seconds: float) -> None:
         store = lane.tier.store
@@ -604,15 +621,25 @@ class Replicator:
         return self._spare(store, names)
 
 
+def self_replicating_writers(world: int) -> frozenset[int]:
+    """The ranks that copy their own parts of a sharded checkpoint into each replica (every one
+    but the coordinator, whatever the first tier): the coordinator copies only its own, and
+    commits once the others' receipts are there (``tiers.replicate_checkpoint``)."""
+    return frozenset(range(1, world))
+
+
 class FollowerReplicator:
-    """A follower's share of replication under FSDP with a node-local first tier: this rank's
-    own parts of each checkpoint, copied from its node's directory into every replica tier (the
-    coordinator waits for them there, verifies them and commits the index and manifest).
+    """A follower's share of replication under FSDP: this rank's own parts of each checkpoint,
+    copied from the first tier (its node's directory, or the shared one) into every replica
+    tier, verified as they are written, then a receipt naming their digests
+    (``part_receipt``); the coordinator waits for the receipts and commits the index and
+    manifest, reading none of the data back.
 
     ``submit(name, parts)`` after each save (``parts``: this rank's ``(key, size, sha256)``);
     one background thread copies them in save order, retrying a failed copy (after ``retry_s``,
-    doubling up to MAX_RETRY_S). The node's directory keeps this rank's parts by the one
-    retention rule: the newest ``keep_last_k`` names, and any not yet in every replica.
+    doubling up to MAX_RETRY_S). With ``prune`` (a node-local first tier) the node's directory
+    keeps this rank's parts by the one retention rule: the newest ``keep_last_k`` names, and
+    any not yet in every replica; a shared first tier is pruned by the coordinator alone.
     ``settle()`` at the end of a run waits for what is queued (EXIT_ATTEMPTS more tries each).
     """
 
@@ -624,8 +651,10 @@ class FollowerReplicator:
         rank: int,
         keep_last_k: int | None,
         retry_s: float = 10.0,
+        prune: bool = True,
     ) -> None:
         self.first = first
+        self.prune = prune
         self.replicas = list(replicas)
         self.rank = rank
         self.keep = keep_last_k
@@ -680,6 +709,8 @@ class FollowerReplicator:
                 self._busy = name
             try:
                 for tier in self.replicas:
+                    if _receipt_of(tier.store, name, self.rank) == sorted(parts):
+                        continue  # already there, verified (a retry, or a run started again)
                     for key, _, _ in parts:  # an older save of the same step: replaced
                         try:
                             tier.store.delete(key)
@@ -687,6 +718,7 @@ class FollowerReplicator:
                             pass
                     items = [CopyItem(key, size, sha) for key, size, sha in parts]
                     copy_objects(self.first, tier.store, items, show_progress=False)
+                    put_receipt(tier.store, name, self.rank, parts)
             except Exception as exc:
                 with self._cond:
                     self._failures += 1
@@ -707,7 +739,8 @@ class FollowerReplicator:
                 self._done.append(name)
                 self._busy = None
                 self._cond.notify_all()
-            self._prune()
+            if self.prune:
+                self._prune()
 
     def _prune(self) -> None:
         """This rank's parts in the node's directory, by the one retention rule."""
@@ -731,6 +764,15 @@ class FollowerReplicator:
             with self._cond:
                 if name in self._done:
                     self._done.remove(name)
+
+
+def _receipt_of(store: Store, name: str, rank: int) -> list[tuple[str, int, str]]:
+    """The parts ``rank``'s receipt in ``store`` names (sorted); [] for none, or one that cannot
+    be read as a receipt (it is replaced with the copy)."""
+    try:
+        return sorted(read_receipt(store, name, rank) or ())
+    except ValueError:
+        return []
 
 
 def _path(store: Store, publication: artifact.Publication) -> str:

@@ -55,12 +55,10 @@ from koochak.loop.checkpoint.replication import (
     ReplicaTier,
     ReplicationEvent,
     Replicator,
+    self_replicating_writers,
 )
 from koochak.loop.checkpoint.settings import CheckpointConfig
-from koochak.loop.checkpoint.tiers import (
-    ReplicationSettings,
-    node_index,
-)
+from koochak.loop.checkpoint.tiers import ReplicationSettings
 from koochak.loop.config import TrainConfig
 from koochak.loop.seed import get_rng_state
 from koochak.loop.user_state import capture_state
@@ -352,18 +350,18 @@ class CheckpointSaver:
             ReplicaTier(tier.index, checkpoint_store(tier.location), tier.keep_last_k)
             for tier in replication.replicas
         ]
-        # A node-local first tier under a layout where every rank writes: each node's ranks
-        # replicate their own parts; the coordinator waits for them in each replica.
-        nodes: list[int] = [node_index()]
-        if self.node_local and self.layout.writes(FOLLOWER) and dist.get_world_size() > 1:
-            nodes = [0] * dist.get_world_size()
-            torch.distributed.all_gather_object(nodes, node_index())
+        # Under a layout where every rank writes, each rank replicates its own parts (from its
+        # node's directory or the shared first tier) and the coordinator commits each replica
+        # from their receipts: no process reads or copies another's bytes.
+        remote: frozenset[int] = frozenset()
+        if self.layout.writes(FOLLOWER) and dist.get_world_size() > 1:
+            remote = self_replicating_writers(dist.get_world_size())
         rank = dist.get_rank()
         if self.role != COORDINATOR:
-            if len(nodes) > rank and nodes[rank] != nodes[0]:
+            if rank in remote:
                 self._follower = FollowerReplicator(
                     self.store, replicas, rank=rank, keep_last_k=self.keep_last_k,
-                    retry_s=replication.retry_s,
+                    retry_s=replication.retry_s, prune=self.node_local,
                 )  # fmt: skip
             return
         self._replicator = Replicator(
@@ -375,7 +373,7 @@ class CheckpointSaver:
             prune_unreplicated=replication.prune_unreplicated,
             pull=resumed,
             spare=self._best if self._tracker is not None else None,
-            remote_writers={r for r, node in enumerate(nodes) if node != nodes[0]},
+            remote_writers=remote,
             bandwidth_mb_s=replication.bandwidth_mb_s,
         )
 

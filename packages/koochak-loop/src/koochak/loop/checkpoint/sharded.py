@@ -36,7 +36,7 @@ from koochak.loop.checkpoint.parts_index import (
 )
 from koochak.loop.checkpoint.parts_io import host_tensor, write_parts
 from koochak.loop.checkpoint.parts_plan import resolve_parts
-from koochak.loop.checkpoint.parts_tree import dtype_name
+from koochak.loop.checkpoint.parts_tree import dtype_name, skeleton_bytes
 from koochak.loop.checkpoint.publication import publish, unpublish_checkpoint
 from koochak.loop.checkpoint.serialization import encode_index, split_checkpoint
 from koochak.loop.dist import is_dtensor, local_tensor, placed_like
@@ -126,6 +126,25 @@ class _Report:
         tuple[int, tuple[int, ...], tuple[int, ...], tuple[tuple[int, int, int], ...]], ...
     ]
     error: str | None = None
+    # Version 2 (every DTensor a Shard(0) slab over one 1-D mesh of every rank): this rank's
+    # index fragment, already durable; ``shards`` is then empty and ``paths`` one digest of them,
+    # so rank 0 gathers O(1) per rank.
+    fragment: Any = None
+
+
+def _regular(leaves: Sequence[tuple[str, Any]], world: int) -> bool:
+    """Whether every DTensor is FSDP2's ``Shard(0)`` over one 1-D mesh of all ``world`` ranks,
+    so a head can describe its slabs by formula (``index_fragments``). The same answer on every
+    rank: it depends only on the (identical) model and world."""
+    from torch.distributed.tensor import Shard as TorchShard
+
+    for _, dt in leaves:
+        mesh = dt.device_mesh
+        if mesh.ndim != 1 or mesh.size() != world or dt.dim() == 0:
+            return False
+        if tuple(dt.placements) != (TorchShard(0),):
+            return False
+    return True
 
 
 def save_sharded(
@@ -195,22 +214,33 @@ def _write_and_commit(
     split, numbers, leaves = None, {}, []
     try:
         leaves = dtensor_leaves(ckpt)
-        split, numbers = _split_rank0(ckpt, leaves) if rank == 0 else (None, {})
+        regular = _regular(leaves, dist.get_world_size())
+        source = ckpt
+        if regular and rank == 0 and ckpt.get("rng_per_rank") is not None:
+            # Each rank's RNG state rides in its own fragment: the head carries none of them.
+            source = {**ckpt, "rng_per_rank": None}
+        split, numbers = _split_rank0(source, leaves) if rank == 0 else (None, {})
         report = _write_mine(store, name, split, numbers, leaves, parts, workers)
+        if regular:
+            own = ckpt.get("rng") if dist.get_world_size() > 1 else None
+            report = _write_fragment(store, name, report, own)
     except Exception as exc:
         report = _Report((), (), (), _message(exc))
     if written is not None:
         written.extend(report.parts)
+        if report.fragment is not None:
+            written.append((report.fragment.key, report.fragment.size, report.fragment.sha256))
     reports = _gather(report, group)
 
     outcome: Any = None
     if rank == 0:
         try:
             assert reports is not None and split is not None
-            index = _build_index(name, split, numbers, leaves, reports)
-            publication = publish(
-                store, name, encode_index(index), keep_last_k=keep_last_k, intent=intent
-            )
+            if all(rep.fragment is not None for rep in reports):
+                head = _build_head(name, split, numbers, leaves, reports)
+            else:
+                head = encode_index(_build_index(name, split, numbers, leaves, reports))
+            publication = publish(store, name, head, keep_last_k=keep_last_k, intent=intent)
             outcome = ("ok", publication)
         except Exception as exc:
             _remove_quietly(store, name)
@@ -283,6 +313,54 @@ def _write_mine(
             shards.append((-1 - k, offsets, shape, extents))
         out_parts += [(p.key, p.size, p.sha256) for p in index.parts]
     return _Report(tuple(path for path, _ in leaves), tuple(out_parts), tuple(shards))
+
+
+def _write_fragment(store: Store, name: str, report: _Report, rng: Any = None) -> _Report:
+    """Put this rank's index fragment (its parts, where its bytes of each tensor lie, and its
+    RNG state ``rng``, if any) and return the compact report that names it instead."""
+    import hashlib
+
+    from koochak.loop.checkpoint.index_fragments import FragmentRef, encode_fragment, fragment_key
+
+    rank = dist.get_rank()
+    whole = [(n, ext) for n, _, _, ext in report.shards if n >= 0]
+    slabs = [(-1 - n, ext) for n, _, _, ext in report.shards if n < 0]
+    state = skeleton_bytes(rng) if rng is not None else None
+    raw = encode_fragment(name, rank, report.parts, whole, slabs, state)
+    key = fragment_key(name, rank)
+    info = store.put(key, raw)
+    sha = info.sha256 or hashlib.sha256(raw).hexdigest()
+    ref = FragmentRef(key, rank, len(raw), sha, len(report.parts))
+    digest = hashlib.sha256("\n".join(report.paths).encode()).hexdigest()
+    return _Report((digest,), report.parts, (), fragment=ref)
+
+
+def _build_head(
+    name: str,
+    split: Any,
+    numbers: dict[int, int],
+    leaves: list[tuple[str, Any]],
+    reports: Sequence[_Report],
+) -> bytes:
+    """Rank 0: the version-2 head from every rank's fragment (one reference per rank)."""
+    from koochak.loop.checkpoint.index_fragments import encode_head
+
+    failed = [f"rank {r}: {rep.error}" for r, rep in enumerate(reports) if rep.error]
+    if failed:
+        raise RuntimeError("; ".join(failed))
+    for r, rep in enumerate(reports[1:], start=1):
+        if rep.paths != reports[0].paths:
+            raise ValueError(f"rank {r} holds other sharded tensors than rank 0")
+    tensors = []
+    for i, tensor in enumerate(split.tensors):
+        k = numbers.get(i)
+        if k is None:
+            tensors.append((dtype_name(tensor.dtype), tuple(tensor.shape), "whole"))
+        else:
+            dt = leaves[k][1]
+            tensors.append((dtype_name(dt.dtype), tuple(dt.shape), "rows"))
+    fragments = [rep.fragment for rep in reports]
+    return encode_head(name, len(reports), tensors, fragments, split.skeleton)
 
 
 def _build_index(

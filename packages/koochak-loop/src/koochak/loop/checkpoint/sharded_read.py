@@ -1,16 +1,20 @@
 """Reading sharded (FSDP) checkpoints: verified slab reads, collective selection, the restore.
 
-- **select** (``resolve_sharded``, every rank at once): rank 0 walks the published checkpoints
-  newest first, checks each one's manifest, index, part sizes, skeleton and cursor, and reads the
-  unsharded tensors; then every rank hashes its share of the parts (part ``p`` by rank
-  ``p % world``), and a checkpoint with any damaged or missing part is skipped on every rank, with
-  the part named, for the next older one. The result holds ``StoredTensor`` references in place
-  of the large tensors.
+- **select** (``resolve_sharded``, every rank at once): the published checkpoints are walked
+  newest first; for each, every rank reads its manifest and index (the head), checks the
+  skeleton and cursor, and reads whole, hashing as it reads, the parts it will restore from (part
+  0, the unsharded tensors, and those holding its rows of every sharded tensor under FSDP2's
+  dimension-0 split of this world: ``parts_to_read``), keeping their verified bytes. A candidate
+  with a damaged or missing part on any rank is skipped on every rank, with the part named, for
+  the next older one. No part is stat'ed and none is read twice. The result holds
+  ``StoredTensor`` references in place of the large tensors.
 - **load** (``materialize``, every rank at once): each reference becomes this rank's slab of its
   global tensor when a live DTensor will take it (a parameter, its optimizer state, an EMA
-  shadow), else the whole tensor. Only parts that hold wanted bytes are read, each whole, hashed
-  and checked against the index before a byte of it is used; the ranks then agree, so a load that
-  cannot complete fails on every rank, naming the part, instead of leaving the others waiting.
+  shadow), else the whole tensor. Its bytes come from the parts the selection verified; a part
+  it did not read (a model sharded otherwise than predicted) is read whole, hashed and checked
+  against the index before a byte of it is used; the ranks then agree, so a load that cannot
+  complete fails on every rank, naming the part, instead of leaving the others waiting. So each
+  byte a rank restores is read and hashed once (issue 36).
 
 Stored shards and wanted slabs are slabs of dimension 0 (FSDP2's ``Shard(0)``), so every wanted
 piece is a contiguous byte range of a stored shard: resharding is byte copies, exact by
@@ -24,21 +28,33 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from koochak.loop import dist
 from koochak.loop.checkpoint.format import CHECKPOINT_PATTERN, check_resume_cursor, check_rng_fields
-from koochak.loop.checkpoint.layout_read import PARTS, checkpoint_of_payload, layout_of
-from koochak.loop.checkpoint.parts_index import Extent, PartsIndex, TensorEntry, parse_index
+from koochak.loop.checkpoint.index_fragments import is_head, parse_head, read_index, writers_for
+from koochak.loop.checkpoint.layout_read import (
+    PARTS,
+    checkpoint_of_payload,
+    layout_of,
+    with_fragment_rng,
+)
+from koochak.loop.checkpoint.parts_index import (
+    Extent,
+    PartsIndex,
+    TensorEntry,
+    itemsize,
+    parse_index,
+)
 from koochak.loop.checkpoint.parts_io import _Filler
 from koochak.loop.checkpoint.parts_tree import byte_view, join_tensors, load_skeleton, torch_dtype
 from koochak.loop.checkpoint.publication import publication_path
 from koochak.loop.checkpoint.sharded import _agree, _broadcast, _map, _message, local_box
 from koochak.loop.dist import is_dtensor, local_tensor, placed_like
 from koochak.storage import artifact
-from koochak.storage.named import open_named, stat_named
+from koochak.storage.named import open_named
 from koochak.storage.store import Store
 
 log = logging.getLogger("koochak.loop.checkpoint")
@@ -54,13 +70,21 @@ READ_STALL_SECONDS = 120.0
 # ----------------------------------------------------------------------------- read
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class Source:
-    """A checkpoint in parts being read: its store, parsed index and name for messages."""
+    """A checkpoint in parts being read: its store, parsed index and name for messages, and
+    the parts already read whole and verified (by key), whose bytes a slab read takes instead
+    of reading them again (the selection fills it, ``materialize`` empties it).
+
+    ``complete``: for an index assembled from only some writers' fragments (version 2, what
+    this rank was predicted to restore), how to get the whole one; a slab read that needs rows
+    outside the partial index swaps it in (once) rather than read what it does not describe."""
 
     store: Store
     index: PartsIndex
     where: str
+    verified: dict[str, bytearray] = field(default_factory=dict)
+    complete: Callable[[], PartsIndex] | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -91,6 +115,10 @@ def read_slabs(
     Each part read is read whole and hashed; it must match its size and SHA256 in the index
     before any of its bytes is used (ValueError naming ``source`` and the part otherwise).
     """
+    if not _covered(source.index, wanted):
+        if source.complete is None:
+            raise ValueError(f"{source.where}: the index read does not describe every row asked")
+        source.index, source.complete = source.complete(), None
     index = source.index
     out: list[torch.Tensor] = []
     targets: dict[int, list[tuple[int, int, memoryview]]] = {}
@@ -116,9 +144,31 @@ def read_slabs(
                 continue
             _add_range(targets, shard.extents, (lo - first) * row_bytes, (hi - lo) * row_bytes,
                        view[(lo - start) * row_bytes : (hi - start) * row_bytes])  # fmt: skip
+    for number in [p for p in targets if index.parts[p].key in source.verified]:
+        kept = source.verified[index.parts[number].key]
+        for at, length, dest in targets.pop(number):
+            dest[:] = memoryview(kept)[at : at + length]
     _in_parallel(source, [(p, lambda tick, p=p, t=t: _read_part(source, p, t, tick))
                           for p, t in sorted(targets.items())], workers)  # fmt: skip
     return out
+
+
+def _covered(index: PartsIndex, wanted: Sequence[tuple[int, int, int]]) -> bool:
+    """Whether ``index``'s shards hold every row ``wanted`` asks for (a partial index may not)."""
+    for number, start, rows in wanted:
+        entry = index.tensors[number]
+        if not entry.shape or _numel(entry.shape) == 0:
+            if not entry.shards:
+                return False
+            continue
+        held = 0
+        for shard in entry.shards:
+            lo = max(start, shard.offsets[0])
+            hi = min(start + rows, shard.offsets[0] + shard.shape[0])
+            held += max(0, hi - lo)
+        if held < rows:
+            return False
+    return True
 
 
 def _add_range(
@@ -143,15 +193,19 @@ def _read_part(
     number: int,
     targets: Sequence[tuple[int, int, memoryview]],
     tick: Callable[[], None] = lambda: None,
+    *,
+    keep: bool = False,
 ) -> None:
     """Stream part ``number`` whole, hash it, copy the byte ranges ``targets`` asks for; the
     digest must match before this returns (the copies are used only then). ``tick`` is called
-    after every piece read (the stall watch)."""
+    after every piece read (the stall watch). ``keep``: read it into one buffer of its size,
+    kept in ``source.verified`` once the digest matched (the one read of it)."""
     part = source.index.parts[number]
     pending = sorted(targets, key=lambda t: t[0])
     sha = hashlib.sha256()
-    buffer = bytearray(min(_PIECE, max(part.size, 1)))
-    piece = memoryview(buffer)
+    whole = bytearray(part.size) if keep else None
+    buffer = whole if whole is not None else bytearray(min(_PIECE, max(part.size, 1)))
+    view = memoryview(buffer)
     pos = 0
     try:
         stream = open_named(source.store, part.key, named_by=source.where)
@@ -160,7 +214,9 @@ def _read_part(
     with stream:
         filler = _Filler(stream)
         while pos < part.size:
-            got = filler.fill(piece[: min(len(piece), part.size - pos)])
+            size = min(_PIECE, part.size - pos)
+            piece = view[pos : pos + size] if whole is not None else view[:size]
+            got = filler.fill(piece)
             if got == 0:
                 raise ValueError(f"{source.where}: part {part.key} ends after {pos} bytes; the "
                                  f"index says {part.size}")  # fmt: skip
@@ -178,13 +234,48 @@ def _read_part(
     if sha.hexdigest() != part.sha256:
         raise ValueError(f"{source.where}: part {part.key} has SHA256 {sha.hexdigest()}; the "
                          f"index says {part.sha256}")  # fmt: skip
+    if whole is not None:
+        source.verified[part.key] = whole
 
 
-def verify_parts(source: Source, numbers: Sequence[int], *, workers: int | None = None) -> None:
-    """Hash parts ``numbers`` whole against the index (ValueError naming the first bad one)."""
-    _in_parallel(
-        source, [(p, lambda tick, p=p: _read_part(source, p, (), tick)) for p in numbers], workers
-    )
+def verify_parts(
+    source: Source, numbers: Sequence[int], *, workers: int | None = None, keep: bool = False
+) -> None:
+    """Hash parts ``numbers`` whole against the index (ValueError naming the first bad one);
+    ``keep``: and keep their bytes in ``source.verified`` for the slab reads that follow."""
+    reads = [(p, lambda tick, p=p: _read_part(source, p, (), tick, keep=keep)) for p in numbers]
+    _in_parallel(source, reads, workers)
+
+
+def parts_to_read(index: PartsIndex, rank: int, world: int) -> list[int]:
+    """The parts rank ``rank`` of ``world`` restores from, by number: part 0 (writer 0's
+    unsharded tensors, which every rank restores whole) and every part holding some of its rows
+    of another tensor, FSDP2's dimension-0 split (``ceil(rows / world)`` rows per rank, in rank
+    order). Every part on one process. A model sharded otherwise reads what this misses at load.
+    """
+    if world <= 1:
+        return list(range(len(index.parts)))
+    wanted = {0}
+    for entry in index.tensors:
+        if all(e.part == 0 for shard in entry.shards for e in shard.extents):
+            continue
+        if not entry.shape:
+            wanted.update(e.part for shard in entry.shards for e in shard.extents)
+            continue
+        chunk = -(-entry.shape[0] // world)
+        lo, hi = rank * chunk, min(entry.shape[0], (rank + 1) * chunk)
+        row_bytes = itemsize(entry.dtype) * _numel(entry.shape[1:])
+        for shard in entry.shards:
+            first = shard.offsets[0]
+            a, b = max(lo, first), min(hi, first + shard.shape[0])
+            if a >= b:
+                continue
+            begin, end, cursor = (a - first) * row_bytes, (b - first) * row_bytes, 0
+            for extent in shard.extents:
+                if max(begin, cursor) < min(end, cursor + extent.length):
+                    wanted.add(extent.part)
+                cursor += extent.length
+    return sorted(wanted)
 
 
 def _in_parallel(
@@ -258,17 +349,30 @@ def _numel(shape: Sequence[int]) -> int:
 # ----------------------------------------------------------------------------- select
 
 
-def open_candidate(store: Store, name: str) -> tuple[str, dict[str, Any]]:
-    """``(path, checkpoint)`` of published checkpoint ``name`` read lazily: its manifest, index,
-    part sizes, skeleton, cursor and RNG states checked, the unsharded tensors read, every
-    other tensor a ``StoredTensor``. Another layout (one file) is read whole by its reader
-    (``layout_read``). InvalidArtifact or ValueError when any of that does not hold (the part
-    digests are ``verify_parts``'s)."""
+def open_candidate(
+    store: Store, name: str, *, rank: int = 0, world: int = 1
+) -> tuple[str, dict[str, Any]]:
+    """``(path, checkpoint)`` of published checkpoint ``name`` read lazily for rank ``rank`` of
+    ``world``: its manifest, index, skeleton, cursor and RNG states checked, the parts it will
+    restore from read once and verified (``open_lazy``), every tensor a ``StoredTensor``.
+    Another layout (one file) is read whole by its reader (``layout_read``). InvalidArtifact or
+    ValueError when any of that does not hold."""
     publication, data = artifact.read_verified(store, name)
     path = publication_path(store, publication)
     reader = layout_of(data)
     if reader is PARTS:  # references: each rank reads its slabs at restore
-        ckpt = open_lazy(store, parse_index(data, path, name), path)
+        complete = None
+        if is_head(data):  # version 2: only the fragments of the writers whose rows it restores
+            head = parse_head(data, path, name)
+            index = read_index(store, data, path, name, writers=writers_for(head, rank, world))
+            if world > 1:
+
+                def complete() -> PartsIndex:
+                    return read_index(store, data, path, name)
+
+        else:
+            index = parse_index(data, path, name)
+        ckpt = open_lazy(store, index, path, rank=rank, world=world, complete=complete)
     else:
         ckpt = reader.read(store, name, data, path)
     check_resume_cursor(ckpt, name)
@@ -276,23 +380,25 @@ def open_candidate(store: Store, name: str) -> tuple[str, dict[str, Any]]:
     return path, ckpt
 
 
-def open_lazy(store: Store, index: PartsIndex, path: str) -> dict[str, Any]:
+def open_lazy(
+    store: Store,
+    index: PartsIndex,
+    path: str,
+    *,
+    rank: int = 0,
+    world: int = 1,
+    complete: Callable[[], PartsIndex] | None = None,
+) -> dict[str, Any]:
     """The checkpoint of a parsed ``index`` with ``StoredTensor`` references for its tensors:
-    every part's size checked (waiting the store's read_settle_seconds for one not visible
-    yet), the skeleton joined, the RNG states read (resume must be able to restore them) and
-    the format checked: the parts layout read lazily."""
-    source = Source(store, index, path)
-    for part in index.parts:
-        try:
-            size = stat_named(store, part.key, named_by=path).size
-        except FileNotFoundError:  # still missing after the store's read_settle_seconds
-            raise ValueError(f"{path}: part {part.key} is missing") from None
-        if size != part.size:
-            raise ValueError(
-                f"{path}: part {part.key} has {size} bytes; the index says {part.size}"
-            )
+    the parts rank ``rank`` of ``world`` restores from (``parts_to_read``) read whole, hashed
+    as they are read and kept (waiting the store's read_settle_seconds for one not visible
+    yet; ValueError naming a missing, short, long or damaged one), the skeleton joined, the RNG
+    states read (resume must be able to restore them) and the format checked: the parts layout
+    read lazily. No part is stat'ed: a part nobody reads here is checked when it is read."""
+    source = Source(store, index, path, complete=complete)
+    verify_parts(source, parts_to_read(index, rank, world), keep=True)
     refs = [StoredTensor(source, i) for i in range(len(index.tensors))]
-    payload = _join(load_skeleton(index.skeleton, path), refs, path)
+    payload = with_fragment_rng(_join(load_skeleton(index.skeleton, path), refs, path), index, path)
     for key in ("rng", "rng_per_rank"):  # small, and resume must be able to restore them
         if payload.get(key) is not None:
             payload[key] = _read_all(payload[key])
@@ -312,8 +418,9 @@ def resolve_sharded(location: Any) -> tuple[str, dict[str, Any]] | None:
 
     ``location`` is one location or a run's tiers (first tier first; each rank passes its own,
     ``{node}`` resolved): the highest step in any tier wins, the first tier first for equal
-    steps. Rank 0 checks candidates newest first (``open_candidate``); every rank then hashes
-    its share of the chosen one's parts in the same tier. A candidate that fails anywhere (a
+    steps. Rank 0 lists the candidates; every rank then opens each, newest first, reading its
+    head and the parts it restores from once, verified (``open_candidate``). A candidate that
+    fails anywhere (a
     damaged, short or missing part, or one a node-local tier of another node holds) is skipped
     on every rank with the reason logged; any other error (EIO) is raised on every rank,
     because rolling a run back silently would waste the work since.
@@ -344,26 +451,10 @@ def resolve_sharded(location: Any) -> tuple[str, dict[str, Any]] | None:
 
 
 def _choose(store: Store, name: str) -> tuple[str, dict[str, Any]] | None:
-    """Candidate ``name`` if every rank finds its share of it sound (collective)."""
+    """Candidate ``name`` if every rank finds its share of it sound (collective): each reads
+    the head and the parts it restores from, once, verified (``open_candidate``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    first = _try(lambda: open_candidate(store, name)) if rank == 0 else ("ok", None)
-    kind, why = _broadcast((first[0], None if first[0] == "ok" else first[1]))
-    if kind == "fatal":
-        raise OSError(f"rank 0 could not read checkpoint {name}: {why}")
-    if kind == "skip":
-        if rank == 0:
-            log.warning("skipping %s (%s): %s", name, store.location, why)
-        return None
-
-    def verify_mine() -> tuple[str, dict[str, Any]]:
-        found = first[1] if rank == 0 else open_candidate(store, name)
-        refs = _refs(found[1])
-        if refs:
-            parts = len(refs[0].source.index.parts)
-            verify_parts(refs[0].source, range(rank, parts, world))
-        return found
-
-    mine = _try(verify_mine)
+    mine = _try(lambda: open_candidate(store, name, rank=rank, world=world))
     outcomes: list[Any] = [(mine[0], None if mine[0] == "ok" else mine[1])]
     if world > 1:
         outcomes = [None] * world
@@ -485,5 +576,8 @@ def materialize(
         result = _read_all(dict(ckpt), likes)
     except Exception as exc:
         error = _message(exc)
+    finally:
+        for ref in _refs(ckpt):  # the selection's verified bytes are copied out now
+            ref.source.verified.clear()
     _agree(error, "loading the sharded checkpoint")
     return result

@@ -11,8 +11,10 @@ and ``best`` read any of them alone.
 The first tier may be node-local: a ``{node}`` placeholder in ``train.checkpoint_dir`` is
 replaced by this node's index (``node_index``: ``KOOCHAK_NODE_INDEX``, else torchrun's
 ``GROUP_RANK``, else Slurm's ``SLURM_NODEID``, else 0), so each node writes into a directory of
-its own. Under FSDP each node then holds its own ranks' parts and replicates them itself; the
-coordinator commits the replica's index and ready manifest once every part is verified there.
+its own. Under FSDP every rank replicates its own parts itself (whether the first tier is
+node-local or shared) and leaves a receipt naming their digests (``part_receipt``); the
+coordinator commits the replica's index and ready manifest once every writer's receipt matches
+the index, without reading the data back.
 
 This module holds the tier list and the copy of one checkpoint between two tiers;
 ``replication`` runs the copies in the background, ``resume`` selects across tiers.
@@ -24,9 +26,12 @@ import hashlib
 import os
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from koochak.loop.checkpoint.index_fragments import is_head, parse_head, read_index
+from koochak.loop.checkpoint.part_receipt import read_receipt
 from koochak.loop.checkpoint.parts_index import looks_like_index, parse_index
 from koochak.loop.checkpoint.publication import unpublish_checkpoint
 from koochak.loop.config import TrainConfig, as_train_config, check_replicas
@@ -51,7 +56,9 @@ def node_index(environ: Mapping[str, str] | None = None) -> int:
             try:
                 return int(value)
             except ValueError:
-                raise ValueError(f"{variable}={value!r}: expected a node index (an integer)") from None
+                raise ValueError(
+                    f"{variable}={value!r}: expected a node index (an integer)"
+                ) from None
     return 0
 
 
@@ -147,34 +154,60 @@ def checkpoint_copy_items(
 ) -> list[CopyItem]:
     """Every object of checkpoint ``name`` in ``store`` except its manifest, in commit order, as
     ``copy_objects`` items carrying the size and SHA256 its commit promises (so every copied
-    byte is verified): a one-file checkpoint is its file; one in parts is its parts, then its
-    index (the object the manifest describes).
+    byte is verified): a one-file checkpoint is its file; one in parts is its parts (and, in
+    version 2, each writer's index fragment), then its index (the object the manifest
+    describes).
 
     The index is read once and checked against the manifest before its part digests are
     trusted; ValueError when it does not match (changed or damaged since it was committed).
     """
-    parts = _committed_parts(store, name, committed)
-    last = CopyItem(name, committed.size, committed.sha256)
-    return [CopyItem(part.key, part.size, part.sha256) for part in parts] + [last]
+    local, _ = _committed_objects(store, name, committed)
+    return local + [CopyItem(name, committed.size, committed.sha256)]
 
 
-def _committed_parts(store: Store, name: str, committed: artifact.Publication) -> list[Any]:
-    """The parts (``parts_index.Part``) the committed index of ``name`` lists; [] for one
-    file. ValueError when the index does not match its manifest."""
+def _committed_objects(
+    store: Store, name: str, committed: artifact.Publication, remote: Collection[int] = ()
+) -> tuple[list[CopyItem], dict[int, list[tuple[str, int, str]]]]:
+    """``(local, expected)`` for the committed checkpoint ``name`` (nothing for one file): the
+    objects of every writer not in ``remote`` (its parts, and its fragment in version 2) as copy
+    items, and for each ``remote`` writer the ``(key, size, sha256)`` its receipt must name (its
+    parts; in version 2 just its fragment, whose digest covers its parts: no remote writer's
+    fragment is read). ValueError when the index does not match its manifest."""
     if committed.size == 0 or not looks_like_index(store.get(name, 0, 1)):
-        return []
+        return [], {}
     where = f"{store.location}/{name}"
     raw = store.get(name, 0, committed.size + 1)
     if len(raw) != committed.size or hashlib.sha256(raw).hexdigest() != committed.sha256:
         raise ValueError(f"{where}: the index does not match its ready manifest")
-    return list(parse_index(raw, where, name).parts)
+    expected: dict[int, list[tuple[str, int, str]]] = {}
+    if is_head(raw):
+        head = parse_head(raw, where, name)
+        mine = [w for w in range(head.writers) if w not in remote]
+        parts = read_index(store, raw, where, name, writers=mine).parts
+        local = []
+        for writer in mine:
+            ref = head.fragments[writer]
+            local += [CopyItem(p.key, p.size, p.sha256) for p in parts if p.writer == writer]
+            local.append(CopyItem(ref.key, ref.size, ref.sha256))
+        for writer in sorted(set(remote) & set(range(head.writers))):
+            ref = head.fragments[writer]
+            expected[writer] = [(ref.key, ref.size, ref.sha256)]
+        return local, expected
+    local = []
+    for part in parse_index(raw, where, name).parts:
+        if part.writer in remote:
+            expected.setdefault(part.writer, []).append((part.key, part.size, part.sha256))
+        else:
+            local.append(CopyItem(part.key, part.size, part.sha256))
+    return local, expected
 
 
-# How long the coordinator waits for the parts other nodes replicate themselves, and how often
+# How long the coordinator waits for the parts other ranks replicate themselves, and how often
 # it looks.
 REMOTE_PARTS_WAIT_S = 300.0
 _REMOTE_POLL_S = (0.02, 1.0)
-_HASH_CHUNK = 16 << 20
+# Receipts read at once (one small object per writer: latency, not bandwidth, at many ranks).
+_RECEIPT_READERS = 16
 
 
 def replicate_checkpoint(
@@ -197,11 +230,13 @@ def replicate_checkpoint(
     left) is un-committed first, manifest, then object, then parts, and replaced: the re-save
     rule of a single tier.
 
-    ``remote_writers``: the writers (ranks) whose parts lie on other nodes (a node-local first
-    tier under FSDP). Those parts are not copied from ``source``: their nodes copy them into
-    ``target`` themselves, and this waits (up to ``wait_s``) until each is there and hashes to
-    the digest the index promises, before the index and the manifest are copied; TimeoutError
-    naming the first missing part otherwise. Other nodes' parts are never deleted here.
+    ``remote_writers``: the writers (ranks) that replicate their own parts (every rank but the
+    coordinator under FSDP). Those parts are not copied from ``source``: each writer copies its
+    own into ``target``, verified as they are written, and leaves a receipt naming their sizes
+    and digests; this waits (up to ``wait_s``) until each writer's receipt names exactly the
+    parts the index lists for it, before the index and the manifest are copied (TimeoutError
+    naming the first writer whose receipt does not, otherwise). Their parts are never read, nor
+    deleted, here.
 
     ``progress(n)``: ``copy_objects``'s callback, for each chunk handed to ``target`` (a
     ``BandwidthBudget.take`` paces the copy by sleeping in it).
@@ -217,9 +252,7 @@ def replicate_checkpoint(
     except artifact.InvalidArtifact:
         existing = None
     if existing != manifest:
-        parts = _committed_parts(source, name, committed)
-        remote = [p for p in parts if p.writer in remote_writers]
-        local = [CopyItem(p.key, p.size, p.sha256) for p in parts if p.writer not in remote_writers]
+        local, remote = _committed_objects(source, name, committed, remote_writers)
         if remote:
             artifact.unpublish(target, name)  # un-commit; other nodes' parts stay
             for item in local:
@@ -234,7 +267,7 @@ def replicate_checkpoint(
         commit = CopyItem(committed.manifest_key, len(manifest), digest)
         for batch in ([local] if local else []) + [[last], [commit]]:
             if batch[0] is last and remote:
-                wait_for_parts(target, remote, wait_s)
+                wait_for_parts(target, name, remote, wait_s)
             report = copy_objects(
                 source, target, batch, streams=streams, progress=progress, show_progress=False
             )
@@ -252,44 +285,48 @@ def replicate_checkpoint(
     return Replicated(publication, moved)
 
 
-def wait_for_parts(store: Store, parts: Sequence[Any], wait_s: float) -> None:
-    """Wait until every one of ``parts`` is in ``store`` with its size and SHA256 (read back
-    and hashed); TimeoutError naming the first that is not, after ``wait_s``."""
+def wait_for_parts(
+    store: Store, name: str, expected: Mapping[int, Sequence[tuple[str, int, str]]], wait_s: float
+) -> None:
+    """Wait until, for each writer of ``expected``, its receipt in ``store`` names each of its
+    ``(key, size, sha256)`` (its parts, or its index fragment): one small read per writer, none
+    of the data. TimeoutError naming the first writer whose receipt does not, after ``wait_s``."""
     deadline = time.monotonic() + wait_s
-    pending = list(parts)
+    pending = sorted(expected)
     delay = _REMOTE_POLL_S[0]
-    problem = ""
     while True:
-        still = []
-        for part in pending:
-            problem = _part_problem(store, part)
-            if problem:
-                still.append(part)
-        pending = still
+        with ThreadPoolExecutor(
+            max_workers=_RECEIPT_READERS, thread_name_prefix="koochak-receipt"
+        ) as pool:
+            problems = list(
+                pool.map(lambda w: _receipt_problem(store, name, w, expected[w]), pending)
+            )
+        pending = [w for w, problem in zip(pending, problems) if problem]
         if not pending:
             return
         if time.monotonic() >= deadline:
+            writer = pending[0]
             raise TimeoutError(
-                f"{store.location}: {len(pending)} part(s) other nodes replicate are not there "
-                f"after {wait_s:.0f} s: {pending[0].key} ({_part_problem(store, pending[0])})"
+                f"{store.location}: {len(pending)} writer(s) have not replicated their parts of "
+                f"{name} after {wait_s:.0f} s: writer {writer} "
+                f"({_receipt_problem(store, name, writer, expected[writer])})"
             )
         time.sleep(delay)
         delay = min(delay * 2, _REMOTE_POLL_S[1])
 
 
-def _part_problem(store: Store, part: Any) -> str:
-    """Why ``part`` is not (yet) verified in ``store``; "" when it is."""
+def _receipt_problem(
+    store: Store, name: str, writer: int, parts: Sequence[tuple[str, int, str]]
+) -> str:
+    """Why ``writer``'s receipt does not (yet) vouch for ``parts``; "" when it does."""
     try:
-        size = store.stat(part.key).size
-    except FileNotFoundError:
-        return "missing"
-    if size != part.size:
-        return f"{size} bytes, not {part.size}"
-    digest = hashlib.sha256()
-    for start in range(0, part.size, _HASH_CHUNK):
-        digest.update(store.get(part.key, start, min(start + _HASH_CHUNK, part.size)))
-    if digest.hexdigest() != part.sha256:
-        return "its SHA256 differs from the index's"
+        found = read_receipt(store, name, writer)
+    except ValueError as exc:
+        return str(exc)
+    if found is None:
+        return "no receipt yet"
+    if not set(parts) <= set(found):
+        return "its receipt names other parts or digests (an older save, or one in progress)"
     return ""
 
 

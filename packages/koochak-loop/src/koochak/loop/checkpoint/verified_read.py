@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 from koochak.loop.checkpoint.parts_index import PartsIndex, looks_like_index
-from koochak.loop.checkpoint.parts_io import read_parts
+from koochak.loop.checkpoint.parts_io import MAX_PART_THREADS, read_parts
 from koochak.loop.checkpoint.parts_tree import torch_dtype
 from koochak.loop.checkpoint.serialization import load_checkpoint_file, read_checkpoint
 from koochak.storage import artifact
@@ -104,7 +104,7 @@ def read_parts_mapped(
                 parts.append(_mapped_bytes(stream.fileno(), size))
             except (RuntimeError, OSError):  # a file system that cannot map: read the parts
                 return read_parts(store, index, source, workers=workers)
-    count = max(1, min(len(parts), workers or len(parts)))
+    count = max(1, min(len(parts), workers or MAX_PART_THREADS))
     with ThreadPoolExecutor(max_workers=count, thread_name_prefix="koochak-part") as pool:
         digests = list(pool.map(_sha256_hex, parts))
     for part, digest in zip(index.parts, digests):
@@ -152,7 +152,9 @@ def _tensor_of(entry: Any, index: PartsIndex, parts: list[torch.Tensor], source:
             step *= max(n, 1)
         # Its own storage over its bytes (as torch.load(mmap=True) makes them): some readers
         # of a tensor (Generator.set_state) use its storage from the start, not its offset.
-        storage = parts[extent.part].untyped_storage()[extent.offset : extent.offset + extent.length]
+        storage = parts[extent.part].untyped_storage()[
+            extent.offset : extent.offset + extent.length
+        ]
         return torch.empty(0, dtype=dtype).set_(storage, 0, entry.shape, tuple(reversed(strides)))
     tensor = torch.empty(entry.shape, dtype=dtype)
     flat = tensor.reshape(-1).view(torch.uint8)

@@ -1,0 +1,389 @@
+"""Version 2 of the parts index: a head that names one index fragment per writer.
+
+A sharded (FSDP) save on W ranks used to commit one index listing every part of every rank and
+one shard per rank of every tensor: W x tensors entries that rank 0 gathered and encoded and
+every resuming rank fetched and parsed. In version 2 each rank writes its own **fragment**
+(``<name>.part-WWWWW-index``: its parts with their sizes and SHA256, and where its rows of each
+tensor lie in them) beside its parts; rank 0 gathers one ``(key, size, sha256, parts)`` per rank
+and commits a **head** under the checkpoint's name: the skeleton, each tensor's dtype, global
+shape and split (``whole``: held by writer 0; ``rows``: FSDP2's ``Shard(0)`` over the writers,
+writer ``w`` holding rows ``[w*c, min(rows, (w+1)*c))`` with ``c = ceil(rows / writers)``), and
+the fragments. The manifest hashes the head, the head the fragments, the fragments the parts,
+so one digest still covers every byte. A resuming rank reads the head and only the fragments of
+the writers whose rows it restores (``writers_for``); a one-process reader reads them all and
+gets the same ``PartsIndex`` a version-1 index gives (docs/formats.md, "Checkpoint parts").
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from koochak.loop.checkpoint.parts_index import (
+    DTYPE_NAMES,
+    HEAD_VERSION,
+    PART_INFIX,
+    PARTS_FORMAT,
+    PARTS_VERSION,
+    PartsIndex,
+    index_of_doc,
+    parse_index,
+    part_key,
+)
+from koochak.storage.artifact import READY_SUFFIX, InvalidArtifact
+from koochak.storage.store import Store
+from koochak.storage.strict_json import check_fields, loads_strict, require_version
+
+FRAGMENT_FORMAT = "koochak-checkpoint-fragment"
+FRAGMENT_VERSION = 1
+SPLITS = ("whole", "rows")
+_HEAD_KEYS = frozenset({"format", "version", "name", "writers", "tensors", "fragments", "skeleton"})
+_HEAD_TENSOR_KEYS = frozenset({"dtype", "shape", "split"})
+_REF_KEYS = frozenset({"key", "writer", "size", "sha256", "parts"})
+_FRAGMENT_KEYS = frozenset({"format", "version", "name", "writer", "parts", "whole", "slabs"})
+_FRAGMENT_OPTIONAL = frozenset({"rng"})
+_FRAGMENT_PART_KEYS = frozenset({"key", "size", "sha256"})
+_FRAGMENT_TENSOR_KEYS = frozenset({"tensor", "extents"})
+_EXTENT_KEYS = frozenset({"part", "offset", "length"})
+_MAX_WRITERS = 1 << 20
+
+
+@dataclass(frozen=True)
+class FragmentRef:
+    """One writer's fragment as the head names it: key, size, SHA256 and its part count."""
+
+    key: str
+    writer: int
+    size: int
+    sha256: str
+    parts: int
+
+
+@dataclass(frozen=True)
+class Head:
+    """A parsed version-2 head: tensors as ``(dtype, shape, split)``, one fragment per writer."""
+
+    name: str
+    writers: int
+    tensors: tuple[tuple[str, tuple[int, ...], str], ...]
+    fragments: tuple[FragmentRef, ...]
+    skeleton: bytes
+
+
+def fragment_key(name: str, writer: int) -> str:
+    """The key of ``writer``'s index fragment of checkpoint ``name``."""
+    return f"{name}{PART_INFIX}{writer:05d}-index"
+
+
+def rows_of(writer: int, writers: int, rows: int) -> tuple[int, int]:
+    """``[lo, hi)``: the rows of dimension 0 writer ``writer`` of ``writers`` holds under FSDP2's
+    ``Shard(0)`` (``ceil(rows / writers)`` each, in order; the last ones may hold fewer or none)."""
+    chunk = -(-rows // writers) if rows else 0
+    lo = min(rows, writer * chunk)
+    return lo, min(rows, lo + chunk)
+
+
+def _dumps(doc: dict[str, Any]) -> bytes:
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return (text + "\n").encode("ascii")
+
+
+Runs = Sequence[tuple[int, Sequence[tuple[int, int, int]]]]
+
+
+def encode_fragment(
+    name: str,
+    writer: int,
+    parts: Sequence[tuple[str, int, str]],
+    whole: Runs,
+    slabs: Runs,
+    rng: bytes | None = None,
+) -> bytes:
+    """Writer ``writer``'s fragment: its ``parts`` ``(key, size, sha256)`` in number order, and
+    where its bytes of each tensor lie, as ``(number, extents as (part, offset, length))``
+    (``part`` counting within this writer's parts): ``whole``, by the head's tensor number, the
+    tensors writer 0 holds whole; ``slabs``, by ``k`` (the head's ``k``-th tensor split by
+    rows), this writer's rows of each. ``rng``: the writer's own RNG state (a weights-only
+    ``torch.save`` of it), so no rank reads another's to resume."""
+
+    def runs(items: Runs) -> list[dict[str, Any]]:
+        return [
+            {"tensor": n, "extents": [{"part": p, "offset": o, "length": m} for p, o, m in ext]}
+            for n, ext in items
+        ]
+
+    doc: dict[str, Any] = {
+        "format": FRAGMENT_FORMAT,
+        "version": FRAGMENT_VERSION,
+        "name": name,
+        "writer": writer,
+        "parts": [{"key": k, "size": n, "sha256": sha} for k, n, sha in parts],
+        "whole": runs(whole),
+        "slabs": runs(slabs),
+    }
+    if rng is not None:
+        doc["rng"] = base64.b64encode(rng).decode("ascii")
+    return _dumps(doc)
+
+
+def encode_head(
+    name: str,
+    writers: int,
+    tensors: Sequence[tuple[str, tuple[int, ...], str]],
+    fragments: Sequence[FragmentRef],
+    skeleton: bytes,
+) -> bytes:
+    """The head of a version-2 checkpoint in parts (checked by parsing it before it is returned:
+    never write what we would refuse)."""
+    raw = _dumps(
+        {
+            "format": PARTS_FORMAT,
+            "version": HEAD_VERSION,
+            "name": name,
+            "writers": writers,
+            "tensors": [
+                {"dtype": dtype, "shape": list(shape), "split": split}
+                for dtype, shape, split in tensors
+            ],
+            "fragments": [
+                {
+                    "key": f.key,
+                    "writer": f.writer,
+                    "size": f.size,
+                    "sha256": f.sha256,
+                    "parts": f.parts,
+                }
+                for f in fragments
+            ],  # fmt: skip
+            "skeleton": base64.b64encode(skeleton).decode("ascii"),
+        }
+    )
+    parse_head(raw, f"head of {name}", name)
+    return raw
+
+
+def is_head(raw: bytes | bytearray | memoryview) -> bool:
+    """Whether an index object is a version-2 head, from its last bytes alone (an index is
+    written compact with its keys sorted, so it ends ``"version":V,"writers":W}``): a version-1
+    index, however large, is not parsed twice. Anything else is left to ``parse_index``, which
+    refuses a version-2 document it is handed, naming it."""
+    return f'"version":{HEAD_VERSION},"writers":'.encode() in bytes(raw[-64:])
+
+
+def parse_head(raw: bytes | bytearray | memoryview, where: str, name: str | None = None) -> Head:
+    """Parse and check a head; InvalidArtifact naming ``where`` and the field on any fault."""
+    try:
+        return _parse_head(raw, where, name)
+    except InvalidArtifact:
+        raise
+    except (ValueError, RecursionError) as exc:
+        raise InvalidArtifact(str(exc)) from None
+
+
+def _parse_head(raw: bytes | bytearray | memoryview, where: str, name: str | None) -> Head:
+    doc = loads_strict(raw, where)
+    if not isinstance(doc, dict) or doc.get("format") != PARTS_FORMAT:
+        raise ValueError(f"{where}: field 'format' must be {PARTS_FORMAT!r}")
+    require_version(doc, where, HEAD_VERSION)
+    check_fields(doc, where, _HEAD_KEYS)
+    head_name = doc["name"]
+    if not isinstance(head_name, str) or not head_name or (name is not None and head_name != name):
+        raise ValueError(f"{where}: field 'name' is {head_name!r}; expected {name!r}")
+    writers = doc["writers"]
+    if type(writers) is not int or not 1 <= writers <= _MAX_WRITERS:
+        raise ValueError(f"{where}: field 'writers' must be an int in 1..{_MAX_WRITERS}")
+    if not isinstance(doc["tensors"], list):
+        raise ValueError(f"{where}: field 'tensors' must be a list")
+    tensors = []
+    for i, entry in enumerate(doc["tensors"]):
+        at = f"{where}: tensors[{i}]"
+        check_fields(entry, at, _HEAD_TENSOR_KEYS)
+        if entry["dtype"] not in DTYPE_NAMES:
+            raise ValueError(f"{at}.dtype is {entry['dtype']!r}; expected one of {DTYPE_NAMES}")
+        if entry["split"] not in SPLITS:
+            raise ValueError(f"{at}.split is {entry['split']!r}; expected one of {SPLITS}")
+        shape = entry["shape"]
+        if not isinstance(shape, list) or any(type(n) is not int or n < 0 for n in shape):
+            raise ValueError(f"{at}.shape must be a list of ints >= 0")
+        if entry["split"] == "rows" and not shape:
+            raise ValueError(f"{at}: a tensor split by rows needs a dimension 0")
+        tensors.append((entry["dtype"], tuple(shape), entry["split"]))
+    refs = doc["fragments"]
+    if not isinstance(refs, list) or len(refs) != writers:
+        raise ValueError(f"{where}: field 'fragments' must list one fragment per writer")
+    fragments = []
+    for w, ref in enumerate(refs):
+        at = f"{where}: fragments[{w}]"
+        check_fields(ref, at, _REF_KEYS)
+        if ref["writer"] != w or ref["key"] != fragment_key(head_name, w):
+            raise ValueError(f"{at}: expected writer {w}, key {fragment_key(head_name, w)!r}")
+        for field in ("size", "parts"):
+            if type(ref[field]) is not int or ref[field] < 0:
+                raise ValueError(f"{at}.{field} must be an int >= 0")
+        if not isinstance(ref["sha256"], str) or len(ref["sha256"]) != 64:
+            raise ValueError(f"{at}.sha256 must be 64 lower-case hex digits")
+        fragments.append(FragmentRef(ref["key"], w, ref["size"], ref["sha256"], ref["parts"]))
+    try:
+        skeleton = base64.b64decode(str(doc["skeleton"]).encode("ascii"), validate=True)
+    except (binascii.Error, UnicodeEncodeError):
+        raise ValueError(f"{where}: field 'skeleton' is not valid base64") from None
+    return Head(head_name, writers, tuple(tensors), tuple(fragments), skeleton)
+
+
+def head_object_keys(head: Head) -> list[str]:
+    """Every object of a version-2 checkpoint in commit order: each writer's parts and fragment,
+    the head, its ready manifest (all named by the head alone)."""
+    keys = []
+    for ref in head.fragments:
+        keys += [part_key(head.name, ref.writer, n) for n in range(ref.parts)] + [ref.key]
+    return keys + [head.name, head.name + READY_SUFFIX]
+
+
+def writers_for(head: Head, rank: int, world: int) -> list[int]:
+    """The writers whose fragments rank ``rank`` of ``world`` reads to restore its rows of each
+    tensor split by rows (FSDP2's ``Shard(0)`` on ``world`` ranks), writer 0 (the tensors held
+    whole) and writer ``rank`` (its own RNG state); every writer on one process."""
+    if world <= 1:
+        return list(range(head.writers))
+    wanted = {0} | ({rank} if rank < head.writers else set())  # its own RNG state
+    for _, shape, split in head.tensors:
+        if split != "rows":
+            continue
+        lo, hi = rows_of(rank, world, shape[0])
+        if lo >= hi:
+            continue
+        chunk = -(-shape[0] // head.writers)
+        wanted.update(range(lo // chunk, (hi - 1) // chunk + 1))
+    return sorted(wanted)
+
+
+def read_fragment(store: Store, head: Head, writer: int, where: str) -> bytes:
+    """Writer ``writer``'s fragment, checked against the head's size and SHA256."""
+    import hashlib
+
+    ref = head.fragments[writer]
+    try:
+        raw = store.get(ref.key, 0, ref.size + 1)
+    except FileNotFoundError:
+        raise ValueError(f"{where}: fragment {ref.key} is missing") from None
+    if len(raw) != ref.size or hashlib.sha256(raw).hexdigest() != ref.sha256:
+        raise ValueError(f"{where}: fragment {ref.key} does not match its size and SHA256 in "
+                         "the head")  # fmt: skip
+    return raw
+
+
+def read_index(
+    store: Store,
+    raw: bytes | bytearray | memoryview,
+    where: str,
+    name: str | None = None,
+    *,
+    writers: Collection[int] | None = None,
+) -> PartsIndex:
+    """The ``PartsIndex`` of an index object of either version: version 1 parsed as it is; a
+    version-2 head with the fragments of ``writers`` (None: every writer) fetched from ``store``,
+    each checked against the head, and assembled (``assemble``). InvalidArtifact naming the
+    object and field on any fault."""
+    if not is_head(raw):
+        return parse_index(raw, where, name)
+    head = parse_head(raw, where, name)
+    chosen = range(head.writers) if writers is None else sorted(set(writers))
+    try:
+        fragments = {w: read_fragment(store, head, w, where) for w in chosen}
+        return assemble(head, fragments, where, partial=writers is not None)
+    except InvalidArtifact:
+        raise
+    except ValueError as exc:
+        raise InvalidArtifact(str(exc)) from None
+
+
+def assemble(
+    head: Head, fragments: dict[int, bytes], where: str, *, partial: bool = False
+) -> PartsIndex:
+    """One ``PartsIndex`` from a head and its writers' fragments (raw bytes, by writer), checked
+    as a version-1 index is; ``partial``: only some writers' fragments (a tensor's shards then
+    need not tile it)."""
+    parts: list[dict[str, Any]] = []
+    shards: list[list[dict[str, Any]]] = [[] for _ in head.tensors]
+    split_rows = [i for i, (_, _, split) in enumerate(head.tensors) if split == "rows"]
+    rng: list[bytes | None] = [None] * head.writers
+    for writer in sorted(fragments):
+        at = f"{where}: fragment {fragment_key(head.name, writer)}"
+        doc = loads_strict(fragments[writer], at)
+        if not isinstance(doc, dict) or doc.get("format") != FRAGMENT_FORMAT:
+            raise ValueError(f"{at}: field 'format' must be {FRAGMENT_FORMAT!r}")
+        require_version(doc, at, FRAGMENT_VERSION)
+        check_fields(doc, at, _FRAGMENT_KEYS, _FRAGMENT_OPTIONAL)
+        if doc.get("rng") is not None:
+            try:
+                rng[writer] = base64.b64decode(str(doc["rng"]).encode("ascii"), validate=True)
+            except (binascii.Error, UnicodeEncodeError):
+                raise ValueError(f"{at}: field 'rng' is not valid base64") from None
+        if doc["name"] != head.name or doc["writer"] != writer:
+            raise ValueError(f"{at}: fields 'name' and 'writer' must be {head.name!r}, {writer}")
+        mine = doc["parts"]
+        if not isinstance(mine, list) or len(mine) != head.fragments[writer].parts:
+            raise ValueError(f"{at}: field 'parts' must list the {head.fragments[writer].parts} "
+                             "parts the head says")  # fmt: skip
+        base = len(parts)
+        for i, part in enumerate(mine):
+            check_fields(part, f"{at}: parts[{i}]", _FRAGMENT_PART_KEYS)
+            parts.append({**part, "writer": writer})
+        for field in ("whole", "slabs"):
+            if not isinstance(doc[field], list):
+                raise ValueError(f"{at}: field {field!r} must be a list")
+        seen = set()
+        for field, entry, i in [("whole", e, i) for i, e in enumerate(doc["whole"])] + [
+            ("slabs", e, i) for i, e in enumerate(doc["slabs"])
+        ]:
+            t_at = f"{at}: {field}[{i}]"
+            check_fields(entry, t_at, _FRAGMENT_TENSOR_KEYS)
+            ordinal = entry["tensor"]
+            among = list(range(len(head.tensors))) if field == "whole" else split_rows
+            if type(ordinal) is not int or not 0 <= ordinal < len(among):
+                raise ValueError(f"{t_at}.tensor must count within the head's tensors")
+            number = among[ordinal]
+            _, shape, split = head.tensors[number]
+            if number in seen or (field == "whole") != (split == "whole"):
+                raise ValueError(f"{t_at}: tensor {number} is split {split!r}, listed once")
+            seen.add(number)
+            if split == "whole":
+                if writer != 0:
+                    raise ValueError(f"{t_at}: tensor {number} is held whole by writer 0")
+                offsets, box = [0] * len(shape), list(shape)
+            else:
+                lo, hi = rows_of(writer, head.writers, shape[0])
+                offsets, box = [lo] + [0] * (len(shape) - 1), [hi - lo, *shape[1:]]
+            extents = entry["extents"]
+            if not isinstance(extents, list):
+                raise ValueError(f"{t_at}.extents must be a list")
+            runs = []
+            for j, extent in enumerate(extents):
+                check_fields(extent, f"{t_at}.extents[{j}]", _EXTENT_KEYS)
+                p = extent["part"]
+                if type(p) is not int or not 0 <= p < len(mine):
+                    raise ValueError(f"{t_at}.extents[{j}].part must count within its parts")
+                runs.append({**extent, "part": base + p})
+            shards[number].append({"offsets": offsets, "shape": box, "extents": runs})
+    for number, (_, shape, _) in enumerate(head.tensors):
+        if not shards[number] and 0 in shape:  # no element anywhere: one empty shard
+            shards[number].append({"offsets": [0] * len(shape), "shape": list(shape),
+                                   "extents": []})  # fmt: skip
+    doc = {
+        "format": PARTS_FORMAT,
+        "version": PARTS_VERSION,
+        "name": head.name,
+        "writers": head.writers,
+        "parts": parts,
+        "tensors": [
+            {"dtype": dtype, "shape": list(shape), "shards": found}
+            for (dtype, shape, _), found in zip(head.tensors, shards)
+        ],
+        "skeleton": base64.b64encode(head.skeleton).decode("ascii"),
+    }
+    index = index_of_doc(doc, where, head.name, partial=partial)
+    return replace(index, rng=tuple(rng))
