@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from koochak.loop.config import flat_config
 from koochak.loop.report import RunData, _pyplot, gather_run, write_output
 from koochak.loop.run_history import format_duration
 
@@ -34,19 +35,10 @@ _PLACES = ("out_dir", "checkpoint_dir", "checkpoint_replicas", "csv_path", "json
 _LEGEND_KEYS = 3
 
 
-def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
-    if isinstance(value, Mapping):
-        for key, item in value.items():
-            _flatten(item, f"{prefix}.{key}" if prefix else str(key), out)
-    elif prefix:
-        out[prefix] = value
-    return out
-
-
 def differing_keys(configs: Sequence[Mapping[str, Any]]) -> list[str]:
     """The dotted config keys whose values are not the same in every one of ``configs`` (where
     the runs are kept does not count)."""
-    flat = [_flatten(config, "", {}) for config in configs]
+    flat = [flat_config(config) for config in configs]
     keys = sorted(set().union(*flat)) if flat else []
     missing = object()
     found = []
@@ -60,7 +52,7 @@ def differing_keys(configs: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 def _label(data: RunData, keys: Sequence[str]) -> str:
-    flat = _flatten(data.config, "", {})
+    flat = flat_config(data.config)
     shown = [f"{key}={flat.get(key)}" for key in keys[:_LEGEND_KEYS]]
     more = f" (+{len(keys) - _LEGEND_KEYS} keys)" if len(keys) > _LEGEND_KEYS else ""
     return f"{data.run_dir.name}: " + (", ".join(shown) + more if shown else "same config")
@@ -162,7 +154,7 @@ def write_comparison(
     head = ["run", *keys, *metrics, "last_step", "attempts", "wall time", "goodput"]
     body = []
     for data, row in zip(runs, rows):
-        flat = _flatten(data.config, "", {})
+        flat = flat_config(data.config)
         cells = [data.run_dir.name, *[_cell(flat.get(k)) for k in keys],
                  *[_cell(row.get(m)) for m in metrics], _cell(row["last_step"]),
                  _cell(row["attempts"]), format_duration(row["wall_s"]),

@@ -1095,3 +1095,19 @@ def _build(schema: type, values: Mapping[str, Any]) -> Any:
 def defaults() -> dict[str, Any]:
     """Every supported key with its default, as a plain nested dict."""
     return dataclasses.asdict(Config())
+
+
+def flat_config(value: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested config as ``{"train.lr": 0.001, ...}``: one dotted key per leaf, in the config's
+    order (an empty section holds no key; a tuple reads as the list it was in YAML)."""
+    out: dict[str, Any] = {}
+
+    def walk(path: str, item: Any) -> None:
+        if isinstance(item, Mapping):
+            for key, sub in item.items():
+                walk(f"{path}.{key}" if path else str(key), sub)
+        elif path:
+            out[path] = list(item) if isinstance(item, tuple) else item
+
+    walk(prefix, value)
+    return out

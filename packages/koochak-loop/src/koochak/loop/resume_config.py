@@ -34,6 +34,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from koochak.loop.config import flat_config
+
 __all__ = [
     "DIFFERENT_RUN",
     "RESUME_CLASSES",
@@ -82,6 +84,10 @@ RESUME_CLASSES: dict[str, str] = {
     # ---- train: where and how the run is persisted
     "train.out_dir": _SAME,
     "train.run_id": _SAME,
+    # Used only by a fresh start (a resume takes its weights from the checkpoint), so a later
+    # attempt naming another source continues the same run.
+    "train.init_from": _SAME,
+    "train.init_from_ema": _SAME,
     "train.ckpt_every": _SAME,
     "train.keep_last_k": _SAME,
     "train.keep_best_k": _SAME,
@@ -161,15 +167,6 @@ def resume_class(key: str) -> str | None:
         path = path.rpartition(".")[0]
 
 
-def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
-    if isinstance(value, Mapping):  # an empty section holds no key
-        for key, item in value.items():
-            _flatten(item, f"{prefix}.{key}" if prefix else str(key), out)
-    elif prefix:
-        out[prefix] = list(value) if isinstance(value, tuple) else value
-    return out
-
-
 def same_value(a: Any, b: Any) -> bool:
     """Whether a config value is unchanged: a float by its bits (``nan`` is ``nan``; ``0.0`` and
     ``-0.0`` differ), an int and the float of it alike (a YAML ``1`` and ``1.0``), lists element
@@ -204,7 +201,7 @@ def compare_configs(
     """The changes from the checkpoint's config ``old`` to the resuming config ``new`` (plain
     nested dicts, each with the defaults filled in, so a key added by a newer Koochak does not
     count as a change), classified by `RESUME_CLASSES`; keys matching ``allow`` are harmless."""
-    before, after = _flatten(old, "", {}), _flatten(new, "", {})
+    before, after = flat_config(old), flat_config(new)
     breaking, harmless, extended = [], [], False
     for key in sorted(set(before) | set(after)):
         was, now = before.get(key, _ABSENT), after.get(key, _ABSENT)
@@ -249,9 +246,7 @@ def _shape(value: Any) -> tuple[int, ...] | None:
     return None if shape is None else tuple(int(n) for n in shape)
 
 
-def check_model_shapes(
-    saved: Mapping[str, Any], live: Mapping[str, Any], where: str = ""
-) -> None:
+def check_model_shapes(saved: Mapping[str, Any], live: Mapping[str, Any], where: str = "") -> None:
     """Refuse (ConfigError, one line) a checkpoint's model state ``saved`` that ``live`` (the
     model's own state dict, global shapes, ``module.`` prefixes already matched) cannot take:
     a parameter or buffer whose shape changed (both shapes named), or names one side lacks.

@@ -53,15 +53,6 @@ def _plain_config(config: Any) -> Any:
     return config
 
 
-def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
-    if isinstance(value, Mapping):
-        for key, item in value.items():
-            _flatten(item, f"{prefix}.{key}" if prefix else str(key), out)
-    elif prefix:
-        out[prefix] = value
-    return out
-
-
 def _short(value: Any) -> str:
     if isinstance(value, str):
         return value  # paths and names in full
@@ -73,12 +64,12 @@ def config_summary(config: Mapping[str, Any]) -> list[str]:
     """One screen of ``config``: per section, the keys whose value differs from Koochak's default
     (every key of a free-form section), plus ``train.max_steps`` and ``train.out_dir``, as
     ``section  key=value ...`` lines of at most ~100 characters."""
-    from koochak.loop.config import defaults
+    from koochak.loop.config import defaults, flat_config
 
-    base = _flatten(defaults(), "", {})
+    base = flat_config(defaults())
     lines = []
     for section, values in config.items():
-        flat = _flatten(values, str(section), {}) if isinstance(values, Mapping) else {}
+        flat = flat_config(values, str(section)) if isinstance(values, Mapping) else {}
         fields = [
             f"{key.partition('.')[2]}={_short(value)}"
             for key, value in flat.items()
