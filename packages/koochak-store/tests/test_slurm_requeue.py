@@ -90,7 +90,8 @@ def test_an_earlier_attempt_of_this_job_is_taken_over_in_one_line(store, attempt
         assert leases.read_lease(store).slurm == held.record.slurm  # the record says so
     lines = [r.getMessage() for r in caplog.records if "taking over" in r.getMessage()]
     assert len(lines) == 1
-    assert f"attempt 0 of Slurm job {JOB}, requeued since (this is attempt 1)" in lines[0]
+    assert f"attempt 0 of Slurm job {JOB}, since" in lines[0]
+    assert f"Slurm has requeued job {JOB} since (this is attempt 1)" in lines[0]
 
 
 def test_the_same_attempt_or_a_later_one_is_alive(store, attempt, squeue):
@@ -196,7 +197,8 @@ def test_a_requeued_attempt_takes_over_its_dead_attempts_publish_intent(store, a
     with caplog.at_level(logging.WARNING):
         publish(store, NAME, b"mine")
     assert store.get(NAME) == b"mine"
-    assert "requeued since (this is attempt 1)" in caplog.text
+    assert f"attempt 0 of Slurm job {JOB} (committing by" in caplog.text
+    assert "requeued job 4711 since (this is attempt 1)" in caplog.text
     # the same attempt (another rank of it, say) is alive until its deadline
     store.put(NAME + _publish_intent.INTENT_SUFFIX, dataclasses.replace(
         theirs, key="step000000008.pt", slurm=_slurm_job.SlurmJob(JOB, 1, "c1")).to_bytes())  # fmt: skip
@@ -213,12 +215,12 @@ def test_the_records_carry_the_job_only_under_slurm_and_readers_check_it(
     assert not set(plain) & set(_slurm_job.FIELDS)  # outside Slurm: the record as before
     attempt(JOB, 3)
     doc = json.loads(_publish_intent.ours(NAME).to_bytes())
-    assert (doc["slurm_job_id"], doc["slurm_restart_count"], doc["slurm_cluster"]) == (JOB, 3, "c1")
+    assert (doc["slurm_job_id"], doc["slurm_restarts"], doc["slurm_cluster"]) == (JOB, 3, "c1")
     record = _dead_attempt()
     assert leases._parse(record.to_bytes(), "x") == record
     lease_doc = json.loads(record.to_bytes())
     bad = [
-        ({**lease_doc, "slurm_restart_count": -1}, "slurm_restart_count"),
+        ({**lease_doc, "slurm_restarts": -1}, "slurm_restarts"),
         ({**lease_doc, "slurm_job_id": 4711}, "slurm_job_id"),
         ({k: v for k, v in lease_doc.items() if k != "slurm_cluster"}, "slurm_cluster"),
         ({**{k: v for k, v in lease_doc.items() if k != "machine_id"}, "version": 1}, "slurm_"),

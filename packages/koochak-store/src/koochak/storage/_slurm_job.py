@@ -26,7 +26,7 @@ SQUEUE_TIMEOUT_SECONDS = 5.0
 ENDED_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
                           "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"})  # fmt: skip
 # The record keys, written together and only by a holder that runs under Slurm.
-FIELDS = ("slurm_cluster", "slurm_job_id", "slurm_restart_count")
+FIELDS = ("slurm_cluster", "slurm_job_id", "slurm_restarts")
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class SlurmJob:
         if not self.job_id:
             return {}
         return {"slurm_cluster": self.cluster, "slurm_job_id": self.job_id,
-                "slurm_restart_count": self.restart_count}  # fmt: skip
+                "slurm_restarts": self.restart_count}  # fmt: skip
 
 
 def current() -> SlurmJob:
@@ -70,11 +70,11 @@ def parse_fields(doc: dict, where: str) -> SlurmJob:
         missing = next(name for name in FIELDS if name not in doc)
         raise ValueError(f"{where}: missing field {missing!r} (the Slurm fields go together)")
     job_id, restarts, cluster = (doc.pop(name) for name in
-                                 ("slurm_job_id", "slurm_restart_count", "slurm_cluster"))  # fmt: skip
+                                 ("slurm_job_id", "slurm_restarts", "slurm_cluster"))  # fmt: skip
     if type(job_id) is not str or not job_id:
         raise ValueError(f"{where}: field 'slurm_job_id' must be a non-empty str")
     if type(restarts) is not int or restarts < 0:
-        raise ValueError(f"{where}: field 'slurm_restart_count' must be an int >= 0")
+        raise ValueError(f"{where}: field 'slurm_restarts' must be an int >= 0")
     if type(cluster) is not str:
         raise ValueError(f"{where}: field 'slurm_cluster' must be a str")
     return SlurmJob(job_id, restarts, cluster)
@@ -88,9 +88,8 @@ def why_ended(theirs: SlurmJob, ours: SlurmJob | None = None) -> str | None:
         return None  # no job to ask about, or one of another cluster (its ids are not ours)
     if theirs.job_id == ours.job_id:
         if theirs.restart_count < ours.restart_count:
-            return (
-                f"it is {theirs.describe()}, requeued since (this is attempt {ours.restart_count})"
-            )
+            restarted = ours.restart_count
+            return f"Slurm has requeued job {ours.job_id} since (this is attempt {restarted})"
         return None  # this very attempt (or a later one): running
     state = squeue_state(theirs.job_id)
     if state == "":
