@@ -17,7 +17,9 @@ publisher dead:
   another process or none: a record from another namespace (or one that does not say, as
   version 1 records do not) can never be proven dead by its pid;
 * on any host: the deadline has passed by more than ``CLOCK_SKEW_SECONDS`` (a live publisher
-  never commits after its deadline: it fails instead).
+  never commits after its deadline: it fails instead);
+* by its Slurm job (``koochak.storage._slurm_job``, the optional ``slurm_*`` fields): an earlier
+  attempt of this very job, requeued since, or a job ``squeue`` says ended.
 
 Anything else is a live publisher, or one that cannot be proven dead: ``publish`` then fails
 with FileExistsError naming it, and removes nothing.

@@ -16,7 +16,10 @@ holder is provably gone:
   A record from another machine, or renewed after this host booted, is alive until its ttl;
 * on any host: its last renewal is older than ``ttl_seconds`` plus ``CLOCK_SKEW_SECONDS`` (a
   live holder renews far more often than that), so a dead holder elsewhere is taken over at most
-  ``ttl_seconds + CLOCK_SKEW_SECONDS`` (15 minutes by default) after its last renewal.
+  ``ttl_seconds + CLOCK_SKEW_SECONDS`` (15 minutes by default) after its last renewal;
+* by its Slurm job (``koochak.storage._slurm_job``): the record names an earlier attempt of
+  this very job (Slurm requeued it since), or a job that ``squeue`` says ended, so a requeued
+  job takes over its own lost node's lease at once instead of after those 15 minutes.
 
 A gone holder's lease is taken over with one warning. Two acquirers that both find it gone race
 for a takeover marker (``<key>.takeover-<token>``, create-only), so only one deletes it.
