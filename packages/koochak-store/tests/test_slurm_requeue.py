@@ -238,12 +238,35 @@ def test_the_records_carry_the_job_only_under_slurm_and_readers_check_it(
             _publish_intent.parse(json.dumps({**old, "version": version}).encode(), "intent-file")
 
 
-def test_squeue_of_the_running_local_slurm(monkeypatch):
-    """The real squeue: a job id it never issued is unknown (""), never an error."""
+def test_the_running_local_slurm_proves_a_job_over_only_once_it_ended(monkeypatch):
+    """The real squeue (tools/local_slurm.sh): a job id it never issued is unknown, a running job
+    is alive, the same job once cancelled has ended."""
     conf = "/tmp/koochak-slurm/slurm.conf"
-    if shutil.which("squeue") is None or not os.path.exists(conf):
+    if shutil.which("sbatch") is None or not os.path.exists(conf):
         pytest.skip("no local Slurm (tools/local_slurm.sh)")
     monkeypatch.setenv("SLURM_CONF", conf)
     if subprocess.run(["squeue", "-h"], capture_output=True, timeout=10).returncode != 0:
         pytest.skip("the local Slurm controller does not answer")
-    assert _slurm_job.squeue_state("987654321") == ""
+    cluster = "koochak-local"
+    here = _slurm_job.SlurmJob("987654321", 0, cluster)  # this process: another job
+    assert _slurm_job.squeue_state("987654320") == ""
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", "--output=/dev/null", "--wrap", "sleep 120"],
+        capture_output=True, text=True, timeout=30, check=True,
+    )  # fmt: skip
+    job = submitted.stdout.strip().split(";")[0]
+    theirs = _slurm_job.SlurmJob(job, 0, cluster)
+    try:
+        deadline = time.monotonic() + 60
+        while _slurm_job.squeue_state(job) == "PENDING" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _slurm_job.squeue_state(job) == "RUNNING"
+        assert _slurm_job.why_ended(theirs, here) is None
+        assert _slurm_job.why_ended(theirs, _slurm_job.SlurmJob(job, 0, "another")) is None
+    finally:
+        subprocess.run(["scancel", job], capture_output=True, timeout=30)
+    deadline = time.monotonic() + 60
+    while _slurm_job.squeue_state(job) not in _slurm_job.ENDED_STATES:
+        assert time.monotonic() < deadline, _slurm_job.squeue_state(job)
+        time.sleep(0.2)
+    assert _slurm_job.why_ended(theirs, here) == f"its Slurm job {job} has ended (CANCELLED)"
