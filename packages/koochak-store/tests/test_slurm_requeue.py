@@ -105,6 +105,31 @@ def test_the_same_attempt_or_a_later_one_is_alive(store, attempt, squeue):
     assert not calls.exists()
 
 
+def test_a_holder_seen_running_here_outweighs_any_slurm_evidence(store, attempt, squeue):
+    """A straggler of the earlier attempt still running on this machine (requeued onto the same
+    node, say) keeps its lease: its running pid is stronger evidence than the requeue."""
+    from koochak.storage._publish_intent import _boot_id, _machine_id, _pid_ns, _start_ticks
+
+    squeue(out="CANCELLED\n")
+    attempt(JOB, 1)
+    straggler = subprocess.Popen(["sleep", "60"])
+    try:
+        here = dict(host="this-node", machine_id=_machine_id(), boot_id=_boot_id(),
+                    pid_ns=_pid_ns(), pid=straggler.pid, pid_start=_start_ticks(straggler.pid))  # fmt: skip
+        for slurm in (_slurm_job.SlurmJob(JOB, 0, "c1"), _slurm_job.SlurmJob("99", 0, "c1")):
+            _leave(store, dataclasses.replace(_dead_attempt(), slurm=slurm, **here))
+            with pytest.raises(leases.LeaseHeld, match=f"pid {straggler.pid}"):
+                leases.acquire_lease(store)
+            store.delete(leases.LEASE_KEY)
+            intent = dataclasses.replace(_publish_intent.ours(NAME), slurm=slurm, **here)
+            assert _publish_intent.why_dead(intent) is None
+    finally:
+        straggler.kill()
+        straggler.wait()
+    _leave(store, dataclasses.replace(_dead_attempt(), **here))  # once it is gone: taken over
+    leases.acquire_lease(store).release()
+
+
 def test_another_job_is_alive_while_squeue_says_it_runs(store, attempt, squeue):
     attempt("99", 0)
     calls = squeue(out="RUNNING\n")

@@ -118,8 +118,13 @@ def parse(raw: bytes, where: str) -> Intent:
 
 def why_dead(intent: Intent, now: float | None = None) -> str | None:
     """Why ``intent``'s publisher is provably gone, or None when it may still be running: by its
-    deadline or machine (``_by_machine``), else by its Slurm job (``_slurm_job.why_ended``)."""
-    return _by_machine(intent, now) or why_ended(intent.slurm)
+    deadline or machine (``_by_machine``), else by its Slurm job (``_slurm_job.why_ended``),
+    unless its process is seen running here."""
+    found = _by_machine(intent, now)
+    if found is not None or running_here(intent.machine_id, intent.boot_id, intent.pid_ns,
+                                         intent.pid, intent.pid_start):  # fmt: skip
+        return found
+    return why_ended(intent.slurm)
 
 
 def _by_machine(intent: Intent, now: float | None) -> str | None:
@@ -137,6 +142,15 @@ def _by_machine(intent: Intent, now: float | None) -> str | None:
     if _start_ticks(intent.pid) != intent.pid_start:
         return f"pid {intent.pid} is no longer running"
     return None
+
+
+def running_here(machine_id: str, boot_id: str, pid_ns: str, pid: int, pid_start: int) -> bool:
+    """Whether the process a record names is provably running now: this machine (by its
+    identity), this boot, this pid namespace, and its pid started when the record says. No
+    other evidence (a Slurm job said to be over) outweighs that."""
+    same_boot = bool(machine_id) and machine_id == _machine_id() and boot_id == _boot_id()
+    same_ns = same_boot and bool(pid_ns) and pid_ns == _pid_ns()
+    return same_ns and pid_start >= 0 and _start_ticks(pid) == pid_start
 
 
 def same_machine(host: str, machine_id: str) -> bool:

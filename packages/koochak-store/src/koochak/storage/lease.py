@@ -48,6 +48,7 @@ from koochak.storage._publish_intent import (
     _pid_ns,
     _start_ticks,
     from_before_this_boot,
+    running_here,
     same_machine,
 )
 from koochak.storage._slurm_job import SlurmJob, current, parse_fields, why_ended
@@ -190,10 +191,15 @@ def _last_renewed(store: Store, key: str, record: LeaseRecord) -> float | None:
 
 def why_gone(store: Store, key: str, record: LeaseRecord, now: float | None = None) -> str | None:
     """Why ``record``'s holder is provably gone, or None while it may still be running: by its
-    machine (``_by_machine``), else by its Slurm job (``koochak.storage._slurm_job``)."""
+    machine (``_by_machine``), else by its Slurm job (``koochak.storage._slurm_job``), unless
+    its process is seen running here."""
     if record.token in _ACTIVE:
         return None  # held by this very process, now
-    return _by_machine(store, key, record, now) or why_ended(record.slurm)
+    found = _by_machine(store, key, record, now)
+    if found is not None or running_here(record.machine_id, record.boot_id, record.pid_ns,
+                                         record.pid, record.pid_start):  # fmt: skip
+        return found
+    return why_ended(record.slurm)
 
 
 def _by_machine(store: Store, key: str, record: LeaseRecord, now: float | None) -> str | None:
