@@ -136,7 +136,7 @@ def test_another_job_is_alive_while_squeue_says_it_runs(store, attempt, squeue):
     _leave(store, _dead_attempt(JOB, 0))
     with pytest.raises(leases.LeaseHeld, match="node-lost"):
         leases.acquire_lease(store)
-    assert f"--jobs {JOB}" in calls.read_text()
+    assert f"--jobs={JOB}" in calls.read_text()
     squeue(out="COMPLETING\n")  # its processes may still run
     with pytest.raises(leases.LeaseHeld):
         leases.acquire_lease(store)
@@ -177,6 +177,14 @@ def test_a_failing_or_unclear_squeue_proves_nothing(store, attempt, squeue, answ
     _leave(store, _dead_attempt(JOB, 0))
     with pytest.raises(leases.LeaseHeld, match="node-lost"):
         leases.acquire_lease(store)
+
+
+def test_squeue_is_asked_only_about_slurm_job_ids(squeue):
+    calls = squeue(out="COMPLETED\n")
+    for odd in ("4711,4712", "--help", "4711 4712", ""):
+        assert _slurm_job.squeue_state(odd) is None
+    assert not calls.exists()
+    assert _slurm_job.squeue_state("4711_3") == "COMPLETED"
 
 
 def test_no_squeue_or_a_hanging_one_proves_nothing(store, attempt, tmp_path, monkeypatch):

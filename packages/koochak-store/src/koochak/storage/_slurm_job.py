@@ -17,6 +17,7 @@ array task has a job id of its own that a requeue keeps, so the array ids add no
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ ENDED_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_F
                           "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"})  # fmt: skip
 # The record keys, written together and only by a holder that runs under Slurm.
 FIELDS = ("slurm_cluster", "slurm_job_id", "slurm_restarts")
+# What squeue is asked about: a job id, an array task's or a heterogeneous job's component's.
+_JOB_ID = re.compile(r"[0-9]+([_+][0-9]+)?")
 
 
 @dataclass(frozen=True)
@@ -102,13 +105,14 @@ def why_ended(theirs: SlurmJob, ours: SlurmJob | None = None) -> str | None:
 def squeue_state(job_id: str) -> str | None:
     """The state of Slurm job ``job_id`` as ``squeue`` reports it; "" when Slurm does not know
     the job ("Invalid job id"); None when that cannot be told: no squeue, a failure, a timeout,
-    no answer, or a job of several states (an array's tasks) not all ended."""
+    no answer, a job of several states (an array's tasks) not all ended, or an id that is no
+    Slurm job id (a record says what it likes: squeue is never asked about "1,2" or "-h")."""
     squeue = shutil.which("squeue")
-    if squeue is None:
+    if squeue is None or not _JOB_ID.fullmatch(job_id):
         return None
     try:
         done = subprocess.run(
-            [squeue, "--noheader", "--states=all", "--jobs", job_id, "--format=%T"],
+            [squeue, "--noheader", "--states=all", f"--jobs={job_id}", "--format=%T"],
             capture_output=True,
             text=True,
             timeout=SQUEUE_TIMEOUT_SECONDS,
