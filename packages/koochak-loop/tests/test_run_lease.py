@@ -136,7 +136,9 @@ def test_a_second_run_into_one_out_dir_is_refused_with_exit_2_naming_the_holder(
         assert not (root / "built").exists()  # refused before the model was built
         err = capsys.readouterr().err
         assert f"train.out_dir: {root / 'run'}/{LEASE_KEY}" in err
-        assert f"another run holds this location: pid {holder.pid}" in err and "the other run" in err
+        assert (
+            f"another run holds this location: pid {holder.pid}" in err and "the other run" in err
+        )
         assert not (root / "run" / "step000000003.pt").exists()  # refused before any update
     finally:
         holder.kill()
