@@ -136,7 +136,9 @@ def test_a_second_run_into_one_out_dir_is_refused_with_exit_2_naming_the_holder(
         assert not (root / "built").exists()  # refused before the model was built
         err = capsys.readouterr().err
         assert f"train.out_dir: {root / 'run'}/{LEASE_KEY}" in err
-        assert f"another run holds this location: pid {holder.pid}" in err and "the other run" in err
+        assert (
+            f"another run holds this location: pid {holder.pid}" in err and "the other run" in err
+        )
         assert not (root / "run" / "step000000003.pt").exists()  # refused before any update
     finally:
         holder.kill()
@@ -380,3 +382,65 @@ def test_a_live_run_in_another_nodes_first_tier_refuses_every_rank(project):
     assert not (root / "built0").exists() and not (root / "built1").exists()
     # What rank 0 took (node 0's tier, the replica, out_dir) was released: nothing left behind.
     assert not (root / "node0").exists() and not (root / "durable").exists()
+
+
+def _lost_nodes_lease(where) -> None:
+    """The lease attempt 0 of Slurm job 4711 left on ``where`` when its node was lost: written
+    as that node wrote it (another machine, another boot), renewed a moment ago."""
+    from koochak.storage._slurm_job import SlurmJob
+
+    record = leases.LeaseRecord(
+        token=os.urandom(16).hex(), host="node-lost", boot_id="their-boot", pid_ns="pid:[1]",
+        pid=4242, pid_start=7, started=time.time(), ttl_seconds=600.0,
+        purpose="koochak run on the lost node", machine_id="the-lost-machine",
+        slurm=SlurmJob("4711", 0, "koochak-local"),
+    )  # fmt: skip
+    LocalStore(where).put(LEASE_KEY, record.to_bytes())
+
+
+def test_a_requeued_slurm_job_takes_over_its_lost_attempts_leases_and_resumes(
+    project, monkeypatch, caplog, capsys
+):
+    """Issue 35 follow-up: the node holding rank 0 is lost, Slurm requeues the job on another
+    machine; the dead attempt's leases on the shared replica and out_dir (alive by machine
+    evidence for 15 minutes) are taken over at once, one line each, and the run resumes. Another
+    job is refused as before."""
+    root, _, config = project
+    squeue = root / "bin" / "squeue"  # the scheduler says every other job still runs
+    squeue.parent.mkdir()
+    squeue.write_text("#!/bin/sh\necho RUNNING\n")
+    squeue.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{squeue.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "4711")
+    monkeypatch.setenv("SLURM_CLUSTER_NAME", "koochak-local")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    shared = [f"train.checkpoint_replicas=[{root / 'durable'}]"]
+    args = ["--config", str(config), "--resume", "auto", *shared]
+    assert main([*args, f"train.checkpoint_dir={root / 'lost-node'}"]) == 0
+    for where in (root / "durable", root / "run"):  # what the lost node's rank 0 left
+        _lost_nodes_lease(where)
+
+    monkeypatch.setenv("SLURM_JOB_ID", "4712")  # another job: refused as before
+    assert main([*args, f"train.checkpoint_dir={root / 'new-node'}", "train.max_steps=6"]) == 2
+    assert "another run holds this location: pid 4242 on node-lost" in capsys.readouterr().err
+
+    monkeypatch.setenv("SLURM_JOB_ID", "4711")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # Slurm requeued job 4711 on another machine
+    with caplog.at_level(logging.WARNING, logger="koochak.storage.lease"):
+        assert main([*args, f"train.checkpoint_dir={root / 'new-node'}", "train.max_steps=6"]) == 0
+    lines = [r.getMessage() for r in caplog.records if "taking over the lease" in r.getMessage()]
+    assert len(lines) == 2, lines  # one line for each place the dead attempt held
+    for line in lines:
+        assert (
+            "attempt 0 of Slurm job 4711, since" in line
+            and "Slurm has requeued job 4711 since (this is attempt 1)" in line
+        )
+    assert {line.split(": taking over")[0] for line in lines} == {
+        f"{root / 'durable'}/{LEASE_KEY}",
+        f"{root / 'run'}/{LEASE_KEY}",
+    }
+    err = capsys.readouterr().err  # resumed from the replica at step 3, not started over
+    assert f"resuming from {root / 'durable'}/step000000003.pt (tier 1) at step 3 of 6" in err
+    assert torch.load(root / "durable" / "step000000006.pt", weights_only=True)["step"] == 6
+    for where in (root / "durable", root / "run", root / "new-node"):
+        assert read_lease(LocalStore(where)) is None  # released at the end

@@ -17,7 +17,9 @@ publisher dead:
   another process or none: a record from another namespace (or one that does not say, as
   version 1 records do not) can never be proven dead by its pid;
 * on any host: the deadline has passed by more than ``CLOCK_SKEW_SECONDS`` (a live publisher
-  never commits after its deadline: it fails instead).
+  never commits after its deadline: it fails instead);
+* by its Slurm job (``koochak.storage._slurm_job``, the optional ``slurm_*`` fields): an earlier
+  attempt of this very job, requeued since, or a job ``squeue`` says ended.
 
 Anything else is a live publisher, or one that cannot be proven dead: ``publish`` then fails
 with FileExistsError naming it, and removes nothing.
@@ -32,6 +34,7 @@ import time
 from dataclasses import asdict, dataclass
 from functools import cache
 
+from koochak.storage._slurm_job import SlurmJob, current, parse_fields, why_ended
 from koochak.storage.strict_json import loads_strict, require_version
 
 INTENT_SUFFIX = ".publishing.json"
@@ -60,14 +63,18 @@ class Intent:
     pid_ns: str = ""  # /proc/self/ns/pid, e.g. "pid:[4026531836]"; "" where unknown
     machine_id: str = ""  # /etc/machine-id; "" where unknown (then the hostname stands in)
     written: float = -1.0  # Unix seconds when it was written; -1 where unknown
+    slurm: SlurmJob = SlurmJob()  # the publisher's Slurm job attempt; none outside Slurm
 
     def to_bytes(self) -> bytes:
         doc = {"version": INTENT_VERSION, **asdict(self)}
+        doc.pop("slurm")
+        doc.update(self.slurm.fields())
         return (json.dumps(doc, sort_keys=True, indent=2) + "\n").encode("utf-8")
 
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.deadline))
-        return f"pid {self.pid} on {self.host} (committing by {when})"
+        job = f", {self.slurm.describe()}" if self.slurm.job_id else ""
+        return f"pid {self.pid} on {self.host}{job} (committing by {when})"
 
 
 def ours(key: str, lease: float | None = None) -> Intent:
@@ -84,6 +91,7 @@ def ours(key: str, lease: float | None = None) -> Intent:
         deadline=time.time() + lease,
         machine_id=_machine_id(),
         written=time.time(),
+        slurm=current(),
     )
 
 
@@ -91,6 +99,7 @@ def parse(raw: bytes, where: str) -> Intent:
     """Read an intent record; ValueError naming ``where`` and the field when it is malformed."""
     doc = loads_strict(raw, where)
     version = require_version(doc, where, _READABLE)
+    slurm = parse_fields(doc, where) if version >= 3 else SlurmJob()
     fields = _FIELDS - _ADDED[version]
     if set(doc) != fields:
         extra = sorted(set(doc) - fields) or sorted(fields - set(doc))
@@ -104,11 +113,21 @@ def parse(raw: bytes, where: str) -> Intent:
         if name in doc and type(doc[name]) not in (int, float):
             raise ValueError(f"{where}: field {name!r} must be a number")
     doc.pop("version")
-    return Intent(**doc)
+    return Intent(**doc, slurm=slurm)
 
 
 def why_dead(intent: Intent, now: float | None = None) -> str | None:
-    """Why ``intent``'s publisher is provably gone, or None when it may still be running."""
+    """Why ``intent``'s publisher is provably gone, or None when it may still be running: by its
+    deadline or machine (``_by_machine``), else by its Slurm job (``_slurm_job.why_ended``),
+    unless its process is seen running here."""
+    found = _by_machine(intent, now)
+    if found is not None or running_here(intent.machine_id, intent.boot_id, intent.pid_ns,
+                                         intent.pid, intent.pid_start):  # fmt: skip
+        return found
+    return why_ended(intent.slurm)
+
+
+def _by_machine(intent: Intent, now: float | None) -> str | None:
     now = time.time() if now is None else now
     if now > intent.deadline + CLOCK_SKEW_SECONDS:
         return "its deadline passed"
@@ -123,6 +142,15 @@ def why_dead(intent: Intent, now: float | None = None) -> str | None:
     if _start_ticks(intent.pid) != intent.pid_start:
         return f"pid {intent.pid} is no longer running"
     return None
+
+
+def running_here(machine_id: str, boot_id: str, pid_ns: str, pid: int, pid_start: int) -> bool:
+    """Whether the process a record names is provably running now: this machine (by its
+    identity), this boot, this pid namespace, and its pid started when the record says. No
+    other evidence (a Slurm job said to be over) outweighs that."""
+    same_boot = bool(machine_id) and machine_id == _machine_id() and boot_id == _boot_id()
+    same_ns = same_boot and bool(pid_ns) and pid_ns == _pid_ns()
+    return same_ns and pid_start >= 0 and _start_ticks(pid) == pid_start
 
 
 def same_machine(host: str, machine_id: str) -> bool:

@@ -16,7 +16,10 @@ holder is provably gone:
   A record from another machine, or renewed after this host booted, is alive until its ttl;
 * on any host: its last renewal is older than ``ttl_seconds`` plus ``CLOCK_SKEW_SECONDS`` (a
   live holder renews far more often than that), so a dead holder elsewhere is taken over at most
-  ``ttl_seconds + CLOCK_SKEW_SECONDS`` (15 minutes by default) after its last renewal.
+  ``ttl_seconds + CLOCK_SKEW_SECONDS`` (15 minutes by default) after its last renewal;
+* by its Slurm job (``koochak.storage._slurm_job``): the record names an earlier attempt of
+  this very job (Slurm requeued it since), or a job that ``squeue`` says ended, so a requeued
+  job takes over its own lost node's lease at once instead of after those 15 minutes.
 
 A gone holder's lease is taken over with one warning. Two acquirers that both find it gone race
 for a takeover marker (``<key>.takeover-<token>``, create-only), so only one deletes it.
@@ -45,8 +48,10 @@ from koochak.storage._publish_intent import (
     _pid_ns,
     _start_ticks,
     from_before_this_boot,
+    running_here,
     same_machine,
 )
+from koochak.storage._slurm_job import SlurmJob, current, parse_fields, why_ended
 from koochak.storage.protocol import Store, capabilities_of
 from koochak.storage.strict_json import loads_strict, require_version
 
@@ -87,15 +92,19 @@ class LeaseRecord:
     ttl_seconds: float
     purpose: str = ""
     machine_id: str = ""  # /etc/machine-id; "" where unknown (then the hostname stands in)
+    slurm: SlurmJob = SlurmJob()  # the holder's Slurm job attempt; none outside Slurm
 
     def to_bytes(self) -> bytes:
         doc = {"version": LEASE_VERSION, **asdict(self)}
+        doc.pop("slurm")
+        doc.update(self.slurm.fields())
         return (json.dumps(doc, sort_keys=True, indent=2) + "\n").encode("utf-8")
 
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
         what = f" ({self.purpose})" if self.purpose else ""
-        return f"pid {self.pid} on {self.host}{what}, since {when}"
+        job = f", {self.slurm.describe()}" if self.slurm.job_id else ""
+        return f"pid {self.pid} on {self.host}{what}{job}, since {when}"
 
 
 class LeaseHeld(FileExistsError):
@@ -122,12 +131,14 @@ def _ours(ttl_seconds: float, purpose: str) -> LeaseRecord:
         ttl_seconds=float(ttl_seconds),
         purpose=purpose,
         machine_id=_machine_id(),
+        slurm=current(),
     )
 
 
 def _parse(raw: bytes, where: str) -> LeaseRecord:
     doc = loads_strict(raw, where)
     version = require_version(doc, where, _READABLE)
+    slurm = parse_fields(doc, where) if version >= 2 else SlurmJob()
     fields = _FIELDS if version >= 2 else _FIELDS - {"machine_id"}
     if set(doc) != fields:
         extra = sorted(set(doc) - fields) or sorted(fields - set(doc))
@@ -141,7 +152,7 @@ def _parse(raw: bytes, where: str) -> LeaseRecord:
         if type(doc[name]) not in (int, float) or doc[name] < 0:
             raise ValueError(f"{where}: field {name!r} must be a number >= 0")
     doc.pop("version")
-    return LeaseRecord(**doc)
+    return LeaseRecord(**doc, slurm=slurm)
 
 
 def read_lease(store: Store, key: str = LEASE_KEY) -> LeaseRecord | None:
@@ -179,10 +190,20 @@ def _last_renewed(store: Store, key: str, record: LeaseRecord) -> float | None:
 
 
 def why_gone(store: Store, key: str, record: LeaseRecord, now: float | None = None) -> str | None:
-    """Why ``record``'s holder is provably gone, or None while it may still be running."""
-    now = time.time() if now is None else now
+    """Why ``record``'s holder is provably gone, or None while it may still be running: by its
+    machine (``_by_machine``), else by its Slurm job (``koochak.storage._slurm_job``), unless
+    its process is seen running here."""
     if record.token in _ACTIVE:
         return None  # held by this very process, now
+    found = _by_machine(store, key, record, now)
+    if found is not None or running_here(record.machine_id, record.boot_id, record.pid_ns,
+                                         record.pid, record.pid_start):  # fmt: skip
+        return found
+    return why_ended(record.slurm)
+
+
+def _by_machine(store: Store, key: str, record: LeaseRecord, now: float | None) -> str | None:
+    now = time.time() if now is None else now
     renewed = _last_renewed(store, key, record)
     if same_machine(record.host, record.machine_id) and record.boot_id:
         if record.boot_id != _boot_id():
