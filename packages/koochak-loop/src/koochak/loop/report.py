@@ -273,10 +273,12 @@ def _tier_commits(
     for tier, location in zip(tiers, locations):
         try:
             present = {}
-            for info in checkpoint_store(location).list():
-                if not info.key.endswith(_READY):
+            # Only the location's own numbered checkpoints: superseded/<run>-<time>/ holds an
+            # older run's, moved aside by a --resume none start (tier_marker), never this run's.
+            for info in checkpoint_store(location).list("step"):
+                if not info.key.endswith(_READY) or "/" in info.key:
                     continue
-                step = step_of_name(info.key[: -len(_READY)].rsplit("/", 1)[-1])
+                step = step_of_name(info.key[: -len(_READY)])
                 if step is not None:
                     present[step] = info.mtime_ns / 1e9
         except Exception as exc:  # noqa: BLE001 - one unreachable tier does not stop the report
