@@ -82,6 +82,15 @@ class _QuietStart:
     def __len__(self) -> int:
         return len(self.loader)
 
+    # What `find_elastic` (and DDP's sharding, through it) looks for behind a DataLoader.
+    @property
+    def dataset(self) -> Any:
+        return self.loader.dataset
+
+    @property
+    def batch_sampler(self) -> Any:
+        return self.loader.batch_sampler
+
 
 def _sampler_of(source: Any) -> str | None:
     """The name of the random sampler behind a DataLoader (or a DataLoader's iterator), else
