@@ -279,3 +279,30 @@ def test_checkpoints_moved_aside_to_superseded_are_not_this_runs(two_attempts, t
     for tier in data.tiers:
         assert 99 not in tier.commits and 99 not in (tier.present or set()), tier
         assert 12 in tier.present
+
+
+def test_a_run_initialised_from_another_says_so_in_its_history_and_report(two_attempts, tmp_path):
+    """train.init_from's origin (path + sha256) is in the attempt's start record and the
+    report's first line (in the HTML and the PNG's summary)."""
+    import hashlib
+    import json
+
+    source = two_attempts / "step000000012.pt"
+    tune = tmp_path / "tune"
+    mp = pytest.MonkeyPatch()
+    mp.chdir(two_attempts.parent)
+    try:
+        assert train(["--config", str(two_attempts.parent / "cfg.yaml"), "--resume", "none",
+                      f"train.out_dir={tune}", f"train.init_from={source}", "train.max_steps=2",
+                      "train.checkpoint_replicas=[]"]) == 0  # fmt: skip
+    finally:
+        mp.undo()
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()
+    starts = [json.loads(line) for line in (tune / "attempts.jsonl").read_text().splitlines()]
+    (start,) = [r for r in starts if r["event"] == "start"]
+    assert start["origin"] == {"path": str(source), "sha256": digest, "ema": False}
+    data = report.gather_run(tune)
+    line = f"initialised from {source} (sha256 {digest})"
+    assert report.summary_lines(data)[0] == line
+    assert report.main([str(tune)]) == 0
+    assert line in (tune / "report.html").read_text()

@@ -39,6 +39,7 @@ __all__ = [
     "append_record",
     "begin_attempt",
     "record_resume_selection",
+    "record_supersede",
     "format_duration",
     "make_history_hooks",
     "read_history",
@@ -57,10 +58,11 @@ _FIELDS: dict[str, Any] = {
     "status": _STR, "lag_s": _NUM, "seconds": _NUM, "bytes": _INT, "host": _STR, "rank": _INT,
     "world_size": _INT, "exit_code": _INT, "slurm_job_id": _STR, "slurm_restarts": _INT,
     "hosts": _MAP, "previous": _MAP, "passed_over": _LIST, "steps": _LIST, "note": _STR,
+    "origin": _MAP, "run_id": _STR,
 }  # fmt: skip
 _REQUIRED = {"start": ("step",), "progress": ("step",), "end": ("step",),
              "commit": ("tier", "step"), "replicate": ("tier",), "prune": ("tier", "steps"),
-             "resume": ()}  # fmt: skip
+             "resume": (), "supersede": ("tier", "run_id", "path")}  # fmt: skip
 # A checkpoint's reason -> how the attempt that wrote it ended (periodic: it did not end there).
 _ENDS = {"terminal": "finished", "stopped": "stopped", "evacuation": "evacuated",
          "gpu_health": "gpu_health"}  # fmt: skip
@@ -234,6 +236,29 @@ def record_resume_selection(
         for p in passed
     ]
     append_record(out_dir, record)
+
+
+def record_supersede(
+    out_dir: str | os.PathLike[str] | None, tier: int, run_id: str, path: str, steps: Sequence[int]
+) -> None:
+    """Append that a run starting over (``--resume none``) moved the committed checkpoints of
+    run ``run_id`` it found in tier ``tier`` (``steps``) aside to ``path`` (``superseded/...``),
+    before its attempt starts (with that attempt's number). Rank 0 only; never fatal."""
+    if out_dir is None:
+        return
+    last = _previous(read_history(out_dir, warn=False))["number"]
+    append_record(out_dir, {"event": "supersede", "attempt": _number(last, False),
+                            "time": time.time(), "tier": int(tier), "run_id": str(run_id),
+                            "path": _masked(str(path)), "steps": [int(s) for s in steps]})  # fmt: skip
+
+
+def _origin_of(info: Mapping[str, Any]) -> dict[str, Any] | None:
+    """``train.init_from``'s origin as the start record keeps it (its path masked), or None."""
+    origin = info.get("origin")
+    if not isinstance(origin, Mapping) or not origin.get("path"):
+        return None
+    return {"path": _masked(str(origin["path"])), "sha256": str(origin.get("sha256") or ""),
+            "ema": bool(origin.get("ema"))}  # fmt: skip
 
 
 def _hosts(rank: int) -> dict[str, list[int]]:
@@ -470,6 +495,9 @@ def make_history_hooks(
         for key in ("slurm_job_id", "slurm_restarts"):
             if attempt.get(key) is not None:
                 record[key] = attempt[key]
+        origin = _origin_of(info)  # train.init_from: the weights this run started from
+        if origin is not None:
+            record["origin"] = origin
         previous = {key[len("previous_"):] if key.startswith("previous_") else key: attempt[key]
                     for key in _PREVIOUS if attempt.get(key) is not None}  # fmt: skip
         if previous:
