@@ -75,48 +75,6 @@ def test_the_loop_prints_the_note_once_at_start(tmp_path, capsys):
     assert out.count("koochak: the dataset is a cycle over a shuffling DataLoader") == 1
 
 
-def _as_rank0_of_two(monkeypatch):
-    """The loop's real ``ddp.shard_datasets``, run as rank 0 of two with train.shard_dataset:
-    what DDP hands the loop's data checks (the rest of this process stays one rank)."""
-    from koochak.loop import ddp
-
-    real = ddp.shard_datasets
-    two = ddp.DdpSetup(True, 0, 2, 0, False, torch.device("cpu"))
-    monkeypatch.setattr(ddp, "shard_datasets", lambda d, e, cfg, setup: real(d, e, cfg, two))
-
-
-def _first_draw(dataset, out_dir) -> torch.Tensor:
-    """The loop's run over ``dataset``; what ``torch.rand`` gives in its first step."""
-    from koochak.loop import training_loop
-
-    draws = []
-
-    def step_fn(model, batch, ctx):
-        draws.append(torch.rand(1))
-        return {"loss": model(batch).pow(2).mean()}
-
-    model = torch.nn.Linear(1, 1)
-    torch.manual_seed(3)
-    training_loop(model=model, dataset=dataset, step_fn=step_fn,
-                  optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
-                  train_cfg={"max_steps": 2, "device": "cpu", "out_dir": str(out_dir),
-                             "progress_bar": False, "log_every": 100, "shard_dataset": True})  # fmt: skip
-    return draws[0]
-
-
-def test_under_ddp_sharding_the_note_and_the_rng_fix_still_apply(tmp_path, capsys, monkeypatch):
-    """shard_datasets wraps a DataLoader in a sharded iterable: the loop still names a shuffling
-    one, and its iteration still leaves the global RNG as an uninterrupted run's."""
-    _as_rank0_of_two(monkeypatch)
-    data = [torch.tensor([float(i)]) for i in range(16)]
-    _first_draw(DataLoader(data, batch_size=2, shuffle=True), tmp_path / "shuffled")
-    out = capsys.readouterr().out
-    assert out.count("koochak: the dataset is a DataLoader with a random sampler") == 1, out
-    loader = _first_draw(DataLoader(data, batch_size=2), tmp_path / "loader")
-    plain = _first_draw(list(DataLoader(data, batch_size=2)), tmp_path / "plain")
-    assert torch.equal(loader, plain)  # iter(loader) took its base seed back
-
-
 def test_starting_a_dataloader_leaves_the_global_rng_alone():
     loader = DataLoader(DATA, batch_size=3)
     torch.manual_seed(5)
