@@ -10,6 +10,7 @@ hand with the torchrun environment. This file is also the per-rank training scri
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -189,7 +190,8 @@ def test_under_ddp_a_shuffling_dataloader_is_named_and_leaves_the_rng_alone(tmp_
         outputs[kind] = result.stdout
     note = "koochak: the dataset is a DataLoader with a random sampler"
     assert outputs["loader"].count(note) == 1
-    draws = {kind: sorted(line for line in out.splitlines() if line.startswith("first draw"))
+    # The ranks share torchrun's stdout: their lines may run into each other.
+    draws = {kind: sorted(re.findall(r"first draw on rank (\d+): ([-0-9.e]+)", out))
              for kind, out in outputs.items()}  # fmt: skip
     assert len(draws["loader"]) == 2 and draws["loader"] == draws["list"]
 
