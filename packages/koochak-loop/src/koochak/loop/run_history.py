@@ -12,9 +12,10 @@ goodput to ``on_train_end``'s info (``info["run"]``): useful steps over the wall
 first attempt began, restarts and the gaps between attempts included.
 
 The same file is the run's story for `koochak.loop.report`: each attempt's start (with the
-hosts of its ranks and its Slurm job), each checkpoint commit per tier with its time, each
-replication with its lag, each prune, each resume selection (the tier and step chosen, the
-candidates passed over and why) and each end, appended as they happen (docs/formats.md, "Run
+hosts of its ranks, its Slurm job and ``train.init_from``'s origin), each checkpoint commit per
+tier with its time, each replication with its lag, each prune, each resume selection (the tier
+and step chosen, the candidates passed over and why), each older run's checkpoints a start over
+moved aside (``supersede``) and each end, appended as they happen (docs/formats.md, "Run
 history"). A line that is torn, of an unknown version or with a field of the wrong type is
 skipped with one warning; it never stops a run or a report. A killed attempt writes no end:
 the next one says how it ended as far as its records and Slurm show (`koochak.loop.slurm_facts`).
