@@ -3,12 +3,14 @@ hand with the torchrun environment. This file is also the per-rank training scri
 
 - 2 ranks on the halves of each batch end where 1 process on the whole batch ends;
 - an evacuation request seen by rank 1 only makes both ranks publish-then-exit with 75;
-- a run moves 1 -> 2 -> 1 ranks through checkpoints and still matches the uninterrupted run.
+- a run moves 1 -> 2 -> 1 ranks through checkpoints and still matches the uninterrupted run;
+- a shuffling DataLoader under train.shard_dataset is named, and its iteration keeps the RNG.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -149,6 +151,51 @@ def test_two_ranks_match_one_process_on_the_concatenated_batch(tmp_path):
     assert "module." not in next(iter(ddp_final["model"]))
 
 
+def _data_rank(out_dir: str, kind: str) -> None:
+    """One rank fed a DataLoader (``loader``: a RandomSampler with its own generator, so only
+    ``iter`` itself draws from the global RNG) or the same batches as a list (``list``),
+    sharded by train.shard_dataset; prints its first draw."""
+    from koochak.loop import training_loop
+    from torch.utils.data import DataLoader, RandomSampler
+
+    def batches():
+        data = [torch.tensor([float(i)]) for i in range(16)]
+        order = RandomSampler(data, generator=torch.Generator().manual_seed(7))
+        return DataLoader(data, batch_size=2, sampler=order)
+
+    def step_fn(model, batch, ctx):
+        if ctx.step == 0:
+            print(f"first draw on rank {ctx.rank}: {torch.rand(1).item()!r}", flush=True)
+        return {"loss": model(batch).pow(2).mean()}
+
+    model = torch.nn.Linear(1, 1)
+    dataset = batches() if kind == "loader" else list(batches())
+    torch.manual_seed(3)
+    training_loop(model=model, dataset=dataset, step_fn=step_fn, optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                  train_cfg={"max_steps": 2, "device": "cpu", "out_dir": out_dir, "ddp": True,
+                             "shard_dataset": True, "progress_bar": False, "log_every": 100})  # fmt: skip
+
+
+def test_under_ddp_a_shuffling_dataloader_is_named_and_leaves_the_rng_alone(tmp_path):
+    """train.shard_dataset wraps the DataLoader in a sharded iterable: the loop still prints its
+    one line (rank 0) and iterating it still leaves each rank's global RNG as the same batches
+    handed as a list do (a resumed run would otherwise draw other dropout masks)."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    outputs = {}
+    for kind in ("loader", "list"):
+        cmd = [torchrun, "--nproc_per_node=2", f"--master_port={_free_port()}",
+               *_script("data", str(tmp_path / kind), kind)]  # fmt: skip
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stdout + result.stderr
+        outputs[kind] = result.stdout
+    note = "koochak: the dataset is a DataLoader with a random sampler"
+    assert outputs["loader"].count(note) == 1
+    # The ranks share torchrun's stdout: their lines may run into each other.
+    draws = {kind: sorted(re.findall(r"first draw on rank (\d+): ([-0-9.e]+)", out))
+             for kind, out in outputs.items()}  # fmt: skip
+    assert len(draws["loader"]) == 2 and draws["loader"] == draws["list"]
+
+
 def _two_ranks(out_dir, steps: int, **env: str) -> tuple[list[int], list[str]]:
     """Launch both ranks by hand with the torchrun environment; (exit codes, outputs)."""
     port = _free_port()
@@ -253,7 +300,10 @@ def test_wrap_model_passes_find_unused_parameters_through(tmp_path):
 
 
 if __name__ == "__main__":
-    mode, out_dir, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    mode, out_dir = sys.argv[1], sys.argv[2]
+    if mode == "data":  # one rank of the DataLoader check, environment from torchrun
+        _leave(lambda: _data_rank(out_dir, sys.argv[3]))
+    steps = int(sys.argv[3])
     if mode == "train":  # one rank, environment from torchrun or the test
         _leave(lambda: _train(out_dir, steps, ddp=True))
     else:  # "spawn": both ranks via torch.multiprocessing

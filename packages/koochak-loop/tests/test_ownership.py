@@ -117,6 +117,29 @@ def test_resume_none_in_a_used_out_dir_makes_the_new_run_its_owner(project, caps
     assert resolve_auto_resume(run).checkpoint["run_id"] == new.run_id
 
 
+def test_resume_none_that_supersedes_a_run_is_in_the_run_history_and_report(project):
+    """The run's story says it started over: which run it superseded, in which tier, which
+    checkpoints moved, and where to (a supersede event with the new attempt's number)."""
+    from koochak.loop import report
+    from koochak.loop.run_history import read_history
+
+    root, config = project
+    run = root / "run"
+    assert _train(config, "train.max_steps=4", "train.keep_last_k=2") == 0  # the older run
+    old_run = resolve_auto_resume(run).checkpoint["run_id"]
+    assert _train(config, "train.max_steps=2", resume="none") == 0
+    (aside,) = (run / "superseded").iterdir()
+    history = read_history(run)
+    (event,) = [r for r in history if r["event"] == "supersede"]
+    (start,) = [r for r in history if r["event"] == "start" and r["attempt"] == event["attempt"]]
+    moved = _steps(aside)
+    assert (event["tier"], event["run_id"], event["steps"]) == (0, old_run, moved)
+    assert event["path"] == str(aside) and start["step"] == 0 and start["resumed"] is False
+    story = "\n".join(report.story_lines(report.gather_run(run)))
+    steps = ", ".join(map(str, sorted(moved)))
+    assert f"run {old_run}'s checkpoint(s) in tier 0 (step {steps}) moved aside to {aside}" in story
+
+
 # ------------------------------------------------------------------ defect 3: markers
 
 

@@ -253,3 +253,56 @@ def test_a_report_mid_run_shows_the_commits_so_far(two_attempts, tmp_path):
     assert 8 in data.tiers[0].commits and 12 in data.tiers[0].commits  # 12: the tier lists it
     assert report.main([str(run)]) == 0
     assert "attempt 2 starts at step 6" in (run / "report.html").read_text()
+
+
+def test_checkpoints_moved_aside_to_superseded_are_not_this_runs(two_attempts, tmp_path):
+    """A --resume none start moves an older run's checkpoints to superseded/<run>-<time>/ in the
+    same location (tier_marker): the report neither draws them as this run's commits nor lists
+    them as present, in either tier, and koochak-compare (the same gather_run) follows."""
+    import shutil
+
+    import yaml
+
+    run = tmp_path / "run"
+    shutil.copytree(two_attempts, run, ignore=shutil.ignore_patterns("report.*"))
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    replica = Path(config["train"]["checkpoint_replicas"][0])
+    config["train"]["checkpoint_replicas"] = [str(tmp_path / "replica")]
+    shutil.copytree(replica, tmp_path / "replica")
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    for root in (run, tmp_path / "replica"):
+        aside = root / "superseded" / "older-run-20260101T000000Z"
+        aside.mkdir(parents=True)
+        for suffix in (".pt", ".pt.ready.json"):
+            shutil.copy(root / f"step000000012{suffix}", aside / f"step000000099{suffix}")
+    data = report.gather_run(run)
+    for tier in data.tiers:
+        assert 99 not in tier.commits and 99 not in (tier.present or set()), tier
+        assert 12 in tier.present
+
+
+def test_a_run_initialised_from_another_says_so_in_its_history_and_report(two_attempts, tmp_path):
+    """train.init_from's origin (path + sha256) is in the attempt's start record and the
+    report's first line (in the HTML and the PNG's summary)."""
+    import hashlib
+    import json
+
+    source = two_attempts / "step000000012.pt"
+    tune = tmp_path / "tune"
+    mp = pytest.MonkeyPatch()
+    mp.chdir(two_attempts.parent)
+    try:
+        assert train(["--config", str(two_attempts.parent / "cfg.yaml"), "--resume", "none",
+                      f"train.out_dir={tune}", f"train.init_from={source}", "train.max_steps=2",
+                      "train.checkpoint_replicas=[]"]) == 0  # fmt: skip
+    finally:
+        mp.undo()
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()
+    starts = [json.loads(line) for line in (tune / "attempts.jsonl").read_text().splitlines()]
+    (start,) = [r for r in starts if r["event"] == "start"]
+    assert start["origin"] == {"path": str(source), "sha256": digest, "ema": False}
+    data = report.gather_run(tune)
+    line = f"initialised from {source} (sha256 {digest})"
+    assert report.summary_lines(data)[0] == line
+    assert report.main([str(tune)]) == 0
+    assert line in (tune / "report.html").read_text()

@@ -157,9 +157,10 @@ def training_loop(
         fsdp.shard_model(raw_model, cfg.fsdp, device)
     optimizer, scheduler = _built(optimizer, scheduler, raw_model, cfg)
     user_state = resolve_state(state, raw_model)  # a second optimizer, its scheduler, ...
+    # The user's DataLoader as handed in (DDP's sharding hides it in a sharded iterable next):
+    dataset = say_if_not_resumable(dataset, rank)  # a shuffling DataLoader: one line, at start
     dataset, eval_dataset = ddp.shard_datasets(dataset, eval_dataset, cfg, setup)
     data_cursor = elastic_cursor(dataset, checkpoint_dict, start_step, cfg.grad_accum)
-    dataset = say_if_not_resumable(dataset, rank)  # a shuffling DataLoader: one line, at start
     scaler = Scaler(cfg.amp, device, sharded=cfg.fsdp.enabled)
     ctx = StepContext(
         device=device,

@@ -64,6 +64,7 @@ class Attempt:
     end_reason: str | None = None
     failure: str | None = None  # how it ended, for people ("node2 lost: rank 1 ...")
     resumed: dict[str, Any] | None = None  # {"tier", "step", "path", "passed_over"}
+    origin: dict[str, Any] | None = None  # train.init_from's {"path", "sha256", "ema"}
 
 
 @dataclass
@@ -93,6 +94,7 @@ class RunData:
     missing: list[str]
     replications: list[dict[str, Any]] = field(default_factory=list)  # the history's
     config: dict[str, Any] = field(default_factory=dict)  # config.yaml (for comparisons)
+    supersedes: list[dict[str, Any]] = field(default_factory=list)  # older runs moved aside
 
     def lags(self, tier: int) -> list[float]:
         """Seconds from the first tier's commit to tier ``tier``'s, per checkpoint: as the run
@@ -175,6 +177,8 @@ def _apply_history(run_dir: Path, attempts: list[Attempt], missing: list[str]) -
             continue
         if event == "start" and when is not None:
             attempt.start_time = float(when)
+            if isinstance(record.get("origin"), dict) and record["origin"].get("path"):
+                attempt.origin = record["origin"]
             if record.get("resumed_from") and attempt.resumed is None:
                 attempt.resumed = {"tier": record.get("resumed_tier"), "path":
                                    record.get("resumed_from")}  # fmt: skip
@@ -273,10 +277,12 @@ def _tier_commits(
     for tier, location in zip(tiers, locations):
         try:
             present = {}
-            for info in checkpoint_store(location).list():
-                if not info.key.endswith(_READY):
+            # Only the location's own numbered checkpoints: superseded/<run>-<time>/ holds an
+            # older run's, moved aside by a --resume none start (tier_marker), never this run's.
+            for info in checkpoint_store(location).list("step"):
+                if not info.key.endswith(_READY) or "/" in info.key:
                     continue
-                step = step_of_name(info.key[: -len(_READY)].rsplit("/", 1)[-1])
+                step = step_of_name(info.key[: -len(_READY)])
                 if step is not None:
                     present[step] = info.mtime_ns / 1e9
         except Exception as exc:  # noqa: BLE001 - one unreachable tier does not stop the report
@@ -314,7 +320,8 @@ def gather_run(run_dir: str | os.PathLike[str]) -> RunData:
     config = _read_config(root, missing)
     tiers = _tier_commits(_tier_locations(root, config, missing), history, missing)
     replications = [r for r in history if r.get("event") == "replicate"]
-    return RunData(root, attempts, tiers, end, missing, replications, config)
+    supersedes = [r for r in history if r.get("event") == "supersede"]
+    return RunData(root, attempts, tiers, end, missing, replications, config, supersedes)
 
 
 # ----------------------------------------------------------------------------- drawing
@@ -491,8 +498,19 @@ def _tier_tick(data: RunData, tier: TierCommits) -> str:
     return text
 
 
+def origin_line(data: RunData) -> str | None:
+    """``initialised from PATH (sha256 ...)``: the weights train.init_from started the run
+    from, as its (latest) start record names them; None for a run started from scratch."""
+    origins = [a.origin for a in data.attempts if a.origin]
+    if not origins:
+        return None
+    origin = origins[-1]
+    ema = ", its EMA weights" if origin.get("ema") else ""
+    return f"initialised from {origin['path']} (sha256 {origin.get('sha256') or '?'}{ema})"
+
+
 def summary_lines(data: RunData) -> list[str]:
-    lines = []
+    lines = [line] if (line := origin_line(data)) else []
     for attempt in data.attempts:
         steps = [r["step"] for r in attempt.rows]
         span = f"steps {min(steps)}..{max(steps)}" if steps else "no logged rows"
@@ -535,6 +553,12 @@ def story_lines(data: RunData) -> list[str]:
         for step, when in tier.commits.items():
             gone = " (pruned since)" if step in tier.pruned else ""
             events.append((when, f"tier {tier.index} commits step {step}{gone}"))
+    for record in data.supersedes:
+        steps = ", ".join(map(str, sorted(record.get("steps") or [])))
+        events.append((float(record["time"]), f"attempt {record.get('attempt')} starts over "
+                       f"(--resume none): run {record.get('run_id')}'s checkpoint(s) in tier "
+                       f"{record.get('tier')} (step {steps or '?'}) moved aside to "
+                       f"{record.get('path')}, where nothing selects or prunes them"))  # fmt: skip
     for record in data.replications:
         if record.get("status") != "committed":
             events.append((float(record["time"]), f"replication of step {record.get('step')} to "

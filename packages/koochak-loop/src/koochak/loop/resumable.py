@@ -63,10 +63,10 @@ def say_if_not_resumable(dataset: Any, rank: int) -> Iterable[Any]:
 def keep_rng_on_iter(dataset: Any) -> Any:
     """``dataset``, or for a DataLoader a view of it whose ``iter`` leaves the global torch RNG
     untouched (the base seed it draws comes from the same state as before)."""
-    return _QuietStart(dataset) if isinstance(dataset, DataLoader) else dataset
+    return _DataLoaderView(dataset) if isinstance(dataset, DataLoader) else dataset
 
 
-class _QuietStart:
+class _DataLoaderView:
     """Iterates its DataLoader; the draw ``iter`` makes is taken back (workers still get it)."""
 
     def __init__(self, loader: DataLoader) -> None:  # type: ignore[type-arg]
@@ -81,6 +81,15 @@ class _QuietStart:
 
     def __len__(self) -> int:
         return len(self.loader)
+
+    # What `find_elastic` (and DDP's sharding, through it) looks for behind a DataLoader.
+    @property
+    def dataset(self) -> Any:
+        return self.loader.dataset
+
+    @property
+    def batch_sampler(self) -> Any:
+        return self.loader.batch_sampler
 
 
 def _sampler_of(source: Any) -> str | None:

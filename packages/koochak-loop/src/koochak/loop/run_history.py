@@ -12,9 +12,10 @@ goodput to ``on_train_end``'s info (``info["run"]``): useful steps over the wall
 first attempt began, restarts and the gaps between attempts included.
 
 The same file is the run's story for `koochak.loop.report`: each attempt's start (with the
-hosts of its ranks and its Slurm job), each checkpoint commit per tier with its time, each
-replication with its lag, each prune, each resume selection (the tier and step chosen, the
-candidates passed over and why) and each end, appended as they happen (docs/formats.md, "Run
+hosts of its ranks, its Slurm job and ``train.init_from``'s origin), each checkpoint commit per
+tier with its time, each replication with its lag, each prune, each resume selection (the tier
+and step chosen, the candidates passed over and why), each older run's checkpoints a start over
+moved aside (``supersede``) and each end, appended as they happen (docs/formats.md, "Run
 history"). A line that is torn, of an unknown version or with a field of the wrong type is
 skipped with one warning; it never stops a run or a report. A killed attempt writes no end:
 the next one says how it ended as far as its records and Slurm show (`koochak.loop.slurm_facts`).
@@ -39,6 +40,7 @@ __all__ = [
     "append_record",
     "begin_attempt",
     "record_resume_selection",
+    "record_supersede",
     "format_duration",
     "make_history_hooks",
     "read_history",
@@ -57,10 +59,11 @@ _FIELDS: dict[str, Any] = {
     "status": _STR, "lag_s": _NUM, "seconds": _NUM, "bytes": _INT, "host": _STR, "rank": _INT,
     "world_size": _INT, "exit_code": _INT, "slurm_job_id": _STR, "slurm_restarts": _INT,
     "hosts": _MAP, "previous": _MAP, "passed_over": _LIST, "steps": _LIST, "note": _STR,
+    "origin": _MAP, "run_id": _STR,
 }  # fmt: skip
 _REQUIRED = {"start": ("step",), "progress": ("step",), "end": ("step",),
              "commit": ("tier", "step"), "replicate": ("tier",), "prune": ("tier", "steps"),
-             "resume": ()}  # fmt: skip
+             "resume": (), "supersede": ("tier", "run_id", "path")}  # fmt: skip
 # A checkpoint's reason -> how the attempt that wrote it ended (periodic: it did not end there).
 _ENDS = {"terminal": "finished", "stopped": "stopped", "evacuation": "evacuated",
          "gpu_health": "gpu_health"}  # fmt: skip
@@ -234,6 +237,29 @@ def record_resume_selection(
         for p in passed
     ]
     append_record(out_dir, record)
+
+
+def record_supersede(
+    out_dir: str | os.PathLike[str] | None, tier: int, run_id: str, path: str, steps: Sequence[int]
+) -> None:
+    """Append that a run starting over (``--resume none``) moved the committed checkpoints of
+    run ``run_id`` it found in tier ``tier`` (``steps``) aside to ``path`` (``superseded/...``),
+    before its attempt starts (with that attempt's number). Rank 0 only; never fatal."""
+    if out_dir is None:
+        return
+    last = _previous(read_history(out_dir, warn=False))["number"]
+    append_record(out_dir, {"event": "supersede", "attempt": _number(last, False),
+                            "time": time.time(), "tier": int(tier), "run_id": str(run_id),
+                            "path": _masked(str(path)), "steps": [int(s) for s in steps]})  # fmt: skip
+
+
+def _origin_of(info: Mapping[str, Any]) -> dict[str, Any] | None:
+    """``train.init_from``'s origin as the start record keeps it (its path masked), or None."""
+    origin = info.get("origin")
+    if not isinstance(origin, Mapping) or not origin.get("path"):
+        return None
+    return {"path": _masked(str(origin["path"])), "sha256": str(origin.get("sha256") or ""),
+            "ema": bool(origin.get("ema"))}  # fmt: skip
 
 
 def _hosts(rank: int) -> dict[str, list[int]]:
@@ -470,6 +496,9 @@ def make_history_hooks(
         for key in ("slurm_job_id", "slurm_restarts"):
             if attempt.get(key) is not None:
                 record[key] = attempt[key]
+        origin = _origin_of(info)  # train.init_from: the weights this run started from
+        if origin is not None:
+            record["origin"] = origin
         previous = {key[len("previous_"):] if key.startswith("previous_") else key: attempt[key]
                     for key in _PREVIOUS if attempt.get(key) is not None}  # fmt: skip
         if previous:

@@ -202,7 +202,11 @@ def claim_tiers(
         if marker is _UNREADABLE:
             continue
         if fresh and write:
-            _supersede(store, key, location, marker, run_id)
+            moved = _supersede(store, key, location, marker, run_id)
+            if moved is not None:  # the run's story says it (koochak-report)
+                from koochak.loop.run_history import record_supersede
+
+                record_supersede(cfg.out_dir, i, *moved)
             if marker is not None and marker.run_id != run_id:
                 marker = _take_marker(store, key, location, marker, run_id)
         elif marker is not None and marker.run_id != run_id:
@@ -292,18 +296,19 @@ SUPERSEDED_PREFIX = "superseded"
 
 
 def _supersede(store: Store, key: str, location: Any, marker: TierMarker | None,
-               run_id: str) -> None:  # fmt: skip
+               run_id: str) -> tuple[str, str, list[int]] | None:  # fmt: skip
     """A run starting over owns the tier: move its committed checkpoints (an older run's, or
     an earlier start's) to ``superseded/<run>-<time>/`` in the same location, each verified
     there before it is removed here, and say so in one line. Nothing selects or prunes them
-    there; they are the user's to keep or delete."""
-    from koochak.loop.checkpoint.format import LATEST_NAME
+    there; they are the user's to keep or delete. Returns what moved, for the run history:
+    ``(the older run, where its checkpoints went, their steps)``; None when nothing did."""
+    from koochak.loop.checkpoint.format import LATEST_NAME, step_of_name
     from koochak.loop.checkpoint.publication import unpublish_checkpoint
     from koochak.loop.checkpoint.tiers import replicate_checkpoint
 
     names = _committed(store, key, location)
     if not names:
-        return
+        return None
     owner = marker.run_id if marker is not None else (_run_of(store, names[0]) or "unknown-run")
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     aside = f"{store.location.rstrip('/')}/{SUPERSEDED_PREFIX}/{owner}-{stamp}"
@@ -321,6 +326,7 @@ def _supersede(store: Store, key: str, location: Any, marker: TierMarker | None,
     log.warning("%s (%s): run %r starts over here and owns it now; the %d checkpoint(s) of run "
                 "%r found there (%s) were moved to %s, where no run selects or prunes them",
                 key, location, run_id, len(names), owner, ", ".join(names), aside)  # fmt: skip
+    return owner, aside, [step for step in map(step_of_name, names) if step is not None]
 
 
 def _say_if_gone(stores: list[Store], markers: list[Any], keys: list[str], tiers: Any,
