@@ -310,7 +310,6 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
     if int(os.environ.get("RANK", "0")) == 0:
         print(format_summary(report), flush=True)
     _check_launch(cfg)
-    _hold_location(cfg, args.resume)  # refuse a second live run before building anything (exit 2)
     # Install the evacuation handler before building the model and data (which can take minutes):
     # a SIGUSR1 in that window is then recorded and honoured after the first update, instead of
     # killing the process with the signal's default action.
@@ -336,6 +335,9 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
                                   if make_eval is not None else [])  # fmt: skip
     check_declared_sections(to_container(cfg), builders, lambda key: _blame(key, args.config,
                             args.overrides), strict=bool(cfg.train.strict_config))  # fmt: skip
+    # Claim the location once every usage error above has had its say (a refused start, or one
+    # with a misspelt key, changes nothing there) and before anything is built (exit 2).
+    _hold_location(cfg, args.resume)
 
     set_all_seeds(int(cfg.train.seed))
     resume_path, checkpoint = _find_resume(cfg, args.resume)
