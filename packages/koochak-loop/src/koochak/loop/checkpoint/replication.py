@@ -746,9 +746,9 @@ class FollowerReplicator:
         """This rank's parts in the node's directory, by the one retention rule."""
         prefix = f"{PART_INFIX}{self.rank:05d}-"
         mine: dict[str, list[str]] = {}
-        for info in self.first.list():
+        for info in self.first.list("step"):  # not superseded/: another run's, set aside
             head, infix, _ = info.key.partition(prefix)
-            if infix and step_of_name(head) is not None:
+            if infix and "/" not in head and step_of_name(head) is not None:
                 mine.setdefault(head, []).append(info.key)
         names = sorted(mine, key=lambda n: step_of_name(n) or 0, reverse=True)
         with self._cond:
