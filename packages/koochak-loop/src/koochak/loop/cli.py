@@ -279,6 +279,11 @@ def _check_launch(cfg: DictConfig) -> None:
     get_device(str(cfg.train.device))
     if cfg.train.ddp or cfg.train.fsdp.enabled:
         check_launch_environment("train.fsdp.enabled" if cfg.train.fsdp.enabled else "train.ddp")
+    if cfg.train.fsdp.enabled and cfg.train.fsdp.hsdp:  # the shard groups tile the world
+        from koochak.loop.config import resolve_train_config
+        from koochak.loop.fsdp import shard_size
+
+        shard_size(resolve_train_config(cfg.train).fsdp, int(os.environ.get("WORLD_SIZE", "1")))
     for location in checkpoint_locations(cfg.train):
         checkpoint_store(location)
     from koochak.loop.checkpoint.tier_marker import check_reachable

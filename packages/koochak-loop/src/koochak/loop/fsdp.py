@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 from koochak.loop import dist
-from koochak.loop.config import FsdpConfig
+from koochak.loop.config import ConfigError, FsdpConfig
 from koochak.loop.dist import is_dtensor, local_tensor
 
 __all__ = [
@@ -58,7 +58,7 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 def shard_size(cfg: FsdpConfig, world: int, env: Mapping[str, str] | None = None) -> int:
     """The ranks of one shard group: every rank (``world``) unless ``cfg.hsdp``; under HSDP
-    ``cfg.shard_size``, else the ranks per node (torchrun's ``LOCAL_WORLD_SIZE``). ValueError
+    ``cfg.shard_size``, else the ranks per node (torchrun's ``LOCAL_WORLD_SIZE``). ConfigError
     naming ``train.fsdp.shard_size`` when ``world`` is not a multiple of it."""
     import os
 
@@ -68,13 +68,13 @@ def shard_size(cfg: FsdpConfig, world: int, env: Mapping[str, str] | None = None
     if size is None:
         local = (os.environ if env is None else env).get("LOCAL_WORLD_SIZE", "")
         if not local.isdigit() or int(local) < 1:
-            raise ValueError(
+            raise ConfigError(
                 "train.fsdp.shard_size: null means the ranks per node, but LOCAL_WORLD_SIZE is "
                 f"{local or 'unset'}; launch with torchrun or set train.fsdp.shard_size"
             )
         size = int(local)
     if world % size:
-        raise ValueError(
+        raise ConfigError(
             f"train.fsdp.shard_size: {size} ranks per shard group, but the world size {world} "
             "is not a multiple of it"
         )
