@@ -3,9 +3,11 @@
     python tools/bench/scale_bench.py                       # N = 1, 2, 4, 8; ~60 MB state
     python tools/bench/scale_bench.py --ranks 2,4 --mb 6    # a quick look
     python tools/bench/scale_bench.py --json                # the raw per-rank counters too
+    python tools/bench/scale_bench.py --hsdp --ranks 4,8    # HSDP: shard within a node of 2
 
 For each N, N gloo ranks on CPU (2 ranks per simulated node: ``KOOCHAK_NODE_INDEX`` is
-``rank // 2``) shard the same model with FSDP2 (``fully_shard`` over one 1-D mesh), take one
+``rank // 2``) shard the same model with FSDP2 (``fully_shard`` over one 1-D mesh; with ``--hsdp``
+a 2-D mesh that shards within each node's 2 ranks and replicates across nodes), take one
 AdamW step, and then, for each of two tier set-ups:
 
 - ``node``: a ``{node}`` first tier (a directory per node) and a directory replica;
@@ -100,16 +102,30 @@ def _delta(before: dict[str, int]) -> dict[str, int]:
     return {k: now[k] - before[k] for k in now}
 
 
-def build(dim: int, seed: int) -> tuple[Any, Any]:
-    """The sharded model (``LAYERS`` square Linear layers, each sharded on its own) and its
-    AdamW after one step of fixed gradients: parameters plus two moments, ~12 x dim^2 bytes."""
+def _shard_size(args: argparse.Namespace) -> int | None:
+    """The ranks of one shard group under ``--hsdp`` (a node's 2), None for 1-D sharding."""
+    import torch
+
+    return 2 if args.hsdp and torch.distributed.get_world_size() >= 2 else None
+
+
+def build(dim: int, seed: int, shard: int | None = None) -> tuple[Any, Any]:
+    """The sharded model (``LAYERS`` square Linear layers, each sharded on its own; over groups
+    of ``shard`` ranks, replicated across them, when given) and its AdamW after one step of
+    fixed gradients: parameters plus two moments, ~12 x dim^2 bytes."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(seed)
     model = torch.nn.Sequential(*(torch.nn.Linear(dim, dim) for _ in range(LAYERS)))
-    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    world = torch.distributed.get_world_size()
+    if shard:
+        mesh = init_device_mesh(
+            "cpu", (world // shard, shard), mesh_dim_names=("replicate", "shard")
+        )
+    else:
+        mesh = init_device_mesh("cpu", (world,))
     for layer in model:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -185,11 +201,16 @@ def task_save(args: argparse.Namespace) -> dict[str, Any]:
     from koochak.storage.store import LocalStore
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    model, opt = build(args.dim, 0)
+    model, opt = build(args.dim, 0, _shard_size(args))
     ckpt = capture_checkpoint(step=1, next_step=2, reason="periodic", model=model, optimizer=opt,
                               scheduler=None, scaler=None, config=None, wall_time=0.0,
                               metrics=None)  # fmt: skip
-    sharded = sum(dt.to_local().numel() * dt.element_size() for _, dt in dtensor_leaves(ckpt))
+    try:  # each slab once: under HSDP the other replicate groups' copies are not stored
+        from koochak.loop.checkpoint.sharded import first_copy
+    except ImportError:  # before HSDP
+        first_copy = lambda dt: True  # noqa: E731
+    sharded = sum(dt.to_local().numel() * dt.element_size() for _, dt in dtensor_leaves(ckpt)
+                  if first_copy(dt))  # fmt: skip
     totals: list[Any] = [None] * world
     torch.distributed.all_gather_object(totals, sharded)
     nodes: list[Any] = [None] * world
@@ -255,11 +276,12 @@ def resume_phases(
     from koochak.loop.checkpoint.resume import resume_checkpoint
     from koochak.loop.checkpoint.tiers import on_this_node
 
-    model, opt = build(args.dim, 1)
+    model, opt = build(args.dim, 1, _shard_size(args))
     counts: dict[str, Any] = {}
     torch.distributed.barrier()
     before = counters()
-    found = resume_checkpoint("auto", [on_this_node(first_where), replica], sharded=True)
+    found = resume_checkpoint("auto", [on_this_node(first_where), replica], sharded=True,
+                              shard_size=_shard_size(args))  # fmt: skip
     torch.distributed.barrier()
     counts["select"] = _delta(before)
     if found is None:
@@ -426,6 +448,8 @@ def main() -> None:
     parser.add_argument(
         "--render", metavar="FILE", help="print the tables of an earlier --json run"
     )
+    parser.add_argument("--hsdp", action="store_true",
+                        help="HSDP: shard within each node's 2 ranks, replicate across nodes")  # fmt: skip
     parser.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--task", default="save", help=argparse.SUPPRESS)
     parser.add_argument("--dim", type=int, default=0, help=argparse.SUPPRESS)
@@ -437,13 +461,14 @@ def main() -> None:
         return render(args.render)
     # parameters + two AdamW moments, float32: 12 bytes per parameter
     dim = max(8, int((args.mb * 1e6 / 12 / LAYERS) ** 0.5) // 8 * 8)
-    print(f"scale_bench: {LAYERS} Linear({dim}, {dim}) + AdamW, FSDP2 1-D, 2 ranks per node, "
+    kind = "HSDP (shard groups of 2)" if args.hsdp else "FSDP2 1-D"
+    print(f"scale_bench: {LAYERS} Linear({dim}, {dim}) + AdamW, {kind}, 2 ranks per node, "
           f"load average {os.getloadavg()[0]:.2f}")  # fmt: skip
     print("figures: the busiest rank's bytes in units of S/N (read = rchar, written = wchar)")
     raw = {}
     with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
         for n in [int(x) for x in args.ranks.split(",")]:
-            common = ["--dir", scratch, "--dim", str(dim)]
+            common = ["--dir", scratch, "--dim", str(dim)] + (["--hsdp"] if args.hsdp else [])
             result = _world(n, "save", common)
             reshard = None
             if n >= 2:

@@ -183,7 +183,10 @@ def run(out: str, name: str, resume_dir: str | None = None, **overrides) -> dict
     return outcome
 
 
-def restored_state(location: str, fsdp_enabled: bool = True) -> dict:
+SELECTED: list[list[str]] = []  # the part keys each HSDP restore's selection read
+
+
+def restored_state(location: str, fsdp_enabled: bool = True, hsdp: bool = False) -> dict:
     """Restore the checkpoint at ``location`` the way a resume does (under FSDP: chosen by every
     rank, each reading its slabs) into a fresh model, optimizer and EMA, and gather them back
     into global tensors: what a resume on this world size starts from."""
@@ -194,10 +197,14 @@ def restored_state(location: str, fsdp_enabled: bool = True) -> dict:
     from koochak.loop.ema import make_model_ema
 
     model = make_model()
-    cfg = resolve_train_config(train_cfg("unused", fsdp={"enabled": fsdp_enabled}))
+    cfg = resolve_train_config(train_cfg("unused", fsdp={"enabled": fsdp_enabled, **HSDP}
+                                         if hsdp else {"enabled": fsdp_enabled}))  # fmt: skip
     if fsdp_enabled:
         fsdp.shard_model(model, cfg.fsdp, torch.device("cpu"))
-        found = resume_checkpoint("auto", location, sharded=True)
+        size = fsdp.shard_size(cfg.fsdp, world())
+        found = resume_checkpoint("auto", location, sharded=True, shard_size=size)
+        if hsdp:  # each rank read at selection exactly the parts that hold the rows it holds
+            SELECTED.append(sorted(found.checkpoint["model"]["pos"].source.verified))
     else:
         found = resolve_auto_resume(location)
     opt = optimizer(model)
@@ -234,10 +241,16 @@ def only(out: str, run_name: str, step: int, copy_name: str) -> str:
     return target
 
 
-def compare_restore(out: str, name: str, location: str, fsdp_enabled: bool = True) -> None:
+def compare_restore(
+    out: str, name: str, location: str, fsdp_enabled: bool = True, hsdp: bool = False
+) -> None:
     from koochak.loop.checkpoint import checkpoint_name, load
 
-    state = restored_state(location, fsdp_enabled)
+    SELECTED.clear()
+    state = restored_state(location, fsdp_enabled, hsdp)
+    if SELECTED:
+        with open(os.path.join(out, f"{name}.selected.{rank()}.json"), "w") as f:
+            json.dump(SELECTED[0], f)
     if rank() == 0:
         saved = load(os.path.join(location, checkpoint_name(SAVE_AT)))
         problems = diff(saved["model"], state["model"], "model")
@@ -367,8 +380,44 @@ def count_reductions(out: str) -> None:
             json.dump({"calls": len(calls), "updates": 3, "groups": 3}, f)
 
 
+HSDP = {"hsdp": True, "shard_size": 2}  # 2 "nodes" of 2 ranks on 4
+
+
+def hsdp_scenario(out: str, what: str) -> None:
+    """HSDP (shard within 2 ranks, replicate across): ``hsdp`` trains on a ``{node}`` first tier
+    (node = rank // 2) and a durable replica; ``hsdpcut<S>`` resumes hsdp<S>'s checkpoint from
+    the durable tier alone (HSDP on 4 ranks, else 1-D FSDP), checking the restore first;
+    ``hsdpfrom<S>``: save<S>'s 1-D checkpoint restored and resumed under HSDP."""
+    w = world()
+    os.environ["KOOCHAK_NODE_INDEX"] = str(rank() // 2)
+    here = HSDP if w % 2 == 0 and w > 2 else {}
+    if what == "hsdp":
+        run(out, f"hsdp{w}", fsdp=HSDP,
+            checkpoint_dir=os.path.join(out, f"hsdp{w}", "node{node}"),
+            checkpoint_replicas=[{"location": os.path.join(out, f"hsdp{w}", "durable"),
+                                  "create": True}])  # fmt: skip
+    elif what.startswith("hsdpcut"):
+        source, name = what[len("hsdpcut") :], f"hsdpcut{what[len('hsdpcut') :]}to{w}"
+        durable = only(out, os.path.join(f"hsdp{source}", "durable"), SAVE_AT,
+                       os.path.join(name, "durable"))  # fmt: skip
+        compare_restore(out, name, durable, hsdp=bool(here))
+        run(out, name, resume_dir=os.path.join(out, name, "node{node}"), fsdp=here,
+            checkpoint_replicas=[durable], run_id=run_of(out, f"hsdp{source}"))  # fmt: skip
+    elif what.startswith("hsdpfrom"):
+        source = what[len("hsdpfrom") :]
+        name = f"hsdpfrom{source}to{w}"
+        location = only(out, f"save{source}", SAVE_AT, f"{name}.ckpt")
+        compare_restore(out, name, location, hsdp=True)
+        run(out, name, resume_dir=location, fsdp=HSDP, run_id=run_of(out, f"save{source}"))
+    else:
+        raise SystemExit(f"unknown scenario {what!r}")
+
+
 def scenario(out: str, what: str) -> None:
     w = world()
+    if what.startswith("hsdp"):
+        hsdp_scenario(out, what)
+        return
     if what == "save":  # an uninterrupted FSDP run on this world size, checkpointed after SAVE_AT
         run(out, f"save{w}")
     elif what == "async":  # save<W> again, its periodic checkpoint written in the background

@@ -272,7 +272,7 @@ def test_a_version_1_sharded_checkpoint_still_selects_and_loads(group, tmp_path,
     import koochak.loop.checkpoint.sharded as sharded
 
     store = LocalStore(str(tmp_path))
-    monkeypatch.setattr(sharded, "_regular", lambda leaves, world: False)  # the old writer
+    monkeypatch.setattr(sharded, "_regular", lambda leaves, world: None)  # the old writer
     saved = _save(store, 4)
     monkeypatch.undo()
     raw = store.get(checkpoint_name(4))
@@ -339,3 +339,75 @@ def test_a_rank_reads_the_head_and_only_the_fragments_and_parts_of_its_rows(tmp_
     (whole,) = read_slabs(ref.source, [(ref.number, 0, 8)])  # beyond its fragments: all read
     assert torch.equal(whole, rows)
     assert load(store, name)["model"]["weight"].equal(rows)  # one process: every fragment
+
+
+def _hsdp_writers(root, slabs_of_writer_3=()):
+    """A committed version-2 checkpoint of HSDP on 2 x 2 ranks: writers 0 and 1 (the first
+    replicate group) hold 4 rows each of one (8, 4) tensor, writers 2 and 3 a fragment and no
+    part; the head says slab_writers 2. (store, name, rows)"""
+    from koochak.loop.checkpoint.index_fragments import (
+        FragmentRef,
+        encode_fragment,
+        encode_head,
+        fragment_key,
+    )
+    from koochak.loop.checkpoint.parts_index import part_key
+    from koochak.loop.checkpoint.parts_tree import TENSOR_TAG, skeleton_bytes
+    from koochak.loop.checkpoint.publication import publish
+
+    store, name = LocalStore(str(root)), checkpoint_name(7)
+    rows = torch.arange(32, dtype=torch.float32).reshape(8, 4)
+    refs = []
+    for writer in range(4):
+        parts, slabs = [], list(slabs_of_writer_3) if writer == 3 else []
+        if writer < 2:
+            raw = rows[4 * writer : 4 * writer + 4].numpy().tobytes()
+            sha = store.put(part_key(name, writer, 0), raw).sha256
+            parts, slabs = [(part_key(name, writer, 0), len(raw), sha)], [(0, [(0, 0, len(raw))])]
+        fragment = encode_fragment(name, writer, parts, [], slabs)
+        info = store.put(fragment_key(name, writer), fragment)
+        refs.append(FragmentRef(fragment_key(name, writer), writer, len(fragment), info.sha256,
+                                len(parts)))  # fmt: skip
+    ckpt = build_checkpoint(step=7, next_step=8, model=torch.nn.Linear(4, 8, bias=False))
+    skeleton = skeleton_bytes({**ckpt, "model": {"weight": (TENSOR_TAG, 0)}})
+    head = encode_head(name, 4, [("float32", (8, 4), "rows")], refs, skeleton, slab_writers=2)
+    publish(store, name, head)
+    return store, name, rows
+
+
+def test_an_hsdp_head_splits_rows_over_its_slab_writers_only(tmp_path, monkeypatch):
+    from koochak.loop.checkpoint.index_fragments import parse_head
+    from koochak.loop.checkpoint.sharded_read import open_candidate
+
+    store, name, rows = _hsdp_writers(tmp_path)
+    head = parse_head(store.get(name), name, name)
+    assert (head.writers, head.slab_writers, head.row_writers) == (4, 2, 2)
+    assert [ref.parts for ref in head.fragments] == [1, 1, 0, 0]
+    assert load(store, name)["model"]["weight"].equal(rows)  # one process: every fragment
+    opened, real_get, real_open = [], LocalStore.get, LocalStore.open
+    monkeypatch.setattr(
+        LocalStore, "get", lambda self, key, *a: opened.append(key) or real_get(self, key, *a)
+    )
+    monkeypatch.setattr(
+        LocalStore, "open", lambda self, key: opened.append(key) or real_open(self, key)
+    )
+    # rank 3 of 2 x 2 holds the second half (shard position 1 of 2): writer 1's part
+    _, ckpt = open_candidate(store, name, rank=3, world=4, shard_size=2)
+    objects = {key.removeprefix(name) for key in opened if key.startswith(name + ".part")}
+    assert objects == {".part-00000-index", ".part-00001-index", ".part-00003-index",
+                       ".part-00000-00000", ".part-00001-00000"}  # fmt: skip
+    ref = ckpt["model"]["weight"]
+    (slab,) = read_slabs(ref.source, [(ref.number, 4, 4)])
+    assert torch.equal(slab, rows[4:])
+
+
+def test_an_hsdp_head_or_fragment_that_breaks_the_split_is_refused_naming_the_field(tmp_path):
+    from koochak.loop.checkpoint.index_fragments import encode_head, parse_head
+    from koochak.storage.artifact import InvalidArtifact
+
+    store, name, _ = _hsdp_writers(tmp_path / "a", slabs_of_writer_3=[(0, [])])
+    with pytest.raises(InvalidArtifact, match=r"00003-index: slabs\[0\]: writer 3 holds no rows"):
+        load(store, name)
+    head = parse_head(store.get(name), name, name)
+    with pytest.raises(ValueError, match="field 'slab_writers' must be an int in 1..writers"):
+        encode_head(name, 4, head.tensors, head.fragments, head.skeleton, slab_writers=5)

@@ -214,6 +214,7 @@ def one_line_error(capsys) -> str:
         ("train.device=tpu9", "train.device: expected one of auto|cpu|cuda|cuda:N|mps, got 'tpu9'"),
         ("train.ddp=true", "environment lacks RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT"),
         ("train.checkpoint_dir=nope://x", "no store is registered for scheme 'nope'"),
+        ("train.fsdp.shard_size=2", "train.fsdp.shard_size: set only with train.fsdp.hsdp: true"),
         ("data.batch_size=0", "data.batch_size: expected an integer >= 1, got 0"),
         (
             "entry.optimizer={name}:not_an_optimizer",
@@ -232,6 +233,20 @@ def test_bad_input_is_one_line_on_stderr_exit_2(project, capsys, override, expec
     line = one_line_error(capsys)
     assert line.startswith("koochak-train: error: ")
     assert expected.format(name=name) in line
+
+
+def test_hsdp_shard_groups_that_do_not_tile_the_world_are_a_usage_error(
+    project, capsys, monkeypatch
+):
+    _, _, config = project
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", "29999")):  # fmt: skip
+        monkeypatch.setenv(name, value)
+    code = main(["--config", str(config), "train.fsdp.enabled=true", "train.fsdp.hsdp=true",
+                 "train.fsdp.shard_size=2", "--resume", "none"])  # fmt: skip
+    assert code == 2
+    line = one_line_error(capsys)
+    assert "train.fsdp.shard_size: 2 ranks per shard group, but the world size 1" in line
 
 
 @pytest.mark.parametrize("key", ["train.ddp", "train.fsdp.enabled"])

@@ -76,6 +76,24 @@ def test_fsdp_config_is_checked():
         resolve_train_config({"fsdp": {"shard_modules": "Block"}})
     picker = resolve_train_config({"fsdp": {"shard_modules": callable}}).fsdp.shard_modules
     assert picker is callable
+    assert resolve_train_config({"fsdp": {"hsdp": True, "shard_size": 8}}).fsdp.shard_size == 8
+    with pytest.raises(ConfigError, match="train.fsdp.shard_size: set only with train.fsdp.hsdp"):
+        resolve_train_config({"fsdp": {"shard_size": 8}})
+    with pytest.raises(ConfigError, match="train.fsdp.shard_size: expected an integer >= 1"):
+        resolve_train_config({"fsdp": {"hsdp": True, "shard_size": 0}})
+
+
+def test_the_hsdp_shard_group_is_the_ranks_per_node_unless_given():
+    hsdp = FsdpConfig(hsdp=True)
+    assert fsdp.shard_size(FsdpConfig(), 16) == 16  # 1-D: every rank
+    assert fsdp.shard_size(hsdp, 16, {"LOCAL_WORLD_SIZE": "8"}) == 8
+    assert fsdp.shard_size(FsdpConfig(hsdp=True, shard_size=4), 16, {}) == 4
+    with pytest.raises(ValueError, match="train.fsdp.shard_size: 8 ranks per shard group, but "
+                                         "the world size 12 is not a multiple of it"):  # fmt: skip
+        fsdp.shard_size(hsdp, 12, {"LOCAL_WORLD_SIZE": "8"})
+    with pytest.raises(ValueError, match="train.fsdp.shard_size: null means the ranks per node, "
+                                         "but LOCAL_WORLD_SIZE is unset"):  # fmt: skip
+        fsdp.shard_size(hsdp, 12, {})
 
 
 def _train(tmp_path, optimizer, scheduler=None, **cfg):

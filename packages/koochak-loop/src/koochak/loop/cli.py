@@ -250,10 +250,14 @@ def _find_resume(cfg: DictConfig, mode: str) -> tuple[str | None, dict[str, Any]
         from koochak.loop.config import resolve_train_config
         from koochak.loop.ddp import setup_ddp
         from koochak.loop.device import get_device
+        from koochak.loop.fsdp import shard_size
 
-        setup_ddp(resolve_train_config(cfg.train), get_device(str(cfg.train.device)))
+        train = resolve_train_config(cfg.train)
+        setup = setup_ddp(train, get_device(str(cfg.train.device)))
         passed: list[dict[str, Any]] = []  # (the sharded selection does not list what it skips)
-        found = resume_checkpoint("auto", checkpoint_locations(cfg.train), sharded=True)
+        size = shard_size(train.fsdp, setup.world_size)  # HSDP: the rows of its shard group
+        found = resume_checkpoint("auto", checkpoint_locations(cfg.train), sharded=True,
+                                  shard_size=size)  # fmt: skip
     else:
         passed = []
         found = resolve_auto_resume(checkpoint_locations(cfg.train), passed)  # every tier
@@ -275,6 +279,11 @@ def _check_launch(cfg: DictConfig) -> None:
     get_device(str(cfg.train.device))
     if cfg.train.ddp or cfg.train.fsdp.enabled:
         check_launch_environment("train.fsdp.enabled" if cfg.train.fsdp.enabled else "train.ddp")
+    if cfg.train.fsdp.enabled and cfg.train.fsdp.hsdp:  # the shard groups tile the world
+        from koochak.loop.config import resolve_train_config
+        from koochak.loop.fsdp import shard_size
+
+        shard_size(resolve_train_config(cfg.train).fsdp, int(os.environ.get("WORLD_SIZE", "1")))
     for location in checkpoint_locations(cfg.train):
         checkpoint_store(location)
     from koochak.loop.checkpoint.tier_marker import check_reachable

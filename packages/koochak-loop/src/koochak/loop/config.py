@@ -76,6 +76,9 @@ class FsdpConfig:
     cpu_offload: bool = (
         False  # keep sharded parameters, gradients and optimizer state in host memory
     )
+    # HSDP: shard within groups of shard_size ranks, replicate across them (a 2-D mesh)
+    hsdp: bool = False
+    shard_size: Optional[int] = None  # ranks per shard group; null: ranks per node
 
 
 @dataclass(frozen=True)
@@ -271,7 +274,7 @@ _POSITIVE = (
     "train.ema.update_every",
     "data.batch_size",
 )
-_POSITIVE_OR_NULL = ("train.max_steps", "train.tokens_per_sample")
+_POSITIVE_OR_NULL = ("train.max_steps", "train.tokens_per_sample", "train.fsdp.shard_size")
 _NON_NEGATIVE_OR_NULL = (
     "train.eval_every",
     "train.ckpt_every",
@@ -446,6 +449,11 @@ def _check_values(values: Mapping[str, Any], section: str) -> None:
         _check_ema(values, section)
     if section == "train.fsdp" and "shard_modules" in values:
         _check_shard_modules(values["shard_modules"])
+    if section == "train.fsdp" and values.get("shard_size") is not None and not values.get("hsdp"):
+        raise ConfigError(
+            "train.fsdp.shard_size: set only with train.fsdp.hsdp: true (the shard group of a "
+            "1-D FSDP is every rank)"
+        )
     fsdp = values.get("fsdp") if section == "train" else None
     if isinstance(fsdp, Mapping) and fsdp.get("enabled") and values.get("ddp"):
         raise ConfigError(

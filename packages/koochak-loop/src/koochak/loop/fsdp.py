@@ -9,12 +9,19 @@ optimizer state built on them. Hence:
 
 - the optimizer must be built after sharding (``training_loop`` takes a factory);
 - a gradient norm is the norm of every rank's slab together: ``ShardReduction`` sums the squares
-  over ranks (and takes the max for the overflow fallback), so every rank clips, skips or raises
-  alike;
+  over the ranks of one shard group (and takes the max for the overflow fallback), so every rank
+  clips, skips or raises alike;
 - gradient accumulation skips the reduce-scatter of all but the last micro-step
   (``no_gradient_sync``);
 - after an evaluation the parameters are resharded (``reshard``), so a swapped-in EMA shadow never
   lingers in gathered parameters that the next forward would reuse.
+
+With ``train.fsdp.hsdp`` the mesh is 2-D, ``(replicate, shard)``: ranks ``g*S .. g*S+S-1`` form
+shard group ``g`` (``S = shard_size``, by default the ranks per node), each parameter is
+``Replicate()`` over the groups and ``Shard(0)`` within one, so FSDP reduce-scatters gradients
+inside a node and all-reduces them across nodes. Every shard group then holds the same
+gradient slabs, which is why the statistics above are reduced over one shard group only
+(summed over every rank they would count each slab once per group).
 
 State dict helpers (``local``, ``localize``, ``full``) move tensors between the global form a
 checkpoint holds and the sharded form of a live model.
@@ -30,7 +37,7 @@ from typing import Any
 
 import torch
 from koochak.loop import dist
-from koochak.loop.config import FsdpConfig
+from koochak.loop.config import ConfigError, FsdpConfig
 from koochak.loop.dist import is_dtensor, local_tensor
 
 __all__ = [
@@ -42,15 +49,43 @@ __all__ = [
     "no_gradient_sync",
     "reshard",
     "shard_model",
+    "shard_size",
     "sharded_like",
 ]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def shard_size(cfg: FsdpConfig, world: int, env: Mapping[str, str] | None = None) -> int:
+    """The ranks of one shard group: every rank (``world``) unless ``cfg.hsdp``; under HSDP
+    ``cfg.shard_size``, else the ranks per node (torchrun's ``LOCAL_WORLD_SIZE``). ConfigError
+    naming ``train.fsdp.shard_size`` when ``world`` is not a multiple of it."""
+    import os
+
+    if not cfg.hsdp:
+        return world
+    size = cfg.shard_size
+    if size is None:
+        local = (os.environ if env is None else env).get("LOCAL_WORLD_SIZE", "")
+        if not local.isdigit() or int(local) < 1:
+            raise ConfigError(
+                "train.fsdp.shard_size: null means the ranks per node, but LOCAL_WORLD_SIZE is "
+                f"{local or 'unset'}; launch with torchrun or set train.fsdp.shard_size"
+            )
+        size = int(local)
+    if world % size:
+        raise ConfigError(
+            f"train.fsdp.shard_size: {size} ranks per shard group, but the world size {world} "
+            "is not a multiple of it"
+        )
+    return size
+
+
 def shard_model(model: torch.nn.Module, cfg: FsdpConfig, device: torch.device) -> torch.nn.Module:
     """Apply ``fully_shard`` to the modules ``cfg.shard_modules`` selects (children first), then to
-    ``model`` itself, over a 1-D mesh of every rank. Returns ``model`` (sharded in place)."""
+    ``model`` itself, over a 1-D mesh of every rank, or under ``cfg.hsdp`` a 2-D mesh
+    ``(replicate, shard)`` of ``world / S`` groups of ``S = shard_size(...)`` consecutive ranks.
+    Returns ``model`` (sharded in place)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -59,8 +94,16 @@ def shard_model(model: torch.nn.Module, cfg: FsdpConfig, device: torch.device) -
             "train.fsdp.enabled needs a process group: launch with torchrun (or call "
             "init_process_group yourself) before training_loop"
         )
+    world = dist.get_world_size()
+    if cfg.hsdp:
+        size = shard_size(cfg, world)
+        mesh = init_device_mesh(
+            device.type, (world // size, size), mesh_dim_names=("replicate", "shard")
+        )
+    else:
+        mesh = init_device_mesh(device.type, (world,))
     kwargs: dict[str, Any] = {
-        "mesh": init_device_mesh(device.type, (dist.get_world_size(),)),
+        "mesh": mesh,
         "reshard_after_forward": cfg.reshard_after_forward,
     }
     if cfg.mixed_precision != "none":
@@ -133,19 +176,33 @@ def reshard(model: torch.nn.Module) -> None:
 
 
 class ShardReduction:
-    """Collectives over the default group that make a sharded gradient's statistics global.
+    """Collectives over one shard group that make a sharded gradient's statistics global.
 
     Every rank must call each method at the same point (they are all-reduces). ``device`` is
     where the collective runs (the training device: NCCL reduces only CUDA tensors); a value on
     another device (a CPU-offloaded shard's norm) goes there and its result comes back.
+    ``group``: the ranks whose slabs together make each gradient once (None: the default group,
+    right for a 1-D mesh); ``for_model`` finds it from a sharded model's mesh.
     """
 
-    def __init__(self, device: torch.device | None = None) -> None:
+    def __init__(self, device: torch.device | None = None, group: Any = None) -> None:
         self.device = device
+        self.group = group
+
+    @classmethod
+    def for_model(
+        cls, model: torch.nn.Module, device: torch.device | None = None
+    ) -> ShardReduction:
+        """The reduction over ``model``'s shard group: under HSDP the mesh's ``shard`` dimension
+        (the replicate groups hold copies of the same slabs), else every rank."""
+        mesh = next((p.device_mesh for p in model.parameters() if is_dtensor(p)), None)
+        if mesh is None or mesh.ndim == 1:
+            return cls(device)
+        return cls(device, mesh.get_group(mesh.ndim - 1))
 
     def _all_reduce(self, value: torch.Tensor, op: Any) -> torch.Tensor:
         out = value.detach().to(self.device or value.device, copy=True)
-        torch.distributed.all_reduce(out, op=op)
+        torch.distributed.all_reduce(out, op=op, group=self.group)
         return out.to(value.device)
 
     def sum(self, value: torch.Tensor) -> torch.Tensor:

@@ -248,7 +248,11 @@ def training_loop(
 
         ctx.no_sync = _no_sync(train_model, raw_model, cfg)  # all but the last micro-step's sync
         # Sharded gradients: norms and finite checks are taken over every rank's shards.
-        across = fsdp.ShardReduction(device) if cfg.fsdp.enabled and world_size > 1 else None
+        across = (
+            fsdp.ShardReduction.for_model(raw_model, device)
+            if cfg.fsdp.enabled and world_size > 1
+            else None
+        )
         gradient_gate = GradientGate(named_params, scaler, optimizer, clip, across, before_step)
         clip_every_step = gradient_gate.every_step
         poll = checkpoints.poller()  # None when nothing can finish in the background

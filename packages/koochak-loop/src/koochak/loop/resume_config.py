@@ -112,6 +112,8 @@ RESUME_CLASSES: dict[str, str] = {
     "train.fsdp.shard_modules": _SAME,
     "train.fsdp.reshard_after_forward": _SAME,
     "train.fsdp.cpu_offload": _SAME,
+    "train.fsdp.hsdp": _SAME,  # shard within a node, replicate across: the same computation
+    "train.fsdp.shard_size": _SAME,
     "train.evacuation_enabled": _SAME,
     "train.evacuation_signal": _SAME,
     "train.gpu_health_every": _SAME,

@@ -8,7 +8,10 @@ tensor lie in them) beside its parts; rank 0 gathers one ``(key, size, sha256, p
 and commits a **head** under the checkpoint's name: the skeleton, each tensor's dtype, global
 shape and split (``whole``: held by writer 0; ``rows``: FSDP2's ``Shard(0)`` over the writers,
 writer ``w`` holding rows ``[w*c, min(rows, (w+1)*c))`` with ``c = ceil(rows / writers)``), and
-the fragments. The manifest hashes the head, the head the fragments, the fragments the parts,
+the fragments. Under HSDP (a 2-D mesh: ``S`` ranks shard, the groups of ``S`` replicate) only
+the first ``S`` writers hold rows: the head's ``slab_writers`` says ``S`` (absent: every writer)
+and the formula splits rows over those; the other writers' fragments carry their RNG state and
+no parts. The manifest hashes the head, the head the fragments, the fragments the parts,
 so one digest still covers every byte. A resuming rank reads the head and only the fragments of
 the writers whose rows it restores (``writers_for``); a one-process reader reads them all and
 gets the same ``PartsIndex`` a version-1 index gives (docs/formats.md, "Checkpoint parts").
@@ -42,6 +45,7 @@ FRAGMENT_FORMAT = "koochak-checkpoint-fragment"
 FRAGMENT_VERSION = 1
 SPLITS = ("whole", "rows")
 _HEAD_KEYS = frozenset({"format", "version", "name", "writers", "tensors", "fragments", "skeleton"})
+_HEAD_OPTIONAL = frozenset({"slab_writers"})
 _HEAD_TENSOR_KEYS = frozenset({"dtype", "shape", "split"})
 _REF_KEYS = frozenset({"key", "writer", "size", "sha256", "parts"})
 _FRAGMENT_KEYS = frozenset({"format", "version", "name", "writer", "parts", "whole", "slabs"})
@@ -72,6 +76,12 @@ class Head:
     tensors: tuple[tuple[str, tuple[int, ...], str], ...]
     fragments: tuple[FragmentRef, ...]
     skeleton: bytes
+    slab_writers: int = 0  # the first writers, which hold the rows (0: every writer)
+
+    @property
+    def row_writers(self) -> int:
+        """How many writers the rows of a tensor split by rows are divided among."""
+        return self.slab_writers or self.writers
 
 
 def fragment_key(name: str, writer: int) -> str:
@@ -136,11 +146,16 @@ def encode_head(
     tensors: Sequence[tuple[str, tuple[int, ...], str]],
     fragments: Sequence[FragmentRef],
     skeleton: bytes,
+    *,
+    slab_writers: int | None = None,
 ) -> bytes:
     """The head of a version-2 checkpoint in parts (checked by parsing it before it is returned:
-    never write what we would refuse)."""
+    never write what we would refuse); ``slab_writers``: how many of the first writers hold the
+    rows (HSDP's shard group), when fewer than ``writers``."""
+    extra = {"slab_writers": slab_writers} if slab_writers and slab_writers != writers else {}
     raw = _dumps(
         {
+            **extra,
             "format": PARTS_FORMAT,
             "version": HEAD_VERSION,
             "name": name,
@@ -189,13 +204,16 @@ def _parse_head(raw: bytes | bytearray | memoryview, where: str, name: str | Non
     if not isinstance(doc, dict) or doc.get("format") != PARTS_FORMAT:
         raise ValueError(f"{where}: field 'format' must be {PARTS_FORMAT!r}")
     require_version(doc, where, HEAD_VERSION)
-    check_fields(doc, where, _HEAD_KEYS)
+    check_fields(doc, where, _HEAD_KEYS, _HEAD_OPTIONAL)
     head_name = doc["name"]
     if not isinstance(head_name, str) or not head_name or (name is not None and head_name != name):
         raise ValueError(f"{where}: field 'name' is {head_name!r}; expected {name!r}")
     writers = doc["writers"]
     if type(writers) is not int or not 1 <= writers <= _MAX_WRITERS:
         raise ValueError(f"{where}: field 'writers' must be an int in 1..{_MAX_WRITERS}")
+    slab_writers = doc.get("slab_writers", writers)
+    if type(slab_writers) is not int or not 1 <= slab_writers <= writers:
+        raise ValueError(f"{where}: field 'slab_writers' must be an int in 1..writers ({writers})")
     if not isinstance(doc["tensors"], list):
         raise ValueError(f"{where}: field 'tensors' must be a list")
     tensors = []
@@ -231,7 +249,8 @@ def _parse_head(raw: bytes | bytearray | memoryview, where: str, name: str | Non
         skeleton = base64.b64decode(str(doc["skeleton"]).encode("ascii"), validate=True)
     except (binascii.Error, UnicodeEncodeError):
         raise ValueError(f"{where}: field 'skeleton' is not valid base64") from None
-    return Head(head_name, writers, tuple(tensors), tuple(fragments), skeleton)
+    return Head(head_name, writers, tuple(tensors), tuple(fragments), skeleton,
+                0 if slab_writers == writers else slab_writers)  # fmt: skip
 
 
 def head_object_keys(head: Head) -> list[str]:
@@ -243,20 +262,22 @@ def head_object_keys(head: Head) -> list[str]:
     return keys + [head.name, head.name + READY_SUFFIX]
 
 
-def writers_for(head: Head, rank: int, world: int) -> list[int]:
+def writers_for(head: Head, rank: int, world: int, shard_size: int | None = None) -> list[int]:
     """The writers whose fragments rank ``rank`` of ``world`` reads to restore its rows of each
-    tensor split by rows (FSDP2's ``Shard(0)`` on ``world`` ranks), writer 0 (the tensors held
+    tensor split by rows (FSDP2's ``Shard(0)`` on ``world`` ranks; under HSDP with groups of
+    ``shard_size``, over the ``shard_size`` ranks of its group), writer 0 (the tensors held
     whole) and writer ``rank`` (its own RNG state); every writer on one process."""
     if world <= 1:
         return list(range(head.writers))
     wanted = {0} | ({rank} if rank < head.writers else set())  # its own RNG state
+    size = shard_size or world
     for _, shape, split in head.tensors:
         if split != "rows":
             continue
-        lo, hi = rows_of(rank, world, shape[0])
+        lo, hi = rows_of(rank % size, size, shape[0])
         if lo >= hi:
             continue
-        chunk = -(-shape[0] // head.writers)
+        chunk = -(-shape[0] // head.row_writers)
         wanted.update(range(lo // chunk, (hi - 1) // chunk + 1))
     return sorted(wanted)
 
@@ -356,7 +377,10 @@ def assemble(
                     raise ValueError(f"{t_at}: tensor {number} is held whole by writer 0")
                 offsets, box = [0] * len(shape), list(shape)
             else:
-                lo, hi = rows_of(writer, head.writers, shape[0])
+                if writer >= head.row_writers:
+                    raise ValueError(f"{t_at}: writer {writer} holds no rows (slab_writers "
+                                     f"{head.row_writers})")  # fmt: skip
+                lo, hi = rows_of(writer, head.row_writers, shape[0])
                 offsets, box = [lo] + [0] * (len(shape) - 1), [hi - lo, *shape[1:]]
             extents = entry["extents"]
             if not isinstance(extents, list):

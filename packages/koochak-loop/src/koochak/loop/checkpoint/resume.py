@@ -289,6 +289,7 @@ def resume_checkpoint(
     auto_resume_path: str | None = None,
     *,
     sharded: bool = False,
+    shard_size: int | None = None,
 ) -> ResumePoint | None:
     """The checkpoint this run continues from, or None to start fresh (``training_loop``'s lookup).
 
@@ -298,7 +299,8 @@ def resume_checkpoint(
     verifies the same commit (the same SHA256, from whichever tier it can reach), so all ranks
     agree. ``sharded`` (FSDP): ``sharded.resolve_sharded`` instead, whose checkpoint holds
     references that ``restore_training_state`` reads
-    as this rank's slabs (over every tier, as above).
+    as this rank's slabs (over every tier, as above); ``shard_size``: under HSDP the ranks of
+    one shard group (``fsdp.shard_size``), so each rank reads the rows it will hold.
     """
     if resume is not None and resume not in RESUME_MODES:
         raise ValueError(
@@ -315,7 +317,7 @@ def resume_checkpoint(
     if sharded:  # FSDP: every rank verifies a share of the parts; tensors read at restore
         from koochak.loop.checkpoint.sharded_read import resolve_sharded
 
-        found_sharded = resolve_sharded(location)  # every tier
+        found_sharded = resolve_sharded(location, shard_size)  # every tier
         return ResumePoint(*found_sharded) if found_sharded is not None else None
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return resolve_auto_resume(location)

@@ -5,7 +5,8 @@ The layout is the parts layout (docs/formats.md, "Checkpoint parts") with severa
 every rank writes, in parallel with the others, the local shards of the DTensors in the
 checkpoint (parameters, optimizer state, EMA shadows) as its own parts ``….part-<rank>-NNNNN``,
 rank 0 also the unsharded tensors (buffers, RNG states, scalars) as its part ``00000`` and the
-rest from ``00001``; each rank reports its parts' keys, sizes and SHA256 and where each shard
+rest from ``00001`` (under HSDP only the ranks of the first replicate group write slabs: each
+slab once); each rank reports its parts' keys, sizes and SHA256 and where each shard
 lies in its global tensor; rank 0 gathers the reports, only once every rank's parts are durable
 (``put`` returned), builds the one index and publishes it, then the ready manifest. Every rank
 learns the outcome; a failure anywhere fails the save on every rank and leaves no committed
@@ -126,25 +127,48 @@ class _Report:
         tuple[int, tuple[int, ...], tuple[int, ...], tuple[tuple[int, int, int], ...]], ...
     ]
     error: str | None = None
-    # Version 2 (every DTensor a Shard(0) slab over one 1-D mesh of every rank): this rank's
-    # index fragment, already durable; ``shards`` is then empty and ``paths`` one digest of them,
+    # Version 2 (every DTensor a Shard(0) slab over a 1-D mesh of every rank, or HSDP's 2-D one):
+    # this rank's index fragment, already durable; ``shards`` is then empty and ``paths`` one digest of them,
     # so rank 0 gathers O(1) per rank.
     fragment: Any = None
 
 
-def _regular(leaves: Sequence[tuple[str, Any]], world: int) -> bool:
-    """Whether every DTensor is FSDP2's ``Shard(0)`` over one 1-D mesh of all ``world`` ranks,
-    so a head can describe its slabs by formula (``index_fragments``). The same answer on every
-    rank: it depends only on the (identical) model and world."""
+def _regular(leaves: Sequence[tuple[str, Any]], world: int) -> int | None:
+    """The number of slab writers when every DTensor is FSDP2's ``Shard(0)`` over one 1-D mesh
+    of all ``world`` ranks (``world``), or HSDP's ``(Replicate(), Shard(0))`` over one 2-D mesh
+    ``(world / S, S)`` of the ranks in order (``S``: the first shard group, ranks ``0..S-1``,
+    holds every slab once), so a head can describe the slabs by formula (``index_fragments``);
+    None otherwise. The same answer on every rank: it depends only on the (identical) model and
+    world."""
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor import Shard as TorchShard
 
+    found: set[int] = set()
     for _, dt in leaves:
         mesh = dt.device_mesh
-        if mesh.ndim != 1 or mesh.size() != world or dt.dim() == 0:
-            return False
-        if tuple(dt.placements) != (TorchShard(0),):
-            return False
-    return True
+        if mesh.size() != world or dt.dim() == 0:
+            return None
+        if mesh.ndim == 1 and tuple(dt.placements) == (TorchShard(0),):
+            found.add(world)
+        elif mesh.ndim == 2 and tuple(dt.placements) == (Replicate(), TorchShard(0)):
+            if mesh.mesh.flatten().tolist() != list(range(world)):
+                return None
+            found.add(mesh.size(1))
+        else:
+            return None
+    return found.pop() if len(found) == 1 else (world if not found else None)
+
+
+def first_copy(dt: Any) -> bool:
+    """Whether this rank holds the first copy of its slab of DTensor ``dt``: its coordinate is 0
+    along every mesh dimension ``dt`` is replicated over (HSDP's replicate groups), so each slab
+    is written by one rank only."""
+    from torch.distributed.tensor import Replicate
+
+    coordinate = dt.device_mesh.get_coordinate()
+    if coordinate is None:
+        return False
+    return all(c == 0 for c, p in zip(coordinate, dt.placements) if isinstance(p, Replicate))
 
 
 def save_sharded(
@@ -211,10 +235,11 @@ def _write_and_commit(
     rank = dist.get_rank()
     _agree(error, f"saving {name}", group)
 
-    split, numbers, leaves = None, {}, []
+    split, numbers, leaves, slab_writers = None, {}, [], None
     try:
         leaves = dtensor_leaves(ckpt)
-        regular = _regular(leaves, dist.get_world_size())
+        slab_writers = _regular(leaves, dist.get_world_size())
+        regular = slab_writers is not None
         source = ckpt
         if regular and rank == 0 and ckpt.get("rng_per_rank") is not None:
             # Each rank's RNG state rides in its own fragment: the head carries none of them.
@@ -237,7 +262,7 @@ def _write_and_commit(
         try:
             assert reports is not None and split is not None
             if all(rep.fragment is not None for rep in reports):
-                head = _build_head(name, split, numbers, leaves, reports)
+                head = _build_head(name, split, numbers, leaves, reports, slab_writers)
             else:
                 head = encode_index(_build_index(name, split, numbers, leaves, reports))
             publication = publish(store, name, head, keep_last_k=keep_last_k, intent=intent)
@@ -299,6 +324,8 @@ def _write_mine(
         first = len(index.parts)
     mine = []
     for k, (_, dt) in enumerate(leaves):
+        if not first_copy(dt):  # another replicate group's rank writes this slab
+            continue
         offsets, shape = local_box(dt)
         local = local_tensor(dt)
         if local.numel():
@@ -341,8 +368,10 @@ def _build_head(
     numbers: dict[int, int],
     leaves: list[tuple[str, Any]],
     reports: Sequence[_Report],
+    slab_writers: int | None = None,
 ) -> bytes:
-    """Rank 0: the version-2 head from every rank's fragment (one reference per rank)."""
+    """Rank 0: the version-2 head from every rank's fragment (one reference per rank);
+    ``slab_writers``: the first ranks, which hold the slabs (fewer than the ranks under HSDP)."""
     from koochak.loop.checkpoint.index_fragments import encode_head
 
     failed = [f"rank {r}: {rep.error}" for r, rep in enumerate(reports) if rep.error]
@@ -360,7 +389,8 @@ def _build_head(
             dt = leaves[k][1]
             tensors.append((dtype_name(dt.dtype), tuple(dt.shape), "rows"))
     fragments = [rep.fragment for rep in reports]
-    return encode_head(name, len(reports), tensors, fragments, split.skeleton)
+    return encode_head(name, len(reports), tensors, fragments, split.skeleton,
+                       slab_writers=slab_writers)  # fmt: skip
 
 
 def _build_index(

@@ -247,14 +247,19 @@ def verify_parts(
     _in_parallel(source, reads, workers)
 
 
-def parts_to_read(index: PartsIndex, rank: int, world: int) -> list[int]:
+def parts_to_read(
+    index: PartsIndex, rank: int, world: int, shard_size: int | None = None
+) -> list[int]:
     """The parts rank ``rank`` of ``world`` restores from, by number: part 0 (writer 0's
     unsharded tensors, which every rank restores whole) and every part holding some of its rows
     of another tensor, FSDP2's dimension-0 split (``ceil(rows / world)`` rows per rank, in rank
-    order). Every part on one process. A model sharded otherwise reads what this misses at load.
+    order; under HSDP with groups of ``shard_size`` ranks, the split within its group). Every
+    part on one process. A model sharded otherwise reads what this misses at load.
     """
     if world <= 1:
         return list(range(len(index.parts)))
+    if shard_size:
+        rank, world = rank % shard_size, shard_size
     wanted = {0}
     for entry in index.tensors:
         if all(e.part == 0 for shard in entry.shards for e in shard.extents):
@@ -350,7 +355,7 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 def open_candidate(
-    store: Store, name: str, *, rank: int = 0, world: int = 1
+    store: Store, name: str, *, rank: int = 0, world: int = 1, shard_size: int | None = None
 ) -> tuple[str, dict[str, Any]]:
     """``(path, checkpoint)`` of published checkpoint ``name`` read lazily for rank ``rank`` of
     ``world``: its manifest, index, skeleton, cursor and RNG states checked, the parts it will
@@ -364,7 +369,8 @@ def open_candidate(
         complete = None
         if is_head(data):  # version 2: only the fragments of the writers whose rows it restores
             head = parse_head(data, path, name)
-            index = read_index(store, data, path, name, writers=writers_for(head, rank, world))
+            wanted = writers_for(head, rank, world, shard_size)
+            index = read_index(store, data, path, name, writers=wanted)
             if world > 1:
 
                 def complete() -> PartsIndex:
@@ -372,7 +378,8 @@ def open_candidate(
 
         else:
             index = parse_index(data, path, name)
-        ckpt = open_lazy(store, index, path, rank=rank, world=world, complete=complete)
+        ckpt = open_lazy(store, index, path, rank=rank, world=world, complete=complete,
+                         shard_size=shard_size)  # fmt: skip
     else:
         ckpt = reader.read(store, name, data, path)
     check_resume_cursor(ckpt, name)
@@ -388,6 +395,7 @@ def open_lazy(
     rank: int = 0,
     world: int = 1,
     complete: Callable[[], PartsIndex] | None = None,
+    shard_size: int | None = None,
 ) -> dict[str, Any]:
     """The checkpoint of a parsed ``index`` with ``StoredTensor`` references for its tensors:
     the parts rank ``rank`` of ``world`` restores from (``parts_to_read``) read whole, hashed
@@ -396,7 +404,7 @@ def open_lazy(
     states read (resume must be able to restore them) and the format checked: the parts layout
     read lazily. No part is stat'ed: a part nobody reads here is checked when it is read."""
     source = Source(store, index, path, complete=complete)
-    verify_parts(source, parts_to_read(index, rank, world), keep=True)
+    verify_parts(source, parts_to_read(index, rank, world, shard_size), keep=True)
     refs = [StoredTensor(source, i) for i in range(len(index.tensors))]
     payload = with_fragment_rng(_join(load_skeleton(index.skeleton, path), refs, path), index, path)
     for key in ("rng", "rng_per_rank"):  # small, and resume must be able to restore them
@@ -412,7 +420,9 @@ def _join(skeleton: Any, refs: Sequence[StoredTensor], source: str) -> Any:
     return join_tensors(skeleton, refs, source)
 
 
-def resolve_sharded(location: Any) -> tuple[str, dict[str, Any]] | None:
+def resolve_sharded(
+    location: Any, shard_size: int | None = None
+) -> tuple[str, dict[str, Any]] | None:
     """The newest published checkpoint every part of which verifies, chosen by every rank
     together: ``(path, checkpoint)`` with ``StoredTensor`` references, or None to start fresh.
 
@@ -444,17 +454,19 @@ def resolve_sharded(location: Any) -> tuple[str, dict[str, Any]] | None:
             found += [(-number, tier, name) for number, name in listed]
         order = [(tier, name) for _, tier, name in sorted(found)]
     for tier, name in _broadcast(order):
-        chosen = _choose(stores[tier], name)
+        chosen = _choose(stores[tier], name, shard_size)
         if chosen is not None:
             return chosen
     return None
 
 
-def _choose(store: Store, name: str) -> tuple[str, dict[str, Any]] | None:
+def _choose(
+    store: Store, name: str, shard_size: int | None = None
+) -> tuple[str, dict[str, Any]] | None:
     """Candidate ``name`` if every rank finds its share of it sound (collective): each reads
     the head and the parts it restores from, once, verified (``open_candidate``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    mine = _try(lambda: open_candidate(store, name, rank=rank, world=world))
+    mine = _try(lambda: open_candidate(store, name, rank=rank, world=world, shard_size=shard_size))
     outcomes: list[Any] = [(mine[0], None if mine[0] == "ok" else mine[1])]
     if world > 1:
         outcomes = [None] * world
