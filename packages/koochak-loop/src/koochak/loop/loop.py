@@ -134,8 +134,10 @@ def training_loop(
     fresh = checkpoint_dict is None and resume != "auto"
     lease, run_id = claim_run(cfg, rank, checkpoint_dict, fresh=fresh)
     try:
+        shard_size = fsdp.shard_size(cfg.fsdp, world_size) if cfg.fsdp.enabled else None
         resume_path, checkpoint_dict = resume_checkpoint(
-            resume, tiers, checkpoint_dict, auto_resume_path, sharded=cfg.fsdp.enabled
+            resume, tiers, checkpoint_dict, auto_resume_path, sharded=cfg.fsdp.enabled,
+            shard_size=shard_size,  # HSDP: each rank reads the rows of its own shard group
         ) or (None, None)
         if checkpoint_dict is not None:  # the same run, or refuse before anything is built
             _check_resumed_model(checkpoint_dict, model, resume_path)

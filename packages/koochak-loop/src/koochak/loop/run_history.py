@@ -50,8 +50,10 @@ HISTORY_FILE = "attempts.jsonl"
 HISTORY_VERSION = 1  # start, progress, end (an older reader reads these)
 EVENTS_VERSION = 2  # commit, replicate, prune, resume (an older reader skips these)
 _VERSIONS = (HISTORY_VERSION, EVENTS_VERSION)
+_NEWEST = max(_VERSIONS)
 _ANY = object()
-_INT, _NUM, _STR, _LIST, _MAP = int, (int, float), str, list, dict
+# The exact types JSON gives (so a bool is no int); a float must also be finite.
+_INT, _NUM, _STR, _LIST, _MAP = (int,), (int, float), (str,), (list,), (dict,)
 # field -> its type (None always allowed); a record with another is skipped as hostile or torn
 _FIELDS: dict[str, Any] = {
     "attempt": _INT, "step": _INT, "time": _NUM, "event": _STR, "reason": _STR, "error": _STR,
@@ -91,8 +93,8 @@ def read_history(out_dir: str | os.PathLike[str], *, warn: bool = True) -> list[
             record = json.loads(line)
         except ValueError:
             record = None
-        version = record.get("version") if isinstance(record, dict) else None
-        if isinstance(version, int) and not isinstance(version, bool) and version > max(_VERSIONS):
+        version = record.get("version") if type(record) is dict else None
+        if type(version) is int and version > _NEWEST:
             newer += 1  # a newer Koochak's: skipped, as its format promises
             continue
         if not _valid(record):
@@ -112,26 +114,26 @@ def read_history(out_dir: str | os.PathLike[str], *, warn: bool = True) -> list[
 
 def _valid(record: Any) -> bool:
     """A record of a known version whose every known field has its type."""
-    if not isinstance(record, dict) or record.get("version") not in _VERSIONS:
+    if type(record) is not dict or type(record.get("version")) is not int:
         return False
-    if isinstance(record.get("version"), bool) or not isinstance(record.get("event"), str):
+    if record["version"] not in _VERSIONS or type(record.get("event")) is not str:
         return False
-    for key, kind in _FIELDS.items():
-        value = record.get(key)
-        if value is None:
+    for key, value in record.items():  # a record's own few keys, not every known one
+        kind = _FIELDS.get(key)
+        if kind is None or value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, kind):
+        if type(value) not in kind or (type(value) is float and not math.isfinite(value)):
             return False
-        if isinstance(value, float) and not math.isfinite(value):
-            return False
-    if not isinstance(record.get("attempt"), int) or record["attempt"] < 0:
+    if type(record.get("attempt")) is not int or record["attempt"] < 0:
         return False
     if record.get("time") is None:  # every record says when
         return False
     if record.get("step") is not None and record["step"] < 0:
         return False
-    required = _REQUIRED.get(record["event"], ())
-    return all(record.get(key) is not None for key in required)
+    for key in _REQUIRED.get(record["event"], ()):
+        if record.get(key) is None:
+            return False
+    return True
 
 
 def append_record(out_dir: str | os.PathLike[str], record: Mapping[str, Any]) -> None:
