@@ -52,9 +52,9 @@ def load_init_weights(
     if "://" not in local and not os.path.isdir(local):
         raise ValueError(f"{where}: no such file or directory")
     from koochak.loop.checkpoint.publication import checkpoint_store, publication_path
-    from koochak.loop.checkpoint.resume import _highest_valid
+    from koochak.loop.checkpoint.resume import highest_valid
 
-    found = _highest_valid([checkpoint_store(source)])
+    found = highest_valid([checkpoint_store(source)])
     if found is None:
         raise ValueError(f"{where}: no valid published checkpoint there")
     path = publication_path(found.store, found.publication)

@@ -39,7 +39,7 @@ import torch
 import yaml
 from koochak.loop.checkpoint.format import checkpoint_name
 from koochak.loop.checkpoint.publication import checkpoint_store, publication_path
-from koochak.loop.checkpoint.resume import _highest_valid
+from koochak.loop.checkpoint.resume import highest_valid
 from koochak.loop.checkpoint.safetensors_out import (
     check_names,
     check_written,
@@ -169,7 +169,7 @@ def _reads_back(target: Store, name: str, keys: list[str]) -> str:
 def _checkpoint(store: Store, step: int | None) -> tuple[str, dict[str, Any], str]:
     """``(path, checkpoint, SHA256 of its commit)``: the given step, or the highest valid."""
     if step is None:
-        found = _highest_valid([store])
+        found = highest_valid([store])
         if found is None:
             raise ValueError(f"{store.location}: no valid published checkpoint to export")
         path = publication_path(found.store, found.publication)

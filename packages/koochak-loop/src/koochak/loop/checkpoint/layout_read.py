@@ -49,7 +49,7 @@ from koochak.loop.checkpoint.parts_tree import check_depth, join_tensors, load_s
 from koochak.storage.artifact import READY_SUFFIX
 from koochak.storage.store import Store
 
-_NDARRAY_TAG = "__koochak_ndarray__"
+NDARRAY_TAG = "__koochak_ndarray__"
 
 __all__ = ["Reader", "ONE_FILE", "PARTS", "layout_of", "read", "objects",
            "deserialize_checkpoint", "load_checkpoint_file", "checkpoint_of_payload"]  # fmt: skip
@@ -215,25 +215,25 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _decode(value: Any) -> Any:
-    return _walk(value, _untag_ndarray)
+    return walk_tree(value, _untag_ndarray)
 
 
-def _walk(value: Any, leaf: Any) -> Any:
+def walk_tree(value: Any, leaf: Any) -> Any:
     """Rebuild dicts, lists and tuples, replacing whatever ``leaf`` turns into something else."""
     replaced = leaf(value)
     if replaced is not value:
         return replaced
     if isinstance(value, Mapping):
-        return {k: _walk(v, leaf) for k, v in value.items()}
+        return {k: walk_tree(v, leaf) for k, v in value.items()}
     if isinstance(value, list):
-        return [_walk(v, leaf) for v in value]
+        return [walk_tree(v, leaf) for v in value]
     if isinstance(value, tuple):
-        return tuple(_walk(v, leaf) for v in value)
+        return tuple(walk_tree(v, leaf) for v in value)
     return value
 
 
 def _untag_ndarray(value: Any) -> Any:
-    if isinstance(value, tuple) and len(value) == 4 and value[0] == _NDARRAY_TAG:
+    if isinstance(value, tuple) and len(value) == 4 and value[0] == NDARRAY_TAG:
         import numpy as np
 
         _, dtype, shape, raw = value

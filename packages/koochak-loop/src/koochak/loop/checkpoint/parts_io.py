@@ -244,7 +244,7 @@ def _read_part(
     sha = hashlib.sha256()
     got = 0
     with open_named(store, part.key, named_by=source) as stream:
-        filler = _Filler(stream)
+        filler = PartFiller(stream)
         for _, dest in sorted(targets, key=lambda item: item[0]):
             # The index tiles each part, so the extents follow one another with no gaps.
             for begin in range(0, len(dest), _READ_PIECE):
@@ -268,7 +268,7 @@ def _read_part(
         )
 
 
-class _Filler:
+class PartFiller:
     """Reads a stream into given buffers: ``readinto`` where the stream has a working one."""
 
     def __init__(self, stream: Any) -> None:

@@ -148,7 +148,7 @@ def resolve_auto_resume(
     them wins, read from the first tier that has it. ``passed`` (a list) receives one
     ``{"tier", "step", "why"}`` per candidate passed over (the run history's resume record).
     """
-    found = _highest_valid(_tier_stores(location), passed)
+    found = highest_valid(_tier_stores(location), passed)
     if found is None:
         return None
     return ResumePoint(publication_path(found.store, found.publication), found.checkpoint)
@@ -169,7 +169,7 @@ def _tier_stores(location: Locations) -> list[Store]:
     return [checkpoint_store(location)]  # type: ignore[arg-type]
 
 
-def _highest_valid(
+def highest_valid(
     stores: Sequence[Store], passed: list[dict[str, Any]] | None = None
 ) -> _Found | None:
     """The newest checkpoint that validates in any of ``stores`` (tiers, first tier first).
@@ -324,7 +324,7 @@ def resume_checkpoint(
     found, failure = None, None
     if dist.get_rank() == 0:
         try:
-            found = _highest_valid(_tier_stores(location))
+            found = highest_valid(_tier_stores(location))
         except Exception as exc:  # tell the other ranks before raising, or they wait forever
             failure = exc
     chosen = ddp.broadcast_object(

@@ -25,11 +25,11 @@ from typing import Any
 import torch
 from koochak.loop.checkpoint.format import check_checkpoint_format
 from koochak.loop.checkpoint.layout_read import (  # the read side lives there; kept importable
-    _NDARRAY_TAG,
-    _walk,
+    NDARRAY_TAG,
     checkpoint_of_payload,
     deserialize_checkpoint,  # noqa: F401
     load_checkpoint_file,  # noqa: F401
+    walk_tree,
 )
 from koochak.loop.checkpoint.layout_read import read as _read_by_layout
 from koochak.loop.checkpoint.parts_index import encode_index
@@ -261,7 +261,7 @@ def read_checkpoint(
 
 def _encode(value: Any) -> Any:
     """NumPy arrays become tagged tuples of bytes; everything else is walked as is."""
-    return _walk(value, _tag_ndarray)
+    return walk_tree(value, _tag_ndarray)
 
 
 def _tag_ndarray(value: Any) -> Any:
@@ -270,5 +270,5 @@ def _tag_ndarray(value: Any) -> Any:
     except ImportError:  # pragma: no cover - numpy is a dependency
         return value
     if isinstance(value, np.ndarray):
-        return (_NDARRAY_TAG, value.dtype.str, list(value.shape), value.tobytes())
+        return (NDARRAY_TAG, value.dtype.str, list(value.shape), value.tobytes())
     return value

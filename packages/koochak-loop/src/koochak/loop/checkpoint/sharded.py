@@ -54,7 +54,7 @@ class ShardedLoadError(RuntimeError):
 # ----------------------------------------------------------------------------- agreement
 
 
-def _agree(error: str | None, what: str, group: Any = None) -> None:
+def agree_all(error: str | None, what: str, group: Any = None) -> None:
     """Every rank's outcome of ``what``; raises on every rank if any rank failed (naming it)."""
     errors: list[Any] = [error]
     if dist.get_world_size() > 1:
@@ -65,7 +65,7 @@ def _agree(error: str | None, what: str, group: Any = None) -> None:
         raise ShardedLoadError(f"{what}: {'; '.join(failed)}")
 
 
-def _message(exc: BaseException) -> str:
+def error_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
 
 
@@ -84,7 +84,7 @@ def dtensor_leaves(tree: Any, path: str = "") -> list[tuple[str, Any]]:
     return []
 
 
-def _map(tree: Any, leaf: Callable[[Any], Any]) -> Any:
+def map_tree(tree: Any, leaf: Callable[[Any], Any]) -> Any:
     """``tree`` rebuilt with ``leaf(value)`` in place of every value ``leaf`` replaces (returns
     another object for); dicts (an OrderedDict keeps its type and a state dict's ``_metadata``),
     lists and tuples are walked, anything else is kept."""
@@ -94,14 +94,14 @@ def _map(tree: Any, leaf: Callable[[Any], Any]) -> Any:
     if isinstance(tree, Mapping):
         out: dict[Any, Any] = OrderedDict() if isinstance(tree, OrderedDict) else {}
         for key, value in tree.items():
-            out[key] = _map(value, leaf)
+            out[key] = map_tree(value, leaf)
         if hasattr(tree, "_metadata"):
             out._metadata = tree._metadata  # type: ignore[attr-defined]
         return out
     if isinstance(tree, list):
-        return [_map(v, leaf) for v in tree]
+        return [map_tree(v, leaf) for v in tree]
     if isinstance(tree, tuple):
-        return tuple(_map(v, leaf) for v in tree)
+        return tuple(map_tree(v, leaf) for v in tree)
     return tree
 
 
@@ -210,7 +210,7 @@ def save_sharded(
                 except FileNotFoundError:  # rank 0 cleared it (the tier is shared)
                     pass
     except Exception as exc:
-        error = _message(exc)
+        error = error_line(exc)
     with claim:
         return _write_and_commit(store, name, ckpt, error, intent, parts=parts,
                                  keep_last_k=keep_last_k, workers=workers, group=group,
@@ -233,7 +233,7 @@ def _write_and_commit(
     """save_sharded's body once the name is held (rank 0: ``intent``): every rank writes its
     parts, rank 0 commits the index."""
     rank = dist.get_rank()
-    _agree(error, f"saving {name}", group)
+    agree_all(error, f"saving {name}", group)
 
     split, numbers, leaves, slab_writers = None, {}, [], None
     try:
@@ -250,7 +250,7 @@ def _write_and_commit(
             own = ckpt.get("rng") if dist.get_world_size() > 1 else None
             report = _write_fragment(store, name, report, own)
     except Exception as exc:
-        report = _Report((), (), (), _message(exc))
+        report = _Report((), (), (), error_line(exc))
     if written is not None:
         written.extend(report.parts)
         if report.fragment is not None:
@@ -269,8 +269,8 @@ def _write_and_commit(
             outcome = ("ok", publication)
         except Exception as exc:
             _remove_quietly(store, name)
-            outcome = ("error", _message(exc))
-    outcome = _broadcast(outcome, group)
+            outcome = ("error", error_line(exc))
+    outcome = broadcast_from_rank0(outcome, group)
     if outcome[0] == "error":
         raise RuntimeError(f"checkpoint {name} was not saved: {outcome[1]}")
     return outcome[1]
@@ -292,7 +292,7 @@ def _split_rank0(
         sentinels[stand_in.data_ptr()] = order[id(dt)]
         return stand_in
 
-    split = split_checkpoint(_map(ckpt, lambda v: swap(v) if is_dtensor(v) else v))
+    split = split_checkpoint(map_tree(ckpt, lambda v: swap(v) if is_dtensor(v) else v))
     numbers = {
         i: sentinels[t.data_ptr()] for i, t in enumerate(split.tensors) if t.data_ptr() in sentinels
     }
@@ -450,7 +450,7 @@ def _gather(value: Any, group: Any = None) -> list[Any] | None:
     return out
 
 
-def _broadcast(value: Any, group: Any = None) -> Any:
+def broadcast_from_rank0(value: Any, group: Any = None) -> Any:
     if dist.get_world_size() == 1:
         return value
     box = [value]
@@ -479,7 +479,7 @@ def freeze(ckpt: Mapping[str, Any], buffers: Any) -> tuple[dict[str, Any], Any]:
     copy = buffers.copy(sources)
 
     copies = iter(copy.tensors)
-    frozen = _map(
+    frozen = map_tree(
         ckpt, lambda v: placed_like(next(copies), v) if isinstance(v, torch.Tensor) else v
     )
     return frozen, copy

@@ -48,10 +48,16 @@ from koochak.loop.checkpoint.parts_index import (
     itemsize,
     parse_index,
 )
-from koochak.loop.checkpoint.parts_io import _Filler
+from koochak.loop.checkpoint.parts_io import PartFiller
 from koochak.loop.checkpoint.parts_tree import byte_view, join_tensors, load_skeleton, torch_dtype
 from koochak.loop.checkpoint.publication import publication_path
-from koochak.loop.checkpoint.sharded import _agree, _broadcast, _map, _message, local_box
+from koochak.loop.checkpoint.sharded import (
+    agree_all,
+    broadcast_from_rank0,
+    error_line,
+    local_box,
+    map_tree,
+)
 from koochak.loop.dist import is_dtensor, local_tensor, placed_like
 from koochak.storage import artifact
 from koochak.storage.named import open_named
@@ -212,7 +218,7 @@ def _read_part(
     except FileNotFoundError:  # still missing after the store's read_settle_seconds
         raise ValueError(f"{source.where}: part {part.key} is missing") from None
     with stream:
-        filler = _Filler(stream)
+        filler = PartFiller(stream)
         while pos < part.size:
             size = min(_PIECE, part.size - pos)
             piece = view[pos : pos + size] if whole is not None else view[:size]
@@ -453,7 +459,7 @@ def resolve_sharded(
                 continue
             found += [(-number, tier, name) for number, name in listed]
         order = [(tier, name) for _, tier, name in sorted(found)]
-    for tier, name in _broadcast(order):
+    for tier, name in broadcast_from_rank0(order):
         chosen = _choose(stores[tier], name, shard_size)
         if chosen is not None:
             return chosen
@@ -493,7 +499,7 @@ def _try(call: Callable[[], Any]) -> tuple[str, Any]:
     except FileNotFoundError as exc:  # the file or index, missing after read_settle_seconds
         return ("skip", f"{exc.filename or exc} is missing (after read_settle_seconds)")
     except Exception as exc:
-        return ("fatal", _message(exc))
+        return ("fatal", error_line(exc))
 
 
 def _refs(tree: Any) -> list[StoredTensor]:
@@ -534,7 +540,7 @@ def _read_all(tree: Any, likes: Mapping[int, Any] | None = None) -> Any:
             read[id(ref)] = (
                 tensor if like is None else placed_like(tensor.to(local_tensor(like).device), like)
             )
-    return _map(tree, lambda v: read[id(v)] if isinstance(v, StoredTensor) else v)
+    return map_tree(tree, lambda v: read[id(v)] if isinstance(v, StoredTensor) else v)
 
 
 def is_lazy(ckpt: Mapping[str, Any]) -> bool:
@@ -587,9 +593,9 @@ def materialize(
     try:
         result = _read_all(dict(ckpt), likes)
     except Exception as exc:
-        error = _message(exc)
+        error = error_line(exc)
     finally:
         for ref in _refs(ckpt):  # the selection's verified bytes are copied out now
             ref.source.verified.clear()
-    _agree(error, "loading the sharded checkpoint")
+    agree_all(error, "loading the sharded checkpoint")
     return result
