@@ -50,7 +50,7 @@ def _node_lost(node: str, timeout: float) -> str:
 
 def test_the_report_tells_a_lost_node_and_the_resume_after_pruning(cluster_alone, tmp_path):
     from cluster_jobs import ended, logs, prepare, resources, scancel, submit, wait_for
-    from koochak.loop import report
+    from koochak.loop import report, report_cli
     from koochak.loop.run_history import read_history
     from koochak.storage import open_store
     from slurm_jobs import exit_code, job_fields
@@ -120,7 +120,7 @@ def test_the_report_tells_a_lost_node_and_the_resume_after_pruning(cluster_alone
     import matplotlib.pyplot as plt
 
     plt.close(fig)
-    assert report.main([str(run_dir), "--out", str(tmp_path / "story")]) == 0
+    assert report_cli.main([str(run_dir), "--out", str(tmp_path / "story")]) == 0
     page = (tmp_path / "story.html").read_text()
     assert "node2 lost" in page and f"resumed from step {chosen['step']} in tier 1" in page
     for step in sorted(replicated):

@@ -8,7 +8,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from koochak.loop import report
+from koochak.loop import report, report_cli
 from koochak.loop.cli import main as train
 
 pytest.importorskip("matplotlib")
@@ -101,7 +101,7 @@ def test_the_figure_holds_both_attempts_curves_and_the_restart_marker(two_attemp
 
 
 def test_koochak_report_writes_a_png_and_a_self_contained_page(two_attempts, tmp_path, capsys):
-    assert report.main([str(two_attempts), "--out", str(tmp_path / "r")]) == 0
+    assert report_cli.main([str(two_attempts), "--out", str(tmp_path / "r")]) == 0
     png, page = tmp_path / "r.png", (tmp_path / "r.html").read_text()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert base64.b64encode(png.read_bytes()).decode() in page
@@ -117,13 +117,13 @@ def test_koochak_report_writes_a_png_and_a_self_contained_page(two_attempts, tmp
 
 
 def test_bad_run_dirs_and_a_missing_matplotlib_are_one_line(tmp_path, capsys, monkeypatch):
-    assert report.main([str(tmp_path / "nope")]) == 2
+    assert report_cli.main([str(tmp_path / "nope")]) == 2
     assert "not a directory" in capsys.readouterr().err
-    assert report.main([str(tmp_path)]) == 2
+    assert report_cli.main([str(tmp_path)]) == 2
     assert "no log.jsonl or log.csv" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(report.ReportError, match=r"pip install 'koochak-loop\[report\]'"):
-        report._pyplot()
+        report.load_pyplot()
 
 
 def test_outputs_never_write_through_a_link_planted_in_the_run_directory(two_attempts, tmp_path):
@@ -135,12 +135,12 @@ def test_outputs_never_write_through_a_link_planted_in_the_run_directory(two_att
     victim.write_text("keep me")
     (run / "report.png").symlink_to(victim)
     (run / "report.html").symlink_to(tmp_path / "created-outside.html")  # a dangling link
-    assert report.main([str(run)]) == 0
+    assert report_cli.main([str(run)]) == 0
     assert victim.read_text() == "keep me" and not (tmp_path / "created-outside.html").exists()
     for name in ("report.png", "report.html"):
         assert not (run / name).is_symlink() and (run / name).stat().st_size > 0
     assert not [p for p in run.iterdir() if p.name.endswith(".tmp")]
-    assert report.main([str(run)]) == 0  # and again, over its own files
+    assert report_cli.main([str(run)]) == 0  # and again, over its own files
 
 
 def test_the_story_survives_pruning_and_a_tier_this_host_cannot_list(two_attempts, tmp_path):
@@ -185,7 +185,7 @@ def test_the_story_survives_pruning_and_a_tier_this_host_cannot_list(two_attempt
     import matplotlib.pyplot as plt
 
     plt.close(fig)
-    assert report.main([str(run)]) == 0
+    assert report_cli.main([str(run)]) == 0
     page = (run / "report.html").read_text()
     assert "tier 0 commits step 2 (pruned since)" in page and "step 8 replicated to tier 1" in page
 
@@ -224,7 +224,7 @@ def test_koochak_report_a_b_overlays_both_runs_named_by_what_differs(tmp_path, m
     import matplotlib.pyplot as plt
 
     plt.close(fig)
-    assert report.main([str(runs[0]), str(runs[1]), "--out", str(tmp_path / "cmp")]) == 0
+    assert report_cli.main([str(runs[0]), str(runs[1]), "--out", str(tmp_path / "cmp")]) == 0
     assert "wrote" in capsys.readouterr().out
     page = (tmp_path / "cmp.html").read_text()
     assert (tmp_path / "cmp.png").read_bytes()[:4] == b"\x89PNG"
@@ -251,7 +251,7 @@ def test_a_report_mid_run_shows_the_commits_so_far(two_attempts, tmp_path):
         "running"
     )
     assert 8 in data.tiers[0].commits and 12 in data.tiers[0].commits  # 12: the tier lists it
-    assert report.main([str(run)]) == 0
+    assert report_cli.main([str(run)]) == 0
     assert "attempt 2 starts at step 6" in (run / "report.html").read_text()
 
 
@@ -304,5 +304,5 @@ def test_a_run_initialised_from_another_says_so_in_its_history_and_report(two_at
     data = report.gather_run(tune)
     line = f"initialised from {source} (sha256 {digest})"
     assert report.summary_lines(data)[0] == line
-    assert report.main([str(tune)]) == 0
+    assert report_cli.main([str(tune)]) == 0
     assert line in (tune / "report.html").read_text()

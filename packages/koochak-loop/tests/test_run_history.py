@@ -253,9 +253,9 @@ def test_hostile_or_torn_history_lines_are_skipped_with_one_warning(project, cap
     assert main(["--config", str(config), "--resume", "none"]) == 0  # the next attempt starts
     err = capsys.readouterr().err
     assert "torn or malformed" in err and "Traceback" not in err
-    from koochak.loop import report
+    from koochak.loop import report_cli
 
-    assert report.main([str(run)]) == 0, capsys.readouterr().err
+    assert report_cli.main([str(run)]) == 0, capsys.readouterr().err
     assert "Traceback" not in capsys.readouterr().err
 
 

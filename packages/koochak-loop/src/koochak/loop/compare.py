@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from koochak.loop.config import flat_config
-from koochak.loop.report import RunData, _pyplot, gather_run, write_output
+from koochak.loop.report import RunData, gather_run, load_pyplot, write_output
 from koochak.loop.run_history import format_duration
 
 __all__ = ["differing_keys", "build_comparison", "run_summary", "write_comparison"]
@@ -101,7 +101,7 @@ def build_comparison(runs: Sequence[RunData]) -> Any:
     """The figure: every run's loss (solid) and eval curves (dotted) over steps, one colour per
     run, labelled by the differing keys. Artists carry ``gid`` ``loss-run<i>`` and
     ``<eval_name>-run<i>``."""
-    plt = _pyplot()
+    plt = load_pyplot()
     keys = differing_keys([r.config for r in runs])
     fig, ax = plt.subplots(1, 1, figsize=(11, 6))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -146,7 +146,7 @@ def write_comparison(
     png, page = prefix.with_name(prefix.name + ".png"), prefix.with_name(prefix.name + ".html")
     image = io.BytesIO()
     fig.savefig(image, format="png", dpi=100)
-    _pyplot().close(fig)
+    load_pyplot().close(fig)
     keys = differing_keys([r.config for r in runs])
     rows = [run_summary(r) for r in runs]
     metrics = ["final_loss", "best_loss"] + sorted({k for r in rows for k in r

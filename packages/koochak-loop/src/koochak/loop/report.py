@@ -26,7 +26,6 @@ matplotlib is the ``report`` extra (``pip install 'koochak-loop[report]'``), imp
 
 from __future__ import annotations
 
-import argparse
 import base64
 import contextlib
 import html
@@ -35,14 +34,12 @@ import json
 import os
 import secrets
 import statistics
-import sys
 import textwrap
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunData", "build_figure", "gather_run", "main", "write_report"]
+__all__ = ["RunData", "build_figure", "gather_run", "write_report"]
 
 EXIT_USAGE = 2
 _READY = ".ready.json"
@@ -327,7 +324,7 @@ def gather_run(run_dir: str | os.PathLike[str]) -> RunData:
 # ----------------------------------------------------------------------------- drawing
 
 
-def _pyplot() -> Any:
+def load_pyplot() -> Any:
     try:
         import matplotlib
 
@@ -373,7 +370,7 @@ def build_figure(data: RunData) -> Any:
     """The report's figure (matplotlib), every artist tagged with a ``gid`` tests can find:
     ``loss-<attempt>``, ``eval_<name>-<attempt>``, ``restart-<attempt>``, ``tokens_per_s-<n>``
     / ``samples_per_s-<n>``, ``mfu-<n>``, ``commits-tier<k>``, ``lag-tier<k>``."""
-    plt = _pyplot()
+    plt = load_pyplot()
     fig, (loss_ax, rate_ax, ckpt_ax) = plt.subplots(3, 1, figsize=(11, 11.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     attempts = data.attempts
@@ -586,7 +583,7 @@ def write_report(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | 
     png, page = prefix.with_name(prefix.name + ".png"), prefix.with_name(prefix.name + ".html")
     image = io.BytesIO()
     fig.savefig(image, format="png", dpi=100)
-    _pyplot().close(fig)
+    load_pyplot().close(fig)
     encoded = base64.b64encode(image.getvalue()).decode("ascii")
     items = "".join(f"<li>{html.escape(line)}</li>" for line in summary_lines(data))
     gaps = "".join(f"<li>{html.escape(line)}</li>" for line in data.missing)
@@ -627,31 +624,3 @@ def write_output(path: Path, data: bytes) -> None:
             raise
     finally:
         os.close(directory)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="koochak-report",
-        description="Render a koochak-train run directory (all attempts) as a PNG and an HTML page.",
-    )
-    parser.add_argument("run_dir", nargs="+", metavar="RUN_DIR",
-                        help="the run's train.out_dir; several: compare them side by side")  # fmt: skip
-    parser.add_argument("--out", default=None, help="output prefix (default RUN_DIR/report; "
-                        "for several runs ./koochak-compare)")  # fmt: skip
-    args = parser.parse_args(argv)
-    try:
-        if len(args.run_dir) > 1:
-            from koochak.loop.compare import write_comparison
-
-            png, page = write_comparison(args.run_dir, args.out)
-        else:
-            png, page = write_report(args.run_dir[0], args.out)
-    except (ReportError, OSError) as exc:
-        print(f"koochak-report: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return EXIT_USAGE
-    print(f"koochak-report: wrote {png} and {page}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
