@@ -86,8 +86,10 @@ def test_two_nodes_commit_every_checkpoint_in_the_replica(cluster_env, tmp_path)
             writers = {int(n.split(".part-")[1][:5]) for n in held[node] if ".part-" in n}
             assert writers == ranks[node], (node, held[node])
         assert not [n for n in held[other] if n.endswith(".ready.json")], held[other]
-        parts = {n for n in replica_keys(replica) if ".part-" in n}
+        keys = replica_keys(replica)  # parts, and each writer's receipt for its own parts
+        parts = {n for n in keys if ".part-" in n and not n.endswith("-receipt")}
         assert parts == {n for node in ranks for n in held[node] if ".part-" in n}
+        assert any(n.endswith("-receipt") for n in keys), keys  # the commit trusted receipts
     else:  # DDP: rank 0 writes every checkpoint; the other node's rank writes nothing
         assert held[other] == []
 

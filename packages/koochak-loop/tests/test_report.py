@@ -107,7 +107,9 @@ def test_koochak_report_writes_a_png_and_a_self_contained_page(two_attempts, tmp
     assert base64.b64encode(png.read_bytes()).decode() in page
     assert "attempt 2: from step 6 (resumed from step 5, tier 0)" in page
     assert "attempt 1 ends: failed: RuntimeError: preempted" in page  # the story, from the history
-    assert "step 5 replicated to tier 1" in page and "tier 1 commits step 12" in page
+    # (a queued copy of step 5 may be superseded by step 8's: which steps the replica got is the
+    # replicator's business; each one it got is in the story)
+    assert "step 8 replicated to tier 1" in page and "tier 1 commits step 12" in page
     # the loss curves' colours are in the picture (C0: attempt 1, C1: attempt 2)
     import matplotlib.image
 
@@ -164,8 +166,10 @@ def test_the_story_survives_pruning_and_a_tier_this_host_cannot_list(two_attempt
     data = report.gather_run(run)
     first, replica = data.tiers
     assert sorted(first.commits) == [2, 5, 8, 12] and first.pruned == [2, 5]
-    # (a copy that ends after its attempt failed is in the replica but not in the history)
-    assert {5, 8, 12} <= set(replica.commits) and replica.present is None
+    # Attempt 2's copies are in the story. Attempt 1 failed while copying (steps 2 and 5): a
+    # copy that ends after its attempt failed is in the replica but not in the history, and
+    # which of the two that is depends on timing.
+    assert {8, 12} <= set(replica.commits) and replica.present is None
     assert len(data.lags(1)) >= 3
     assert any("tier 1" in m and "run history's" in m for m in data.missing), data.missing
     assert data.attempts[1].resumed["tier"] == 0 and data.attempts[1].resumed["step"] == 5
@@ -180,7 +184,8 @@ def test_the_story_survives_pruning_and_a_tier_this_host_cannot_list(two_attempt
     texts = {t.get_gid(): t.get_text() for t in ckpt_ax.texts}
     assert texts["resumed-label-2"] == "attempt 2 resumed here (tier 0, step 5)"
     assert texts["attempt-ending-1"] == "attempt 1: failed: RuntimeError: preempted"
-    assert {f"commit-label-tier{t}-{s}" for t in (0, 1) for s in (5, 8, 12)} <= set(texts)
+    assert {f"commit-label-tier0-{s}" for s in (5, 8, 12)} <= set(texts)
+    assert {f"commit-label-tier1-{s}" for s in (8, 12)} <= set(texts)
     assert "commit-label-tier0-2" in texts
     import matplotlib.pyplot as plt
 
