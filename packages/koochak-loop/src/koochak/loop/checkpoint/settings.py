@@ -56,3 +56,9 @@ class CheckpointConfig:
             replication=replication_settings(cfg),
             run_id=cfg.run_id,
         )
+
+    @property
+    def locations(self) -> tuple[Location, ...]:
+        """Every tier's location, first tier first (what resume selects over)."""
+        replicas = self.replication.replicas if self.replication is not None else ()
+        return (self.location, *(tier.location for tier in replicas))
