@@ -5,9 +5,10 @@ optimizer -> attempt record -> start hook -> compile -> [DDP] -> [restore]. Then
 batch -> micro-steps x grad_accum (``update_fn``; ``update.standard_update`` by default) ->
 gradient gate -> update (optimizer -> scaler -> [EMA] -> scheduler) -> observe (hooks, log) ->
 [GPU health] -> maybe eval -> maybe save -> [evacuate]. Finally the terminal state is packed into a resume-ready
-checkpoint, saved, and returned. Checkpoint mechanics live in the ``checkpoint`` subpackage
-(``resume`` finds the checkpoint to continue from, ``restore`` puts it back, ``saver`` captures and
-publishes, sync or async); the rest in ``evacuation``, ``health``, ``ddp`` and ``fsdp``.
+checkpoint, saved, and returned. Checkpoints are one component the loop opens once
+(``checkpoint.run_checkpoints``: the claim on the run's locations, the checkpoint to continue
+from, its restore, every save and the release); the rest in ``evacuation``, ``health``, ``ddp``
+and ``fsdp``.
 
 The user's ``step_fn(model, batch, ctx) -> {"loss": Tensor, ...}`` owns the model semantics;
 an ``update_fn`` (``koochak.loop.update``: its contract) may own the whole update's gradients,
