@@ -74,7 +74,7 @@ def open_checkpoints(
     # and out_dir, then the tier markers; the caller's checkpoint names the run. A run that
     # starts over (no checkpoint to continue) becomes the owner: see tier_marker.claim_tiers.
     fresh = checkpoint_dict is None and resume != "auto"
-    lease, run_id = claim_run(cfg, rank, checkpoint_dict, fresh=fresh)
+    lease, run_id = claim_run(cfg, rank, checkpoint_dict, fresh=fresh, tiers=settings.tiers)
     try:
         found = resume_checkpoint(
             resume, list(settings.locations), checkpoint_dict, auto_resume_path,
