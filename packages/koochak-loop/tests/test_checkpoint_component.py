@@ -87,3 +87,42 @@ def test_loop_py_imports_one_checkpoint_module():
         "koochak.loop.checkpoint.run_checkpoints"
     }
     assert "koochak.loop.run_lease" not in imported  # the claim is the component's
+
+
+def test_the_rng_comes_back_last_after_whatever_the_setup_draws(tmp_path):
+    # The component restores the training state when the loop hands it the live objects and the
+    # RNG only right before the first step: an optimizer factory or an on_train_start hook that
+    # draws random numbers on resume must not move the resumed run off the uninterrupted one.
+    from koochak.loop import training_loop
+
+    def run(steps, where, checkpoint=None, draws=False):
+        torch.manual_seed(3)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5),
+                                    torch.nn.Linear(8, 1))  # fmt: skip
+        gen = torch.Generator().manual_seed(0)
+        data = [(torch.randn(2, 4, generator=gen), torch.randn(2, 1, generator=gen))
+                for _ in range(6)][checkpoint["next_step"] if checkpoint else 0:]  # fmt: skip
+
+        def optimizer(m):
+            if draws:
+                torch.rand(7)
+            return torch.optim.SGD(m.parameters(), lr=0.1)
+
+        hooks = {"on_train_start": [lambda info: torch.rand(11)]} if draws else None
+        training_loop(
+            model=model, dataset=data, optimizer=optimizer, hooks=hooks, checkpoint_dict=checkpoint,
+            step_fn=lambda m, b, ctx: {"loss": torch.nn.functional.mse_loss(m(b[0]), b[1])},
+            train_cfg={"max_steps": steps, "device": "cpu", "out_dir": str(tmp_path / where)},
+        )  # fmt: skip
+        return model
+
+    reference = run(6, "ref")
+    torch.manual_seed(99)
+    first = run(3, "a")
+    from koochak.loop.checkpoint import load
+
+    saved = load(tmp_path / "a" / "step000000003.pt")
+    resumed = run(6, "b", saved, draws=True)
+    assert first is not resumed
+    for a, b in zip(reference.parameters(), resumed.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
