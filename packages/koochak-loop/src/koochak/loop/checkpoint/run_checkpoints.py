@@ -127,11 +127,6 @@ class RunCheckpoints:
         self._lease = lease
         self._saves: Checkpointer | None = None
 
-    @property
-    def lease(self) -> Any:
-        """The run's leases (``run_lease.Leases``; None on a rank that holds none)."""
-        return self._lease
-
     def resume_publication_path(self) -> str | None:
         """Where the resumed checkpoint is announced for others to read (its path in the first
         replica tier, once that tier holds the very commit read; see ``resume``)."""
@@ -160,7 +155,6 @@ class RunCheckpoints:
             self.settings, parts, rank=self.rank, resumed=self.resumed, started=started,
             on_checkpoint=on_checkpoint, on_replication=on_replication,
         )  # fmt: skip
-        self.due = self._saves.due  # the loop asks on the updates a cadence ends: one call
 
     def restore_rng(self) -> None:
         """Put this rank's RNG back as the resumed checkpoint left it (nothing when fresh): call
@@ -169,7 +163,8 @@ class RunCheckpoints:
             restore_rng(self.resumed)
 
     def due(self, step: int) -> bool:
-        """Whether update ``step`` (zero-based) ends with a periodic save (after ``restore``)."""
+        """Whether update ``step`` (zero-based) ends with a periodic save (after ``restore``).
+        The loop asks only on the updates some cadence ends, never per ordinary update."""
         return self._started.due(step)
 
     def periodic(self, step: int, metrics: Mapping[str, float]) -> None:
