@@ -100,7 +100,8 @@ class RunCheckpoints:
     ``resume_path`` where it was read; ``start_step`` its ``next_step``; ``origin`` what
     ``train.init_from`` loaded for the run, as that checkpoint records it; ``stopped_before``: a
     hook stopped the run it continues, so no update runs. ``tiers`` are the locations, first tier
-    first; ``run_id`` names the run in every checkpoint.
+    first; ``run_id`` names the run in every checkpoint. ``due(step)``: whether update ``step``
+    (zero-based) ends with a periodic save.
     """
 
     def __init__(
@@ -126,6 +127,9 @@ class RunCheckpoints:
         self.rank, self.world_size = rank, world_size
         self._lease = lease
         self._saves: Checkpointer | None = None
+        # due(step): whether update ``step`` (zero-based) ends with a periodic save. The saver's
+        # own bound method once ``restore`` made it, so the loop's check is a single call.
+        self.due: Callable[[int], bool] = self._not_started
 
     def resume_publication_path(self) -> str | None:
         """Where the resumed checkpoint is announced for others to read (its path in the first
@@ -155,17 +159,13 @@ class RunCheckpoints:
             self.settings, parts, rank=self.rank, resumed=self.resumed, started=started,
             on_checkpoint=on_checkpoint, on_replication=on_replication,
         )  # fmt: skip
+        self.due = self._saves.due
 
     def restore_rng(self) -> None:
         """Put this rank's RNG back as the resumed checkpoint left it (nothing when fresh): call
         it last before the first step, so nothing in between draws from it."""
         if self.resumed is not None:
             restore_rng(self.resumed)
-
-    def due(self, step: int) -> bool:
-        """Whether update ``step`` (zero-based) ends with a periodic save (after ``restore``).
-        The loop asks only on the updates some cadence ends, never per ordinary update."""
-        return self._started.due(step)
 
     def periodic(self, step: int, metrics: Mapping[str, float]) -> None:
         """Save after update ``step``; the run resumes from it at ``step + 1``. A lost lease
@@ -201,8 +201,12 @@ class RunCheckpoints:
     @property
     def _started(self) -> Checkpointer:
         if self._saves is None:
-            raise RuntimeError("RunCheckpoints: call restore(parts, ...) before saving")
+            self._not_started()
+        assert self._saves is not None
         return self._saves
+
+    def _not_started(self, *args: Any) -> bool:
+        raise RuntimeError("RunCheckpoints: call restore(parts, ...) before saving")
 
 
 def _with_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
