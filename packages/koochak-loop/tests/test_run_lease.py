@@ -444,3 +444,36 @@ def test_a_requeued_slurm_job_takes_over_its_lost_attempts_leases_and_resumes(
     assert torch.load(root / "durable" / "step000000006.pt", weights_only=True)["step"] == 6
     for where in (root / "durable", root / "run", root / "new-node"):
         assert read_lease(LocalStore(where)) is None  # released at the end
+
+
+@pytest.mark.parametrize("fails_in", ["optimizer factory", "state factory"])
+def test_a_setup_failure_after_the_claim_gives_the_location_back_at_once(tmp_path, fails_in):
+    # Issue 35's leftover: training_loop claimed the location (the lease, renewed on a thread,
+    # and the tier marker), then an error while it built the run (here a factory the user
+    # passed) left the lease held by this live process, so a second run into the same place
+    # was refused until the lease's deadline. The claim goes back with the error.
+    from koochak.loop import training_loop
+    from koochak.loop.config import ConfigError
+
+    def broken(_):
+        raise RuntimeError(f"the {fails_in} failed")
+
+    def run(**broken_part):
+        model = torch.nn.Linear(3, 1)
+        args = {"optimizer": lambda m: torch.optim.SGD(m.parameters(), lr=0.1), **broken_part}
+        return training_loop(
+            model=model, dataset=[(torch.ones(2, 3), torch.ones(2, 1))] * 2,
+            step_fn=lambda m, b, ctx: {"loss": torch.nn.functional.mse_loss(m(b[0]), b[1])},
+            train_cfg={"max_steps": 2, "device": "cpu", "out_dir": str(tmp_path / "run")},
+            resume="auto", **args,
+        )  # fmt: skip
+
+    part = {"optimizer": broken} if fails_in == "optimizer factory" else {"state": broken}
+    with pytest.raises(RuntimeError, match=f"the {fails_in} failed"):
+        run(**part)
+    assert read_lease(LocalStore(str(tmp_path / "run"))) is None  # released, not left to run out
+    try:
+        checkpoint = run()  # the same place again, at once: not "another live run holds it"
+    except ConfigError as exc:  # what the old code said
+        pytest.fail(f"the failed run kept its claim: {exc}")
+    assert checkpoint["next_step"] == 2

@@ -5,9 +5,10 @@ optimizer -> attempt record -> start hook -> compile -> [DDP] -> [restore]. Then
 batch -> micro-steps x grad_accum (``update_fn``; ``update.standard_update`` by default) ->
 gradient gate -> update (optimizer -> scaler -> [EMA] -> scheduler) -> observe (hooks, log) ->
 [GPU health] -> maybe eval -> maybe save -> [evacuate]. Finally the terminal state is packed into a resume-ready
-checkpoint, saved, and returned. Checkpoint mechanics live in the ``checkpoint`` subpackage
-(``resume`` finds the checkpoint to continue from, ``restore`` puts it back, ``saver`` captures and
-publishes, sync or async); the rest in ``evacuation``, ``health``, ``ddp`` and ``fsdp``.
+checkpoint, saved, and returned. Checkpoints are one component the loop opens once
+(``checkpoint.run_checkpoints``: the claim on the run's locations, the checkpoint to continue
+from, its restore, every save and the release); the rest in ``evacuation``, ``health``, ``ddp``
+and ``fsdp``.
 
 The user's ``step_fn(model, batch, ctx) -> {"loss": Tensor, ...}`` owns the model semantics;
 an ``update_fn`` (``koochak.loop.update``: its contract) may own the whole update's gradients,
@@ -33,10 +34,7 @@ from typing import Any
 import torch
 from koochak.loop import ddp, dist, fsdp, run_history
 from koochak.loop.batch import to_device
-from koochak.loop.checkpoint.restore import restore_rng, restore_training_state
-from koochak.loop.checkpoint.resume import resume_checkpoint, resume_publication_path
-from koochak.loop.checkpoint.saver import Checkpointer, make_checkpointer
-from koochak.loop.checkpoint.tiers import checkpoint_locations
+from koochak.loop.checkpoint.run_checkpoints import RunCheckpoints, open_checkpoints
 from koochak.loop.config import TrainConfig, resolve_train_config
 from koochak.loop.device import get_device, get_lr
 from koochak.loop.elastic import elastic_cursor
@@ -49,14 +47,6 @@ from koochak.loop.metric_reduction import CountedBatches, reduce_eval, reduce_lo
 from koochak.loop.precision import Scaler, autocast_factory
 from koochak.loop.prefetch import cuda_prefetch
 from koochak.loop.resumable import say_if_not_resumable
-from koochak.loop.resume_config import (
-    check_model_shapes,
-    check_resume_config,
-    format_change,
-    schedule_follows_max_steps,
-)
-from koochak.loop.run_lease import check_held, claim_run
-from koochak.loop.state_dicts import match_state_dict_to_model, unwrap_model
 from koochak.loop.throughput import make_throughput_hooks
 from koochak.loop.update import (
     DataEnd,
@@ -127,62 +117,50 @@ def training_loop(
     #      -> [EMA] -> [restore] -> checkpoints, [GPU health]
     setup = ddp.setup_ddp(cfg, get_device(cfg.device))  # process group; device from LOCAL_RANK
     device, rank, world_size = setup.device, setup.rank, setup.world_size
-    tiers = checkpoint_locations(cfg)  # checkpoint_dir (else out_dir), then any replicas
-    # One owner per location, before anything there is read or written: the lease on every tier
-    # and out_dir, then the tier markers; the caller's checkpoint names the run. A run that
-    # starts over (no checkpoint to continue) becomes the owner: see tier_marker.claim_tiers.
-    fresh = checkpoint_dict is None and resume != "auto"
-    lease, run_id = claim_run(cfg, rank, checkpoint_dict, fresh=fresh)
+    # The run's checkpoints, opened once: the claim on every place it writes, the checkpoint it
+    # continues from (refused here if this model or config cannot continue it), later its saves.
+    checkpoints = open_checkpoints(
+        cfg, rank=rank, world_size=world_size, resume=resume, checkpoint_dict=checkpoint_dict,
+        auto_resume_path=auto_resume_path, model=model, config=_config_of(config_json, cfg),
+        shard_size=fsdp.shard_size(cfg.fsdp, world_size) if cfg.fsdp.enabled else None,
+    )  # fmt: skip
+    resume_path, checkpoint_dict = checkpoints.resume_path, checkpoints.resumed
+    start_step, origin = checkpoints.start_step, checkpoints.origin
     try:
-        shard_size = fsdp.shard_size(cfg.fsdp, world_size) if cfg.fsdp.enabled else None
-        resume_path, checkpoint_dict = resume_checkpoint(
-            resume, tiers, checkpoint_dict, auto_resume_path, sharded=cfg.fsdp.enabled,
-            shard_size=shard_size,  # HSDP: each rank reads the rows of its own shard group
-        ) or (None, None)
-        if checkpoint_dict is not None:  # the same run, or refuse before anything is built
-            _check_resumed_model(checkpoint_dict, model, resume_path)
-            _check_resumed_config(checkpoint_dict, _config_of(config_json, cfg), cfg,
-                                  resume_path, rank)  # fmt: skip
-    except BaseException:
-        if lease is not None:
-            lease.release()
+        if checkpoint_dict is None and cfg.init_from:  # a fine-tune: weights only, all else fresh
+            weights, origin = load_init_weights(cfg.init_from, ema=cfg.init_from_ema)
+            apply_init_weights(model, weights, cfg.init_from)
+        raw_model = model.to(device)
+        if cfg.fsdp.enabled:  # parameters become DTensor shards: build the optimizer after this
+            fsdp.shard_model(raw_model, cfg.fsdp, device)
+        optimizer, scheduler = _built(optimizer, scheduler, raw_model, cfg)
+        user_state = resolve_state(state, raw_model)  # a second optimizer, its scheduler, ...
+        # The user's DataLoader as handed in (DDP's sharding hides it in a sharded iterable next):
+        dataset = say_if_not_resumable(dataset, rank)  # a shuffling DataLoader: one line, at start
+        dataset, eval_dataset = ddp.shard_datasets(dataset, eval_dataset, cfg, setup)
+        data_cursor = elastic_cursor(dataset, checkpoint_dict, start_step, cfg.grad_accum)
+        scaler = Scaler(cfg.amp, device, sharded=cfg.fsdp.enabled)
+        ctx = StepContext(
+            device=device,
+            rank=rank,
+            world_size=world_size,
+            autocast=autocast_factory(cfg.amp, device),
+            scaler=scaler,
+            config_json=config_json,
+            train_cfg=train_dict,
+            step=start_step,
+            step_fn=step_fn,
+            grad_accum=cfg.grad_accum,
+            amp=cfg.amp != "none",
+            state=user_state,
+        )
+        num_params = sum(p.numel() for p in raw_model.parameters())
+        if rank == 0:
+            print(_param_banner(raw_model, num_params), flush=True)
+    except BaseException:  # a failed setup gives the claim back: the next run need not wait
+        checkpoints.release()
         raise
-    start_step = int(checkpoint_dict["next_step"]) if checkpoint_dict else 0
-    # A run a hook stopped is over: resuming it trains no further (like one that reached max_steps).
-    stopped_before = checkpoint_dict is not None and checkpoint_dict.get("reason") == "stopped"
-    origin = checkpoint_dict.get("origin") if checkpoint_dict else None
-    if checkpoint_dict is None and cfg.init_from:  # a fine-tune: weights only, all else fresh
-        weights, origin = load_init_weights(cfg.init_from, ema=cfg.init_from_ema)
-        apply_init_weights(model, weights, cfg.init_from)
-    raw_model = model.to(device)
-    if cfg.fsdp.enabled:  # parameters become DTensor shards: build the optimizer after this
-        fsdp.shard_model(raw_model, cfg.fsdp, device)
-    optimizer, scheduler = _built(optimizer, scheduler, raw_model, cfg)
-    user_state = resolve_state(state, raw_model)  # a second optimizer, its scheduler, ...
-    # The user's DataLoader as handed in (DDP's sharding hides it in a sharded iterable next):
-    dataset = say_if_not_resumable(dataset, rank)  # a shuffling DataLoader: one line, at start
-    dataset, eval_dataset = ddp.shard_datasets(dataset, eval_dataset, cfg, setup)
-    data_cursor = elastic_cursor(dataset, checkpoint_dict, start_step, cfg.grad_accum)
-    scaler = Scaler(cfg.amp, device, sharded=cfg.fsdp.enabled)
-    ctx = StepContext(
-        device=device,
-        rank=rank,
-        world_size=world_size,
-        autocast=autocast_factory(cfg.amp, device),
-        scaler=scaler,
-        config_json=config_json,
-        train_cfg=train_dict,
-        step=start_step,
-        step_fn=step_fn,
-        grad_accum=cfg.grad_accum,
-        amp=cfg.amp != "none",
-        state=user_state,
-    )
-    num_params = sum(p.numel() for p in raw_model.parameters())
-    if rank == 0:
-        print(_param_banner(raw_model, num_params), flush=True)
     step = start_step
-    checkpoints: Checkpointer | None = None
     evac: EvacuationController | None = None
     finished = False
     try:
@@ -197,35 +175,31 @@ def training_loop(
                       "resumed": checkpoint_dict is not None, "resume_path": resume_path,
                       "origin": origin}  # fmt: skip
         # The attempt record every sink starts with; <out_dir>/attempts.jsonl keeps the history.
-        attempt = run_history.begin_attempt(cfg.out_dir, tiers, resume_path, checkpoint_dict,
-                                            start_step, cfg.max_steps, rank)  # fmt: skip
+        attempt = run_history.begin_attempt(cfg.out_dir, checkpoints.tiers, resume_path,
+                                            checkpoint_dict, start_step, cfg.max_steps,
+                                            rank)  # fmt: skip
         history_first, history_last = run_history.make_history_hooks(cfg.out_dir, attempt)
         rows = make_throughput_hooks(cfg, world_size)  # progress, ETA, tokens/s, MFU per row
         hooks = merge(history_first, rows, hooks, history_last)
         start_info["attempt"] = attempt
-        if len(tiers) > 1 and rank == 0:  # the path others read it from, once it is announced
-            start_info["resume_publication_path"] = resume_publication_path(
-                tiers, resume_path, checkpoint_dict
-            )
+        if len(checkpoints.tiers) > 1 and rank == 0:  # where others read it, once announced
+            start_info["resume_publication_path"] = checkpoints.resume_publication_path()
         emit(hooks, "on_train_start", start_info)
         # Compile the bare module first so DDP wraps the compiled graph (torch's recommended order).
         train_model = torch.compile(raw_model) if cfg.compile else raw_model
         train_model = ddp.wrap_model(train_model, setup, cfg)
         ema = make_model_ema(cfg.ema, raw_model, start_step)  # one shadow per rank, no comms
-        if checkpoint_dict is not None:
-            restore_training_state(checkpoint_dict, raw_model, optimizer, scheduler, scaler, ema,
-                                   user_state, resume_path or "the checkpoint")  # fmt: skip
-        raw_model.train()
-        # What every checkpoint is captured from (live objects: each capture reads them anew).
+        # What every checkpoint is captured from (live objects: each capture reads them anew),
+        # first restored from the resumed checkpoint (all but the RNG, which comes last).
         parts = {"model": raw_model, "optimizer": optimizer, "scheduler": scheduler,
                  "scaler": scaler, "ema": ema, "config": _config_of(config_json, cfg),
-                 "data": data_cursor, "run_id": run_id, "state": user_state,
+                 "data": data_cursor, "run_id": checkpoints.run_id, "state": user_state,
                  "origin": origin}  # fmt: skip
-        checkpoints = make_checkpointer(
-            cfg, parts, rank=rank, resumed=checkpoint_dict, started=started,
-            on_checkpoint=lambda info: fire("on_checkpoint", info),
+        checkpoints.restore(
+            parts, started=started, on_checkpoint=lambda info: fire("on_checkpoint", info),
             on_replication=lambda info: fire("on_replication", info),
         )  # fmt: skip
+        raw_model.train()
         health = make_gpu_health(cfg, device, cfg.out_dir, gpu_health)
 
         # Everything the per-step code needs, looked up once: an ordinary update (no logging,
@@ -236,7 +210,7 @@ def training_loop(
         grad_accum, clip, log_every = cfg.grad_accum, cfg.grad_clip, cfg.log_every
         max_steps, check_every = cfg.max_steps, cfg.nonfinite_grad_check_every
         end_step = max_steps if max_steps is not None else sys.maxsize
-        if stopped_before:
+        if checkpoints.stopped_before:
             end_step = start_step  # no update runs; the terminal state is saved again
         step_scheduler = scheduler is not None and cfg.scheduler_step == "update"
         scaled = scaler.enabled  # fp16 on CUDA
@@ -319,8 +293,7 @@ def training_loop(
         last_batch: Any = None
         next_due = _next_due(step, periods, max_steps)
         optimizer.zero_grad(set_to_none=True)
-        if checkpoint_dict is not None:
-            restore_rng(checkpoint_dict)  # last thing before the first step: nothing draws after
+        checkpoints.restore_rng()  # last thing before the first step: nothing draws after it
         while step < end_step:
             ctx.step = step
             if poll is not None:
@@ -379,8 +352,7 @@ def training_loop(
 
                 # ---- protect: GPU health (every rank checks its device; one bad one stops all)
                 if is_health:
-                    _check_health(health, step, device, checkpoints, {**metrics, **eval_metrics},
-                                  lease)  # fmt: skip
+                    _check_health(health, step, device, checkpoints, {**metrics, **eval_metrics})
 
                 # ---- maybe eval
                 if is_eval:
@@ -389,8 +361,7 @@ def training_loop(
                         _step_scheduler(scheduler, eval_metrics)
 
                 # ---- maybe save (periodic: keeps its zero-based index, resumes at step + 1)
-                if is_save:
-                    check_held(lease, world_size, step + 1)  # lost it: stop, never publish (exit 2)
+                if is_save:  # a lost lease stops the run here, never publishing (exit 2)
                     checkpoints.periodic(step, {**metrics, **eval_metrics})
             step += 1
 
@@ -404,7 +375,6 @@ def training_loop(
             # ---- evacuate: all ranks agree at the end of a completed update, then leave (75)
             if evac is not None and evac.should_evacuate():
                 final_metrics = {**metrics, **eval_metrics}
-                check_held(lease, world_size, step)
                 path, checkpoint = checkpoints.terminal("evacuation", step, final_metrics)
                 if rank == 0:
                     _announce_evacuation(step, path)
@@ -421,8 +391,7 @@ def training_loop(
                                 reduce)  # fmt: skip
             emit(hooks, "on_log", {"step": step - 1, "metrics": metrics}, warned=warned)
         final_metrics = {**metrics, **eval_metrics}
-        reason = "stopped" if stop or stopped_before else "terminal"
-        check_held(lease, world_size, step)
+        reason = "stopped" if stop or checkpoints.stopped_before else "terminal"
         _, checkpoint = checkpoints.terminal(reason, step, final_metrics)
         end = {"step": step, "checkpoint": checkpoint, "metrics": final_metrics}
         if stop:
@@ -444,14 +413,12 @@ def training_loop(
         if isinstance(exc, Evacuated):
             raise
         emit(hooks, "on_exception", {"step": step, "exception": exc}, warned=warned)
-        if checkpoints is not None:
-            checkpoints.close()  # an in-flight publication finishes; the original error stays primary
+        checkpoints.close()  # an in-flight publication finishes; the original error stays primary
         raise
     finally:
         if evac is not None:
             evac.uninstall()
-        if lease is not None:
-            lease.release()
+        checkpoints.release()
         if not finished:
             ddp.release_after_failure(setup)
 
@@ -568,14 +535,12 @@ def _check_health(
     health: GpuHealthWatchdog,
     step: int,
     device: torch.device,
-    checkpoints: Checkpointer,
+    checkpoints: RunCheckpoints,
     metrics: Any,
-    lease: Any = None,
 ) -> None:
     """Every rank checks its device; one bad device makes all save a terminal checkpoint, exit 79."""
     verdict = health.check(step)
     if ddp.any_rank(not verdict.healthy, device):
-        check_held(lease, dist.get_world_size(), step + 1)
         path, _ = checkpoints.terminal("gpu_health", step + 1, metrics, best_effort=True)
         raise GpuUnhealthy(step + 1, verdict, path)
 
@@ -721,63 +686,6 @@ def _human(n: int) -> str:
 
 def _config_of(config_json: Mapping[str, Any] | None, cfg: TrainConfig) -> dict[str, Any]:
     return dict(config_json) if config_json is not None else {"train": dataclasses.asdict(cfg)}
-
-
-def _with_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
-    """``config`` over every default key, so keys a newer version added compare equal."""
-    from koochak.loop.config import defaults
-
-    def merge(base: Any, over: Any) -> Any:
-        if isinstance(base, Mapping) and isinstance(over, Mapping):
-            return {**base, **{k: merge(base.get(k), v) for k, v in over.items()}}
-        return over
-
-    return merge(defaults(), config)
-
-
-def _check_resumed_model(
-    checkpoint: Mapping[str, Any], model: torch.nn.Module, where: str | None
-) -> None:
-    """Refuse, before anything is built, a checkpoint whose weights this model cannot take."""
-    target = unwrap_model(model)
-    saved = checkpoint.get("model")
-    if isinstance(saved, Mapping):
-        live = target.state_dict()
-        check_model_shapes(match_state_dict_to_model(target, saved), live, where or "")
-
-
-def _check_resumed_config(
-    checkpoint: Mapping[str, Any],
-    config: Mapping[str, Any],
-    cfg: TrainConfig,
-    where: str | None,
-    rank: int,
-) -> None:
-    """Refuse a resume whose config makes it a different run; say once what else changed."""
-    if not checkpoint.get("config"):  # built by user code or an older tool: nothing to compare
-        if rank == 0:
-            warnings.warn(
-                f"resume from {where or 'the checkpoint'}: the checkpoint recorded no config, so "
-                "this run's config cannot be compared with it; resuming it as the same run",
-                UserWarning,
-                stacklevel=3,
-            )
-        return
-    old, new = _with_defaults(checkpoint["config"]), _with_defaults(config)
-    drift = check_resume_config(old, new, cfg.resume_allow_changes, where or "")
-    if drift.harmless and rank == 0:
-        note = ""
-        if drift.max_steps_extended and schedule_follows_max_steps(new):
-            note = (" train.max_steps grew: a cosine whose length is train.max_steps continues from "
-                    "the LR the checkpoint reached down to eta_min at the new max_steps when the "
-                    "scheduler is built with the checkpoint (build_scheduler(..., checkpoint=); "
-                    "koochak-train does).")  # fmt: skip
-        warnings.warn(
-            f"resume from {where or 'the checkpoint'}: config changed since it was saved (the run "
-            f"stays the same run): {'; '.join(map(format_change, drift.harmless))}.{note}",
-            UserWarning,
-            stacklevel=3,
-        )
 
 
 def _announce_evacuation(step: int, path: str | None) -> None:

@@ -15,6 +15,7 @@ not renewed for its ``ttl_seconds``, after which another run may take it over.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from koochak.loop import ddp, dist
@@ -37,13 +38,15 @@ def _key(cfg: TrainConfig) -> str:
     return "train.checkpoint_dir" if cfg.checkpoint_dir else "train.out_dir"
 
 
-def lease_locations(cfg: TrainConfig) -> list[tuple[str, Any]]:
+def lease_locations(cfg: TrainConfig, tiers: Sequence[Any] | None = None) -> list[tuple[str, Any]]:
     """``(config key, location)`` of every place the run writes, each once: the first tier
-    (this node's, for a ``{node}`` one), every replica, and ``train.out_dir`` (its history)."""
+    (this node's, for a ``{node}`` one), every replica, and ``train.out_dir`` (its history).
+    ``tiers``: the run's ``checkpoint_tiers``, when the caller has them already."""
     from koochak.loop.checkpoint.tier_marker import tier_keys
     from koochak.loop.checkpoint.tiers import checkpoint_tiers
 
-    found = list(zip(tier_keys(cfg), (tier.location for tier in checkpoint_tiers(cfg))))
+    tiers = tiers if tiers is not None else checkpoint_tiers(cfg)
+    found = list(zip(tier_keys(cfg), (tier.location for tier in tiers)))
     found.append(("train.out_dir", cfg.out_dir))
     seen: set[str] = set()
     unique = []
@@ -108,13 +111,13 @@ def hold_location(location: Any, cfg: TrainConfig, *, early: bool = False) -> An
     """
     if str(location) in _TAKEN:
         return _TAKEN.pop(str(location))[0]
-    lease = _take_leases(location, cfg)
+    lease = _take_leases(location, cfg, None)
     if early:
         _TAKEN[str(location)] = (lease, None)
     return lease
 
 
-def _take_leases(location: Any, cfg: TrainConfig) -> Leases | None:
+def _take_leases(location: Any, cfg: TrainConfig, tiers: Sequence[Any] | None) -> Leases | None:
     """Rank 0 takes the lease on every place the run writes; with a node-local first tier
     (``{node}``) the first rank of every other node (LOCAL_RANK 0) takes its node's. One
     all-gather tells every rank the first refusal; then every rank releases what it took."""
@@ -126,8 +129,8 @@ def _take_leases(location: Any, cfg: TrainConfig) -> Leases | None:
     rank = dist.get_rank()
     places: list[tuple[str, Any]] = []
     if rank == 0:
-        check_parents(cfg)  # a typo'd replica is refused before taking a lease creates it
-        places = list(lease_locations(cfg))
+        check_parents(cfg, tiers)  # a typo'd replica is refused before taking a lease creates it
+        places = list(lease_locations(cfg, tiers))
         if not any(_same_place(loc) == _same_place(location) for _, loc in places):
             places.insert(0, (_key(cfg), location))
     elif is_node_local(cfg.checkpoint_dir) and dist.get_local_rank() == 0:
@@ -191,6 +194,7 @@ def claim_run(
     *,
     fresh: bool = False,
     early: bool = False,
+    tiers: Sequence[Any] | None = None,
 ) -> tuple[Leases | None, str]:
     """One owner per location, decided once before anything is written: the run's leases on
     every place it writes (``hold_location``), and only then its tier markers
@@ -199,18 +203,20 @@ def claim_run(
     ``fresh``: the run starts over (``--resume none``) and becomes the owner of its tiers (see
     ``tier_marker.claim_tiers``). A refusal releases the leases again and raises ConfigError on
     every rank. ``early``: koochak-train's call before building the run; the loop's later call
-    gets the same answer without claiming again.
+    gets the same answer without claiming again. ``tiers``: the run's ``checkpoint_tiers``
+    (``CheckpointConfig.tiers``), when the caller has them already.
     """
     from koochak.loop.checkpoint.tier_marker import run_identity
-    from koochak.loop.checkpoint.tiers import checkpoint_locations
+    from koochak.loop.checkpoint.tiers import checkpoint_tiers
 
-    first = str(checkpoint_locations(cfg)[0])
+    tiers = tiers if tiers is not None else checkpoint_tiers(cfg)
+    first = str(tiers[0].location)
     if first in _TAKEN and _TAKEN[first][1] is not None:
         lease, run_id = _TAKEN.pop(first)
         return lease, str(run_id)
-    lease = _take_leases(checkpoint_locations(cfg)[0], cfg)
+    lease = _take_leases(tiers[0].location, cfg, tiers)
     try:
-        run_id = run_identity(cfg, rank, resumed, fresh=fresh)
+        run_id = run_identity(cfg, rank, resumed, fresh=fresh, tiers=tiers)
     except BaseException:
         if lease is not None:
             lease.release()

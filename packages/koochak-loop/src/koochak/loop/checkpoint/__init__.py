@@ -9,6 +9,8 @@
   ``checkpoint_store``, ``checkpoint_objects``, through ``koochak.storage.artifact``;
 - ``resume``: selection (``load``, ``latest``, ``best``, ``highest_valid_published``,
   ``resolve_auto_resume``);
+- ``run_checkpoints``: the component ``training_loop`` talks to (``open_checkpoints``: claim,
+  select, check; then restore, periodic and terminal saves, release);
 - ``saver``: what ``training_loop`` does to save (periodic and terminal, sync or async);
 - ``export``: one consolidated weights file for inference (``export_weights``);
 - ``tiers`` and ``replication``: a first tier backed by durable replica tiers

@@ -45,8 +45,11 @@ def checkpoint_store(location: str | os.PathLike[str] | Store) -> Store:
     and the first publication creates it. URIs resolve through ``open_store`` (register_store,
     entry points, the stores file).
     """
-    if isinstance(location, (str, os.PathLike)) and not os.fspath(location):
-        raise ValueError("checkpoint location is empty; expected a directory or scheme:// URI")
+    if isinstance(location, (str, os.PathLike)):
+        if not os.fspath(location):
+            raise ValueError("checkpoint location is empty; expected a directory or scheme:// URI")
+    elif isinstance(location, Store):
+        return location  # a save passes its Store on every call: no hop through open_store
     return open_store(location)
 
 

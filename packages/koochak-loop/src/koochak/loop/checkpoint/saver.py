@@ -117,7 +117,7 @@ def capture_checkpoint(
         ema=ema.state_dict() if ema is not None else None,
         data=data(next_step) if data is not None else None,
         run_id=run_id,
-        user_state=capture_state(state),
+        user_state=capture_state(state) if state else None,
         origin=origin,
     )
     return ckpt

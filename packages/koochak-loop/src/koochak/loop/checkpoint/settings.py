@@ -16,8 +16,9 @@ from typing import Any
 from koochak.loop.checkpoint.tiers import (
     Location,
     ReplicationSettings,
+    Tier,
+    checkpoint_tiers,
     is_node_local,
-    on_this_node,
     replication_settings,
 )
 from koochak.loop.config import TrainConfig, as_train_config
@@ -36,13 +37,15 @@ class CheckpointConfig:
     sharded: bool  # the layout: every rank writes its shards (train.fsdp.enabled)
     replication: ReplicationSettings | None  # train.checkpoint_replicas and their settings
     run_id: str | None  # train.run_id (None: decided at start, tier_marker.run_identity)
+    tiers: tuple[Tier, ...]  # every tier, first tier (location) first: what the claim marks
 
     @classmethod
     def of(cls, train: TrainConfig | Mapping[str, Any]) -> CheckpointConfig:
         cfg = as_train_config(train)
         where = cfg.checkpoint_dir or cfg.out_dir
+        tiers = checkpoint_tiers(cfg)
         return cls(
-            location=on_this_node(where),
+            location=tiers[0].location,
             node_local=is_node_local(where),
             every=cfg.ckpt_every or None,
             max_steps=cfg.max_steps,
@@ -53,6 +56,12 @@ class CheckpointConfig:
             parts=cfg.checkpoint_parts,
             async_publish=cfg.checkpoint_async,
             sharded=cfg.fsdp.enabled,
-            replication=replication_settings(cfg),
+            replication=replication_settings(cfg, tiers),
             run_id=cfg.run_id,
+            tiers=tiers,
         )
+
+    @property
+    def locations(self) -> tuple[Location, ...]:
+        """Every tier's location, first tier first (what resume selects over)."""
+        return tuple(tier.location for tier in self.tiers)

@@ -36,13 +36,13 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import koochak.loop.checkpoint.retention as retention
 from koochak.loop.checkpoint.publication import checkpoint_store
-from koochak.loop.checkpoint.tiers import checkpoint_tiers
+from koochak.loop.checkpoint.tiers import Tier, checkpoint_tiers
 from koochak.loop.config import ConfigError, TrainConfig, check_replicas
 from koochak.storage.store import Store
 
@@ -147,7 +147,9 @@ def new_run_id(cfg: TrainConfig) -> str:
 def tier_keys(cfg: TrainConfig) -> list[str]:
     """How errors name each tier: the config key it comes from."""
     first = "train.checkpoint_dir" if cfg.checkpoint_dir else "train.out_dir"
-    return [first] + [f"train.checkpoint_replicas[{i}]" for i in range(len(cfg.checkpoint_replicas))]
+    return [first] + [
+        f"train.checkpoint_replicas[{i}]" for i in range(len(cfg.checkpoint_replicas))
+    ]
 
 
 def _fail(key: str, location: Any, what: str, exc: BaseException | None = None) -> ConfigError:
@@ -156,16 +158,22 @@ def _fail(key: str, location: Any, what: str, exc: BaseException | None = None) 
 
 
 def claim_tiers(
-    cfg: TrainConfig, *, write: bool = True, resumed_run: str | None = None, fresh: bool = False
+    cfg: TrainConfig,
+    *,
+    write: bool = True,
+    resumed_run: str | None = None,
+    fresh: bool = False,
+    tiers: Sequence[Tier] | None = None,
 ) -> str:
     """Check and mark every tier of the run; return the run's id (see the module's docstring).
     ConfigError naming the key for every refusal. ``write=False`` (a rank other than 0 in a
     preflight): every check that needs no write, nothing written. ``resumed_run``: the run id
     of a checkpoint the caller already chose to resume (it names the run, after ``train.run_id``).
-    ``fresh``: the run starts over and becomes the owner of every tier (point 3)."""
-    tiers = checkpoint_tiers(cfg)
+    ``fresh``: the run starts over and becomes the owner of every tier (point 3). ``tiers``: the
+    run's ``checkpoint_tiers``, when the caller has them already."""
+    tiers = tiers if tiers is not None else checkpoint_tiers(cfg)
     keys = tier_keys(cfg)
-    check_parents(cfg)
+    check_parents(cfg, tiers)
     stores: list[Store] = []
     markers: list[TierMarker | None] = []
     for i, (tier, key) in enumerate(zip(tiers, keys)):
@@ -377,10 +385,10 @@ def _local_path(location: Any) -> str | None:
     return os.path.realpath(os.path.expanduser(text.removeprefix("file://")))
 
 
-def check_parents(cfg: TrainConfig) -> None:
+def check_parents(cfg: TrainConfig, tiers: Sequence[Tier] | None = None) -> None:
     """Every directory replica without ``create: true`` exists, or its parent does (or is one
     the run creates anyway); else ConfigError naming its key (a typo)."""
-    tiers = checkpoint_tiers(cfg)
+    tiers = tiers if tiers is not None else checkpoint_tiers(cfg)
     replicas = check_replicas(cfg.checkpoint_replicas)
     for i, key in enumerate(tier_keys(cfg)[1:], start=1):
         if not replicas[i - 1].create:
@@ -407,7 +415,12 @@ def _check_parent(key: str, location: Any, run_dirs: list[Any]) -> None:
 
 
 def run_identity(
-    cfg: TrainConfig, rank: int, resumed: Mapping[str, Any] | None = None, *, fresh: bool = False
+    cfg: TrainConfig,
+    rank: int,
+    resumed: Mapping[str, Any] | None = None,
+    *,
+    fresh: bool = False,
+    tiers: Sequence[Tier] | None = None,
 ) -> str:
     """The run's id on every rank: rank 0 first claims the tiers (``claim_tiers``; call it
     holding the run's leases, ``run_lease.claim_run``) and every rank raises the same
@@ -421,7 +434,7 @@ def run_identity(
     outcome: tuple[str, str] | None = None
     if rank == 0:
         try:
-            outcome = ("ok", claim_tiers(cfg, resumed_run=resumed_run, fresh=fresh))
+            outcome = ("ok", claim_tiers(cfg, resumed_run=resumed_run, fresh=fresh, tiers=tiers))
         except ConfigError as exc:
             outcome = ("refused", str(exc))
         except Exception as exc:  # tell the other ranks before raising, or they wait forever

@@ -119,11 +119,12 @@ class ReplicationSettings:
 
 
 def replication_settings(
-    train_cfg: TrainConfig | Mapping[str, Any],
+    train_cfg: TrainConfig | Mapping[str, Any], tiers: Sequence[Tier] | None = None
 ) -> ReplicationSettings | None:
-    """The run's replication settings, or None without ``train.checkpoint_replicas``."""
+    """The run's replication settings, or None without ``train.checkpoint_replicas``. ``tiers``:
+    the run's ``checkpoint_tiers``, when the caller has them already."""
     cfg = as_train_config(train_cfg)
-    replicas = checkpoint_tiers(cfg)[1:]
+    replicas = tuple((tiers if tiers is not None else checkpoint_tiers(cfg))[1:])
     if not replicas:
         return None
     return ReplicationSettings(
