@@ -1,26 +1,10 @@
-"""The read side of the layout seam: one reader contract, one place that picks the reader.
+"""What every checkpoint read gets, whatever its layout: the payload's checks and decoding.
 
-A checkpoint's object (the key its ready manifest commits) is its *head*: a ``torch.save`` file
-for the one-file layout, or a parts index (JSON) for the parts layout, whether one writer wrote
-the parts or every rank of an FSDP run did (sharded: the same index, several writers). Every
-read goes through ``read(store, name, head, source)``: ``layout_of(head)`` picks the reader
-from the head's first byte (the only place that looks), and the reader turns the head (plus,
-for parts, the parts it names) into the checkpoint dict. Callers (``load``, resume, the sharded
-selection, export, replication's object list) never inspect shapes or formats themselves. The
-sharded selection reads an index lazily instead (``sharded_read.open_lazy``: references that
-each rank reads its slabs of at restore), anything else by its reader; it asks ``layout_of``.
-
-Here too: what every read payload gets (``checkpoint_of_payload``: nesting bounded, format
-checked, RNG states decoded) and the one-file reader's ``deserialize_checkpoint``.
-
-A reader has:
-
-- ``name``: ``"one file"`` or ``"parts"``;
-- ``read(store, name, head, source, *, workers=None) -> checkpoint``: verified, weights-only,
-  on the CPU. Every fault is a ValueError (``InvalidArtifact`` for a malformed index) naming
-  ``source``; other OSErrors propagate;
-- ``objects(name, head, where) -> keys``: every object of the checkpoint in commit order
-  (parts, head, ready manifest), what a copy to another tier moves.
+``checkpoint_of_payload`` (nesting bounded, format checked, RNG states decoded) is applied to
+every payload a layout reads; ``deserialize_checkpoint`` / ``load_checkpoint_file`` turn the
+one-file layout's bytes into one; ``with_fragment_rng`` puts back the RNG states a version-2
+sharded head keeps in its writers' fragments. Which layout a head is, is ``layouts.layout_of``'s
+to say, nowhere else.
 """
 
 from __future__ import annotations
@@ -28,80 +12,19 @@ from __future__ import annotations
 import io
 import re
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 from koochak.loop.checkpoint.format import check_checkpoint_format
-from koochak.loop.checkpoint.index_fragments import (
-    head_object_keys,
-    is_head,
-    parse_head,
-    read_index,
-)
-from koochak.loop.checkpoint.parts_index import (
-    PartsIndex,
-    looks_like_index,
-    object_keys,
-    parse_index,
-)
-from koochak.loop.checkpoint.parts_io import read_parts
-from koochak.loop.checkpoint.parts_tree import check_depth, join_tensors, load_skeleton
-from koochak.storage.artifact import READY_SUFFIX
-from koochak.storage.store import Store
+from koochak.loop.checkpoint.parts_tree import check_depth, load_skeleton
+
+if TYPE_CHECKING:
+    from koochak.loop.checkpoint.parts_index import PartsIndex
 
 NDARRAY_TAG = "__koochak_ndarray__"
 
-__all__ = ["Reader", "ONE_FILE", "PARTS", "layout_of", "read", "objects",
-           "deserialize_checkpoint", "load_checkpoint_file", "checkpoint_of_payload"]  # fmt: skip
-
-
-class Reader(Protocol):
-    name: str
-
-    def read(
-        self,
-        store: Store | None,
-        name: str | None,
-        head: bytes | bytearray | memoryview,
-        source: str,
-        *,
-        workers: int | None = None,
-        parts_reader: Any = read_parts,
-    ) -> dict[str, Any]: ...
-
-    def objects(self, name: str, head: bytes | bytearray | memoryview, where: str) -> list[str]: ...
-
-
-class _OneFile:
-    name = "one file"
-
-    def read(self, store, name, head, source, *, workers=None, parts_reader=None) -> dict[str, Any]:
-        return deserialize_checkpoint(head, source)
-
-    def objects(self, name, head, where) -> list[str]:
-        return [name, name + READY_SUFFIX]
-
-
-class _Parts:
-    name = "parts"
-
-    def read(
-        self, store, name, head, source, *, workers=None, parts_reader=read_parts
-    ) -> dict[str, Any]:
-        if store is None:
-            raise ValueError(
-                f"{source}: a checkpoint in parts needs the store that holds its parts"
-            )
-        index = read_index(store, head, source, name)  # a version-2 head: with its fragments
-        tensors = parts_reader(store, index, source, workers=workers)  # read_parts' contract
-        payload = join_tensors(load_skeleton(index.skeleton, source), tensors, source)
-        payload = with_fragment_rng(payload, index, source)
-        return checkpoint_of_payload(payload, source)
-
-    def objects(self, name, head, where) -> list[str]:
-        if is_head(head):  # version 2: the head names every object
-            return head_object_keys(parse_head(head, where, name))
-        return object_keys(parse_index(head, where, name))
+__all__ = ["deserialize_checkpoint", "load_checkpoint_file", "checkpoint_of_payload",
+           "with_fragment_rng", "walk_tree", "NDARRAY_TAG"]  # fmt: skip
 
 
 def with_fragment_rng(payload: Any, index: PartsIndex, source: str) -> Any:
@@ -114,41 +37,6 @@ def with_fragment_rng(payload: Any, index: PartsIndex, source: str) -> Any:
             None if blob is None else load_skeleton(blob, source) for blob in states
         ]
     return payload
-
-
-ONE_FILE: Reader = _OneFile()
-PARTS: Reader = _Parts()
-
-
-def layout_of(head: bytes | bytearray | memoryview) -> Reader:
-    """The reader for a checkpoint whose object starts with ``head`` (a byte is enough)."""
-    return PARTS if looks_like_index(head) else ONE_FILE
-
-
-def read(
-    store: Store | None,
-    name: str | None,
-    head: bytes | bytearray | memoryview,
-    source: str,
-    *,
-    workers: int | None = None,
-    parts_reader: Any = read_parts,
-) -> dict[str, Any]:
-    """The checkpoint whose object holds ``head``, by its layout's reader (see the module).
-    ``parts_reader`` reads a parts index's tensors (``parts_io.read_parts``, or the resume's
-    mapped reader, ``verified_read.read_parts_mapped``)."""
-    return layout_of(head).read(
-        store, name, head, source, workers=workers, parts_reader=parts_reader
-    )
-
-
-def objects(store: Store, name: str) -> list[str]:
-    """Every object key of checkpoint ``name`` in ``store``, in commit order (parts, object,
-    ready manifest); only the object is read (one byte of it for a one-file checkpoint)."""
-    where = f"{store.location}/{name}"
-    reader = layout_of(store.get(name, 0, 1))
-    head = store.get(name) if reader is PARTS else b""
-    return reader.objects(name, head, where)
 
 
 # -- the one-file layout's bytes, and the checks every read payload gets ------------------
