@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -187,18 +188,15 @@ def test_a_copy_to_another_tier_moves_the_objects_in_commit_order(written, tmp_p
 
 
 def _flip(store, key):
-    path = store.local_path(key)
-    data = bytearray(open(path, "rb").read())
+    path = Path(store.local_path(key))
+    data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
-    with open(path, "wb") as f:
-        f.write(data)
+    path.write_bytes(bytes(data))
 
 
 def _truncate(store, key):
-    path = store.local_path(key)
-    data = open(path, "rb").read()
-    with open(path, "wb") as f:
-        f.write(data[:-1])
+    path = Path(store.local_path(key))
+    path.write_bytes(path.read_bytes()[:-1])
 
 
 DAMAGES = {"flip a byte": _flip, "truncate": _truncate, "delete": lambda s, k: s.delete(k)}
@@ -211,15 +209,14 @@ def test_a_damaged_part_or_fragment_fails_verify_and_selection_falls_back(writte
     if not others:
         pytest.skip("one file: the head is the only object (the next test damages it)")
     for key in others:
-        before = open(store.local_path(key), "rb").read()
+        before = Path(store.local_path(key)).read_bytes()
         DAMAGES[damage](store, key)
         with pytest.raises((ValueError, FileNotFoundError)):
             verify_published(store, NAME)
         passed = []
         assert _selected(store, passed) == 1, key
         assert [p["step"] for p in passed] == [2] and p_names(passed, key)
-        with open(store.local_path(key), "wb") as f:  # mended for the next object
-            f.write(before)
+        Path(store.local_path(key)).write_bytes(before)  # mended for the next object
         assert _selected(store) == 2
 
 
