@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from typing import Any
 
 from koochak.loop.checkpoint.format import CHECKPOINT_PATTERN, LATEST_NAME
@@ -120,36 +120,36 @@ def save(
     if not coordinator:
         layout.write(store, name, data, intent=None, group=group)
         return _settle(layout.outcome(None, group), name)
-    collective = layout.writes(FOLLOWER)
-    try:
-        claim = claimed(store, name)
-        intent = claim.__enter__()
-    except Exception as exc:
-        if not collective:
-            raise
-        # Every rank must hear it: the collective write raises on every rank, writing nothing.
-        line = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
-        layout.write(store, name, data, intent=None, refused=line, group=group)
-        raise  # (the write raised already, on every rank)
-    head: Any = None
-    try:
-        head = layout.write(store, name, data, intent=intent, group=group)
+    collective = layout.writes(FOLLOWER)  # then every rank must hear every outcome
+    with contextlib.ExitStack() as held:
         try:
-            result: Any = ("ok", commit(store, name, head, intent, provenance))
-        except FileExistsError:
-            raise  # another publisher committed the name meanwhile: nothing here is ours
-        except BaseException as exc:
-            discard(store, name, layout, head, intent)
+            intent = held.enter_context(claimed(store, name))
+        except Exception as exc:
             if not collective:
                 raise
-            result = ("error", f"{type(exc).__name__}: {' '.join(str(exc).split())}")
-    except BaseException as exc:
-        claim.__exit__(type(exc), exc, exc.__traceback__)
-        if isinstance(head, Iterable) and hasattr(head, "close"):
-            head.close()  # a streaming serializer left waiting by a failed put
-        raise
-    claim.__exit__(None, None, None)
+            # The collective write raises on every rank, writing nothing.
+            layout.write(store, name, data, intent=None, refused=_line(exc), group=group)
+            raise  # (not reached: the write raised)
+        head: Any = None
+        try:
+            head = layout.write(store, name, data, intent=intent, group=group)
+            result: Any = ("ok", commit(store, name, head, intent, provenance))
+        except BaseException as exc:
+            # FileExistsError: another publisher committed the name meanwhile, so nothing
+            # under it is ours to remove.
+            if head is not None and not isinstance(exc, FileExistsError):
+                discard(store, name, layout, head, intent)
+            if head is None or not collective:  # the write failed on every rank, or one writer
+                raise
+            result = ("error", _line(exc))
+        finally:
+            if isinstance(head, Generator):  # a streaming serializer a failed put left waiting
+                head.close()
     return _settle(layout.outcome(result, group), name)
+
+
+def _line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
 
 
 def _settle(result: Any, name: str) -> artifact.Publication:

@@ -12,11 +12,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from koochak.loop.checkpoint.index_fragments import read_index
 from koochak.loop.checkpoint.layouts.one_file import freeze_split
 from koochak.loop.checkpoint.layouts.payload import checkpoint_of_payload, with_fragment_rng
 from koochak.loop.checkpoint.layouts.roles import COORDINATOR
-from koochak.loop.checkpoint.parts_index import object_keys, parse_index
+from koochak.loop.checkpoint.parts_index import PartsIndex, object_keys, parse_index
 from koochak.loop.checkpoint.parts_io import read_parts
 from koochak.loop.checkpoint.parts_plan import resolve_parts
 from koochak.loop.checkpoint.parts_tree import join_tensors, load_skeleton
@@ -66,7 +65,12 @@ class Parts:
         return result
 
     def read(self, store, name, head, source, *, workers=None, parts_reader=None) -> dict[str, Any]:
-        return read_indexed(store, name, head, source, workers=workers, parts_reader=parts_reader)
+        if store is None:
+            raise ValueError(
+                f"{source}: a checkpoint in parts needs the store that holds its parts"
+            )
+        index = parse_index(head, source, name)
+        return read_indexed(store, index, source, workers=workers, parts_reader=parts_reader)
 
     def open(
         self, store, name, head, source, *, rank=0, world=1, shard_size=None
@@ -91,35 +95,30 @@ class Parts:
         return local, expected
 
     def verify(self, store: Store, name: str, head: Any, source: str) -> None:
-        verify_indexed(store, name, head, source)
+        verify_indexed(store, parse_index(head, source, name), source)
 
 
 def read_indexed(
-    store: Store | None,
-    name: str | None,
-    head: Any,
+    store: Store,
+    index: PartsIndex,
     source: str,
     *,
     workers: int | None = None,
     parts_reader: Any = None,
 ) -> dict[str, Any]:
-    """The checkpoint of an index of either version (a version-2 head with every writer's
-    fragment): every part read and checked against its size and SHA256 before its tensors are
+    """The checkpoint of a parsed index (a version-2 head's assembled from its writers'
+    fragments): every part read and checked against its size and SHA256 before its tensors are
     used (``parts_reader``: ``parts_io.read_parts`` by default, or the resume's mapped reader)."""
-    if store is None:
-        raise ValueError(f"{source}: a checkpoint in parts needs the store that holds its parts")
-    index = read_index(store, head, source, name)
     tensors = (parts_reader or read_parts)(store, index, source, workers=workers)
     payload = join_tensors(load_skeleton(index.skeleton, source), tensors, source)
     payload = with_fragment_rng(payload, index, source)
     return checkpoint_of_payload(payload, source)
 
 
-def verify_indexed(store: Store, name: str, head: Any, source: str) -> None:
-    """Every part (and fragment) an index of either version names, read once and hashed."""
+def verify_indexed(store: Store, index: PartsIndex, source: str) -> None:
+    """Every part a parsed index names, read once and hashed against it."""
     from koochak.loop.checkpoint.sharded_read import Source, verify_parts
 
-    index = read_index(store, head, source, name)  # a fragment is checked as it is read
     verify_parts(Source(store, index, source), range(len(index.parts)))
 
 

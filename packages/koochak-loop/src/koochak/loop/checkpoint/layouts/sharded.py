@@ -161,9 +161,13 @@ class Sharded:
         return broadcast_from_rank0(result, group)
 
     def read(self, store, name, head, source, *, workers=None, parts_reader=None) -> dict[str, Any]:
+        from koochak.loop.checkpoint.index_fragments import read_index
         from koochak.loop.checkpoint.layouts.parts import read_indexed
 
-        return read_indexed(store, name, head, source, workers=workers, parts_reader=parts_reader)
+        if store is None:
+            raise ValueError(f"{source}: a sharded checkpoint needs the store that holds its parts")
+        index = read_index(store, head, source, name)  # every writer's fragment, each verified
+        return read_indexed(store, index, source, workers=workers, parts_reader=parts_reader)
 
     def open(
         self, store, name, head, source, *, rank=0, world=1, shard_size=None
@@ -211,9 +215,11 @@ class Sharded:
         return local, expected
 
     def verify(self, store: Store, name: str, head: Any, source: str) -> None:
+        from koochak.loop.checkpoint.index_fragments import read_index
         from koochak.loop.checkpoint.layouts.parts import verify_indexed
 
-        verify_indexed(store, name, head, source)
+        # Every fragment is checked against the head as it is read, then every part it names.
+        verify_indexed(store, read_index(store, head, source, name), source)
 
 
 SHARDED = Sharded()
