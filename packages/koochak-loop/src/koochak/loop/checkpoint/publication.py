@@ -64,7 +64,8 @@ def publish(
     FileExistsError and nothing touched. A finished publication of the name is replaced, and a
     dead publisher's leftovers are removed only when the claim took the name over from it.
     """
-    from koochak.loop.checkpoint.layouts import layout_for, save
+    from koochak.loop.checkpoint.commit import save
+    from koochak.loop.checkpoint.layouts import layout_for
 
     if keep_last_k is not None and keep_last_k < 1:
         raise ValueError(f"train.keep_last_k must be null or >= 1, got {keep_last_k}")
@@ -91,7 +92,7 @@ def publish(
 
 class _Serialized:
     """A head its caller serialized (and whose other objects, if any, it wrote): committed as
-    given. Only the write side of a layout (``layouts.save`` drives it)."""
+    given. Only the write side of a layout (``commit.save`` drives it)."""
 
     name = "serialized"
     last_written: tuple[tuple[str, int, str], ...] = ()

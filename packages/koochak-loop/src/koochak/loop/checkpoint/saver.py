@@ -38,6 +38,7 @@ import koochak.loop.checkpoint.retention as retention
 import torch
 from koochak.loop import ddp, dist
 from koochak.loop.checkpoint.background import lower_this_threads_priority
+from koochak.loop.checkpoint.commit import save as save_in_layout
 from koochak.loop.checkpoint.format import (
     build_checkpoint,
     checkpoint_name,
@@ -45,7 +46,6 @@ from koochak.loop.checkpoint.format import (
 )
 from koochak.loop.checkpoint.host_buffers import HostBuffers, HostCopy
 from koochak.loop.checkpoint.layouts import COORDINATOR, FOLLOWER, ROLES, Layout, layout_for
-from koochak.loop.checkpoint.layouts import save as save_in_layout
 from koochak.loop.checkpoint.publication import (
     checkpoint_store,
     publication_path,

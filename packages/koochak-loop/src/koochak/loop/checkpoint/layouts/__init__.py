@@ -18,7 +18,7 @@ replication, the announcement) live above the layouts and are the same for all o
 The contract (``Layout``), told its role the way torch DCP's ``StorageWriter`` is: rank 0 is the
 *coordinator*, every other rank a *follower*. The call order:
 
-Write (``save`` drives it, ``commit.save``; the saver calls ``save``):
+Write (``commit.save`` drives it; the saver and ``publish`` call that):
 
 1. ``writes(role)``, once, when a rank's saver is built: whether a rank of ``role`` writes
    anything. A rank for which it is False never calls 2-4 (it learns nothing of the save).
@@ -67,7 +67,7 @@ from koochak.storage import artifact
 from koochak.storage.store import Store
 
 __all__ = ["COORDINATOR", "FOLLOWER", "ROLES", "Layout", "layout_for", "layout_of", "read",
-           "read_checkpoint", "objects", "verify_published", "save"]  # fmt: skip
+           "read_checkpoint", "objects", "verify_published"]  # fmt: skip
 
 Head = bytes | bytearray | memoryview
 
@@ -204,11 +204,3 @@ def objects(store: Store, name: str) -> list[str]:
     if not is_single_object(head):
         head = store.get(name)
     return layout_of(head).objects(name, head)
-
-
-def save(layout: Layout, store: Store, name: str, data: Any, **how: Any) -> artifact.Publication:
-    """Save ``data`` as checkpoint ``name`` in ``layout`` on every writing rank, in the call
-    order above (``commit.save``: ``coordinator``, ``group``, ``provenance``)."""
-    from koochak.loop.checkpoint.commit import save as drive
-
-    return drive(layout, store, name, data, **how)

@@ -7,7 +7,7 @@ rank 0 also the unsharded tensors (buffers, RNG states, scalars) as its part ``0
 rest from ``00001`` (under HSDP only the ranks of the first replicate group write slabs: each
 slab once); each rank reports its parts' keys, sizes and SHA256 and where each shard
 lies in its global tensor; rank 0 gathers the reports, only once every rank's parts are durable
-(``put`` returned), builds the head, which ``layouts.save`` commits. Every rank learns the
+(``put`` returned), builds the head, which ``commit.save`` commits. Every rank learns the
 outcome (``outcome``); a failure anywhere fails the save on every rank and leaves no committed
 checkpoint. ``freeze`` copies a capture into host buffers for a save in the background.
 
@@ -244,7 +244,7 @@ def save_sharded(
     its few object collectives use: a background save passes a gloo group of its own, so they
     never meet the training thread's collectives. ``written`` receives this rank's parts as
     ``(key, size, sha256)`` (what it replicates from a node-local tier). The ``Sharded``
-    layout saved by ``layouts.save``.
+    layout saved by ``commit.save``.
     """
     layout = Sharded(parts, workers)
     try:
