@@ -299,3 +299,29 @@ def test_a_save_of_a_free_name_lists_nothing(empty, tmp_path):
     store.lists = []
     save(store, 2)
     assert store.lists == []  # a claim that took nothing over clears nothing
+
+
+class _Unreadable(LocalStore):
+    """A first tier whose copy of step 2's head fails with EIO (a failing disk or mount)."""
+
+    def get(self, key, *args):
+        if key == NAME:
+            raise OSError(5, "Input/output error", key)
+        return super().get(key, *args)
+
+
+def test_an_io_error_in_one_tier_reads_the_same_step_from_another(written, tmp_path):
+    """Both selections walk the tiers the same way (selection.walk): a copy that fails with an
+    I/O error is passed over for the same step in the next tier, never for an older step."""
+    store, layout, saved = written
+    replica = LocalStore(str(tmp_path / "replica"))
+    replicate_checkpoint(store, replica, NAME)
+    first = _Unreadable(store.location)
+    passed = []
+    found = resolve_auto_resume([first, replica], passed)
+    assert found.checkpoint["step"] == 2 and found.path.startswith(replica.location)
+    assert [(p["tier"], p["step"]) for p in passed] == [(0, 2)]
+    path, _ = resolve_sharded([first, replica])
+    assert path.startswith(replica.location)
+    with pytest.raises(OSError, match="Input/output error"):  # one tier: raised, no step back
+        resolve_sharded(first)
