@@ -5,7 +5,8 @@ and ``<name>.ready.json``); a layout decides what the head is and which other ob
 
 - ``one_file.ONE_FILE``: the head is the whole ``torch.save`` file; nothing else;
 - ``parts.Parts``: one writer (the coordinator) writes the tensors as parts; the head is their
-  index (version 1, docs/formats.md "Checkpoint parts");
+  index (version 1, docs/formats.md "Checkpoint parts"); where ``parts="auto"`` comes to one
+  part it writes a one-file head (read by ``one_file``);
 - ``sharded.Sharded``: every rank writes its own shards as parts plus its index fragment; the
   coordinator writes the head (version 2, "Sharded index") naming each writer's fragment.
   A version-1 index that an older sharded save wrote reads as ``parts`` (the same format).
@@ -25,8 +26,9 @@ Write (``commit.save`` drives it; the saver and ``publish`` call that):
 2. ``freeze(ckpt, buffers)``, an async save only, on the training thread, every writing rank:
    returns ``(frozen, copy)``, the capture copied into host buffers; after it returns, training
    may change the live tensors. ``copy.release()`` once step 3 returned.
-3. The coordinator claims the name (``publication.claimed``: the name's publish intent, and
-   whatever a finished publication or a dead publisher left under it removed), then every
+3. The coordinator claims the name (``commit.claimed``: the name's publish intent; a finished
+   publication under it removed, and a dead publisher's leftovers where the claim took the name
+   over from that publisher, nothing looked for otherwise), then every
    writing rank calls ``write(store, name, data, intent=, refused=, group=)`` at once (a
    follower with ``intent=None``). Before: the coordinator holds the name; ``refused`` is the
    one line why it could not (then every rank raises, having written nothing). ``write`` writes
@@ -34,8 +36,9 @@ Write (``commit.save`` drives it; the saver and ``publish`` call that):
    of chunks for a streamed head) on the coordinator, None on a follower. A failure on any rank
    raises on every rank that calls ``write`` (a collective layout agrees inside), and nothing is
    committed. ``last_written`` then holds this rank's objects as ``(key, size, sha256)``.
-4. The coordinator commits the head (``publication.commit``: head, then the ready manifest),
-   then every writing rank calls ``outcome(result, group)``: the coordinator's
+4. The coordinator commits the head (``commit.commit``: head, then the ready manifest; on a
+   failure ``commit.discard`` removes the objects ``objects(name, head)`` names, while the claim
+   stands), then every writing rank calls ``outcome(result, group)``: the coordinator's
    ``("ok", Publication)`` or ``("error", line)``, the same on every rank after it.
 
 Read (callers: ``load``, resume's selection, export, replication):
