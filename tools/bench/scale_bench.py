@@ -195,8 +195,8 @@ def _kind(key: str) -> str:
 
 def task_save(args: argparse.Namespace) -> dict[str, Any]:
     import torch
-    from koochak.loop.checkpoint.saver import capture_checkpoint
     from koochak.loop.checkpoint.layouts.sharded import dtensor_leaves, save_sharded
+    from koochak.loop.checkpoint.saver import capture_checkpoint
     from koochak.loop.checkpoint.tiers import node_index, on_this_node, replicate_checkpoint
     from koochak.storage.store import LocalStore
 

@@ -249,7 +249,9 @@ def test_one_saver_class_answers_every_call_the_checkpointer_makes_in_every_layo
         for role in ("coordinator", "follower"):
             saver = saver_module.CheckpointSaver(tmp_path, layout=layout, role=role)
             assert saver.settle(checkpoint_name(3), "terminal") is None
-    follower = saver_module.CheckpointSaver(tmp_path, layout=layout_for(sharded=False), role="follower")
+    follower = saver_module.CheckpointSaver(
+        tmp_path, layout=layout_for(sharded=False), role="follower"
+    )
     assert follower.save({"step": 3}) is None  # the whole layout: only the coordinator writes
     assert not any(tmp_path.iterdir())
 

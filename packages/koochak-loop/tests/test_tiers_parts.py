@@ -17,6 +17,7 @@ from koochak.loop.checkpoint import (
     resolve_auto_resume,
     save,
 )
+from koochak.loop.checkpoint.layouts import read_checkpoint
 from koochak.loop.checkpoint.parts_index import (
     PART_INFIX,
     Extent,
@@ -29,7 +30,6 @@ from koochak.loop.checkpoint.parts_index import (
     part_key,
 )
 from koochak.loop.checkpoint.parts_tree import TENSOR_TAG, skeleton_bytes
-from koochak.loop.checkpoint.layouts import read_checkpoint
 from koochak.loop.checkpoint.tiers import checkpoint_copy_items, replicate_checkpoint
 from koochak.loop.loop import training_loop
 from koochak.storage import artifact

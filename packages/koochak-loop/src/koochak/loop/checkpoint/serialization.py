@@ -175,8 +175,6 @@ def _payload(ckpt: Mapping[str, Any]) -> dict[str, Any]:
     return payload
 
 
-
-
 _checkpoint_of_payload = checkpoint_of_payload  # the name sharded_read used before
 
 
