@@ -224,7 +224,7 @@ def _timed(call) -> float:
 def bench_save(args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from koochak.loop.checkpoint import build_checkpoint
-    from koochak.loop.checkpoint.sharded import save_sharded
+    from koochak.loop.checkpoint.layouts.sharded import save_sharded
     from koochak.storage.store import LocalStore
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -259,7 +259,7 @@ def bench_save(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _dtensors(tree: Any) -> list[Any]:
-    from koochak.loop.checkpoint.sharded import dtensor_leaves
+    from koochak.loop.checkpoint.layouts.sharded import dtensor_leaves
 
     return [dt for _, dt in dtensor_leaves(tree)]
 
@@ -267,7 +267,7 @@ def _dtensors(tree: Any) -> list[Any]:
 def write_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
     """Save the big state once into ``--dir/<ranks>`` (the resharded load reads it)."""
     from koochak.loop.checkpoint import build_checkpoint
-    from koochak.loop.checkpoint.sharded import save_sharded
+    from koochak.loop.checkpoint.layouts.sharded import save_sharded
     from koochak.storage.store import LocalStore
 
     model, opt = big_state()

@@ -195,8 +195,8 @@ def _kind(key: str) -> str:
 
 def task_save(args: argparse.Namespace) -> dict[str, Any]:
     import torch
+    from koochak.loop.checkpoint.layouts.sharded import dtensor_leaves, save_sharded
     from koochak.loop.checkpoint.saver import capture_checkpoint
-    from koochak.loop.checkpoint.sharded import dtensor_leaves, save_sharded
     from koochak.loop.checkpoint.tiers import node_index, on_this_node, replicate_checkpoint
     from koochak.storage.store import LocalStore
 
@@ -206,7 +206,7 @@ def task_save(args: argparse.Namespace) -> dict[str, Any]:
                               scheduler=None, scaler=None, config=None, wall_time=0.0,
                               metrics=None)  # fmt: skip
     try:  # each slab once: under HSDP the other replicate groups' copies are not stored
-        from koochak.loop.checkpoint.sharded import first_copy
+        from koochak.loop.checkpoint.layouts.sharded import first_copy
     except ImportError:  # before HSDP
         first_copy = lambda dt: True  # noqa: E731
     sharded = sum(dt.to_local().numel() * dt.element_size() for _, dt in dtensor_leaves(ckpt)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
 import os
 import re
+import time
 
 import pytest
 import torch
@@ -202,6 +204,12 @@ def test_resaving_a_name_clears_an_interrupted_attempts_parts(tmp_path):
     name = "step000000004.pt"
     for n in range(3):  # a crashed save of the same step left parts (and no index)
         (tmp_path / part_key(name, 0, n)).write_bytes(b"stale")
+    # ... and its intent record, which proves it dead: the claim takes the name over, and only
+    # a taken-over name is cleared of leftovers (a free one costs no listing).
+    from koochak.storage import _publish_intent
+
+    dead = dataclasses.replace(_publish_intent.ours(name), deadline=time.time() - 10 * 3600)
+    store.put(name + _publish_intent.INTENT_SUFFIX, dead.to_bytes())
     save(_ckpt(4), store, parts=2)
     assert _parts_of(tmp_path, name) == [part_key(name, 0, 0), part_key(name, 0, 1)]
     _same(_ckpt(4), load(store, name))

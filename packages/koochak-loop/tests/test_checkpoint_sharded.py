@@ -4,17 +4,19 @@ part. The multi-rank cases (2 and 4 writers, resharding) run in test_fsdp.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
+import time
 
 import pytest
 import torch
 from koochak.loop import fsdp
 from koochak.loop.checkpoint import build_checkpoint, checkpoint_name, load
 from koochak.loop.checkpoint.index_fragments import is_head, parse_head, read_index
+from koochak.loop.checkpoint.layouts.sharded import ShardedLoadError, save_sharded
 from koochak.loop.checkpoint.resume import resume_checkpoint
-from koochak.loop.checkpoint.sharded import ShardedLoadError, save_sharded
 from koochak.loop.checkpoint.sharded_read import Source, materialize, read_slabs
 from koochak.loop.config import FsdpConfig
 from koochak.storage.store import LocalStore
@@ -152,11 +154,11 @@ def test_a_part_gone_after_selection_is_restored_from_the_bytes_selection_verifi
 
 
 def test_a_failed_save_leaves_nothing_committed(group, tmp_path, monkeypatch):
-    import koochak.loop.checkpoint.sharded as sharded
+    import koochak.loop.checkpoint.commit as commit
 
     store = LocalStore(str(tmp_path))
     monkeypatch.setattr(
-        sharded, "publish", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left"))
+        commit, "commit", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left"))
     )
     with pytest.raises(RuntimeError, match="step000000002.pt was not saved: OSError"):
         _save(store, 2)
@@ -237,17 +239,19 @@ def test_one_saver_class_answers_every_call_the_checkpointer_makes_in_every_layo
     import inspect
 
     from koochak.loop.checkpoint import saver as saver_module
-    from koochak.loop.checkpoint.layouts import Sharded, Whole
+    from koochak.loop.checkpoint.layouts import layout_for
 
     source = inspect.getsource(saver_module.Checkpointer)
     called = set(re.findall(r"self\.saver\.([a-z_]+)", source))
     assert called and called <= set(dir(saver_module.CheckpointSaver))
     assert not hasattr(saver_module, "ShardedSaver")
-    for layout in (Sharded(), Whole(2)):
+    for layout in (layout_for(sharded=True), layout_for(sharded=False, parts=2)):
         for role in ("coordinator", "follower"):
             saver = saver_module.CheckpointSaver(tmp_path, layout=layout, role=role)
             assert saver.settle(checkpoint_name(3), "terminal") is None
-    follower = saver_module.CheckpointSaver(tmp_path, layout=Whole(), role="follower")
+    follower = saver_module.CheckpointSaver(
+        tmp_path, layout=layout_for(sharded=False), role="follower"
+    )
     assert follower.save({"step": 3}) is None  # the whole layout: only the coordinator writes
     assert not any(tmp_path.iterdir())
 
@@ -264,12 +268,18 @@ def test_a_sharded_save_never_deletes_what_a_live_publisher_of_its_name_wrote(gr
         with pytest.raises(RuntimeError, match=f"saving {name}: rank 0: FileExistsError"):
             _save(store, 3)
         assert store.get(f"{name}.part-00000-00000") == b"the other publisher's bytes"
-    _save(store, 3)  # once it is gone the name is free again (its leftover part is cleared)
+    # It died without committing (its intent record stays, long past its deadline): the next
+    # save takes the name over, and only then clears the leftover part under it.
+    from koochak.storage import _publish_intent
+
+    dead = dataclasses.replace(_publish_intent.ours(name), deadline=time.time() - 10 * 3600)
+    store.put(name + _publish_intent.INTENT_SUFFIX, dead.to_bytes())
+    _save(store, 3)
     assert artifact.read_manifest(store, name) is not None
 
 
 def test_a_version_1_sharded_checkpoint_still_selects_and_loads(group, tmp_path, monkeypatch):
-    import koochak.loop.checkpoint.sharded as sharded
+    import koochak.loop.checkpoint.layouts.sharded as sharded
 
     store = LocalStore(str(tmp_path))
     monkeypatch.setattr(sharded, "_regular", lambda leaves, world: None)  # the old writer
@@ -317,7 +327,7 @@ def _four_writers(root):
 
 
 def test_a_rank_reads_the_head_and_only_the_fragments_and_parts_of_its_rows(tmp_path, monkeypatch):
-    from koochak.loop.checkpoint.sharded_read import open_candidate
+    from koochak.loop.checkpoint.selection import open_candidate
 
     store, name, rows = _four_writers(tmp_path)
     opened, real_get, real_open = [], LocalStore.get, LocalStore.open
@@ -377,7 +387,7 @@ def _hsdp_writers(root, slabs_of_writer_3=()):
 
 def test_an_hsdp_head_splits_rows_over_its_slab_writers_only(tmp_path, monkeypatch):
     from koochak.loop.checkpoint.index_fragments import parse_head
-    from koochak.loop.checkpoint.sharded_read import open_candidate
+    from koochak.loop.checkpoint.selection import open_candidate
 
     store, name, rows = _hsdp_writers(tmp_path)
     head = parse_head(store.get(name), name, name)

@@ -17,6 +17,7 @@ from koochak.loop.checkpoint import (
     resolve_auto_resume,
     save,
 )
+from koochak.loop.checkpoint.layouts import read_checkpoint
 from koochak.loop.checkpoint.parts_index import (
     PART_INFIX,
     Extent,
@@ -29,7 +30,6 @@ from koochak.loop.checkpoint.parts_index import (
     part_key,
 )
 from koochak.loop.checkpoint.parts_tree import TENSOR_TAG, skeleton_bytes
-from koochak.loop.checkpoint.serialization import read_checkpoint
 from koochak.loop.checkpoint.tiers import checkpoint_copy_items, replicate_checkpoint
 from koochak.loop.loop import training_loop
 from koochak.storage import artifact
@@ -339,7 +339,7 @@ def test_a_sharded_fsdp_checkpoint_replicates_and_reads_back_from_the_replica(
     one_rank_group, tmp_path
 ):
     from koochak.loop import fsdp
-    from koochak.loop.checkpoint.sharded import save_sharded
+    from koochak.loop.checkpoint.layouts.sharded import save_sharded
     from koochak.loop.config import FsdpConfig
 
     torch.manual_seed(0)

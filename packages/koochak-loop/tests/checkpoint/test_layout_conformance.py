@@ -356,7 +356,7 @@ def test_kill_9_mid_save_selects_nothing_new(tmp_path, layout):
     path, ckpt = resolve_auto_resume(root)
     assert ckpt["step"] == before and path.endswith(checkpoint_name(before))
     if layout == "sharded":
-        from koochak.loop.checkpoint.sharded_read import resolve_sharded
+        from koochak.loop.checkpoint.selection import resolve_sharded
 
         assert resolve_sharded(root)[1]["step"] == before
 

@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 from koochak.loop.checkpoint import load, resolve_auto_resume, save
-from koochak.loop.checkpoint.sharded_read import resolve_sharded
+from koochak.loop.checkpoint.selection import resolve_sharded
 from koochak.storage import artifact
 from koochak.storage.store import LocalStore
 

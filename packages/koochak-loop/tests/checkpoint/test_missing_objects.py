@@ -14,7 +14,7 @@ import threading
 import pytest
 from koochak.loop.checkpoint import best, load, resolve_auto_resume, save
 from koochak.loop.checkpoint.parts_index import part_key
-from koochak.loop.checkpoint.sharded_read import resolve_sharded
+from koochak.loop.checkpoint.selection import resolve_sharded
 from koochak.storage.store import LocalStore
 
 NAME = "step000000002.pt"

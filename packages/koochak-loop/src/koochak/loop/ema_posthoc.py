@@ -272,7 +272,7 @@ def collect_power_ema_states(location: Any) -> list[dict[str, Any]]:
 
 def _published(location: Any) -> Iterable[tuple[str, dict[str, Any]]]:
     from koochak.loop.checkpoint import CHECKPOINT_PATTERN, checkpoint_store
-    from koochak.loop.checkpoint.serialization import read_checkpoint
+    from koochak.loop.checkpoint.layouts import read_checkpoint
     from koochak.storage import artifact
 
     store = checkpoint_store(location)

@@ -64,10 +64,14 @@ class Intent:
     machine_id: str = ""  # /etc/machine-id; "" where unknown (then the hostname stands in)
     written: float = -1.0  # Unix seconds when it was written; -1 where unknown
     slurm: SlurmJob = SlurmJob()  # the publisher's Slurm job attempt; none outside Slurm
+    # Not stored: the dead publisher whose intent this claim replaced ("" when the name was
+    # free), so the claimant knows it may find that publisher's leftovers under the name.
+    took_over: str = ""
 
     def to_bytes(self) -> bytes:
         doc = {"version": INTENT_VERSION, **asdict(self)}
         doc.pop("slurm")
+        doc.pop("took_over")
         doc.update(self.slurm.fields())
         return (json.dumps(doc, sort_keys=True, indent=2) + "\n").encode("utf-8")
 

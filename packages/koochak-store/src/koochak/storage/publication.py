@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
@@ -272,8 +272,9 @@ def _claim(store: Store, name: str) -> _publish_intent.Intent:
     try:
         store.put(key, intent.to_bytes())
     except FileExistsError:
-        _clear_dead_intent(store, name)  # raises unless its publisher is provably dead
+        dead = _clear_dead_intent(store, name)  # raises unless its publisher is provably dead
         store.put(key, intent.to_bytes())
+        return replace(intent, took_over=dead)
     return intent
 
 
@@ -283,9 +284,10 @@ def claimed(store: Store, name: str) -> Iterator[_publish_intent.Intent]:
 
     FileExistsError naming the publisher, touching nothing, while another publisher's intent
     stands (one not proven dead by the rules of ``koochak.storage._publish_intent``); a dead
-    one's is taken over with one line. Inside the block this process owns the name: what it
-    finds under it is a finished publication or a dead publisher's leftover, and what it writes
-    there is its own. Pass the intent to ``publish(..., intent=)`` to commit within the block.
+    one's is taken over with one line, and the intent yielded says so (``took_over``: who that
+    publisher was). Inside the block this process owns the name: what it finds under it is a
+    finished publication or a leftover (a dead publisher's: ``took_over`` says so), and
+    what it writes there is its own. Pass the intent to ``publish(..., intent=)`` to commit within the block.
     """
     _check_name(name)
     intent = _claim(store, name)
@@ -304,15 +306,16 @@ def _drop(store: Store, intent: _publish_intent.Intent, held: bool = False) -> N
         _log.warning("could not remove the intent record %s%s: %s", intent.key, INTENT_SUFFIX, exc)
 
 
-def _clear_dead_intent(store: Store, name: str) -> None:
-    """Remove the intent record of ``name`` if it proves its publisher dead; else FileExistsError
-    naming that publisher, removing nothing."""
+def _clear_dead_intent(store: Store, name: str) -> str:
+    """Remove the intent record of ``name`` if it proves its publisher dead and return who that
+    was ("" when it finished meanwhile); else FileExistsError naming that publisher, removing
+    nothing."""
     key = name + INTENT_SUFFIX
     where = f"{store.location}/{key}"
     try:
         intent = _publish_intent.parse(store.get(key), where)
     except FileNotFoundError:
-        return  # its publisher finished meanwhile: try again
+        return ""  # its publisher finished meanwhile: try again
     except ValueError as exc:
         raise FileExistsError(
             errno.EEXIST, f"{name} is being published, and its intent record is unreadable "
@@ -331,6 +334,7 @@ def _clear_dead_intent(store: Store, name: str) -> None:
         store.delete(key)
     except FileNotFoundError:
         pass
+    return intent.describe()
 
 
 def unpublish(store: Store, name: str) -> None:

@@ -16,7 +16,9 @@
 - ``tiers`` and ``replication``: a first tier backed by durable replica tiers
   (``train.checkpoint_replicas``), copies in the background, resume from any tier;
   ``tier_marker``: whose tier (the run id, ``koochak-tier.json``);
-- ``layouts`` and ``retention``: the two seams (who writes which objects; what a tier drops);
+- ``layouts`` (one module per layout: ``one_file``, ``parts``, ``sharded``; the contract and the
+  one place that tells them apart), ``commit`` (claim, commit, undo) and ``selection`` (the one
+  walk over tiers); ``retention``: what a tier drops;
   ``settings``: the component's typed ``CheckpointConfig``.
 
 Import the names below from ``koochak.loop.checkpoint``; see docs/checkpoints.md for how they fit

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import yaml
 from koochak.loop.checkpoint.format import checkpoint_name
+from koochak.loop.checkpoint.layouts import read_checkpoint
 from koochak.loop.checkpoint.publication import checkpoint_store, publication_path
 from koochak.loop.checkpoint.resume import highest_valid
 from koochak.loop.checkpoint.safetensors_out import (
@@ -46,7 +47,7 @@ from koochak.loop.checkpoint.safetensors_out import (
     require_safetensors,
     safetensors_chunks,
 )
-from koochak.loop.checkpoint.serialization import read_checkpoint, stream_torch_save
+from koochak.loop.checkpoint.serialization import stream_torch_save
 from koochak.storage import artifact
 from koochak.storage.store import Store
 

@@ -181,14 +181,6 @@ def itemsize(dtype: str) -> int:
         ) from None
 
 
-def looks_like_index(head: bytes | bytearray | memoryview) -> bool:
-    """Whether a checkpoint object's first bytes are an index (JSON) rather than a torch file.
-
-    A ``torch.save`` file starts with ``PK`` (zip) or a pickle opcode, never ``{``.
-    """
-    return bytes(head[:1]) == b"{"
-
-
 def object_keys(index: PartsIndex) -> list[str]:
     """Every object of the checkpoint in commit order: parts, the index, its ready manifest.
 

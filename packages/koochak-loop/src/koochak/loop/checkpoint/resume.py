@@ -1,7 +1,6 @@
 """Choosing and reading checkpoints: load, latest, best, highest valid, auto-resume.
 
-Both layouts (one file, or parts plus an index) are read through
-``serialization.read_checkpoint``: for one in parts the manifest verifies the index and the
+Every layout is read through its own reader (``layouts.read``): for one in parts the manifest verifies the index and the
 index verifies every part, each before any of its tensors is used.
 
 Every selection is here, so a checkpoint layout with several objects per checkpoint changes one
@@ -35,15 +34,14 @@ from koochak.loop.checkpoint.format import (
     check_resume_cursor,
     check_rng_fields,
     checkpoint_name,
-    step_of_name,
 )
+from koochak.loop.checkpoint.layouts import read_checkpoint
 from koochak.loop.checkpoint.publication import checkpoint_store, publication_path
-from koochak.loop.checkpoint.serialization import read_checkpoint
+from koochak.loop.checkpoint.selection import missing_object, walk
 from koochak.loop.checkpoint.tiers import Location
 from koochak.loop.checkpoint.verified_read import read_published_checkpoint
 from koochak.storage import artifact
-from koochak.storage.named import read_settle_seconds
-from koochak.storage.store import Store, capabilities_of, open_store
+from koochak.storage.store import Store, open_store
 
 log = logging.getLogger("koochak.loop.checkpoint")
 
@@ -172,90 +170,18 @@ def _tier_stores(location: Locations) -> list[Store]:
 def highest_valid(
     stores: Sequence[Store], passed: list[dict[str, Any]] | None = None
 ) -> _Found | None:
-    """The newest checkpoint that validates in any of ``stores`` (tiers, first tier first).
-
-    Steps are tried newest first, within a step the tiers in order. InvalidArtifact skips one
-    copy; with several tiers an OSError does too, but when no tier yields that step the first
-    such error is raised instead of stepping back. A single location raises every OSError.
-    ``passed`` receives ``{"tier", "step", "why"}`` for each copy or tier passed over.
-    """
-    passed = passed if passed is not None else []
-    candidates: dict[int, list[tuple[int, str]]] = {}
-    listed_stores = []
-    gone: list[tuple[int, Store]] = []
-    for tier, store in enumerate(stores):
-        try:
-            listed = artifact.published_candidates(store, CHECKPOINT_PATTERN)
-        except OSError as exc:
-            if len(stores) == 1:
-                raise
-            log.warning("skipping checkpoint tier %d (%s): cannot list it (%s: %s)",
-                        tier, store.location, type(exc).__name__, exc)  # fmt: skip
-            passed.append({"tier": tier, "step": None,
-                           "why": f"cannot list it ({type(exc).__name__}: {exc})"})  # fmt: skip
-            continue
-        if not listed and len(stores) > 1 and _vanished(store):
-            gone.append((tier, store))
-        listed_stores.append(store)
-        for number, key in listed:
-            candidates.setdefault(number, []).append((tier, key))
-    # Only a tier missing while another holds the run's checkpoints is "gone": in a fresh run
-    # none exists yet, and that is no news.
-    for tier, store in gone if candidates else ():
-        log.warning("skipping checkpoint tier %d (%s): it is gone (node-local storage on "
-                    "another node?)", tier, store.location)  # fmt: skip
-        passed.append({"tier": tier, "step": None, "why": "it is gone (node-local storage on "
-                       "another node?)"})  # fmt: skip
-    chosen = -1
-    found = None
-    for number in sorted(candidates, reverse=True):
-        error: OSError | None = None
-        for tier, key in candidates[number]:
-            store = stores[tier]
-            try:
-                publication, ckpt = _read_validated(store, key)
-            except artifact.InvalidArtifact as exc:
-                log.warning("skipping %s #%d (%s): %s", key, number, store.location, exc)
-                passed.append({"tier": tier, "step": number, "why": str(exc)})
-                continue
-            except FileNotFoundError as exc:  # still missing after read_settle_seconds
-                log.warning("skipping %s #%d (%s): %s; trying an older checkpoint", key, number,
-                            store.location, missing_object(exc, store))  # fmt: skip
-                passed.append({"tier": tier, "step": number,
-                               "why": missing_object(exc, store)})  # fmt: skip
-                continue
-            except OSError as exc:
-                if len(stores) == 1:
-                    raise
-                log.warning("cannot read %s #%d in tier %d (%s): %s: %s", key, number, tier,
-                            store.location, type(exc).__name__, exc)  # fmt: skip
-                passed.append({"tier": tier, "step": number,
-                               "why": f"cannot read it ({type(exc).__name__}: {exc})"})  # fmt: skip
-                error = error or exc
-                continue
-            found = _Found(tier, store, publication, ckpt)
-            break
-        if found is not None:
-            chosen = number
-            break
-        if error is not None:
-            raise error  # this step exists but cannot be read anywhere: never step back silently
-    for store in listed_stores:
-        _log_unmanifested(store, chosen)
-    return found
-
-
-def missing_object(exc: FileNotFoundError, store: Store) -> str:
-    """One line for a candidate whose object is missing: which object, and that the store's
-    ``read_settle_seconds`` were waited out first (the named reads wait before they raise)."""
-    where = exc.filename or str(exc)
-    return (f"{where} is missing (after waiting read_settle_seconds="
-            f"{read_settle_seconds(store):g}), so the checkpoint is not whole")  # fmt: skip
-
-
-def _vanished(store: Store) -> bool:
-    root = capabilities_of(store).root
-    return root is not None and not os.path.isdir(root)
+    """The newest checkpoint that validates in any of ``stores`` (tiers, first tier first),
+    each candidate read whole and verified in one read (``_read_validated``), by the one walk
+    over tiers (``selection.walk``: steps newest first, within a step the tiers in order; an
+    invalid copy is passed over; with several tiers an OSError too, but when no tier yields
+    that step the first such error is raised instead of stepping back; a single location raises
+    every OSError). ``passed`` receives ``{"tier", "step", "why"}`` for each copy or tier
+    passed over."""
+    found = walk(stores, _read_validated, passed)
+    if found is None:
+        return None
+    publication, ckpt = found.opened
+    return _Found(found.tier, found.store, publication, ckpt)
 
 
 def resume_publication_path(
@@ -297,7 +223,7 @@ def resume_checkpoint(
     dataset) wins. Otherwise ``resume="auto"`` selects the highest valid published checkpoint
     (over every tier when ``location`` is a list): rank 0 chooses, every other rank reads and
     verifies the same commit (the same SHA256, from whichever tier it can reach), so all ranks
-    agree. ``sharded`` (FSDP): ``sharded.resolve_sharded`` instead, whose checkpoint holds
+    agree. ``sharded`` (FSDP): ``selection.resolve_sharded`` instead, whose checkpoint holds
     references that ``restore_training_state`` reads
     as this rank's slabs (over every tier, as above); ``shard_size``: under HSDP the ranks of
     one shard group (``fsdp.shard_size``), so each rank reads the rows it will hold.
@@ -315,7 +241,7 @@ def resume_checkpoint(
             "resume='auto' needs train.checkpoint_dir or train.out_dir to know where to look"
         )
     if sharded:  # FSDP: every rank verifies a share of the parts; tensors read at restore
-        from koochak.loop.checkpoint.sharded_read import resolve_sharded
+        from koochak.loop.checkpoint.selection import resolve_sharded
 
         found_sharded = resolve_sharded(location, shard_size)  # every tier
         return ResumePoint(*found_sharded) if found_sharded is not None else None
@@ -374,18 +300,6 @@ def read_published(store: Store, name: str) -> ResumePoint:
     publication, data = artifact.read_verified(store, name)
     path = publication_path(store, publication)
     return ResumePoint(path, read_checkpoint(store, name, data, path))
-
-
-def _log_unmanifested(store: Store, chosen: int) -> None:
-    """Say why newer-looking files were passed over: they were never committed by a manifest."""
-    keys = {info.key for info in store.list("step")}
-    for key in sorted(keys):
-        number = step_of_name(key)
-        if number is not None and number > chosen and key + artifact.READY_SUFFIX not in keys:
-            log.warning(
-                "ignoring %s: no ready manifest (an incomplete or interrupted publication)",
-                _key_path(store, key),
-            )
 
 
 def _read_validated(store: Store, key: str) -> tuple[artifact.Publication, dict[str, Any]]:

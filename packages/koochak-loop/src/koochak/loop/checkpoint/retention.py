@@ -112,7 +112,7 @@ class BestCheckpoints:
 
     def _score_of(self, store: Store, name: str) -> float | None:
         if name not in self._scores:
-            from koochak.loop.checkpoint.serialization import read_checkpoint
+            from koochak.loop.checkpoint.layouts import read_checkpoint
 
             try:
                 _, data = artifact.read_verified(store, name)

@@ -38,13 +38,14 @@ import koochak.loop.checkpoint.retention as retention
 import torch
 from koochak.loop import ddp, dist
 from koochak.loop.checkpoint.background import lower_this_threads_priority
+from koochak.loop.checkpoint.commit import save as save_in_layout
 from koochak.loop.checkpoint.format import (
     build_checkpoint,
     checkpoint_name,
     step_of_name,
 )
 from koochak.loop.checkpoint.host_buffers import HostBuffers, HostCopy
-from koochak.loop.checkpoint.layouts import COORDINATOR, FOLLOWER, ROLES, Layout, Whole, layout_for
+from koochak.loop.checkpoint.layouts import COORDINATOR, FOLLOWER, ROLES, Layout, layout_for
 from koochak.loop.checkpoint.publication import (
     checkpoint_store,
     publication_path,
@@ -281,8 +282,8 @@ class CheckpointSaver:
     and announces each one after it commits.
 
     ``role`` is ``"coordinator"`` (rank 0: commits, prunes, replicates, announces) or
-    ``"follower"``; ``layout`` (``layouts.Whole`` by default, ``parts`` its part count, or
-    ``layouts.Sharded``) decides who writes: a follower of the ``Whole`` layout writes nothing
+    ``"follower"``; ``layout`` (``layouts.layout_for``: one file by default, parts for
+    ``parts`` above 1, or sharded) decides who writes: a follower of a one-writer layout writes nothing
     and every call returns at once; under ``Sharded`` every rank's ``save`` is collective.
 
     ``on_checkpoint(info)`` receives ``step``, ``path``, ``checkpoint`` and ``publication``. With
@@ -322,7 +323,9 @@ class CheckpointSaver:
         self.location = location
         self.node_local = node_local  # location is this node's directory ({node})
         self.role = role
-        self.layout: Layout = layout if layout is not None else Whole(parts)
+        self.layout: Layout = (
+            layout if layout is not None else layout_for(sharded=False, parts=parts)
+        )
         self.parts = self.layout.parts
         self.writes = self.layout.writes(role)
         self.keep_last_k = keep_last_k
@@ -500,9 +503,10 @@ class CheckpointSaver:
         coordinator = self.role == COORDINATOR
         if replicator is not None:
             replicator.before_publish(name)
-        publication = self.layout.write(self.store, name, data, group)
+        publication = save_in_layout(self.layout, self.store, name, data,
+                                     coordinator=coordinator, group=group)  # fmt: skip
         if self._follower is not None:
-            self._follower.submit(name, getattr(self.layout, "last_written", ()))
+            self._follower.submit(name, self.layout.last_written)
         if not coordinator:
             return publication
         if replicator is not None:

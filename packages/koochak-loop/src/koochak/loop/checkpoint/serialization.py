@@ -5,7 +5,7 @@ Everything that turns a checkpoint into what a Store holds (and back into a dict
 - one file: ``torch.save`` out (streamed for synchronous saves), weights-only ``torch.load`` in;
 - parts (docs/formats.md, "Checkpoint parts"): ``split_checkpoint`` freezes the non-tensor data
   into a small weights-only skeleton and lists the tensors; ``write_checkpoint_parts`` writes
-  them as parts in parallel and returns the index; ``read_checkpoint`` reads either layout.
+  them as parts in parallel and returns the index. Reading is each layout's (``layouts.read``).
 
 The payload is loaded with ``torch.load(weights_only=True)`` (the whole file, or the parts'
 skeleton; parts themselves are raw tensor bytes), so an untrusted checkpoint cannot run code: it
@@ -24,16 +24,15 @@ from typing import Any
 
 import torch
 from koochak.loop.checkpoint.format import check_checkpoint_format
-from koochak.loop.checkpoint.layout_read import (  # the read side lives there; kept importable
+from koochak.loop.checkpoint.layouts.payload import (  # the read side lives there; kept importable
     NDARRAY_TAG,
     checkpoint_of_payload,
     deserialize_checkpoint,  # noqa: F401
     load_checkpoint_file,  # noqa: F401
     walk_tree,
 )
-from koochak.loop.checkpoint.layout_read import read as _read_by_layout
 from koochak.loop.checkpoint.parts_index import encode_index
-from koochak.loop.checkpoint.parts_io import host_tensor, read_parts, write_parts
+from koochak.loop.checkpoint.parts_io import host_tensor, write_parts
 from koochak.loop.checkpoint.parts_tree import (
     join_tensors,
     load_skeleton,
@@ -176,8 +175,6 @@ def _payload(ckpt: Mapping[str, Any]) -> dict[str, Any]:
     return payload
 
 
-
-
 _checkpoint_of_payload = checkpoint_of_payload  # the name sharded_read used before
 
 
@@ -235,28 +232,6 @@ def write_checkpoint_parts(
         workers=workers,
     )  # fmt: skip
     return encode_index(index)
-
-
-def read_checkpoint(
-    store: Store | None,
-    name: str | None,
-    data: bytes | bytearray | memoryview,
-    source: str,
-    *,
-    workers: int | None = None,
-    parts_reader: Any = read_parts,
-) -> dict[str, Any]:
-    """The checkpoint whose object (file or index) holds ``data``, on the CPU, weights-only.
-
-    Read by its layout's reader (``layout_read.read``, the one place that tells the layouts
-    apart): a ``torch.save`` file is deserialized (``deserialize_checkpoint``); an index has its
-    parts read from ``store`` in parallel, each checked against its size and SHA256 before any
-    of its tensors is used; ``name`` is the key the index was read under (it must match the
-    index's own), or None to trust the index's name. Every fault (a part missing, short, long
-    or of another digest, a malformed index or skeleton) is a ValueError naming ``source``
-    (InvalidArtifact for a malformed index); other OSErrors (EIO) propagate.
-    """
-    return _read_by_layout(store, name, data, source, workers=workers, parts_reader=parts_reader)
 
 
 def _encode(value: Any) -> Any:

@@ -1,8 +1,8 @@
 """Reading sharded (FSDP) checkpoints: verified slab reads, collective selection, the restore.
 
-- **select** (``resolve_sharded``, every rank at once): the published checkpoints are walked
-  newest first; for each, every rank reads its manifest and index (the head), checks the
-  skeleton and cursor, and reads whole, hashing as it reads, the parts it will restore from (part
+- **select** (``selection.resolve_sharded``, every rank at once, through the layouts' ``open``):
+  the published checkpoints are walked newest first; for each, every rank reads its manifest
+  and index (the head), checks the skeleton and cursor, and reads whole, hashing as it reads, the parts it will restore from (part
   0, the unsharded tensors, and those holding its rows of every sharded tensor under FSDP2's
   dimension-0 split of this world: ``parts_to_read``), keeping their verified bytes. A candidate
   with a damaged or missing part on any rank is skipped on every rank, with the part named, for
@@ -32,34 +32,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from koochak.loop import dist
-from koochak.loop.checkpoint.format import CHECKPOINT_PATTERN, check_resume_cursor, check_rng_fields
-from koochak.loop.checkpoint.index_fragments import is_head, parse_head, read_index, writers_for
-from koochak.loop.checkpoint.layout_read import (
-    PARTS,
-    checkpoint_of_payload,
-    layout_of,
-    with_fragment_rng,
-)
-from koochak.loop.checkpoint.parts_index import (
-    Extent,
-    PartsIndex,
-    TensorEntry,
-    itemsize,
-    parse_index,
-)
+from koochak.loop.checkpoint.collectives import agree_all, error_line, local_box, map_tree
+from koochak.loop.checkpoint.layouts.payload import checkpoint_of_payload, with_fragment_rng
+from koochak.loop.checkpoint.parts_index import Extent, PartsIndex, TensorEntry, itemsize
 from koochak.loop.checkpoint.parts_io import PartFiller
 from koochak.loop.checkpoint.parts_tree import byte_view, join_tensors, load_skeleton, torch_dtype
-from koochak.loop.checkpoint.publication import publication_path
-from koochak.loop.checkpoint.sharded import (
-    agree_all,
-    broadcast_from_rank0,
-    error_line,
-    local_box,
-    map_tree,
-)
 from koochak.loop.dist import is_dtensor, local_tensor, placed_like
-from koochak.storage import artifact
 from koochak.storage.named import open_named
 from koochak.storage.store import Store
 
@@ -360,39 +338,6 @@ def _numel(shape: Sequence[int]) -> int:
 # ----------------------------------------------------------------------------- select
 
 
-def open_candidate(
-    store: Store, name: str, *, rank: int = 0, world: int = 1, shard_size: int | None = None
-) -> tuple[str, dict[str, Any]]:
-    """``(path, checkpoint)`` of published checkpoint ``name`` read lazily for rank ``rank`` of
-    ``world``: its manifest, index, skeleton, cursor and RNG states checked, the parts it will
-    restore from read once and verified (``open_lazy``), every tensor a ``StoredTensor``.
-    Another layout (one file) is read whole by its reader (``layout_read``). InvalidArtifact or
-    ValueError when any of that does not hold."""
-    publication, data = artifact.read_verified(store, name)
-    path = publication_path(store, publication)
-    reader = layout_of(data)
-    if reader is PARTS:  # references: each rank reads its slabs at restore
-        complete = None
-        if is_head(data):  # version 2: only the fragments of the writers whose rows it restores
-            head = parse_head(data, path, name)
-            wanted = writers_for(head, rank, world, shard_size)
-            index = read_index(store, data, path, name, writers=wanted)
-            if world > 1:
-
-                def complete() -> PartsIndex:
-                    return read_index(store, data, path, name)
-
-        else:
-            index = parse_index(data, path, name)
-        ckpt = open_lazy(store, index, path, rank=rank, world=world, complete=complete,
-                         shard_size=shard_size)  # fmt: skip
-    else:
-        ckpt = reader.read(store, name, data, path)
-    check_resume_cursor(ckpt, name)
-    check_rng_fields(ckpt, path)
-    return path, ckpt
-
-
 def open_lazy(
     store: Store,
     index: PartsIndex,
@@ -424,82 +369,6 @@ def _join(skeleton: Any, refs: Sequence[StoredTensor], source: str) -> Any:
     iteratively, InvalidArtifact naming ``source`` for a bad reference or a skeleton nested too
     deeply (``parts_tree.join_tensors``)."""
     return join_tensors(skeleton, refs, source)
-
-
-def resolve_sharded(
-    location: Any, shard_size: int | None = None
-) -> tuple[str, dict[str, Any]] | None:
-    """The newest published checkpoint every part of which verifies, chosen by every rank
-    together: ``(path, checkpoint)`` with ``StoredTensor`` references, or None to start fresh.
-
-    ``location`` is one location or a run's tiers (first tier first; each rank passes its own,
-    ``{node}`` resolved): the highest step in any tier wins, the first tier first for equal
-    steps. Rank 0 lists the candidates; every rank then opens each, newest first, reading its
-    head and the parts it restores from once, verified (``open_candidate``). A candidate that
-    fails anywhere (a
-    damaged, short or missing part, or one a node-local tier of another node holds) is skipped
-    on every rank with the reason logged; any other error (EIO) is raised on every rank,
-    because rolling a run back silently would waste the work since.
-    """
-    from koochak.loop.checkpoint.publication import checkpoint_store
-
-    locations = list(location) if isinstance(location, (list, tuple)) else [location]
-    stores = [checkpoint_store(where) for where in locations]
-    order = None
-    if dist.get_rank() == 0:
-        found: list[tuple[int, int, str]] = []
-        for tier, store in enumerate(stores):
-            try:
-                listed = artifact.published_candidates(store, CHECKPOINT_PATTERN)
-            except OSError as exc:
-                if len(stores) == 1:
-                    raise
-                log.warning("skipping checkpoint tier %d (%s): cannot list it (%s: %s)",
-                            tier, store.location, type(exc).__name__, exc)  # fmt: skip
-                continue
-            found += [(-number, tier, name) for number, name in listed]
-        order = [(tier, name) for _, tier, name in sorted(found)]
-    for tier, name in broadcast_from_rank0(order):
-        chosen = _choose(stores[tier], name, shard_size)
-        if chosen is not None:
-            return chosen
-    return None
-
-
-def _choose(
-    store: Store, name: str, shard_size: int | None = None
-) -> tuple[str, dict[str, Any]] | None:
-    """Candidate ``name`` if every rank finds its share of it sound (collective): each reads
-    the head and the parts it restores from, once, verified (``open_candidate``)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mine = _try(lambda: open_candidate(store, name, rank=rank, world=world, shard_size=shard_size))
-    outcomes: list[Any] = [(mine[0], None if mine[0] == "ok" else mine[1])]
-    if world > 1:
-        outcomes = [None] * world
-        torch.distributed.all_gather_object(
-            outcomes, (mine[0], None if mine[0] == "ok" else mine[1])
-        )
-    fatal = [f"rank {r}: {m}" for r, (k, m) in enumerate(outcomes) if k == "fatal"]
-    if fatal:
-        raise OSError(f"checkpoint {name} could not be read: {'; '.join(fatal)}")
-    bad = [f"rank {r}: {m}" for r, (k, m) in enumerate(outcomes) if k == "skip"]
-    if bad:
-        if rank == 0:
-            log.warning("skipping %s (%s): %s", name, store.location, "; ".join(bad))
-        return None
-    return mine[1]
-
-
-def _try(call: Callable[[], Any]) -> tuple[str, Any]:
-    """``("ok", result)``, ``("skip", why)`` for an invalid candidate, ``("fatal", why)``."""
-    try:
-        return ("ok", call())
-    except (artifact.InvalidArtifact, ValueError) as exc:
-        return ("skip", " ".join(str(exc).split()))
-    except FileNotFoundError as exc:  # the file or index, missing after read_settle_seconds
-        return ("skip", f"{exc.filename or exc} is missing (after read_settle_seconds)")
-    except Exception as exc:
-        return ("fatal", error_line(exc))
 
 
 def _refs(tree: Any) -> list[StoredTensor]:

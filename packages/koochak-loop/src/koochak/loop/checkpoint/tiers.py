@@ -30,9 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from koochak.loop.checkpoint.index_fragments import is_head, parse_head, read_index
+from koochak.loop.checkpoint.layouts import is_single_object, layout_of
 from koochak.loop.checkpoint.part_receipt import read_receipt
-from koochak.loop.checkpoint.parts_index import looks_like_index, parse_index
 from koochak.loop.checkpoint.publication import unpublish_checkpoint
 from koochak.loop.config import TrainConfig, as_train_config, check_replicas
 from koochak.storage import artifact
@@ -174,33 +173,14 @@ def _committed_objects(
     items, and for each ``remote`` writer the ``(key, size, sha256)`` its receipt must name (its
     parts; in version 2 just its fragment, whose digest covers its parts: no remote writer's
     fragment is read). ValueError when the index does not match its manifest."""
-    if committed.size == 0 or not looks_like_index(store.get(name, 0, 1)):
+    if committed.size == 0 or is_single_object(store.get(name, 0, 1)):
         return [], {}
     where = f"{store.location}/{name}"
     raw = store.get(name, 0, committed.size + 1)
     if len(raw) != committed.size or hashlib.sha256(raw).hexdigest() != committed.sha256:
         raise ValueError(f"{where}: the index does not match its ready manifest")
-    expected: dict[int, list[tuple[str, int, str]]] = {}
-    if is_head(raw):
-        head = parse_head(raw, where, name)
-        mine = [w for w in range(head.writers) if w not in remote]
-        parts = read_index(store, raw, where, name, writers=mine).parts
-        local = []
-        for writer in mine:
-            ref = head.fragments[writer]
-            local += [CopyItem(p.key, p.size, p.sha256) for p in parts if p.writer == writer]
-            local.append(CopyItem(ref.key, ref.size, ref.sha256))
-        for writer in sorted(set(remote) & set(range(head.writers))):
-            ref = head.fragments[writer]
-            expected[writer] = [(ref.key, ref.size, ref.sha256)]
-        return local, expected
-    local = []
-    for part in parse_index(raw, where, name).parts:
-        if part.writer in remote:
-            expected.setdefault(part.writer, []).append((part.key, part.size, part.sha256))
-        else:
-            local.append(CopyItem(part.key, part.size, part.sha256))
-    return local, expected
+    local, expected = layout_of(raw).receipts(store, name, raw, where, remote)
+    return [CopyItem(key, size, sha) for key, size, sha in local], expected
 
 
 # How long the coordinator waits for the parts other ranks replicate themselves, and how often

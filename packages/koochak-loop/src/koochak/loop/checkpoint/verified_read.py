@@ -23,7 +23,7 @@ bytes; a checkpoint pruned later keeps its pages while the tensors map them.
 
 Everything else (a small object, a store without local files, a platform without
 ``/proc/self/fd``, an index whose tensors are sharded boxes) takes the general path:
-``read_verified`` then ``read_checkpoint`` (``read_parts`` for the parts).
+``read_verified`` then ``layouts.read`` (``read_parts`` for the parts).
 Errors are those of that path: InvalidArtifact for a size or digest that differs, ValueError
 for bytes torch cannot load, FileNotFoundError for an object a manifest names but this client
 does not see, any other OSError as is.
@@ -41,10 +41,11 @@ from contextlib import ExitStack
 from typing import Any
 
 import torch
-from koochak.loop.checkpoint.parts_index import PartsIndex, looks_like_index
+from koochak.loop.checkpoint.layouts import is_single_object, read_checkpoint
+from koochak.loop.checkpoint.layouts.payload import load_checkpoint_file
+from koochak.loop.checkpoint.parts_index import PartsIndex
 from koochak.loop.checkpoint.parts_io import MAX_PART_THREADS, read_parts
 from koochak.loop.checkpoint.parts_tree import torch_dtype
-from koochak.loop.checkpoint.serialization import load_checkpoint_file, read_checkpoint
 from koochak.storage import artifact
 from koochak.storage.named import open_named
 from koochak.storage.store import Store
@@ -186,7 +187,7 @@ def _read_mapped(
     except (OSError, ValueError):  # a file system that cannot map (FUSE direct I/O): read it
         return None
     with mapped:
-        if looks_like_index(mapped[:1]) or mapped[:2] != b"PK":
+        if not is_single_object(mapped[:1]) or mapped[:2] != b"PK":
             return None  # an index, or not a zip torch can map: read the general way
         if hasattr(mapped, "madvise") and hasattr(mmap, "MADV_SEQUENTIAL"):
             mapped.madvise(mmap.MADV_SEQUENTIAL)

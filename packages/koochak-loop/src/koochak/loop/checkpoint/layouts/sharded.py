@@ -1,32 +1,38 @@
 """Saving sharded (FSDP) state: every rank writes its own shards, rank 0 commits.
 
-The layout is the parts layout (docs/formats.md, "Checkpoint parts") with several writers. In
-``save_sharded`` (every rank at once) rank 0 first clears an earlier attempt of the name; then
-every rank writes, in parallel with the others, the local shards of the DTensors in the
+The ``Sharded`` layout (``layouts``' contract): parts (docs/formats.md, "Checkpoint parts") with
+several writers. In ``write`` (every rank at once, rank 0 holding the name) every rank writes, in parallel with the others, the local shards of the DTensors in the
 checkpoint (parameters, optimizer state, EMA shadows) as its own parts ``….part-<rank>-NNNNN``,
 rank 0 also the unsharded tensors (buffers, RNG states, scalars) as its part ``00000`` and the
 rest from ``00001`` (under HSDP only the ranks of the first replicate group write slabs: each
 slab once); each rank reports its parts' keys, sizes and SHA256 and where each shard
 lies in its global tensor; rank 0 gathers the reports, only once every rank's parts are durable
-(``put`` returned), builds the one index and publishes it, then the ready manifest. Every rank
-learns the outcome; a failure anywhere fails the save on every rank and leaves no committed
+(``put`` returned), builds the head, which ``commit.save`` commits. Every rank learns the
+outcome (``outcome``); a failure anywhere fails the save on every rank and leaves no committed
 checkpoint. ``freeze`` copies a capture into host buffers for a save in the background.
 
-Reading them back (selection, slab reads, the restore) is ``sharded_read``'s job; this module
-also holds the few collectives and tree helpers both sides use.
+Reading them back: ``read`` whole, or ``open`` lazily for the selection; the slab reads and the
+restore are ``sharded_read``'s machinery, the collectives both sides use ``collectives``'.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from koochak.loop import dist
+from koochak.loop.checkpoint.collectives import (  # noqa: F401 (ShardedLoadError: its users)
+    ShardedLoadError,
+    agree_all,
+    broadcast_from_rank0,
+    error_line,
+    local_box,
+    map_tree,
+)
+from koochak.loop.checkpoint.commit import save, unpublish_checkpoint
 from koochak.loop.checkpoint.parts_index import (
     PART_INFIX,
     Extent,
@@ -38,35 +44,12 @@ from koochak.loop.checkpoint.parts_index import (
 from koochak.loop.checkpoint.parts_io import host_tensor, write_parts
 from koochak.loop.checkpoint.parts_plan import resolve_parts
 from koochak.loop.checkpoint.parts_tree import dtype_name, skeleton_bytes
-from koochak.loop.checkpoint.publication import publish, unpublish_checkpoint
 from koochak.loop.checkpoint.serialization import encode_index, split_checkpoint
 from koochak.loop.dist import is_dtensor, local_tensor, placed_like
 from koochak.storage import artifact
 from koochak.storage.store import Store
 
 log = logging.getLogger("koochak.loop.checkpoint")
-
-
-class ShardedLoadError(RuntimeError):
-    """A sharded checkpoint could not be read on some rank; raised on every rank."""
-
-
-# ----------------------------------------------------------------------------- agreement
-
-
-def agree_all(error: str | None, what: str, group: Any = None) -> None:
-    """Every rank's outcome of ``what``; raises on every rank if any rank failed (naming it)."""
-    errors: list[Any] = [error]
-    if dist.get_world_size() > 1:
-        errors = [None] * dist.get_world_size()
-        torch.distributed.all_gather_object(errors, error, group=group)
-    failed = [f"rank {rank}: {e}" for rank, e in enumerate(errors) if e is not None]
-    if failed:
-        raise ShardedLoadError(f"{what}: {'; '.join(failed)}")
-
-
-def error_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
 
 
 # ----------------------------------------------------------------------------- save
@@ -82,37 +65,6 @@ def dtensor_leaves(tree: Any, path: str = "") -> list[tuple[str, Any]]:
     if isinstance(tree, (list, tuple)):
         return [leaf for i, v in enumerate(tree) for leaf in dtensor_leaves(v, f"{path}/{i}")]
     return []
-
-
-def map_tree(tree: Any, leaf: Callable[[Any], Any]) -> Any:
-    """``tree`` rebuilt with ``leaf(value)`` in place of every value ``leaf`` replaces (returns
-    another object for); dicts (an OrderedDict keeps its type and a state dict's ``_metadata``),
-    lists and tuples are walked, anything else is kept."""
-    replaced = leaf(tree)
-    if replaced is not tree:
-        return replaced
-    if isinstance(tree, Mapping):
-        out: dict[Any, Any] = OrderedDict() if isinstance(tree, OrderedDict) else {}
-        for key, value in tree.items():
-            out[key] = map_tree(value, leaf)
-        if hasattr(tree, "_metadata"):
-            out._metadata = tree._metadata  # type: ignore[attr-defined]
-        return out
-    if isinstance(tree, list):
-        return [map_tree(v, leaf) for v in tree]
-    if isinstance(tree, tuple):
-        return tuple(map_tree(v, leaf) for v in tree)
-    return tree
-
-
-def local_box(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``(offsets, shape)`` of this rank's shard of DTensor ``tensor`` in its global shape."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offsets = compute_local_shape_and_global_offset(
-        tensor.shape, tensor.device_mesh, tensor.placements
-    )
-    return tuple(offsets), tuple(shape)
 
 
 @dataclass(frozen=True)
@@ -171,13 +123,114 @@ def first_copy(dt: Any) -> bool:
     return all(c == 0 for c, p in zip(coordinate, dt.placements) if isinstance(p, Replicate))
 
 
+class Sharded:
+    """Every rank writes its own shards (FSDP) and its index fragment; the coordinator the head.
+    Collective: every rank calls ``write`` and ``outcome`` at once (``layouts``' call order)."""
+
+    name = "sharded"
+
+    def __init__(self, parts: int | str = 1, workers: int | None = None) -> None:
+        self.parts = parts
+        self.workers = workers
+        self.last_written: tuple[tuple[str, int, str], ...] = ()  # this rank's parts
+
+    def writes(self, role: str) -> bool:
+        return True
+
+    def freeze(self, ckpt: Mapping[str, Any], buffers: Any) -> tuple[Any, Any]:
+        return freeze(ckpt, buffers)
+
+    def write(
+        self,
+        store: Store,
+        name: str,
+        data: Any,
+        *,
+        intent: Any,
+        refused: str | None = None,
+        group: Any = None,
+    ) -> bytes | None:
+        written: list[tuple[str, int, str]] = []
+        self.last_written = ()
+        head = _write_all(store, name, data, refused, parts=self.parts, workers=self.workers,
+                          group=group, written=written)  # fmt: skip
+        self.last_written = tuple(written)
+        return head
+
+    def outcome(self, result: Any, group: Any = None) -> Any:
+        return broadcast_from_rank0(result, group)
+
+    def read(self, store, name, head, source, *, workers=None, parts_reader=None) -> dict[str, Any]:
+        from koochak.loop.checkpoint.index_fragments import read_index
+        from koochak.loop.checkpoint.layouts.parts import read_indexed
+
+        if store is None:
+            raise ValueError(f"{source}: a sharded checkpoint needs the store that holds its parts")
+        index = read_index(store, head, source, name)  # every writer's fragment, each verified
+        return read_indexed(store, index, source, workers=workers, parts_reader=parts_reader)
+
+    def open(
+        self, store, name, head, source, *, rank=0, world=1, shard_size=None
+    ) -> dict[str, Any]:
+        """Lazily, for rank ``rank`` of ``world``: only the fragments of the writers whose rows
+        it restores are read (``writers_for``), then the parts it restores from, verified once
+        (``sharded_read.open_lazy``); the whole index is read only if a slab read needs it."""
+        from koochak.loop.checkpoint.index_fragments import parse_head, read_index, writers_for
+        from koochak.loop.checkpoint.sharded_read import open_lazy
+
+        wanted = writers_for(parse_head(head, source, name), rank, world, shard_size)
+        index = read_index(store, head, source, name, writers=wanted)
+        complete = None
+        if world > 1:
+
+            def complete() -> PartsIndex:
+                return read_index(store, head, source, name)
+
+        return open_lazy(store, index, source, rank=rank, world=world, complete=complete,
+                         shard_size=shard_size)  # fmt: skip
+
+    def objects(self, name: str, head: Any) -> list[str]:
+        from koochak.loop.checkpoint.index_fragments import head_object_keys, parse_head
+
+        return head_object_keys(parse_head(head, name, name))
+
+    def receipts(self, store, name, head, source, remote=()) -> tuple[list, dict]:
+        """A writer's fragment names its parts and its digest covers them: a local writer's
+        parts and fragment are copied, a remote writer's receipt names just its fragment (no
+        remote writer's fragment is read)."""
+        from koochak.loop.checkpoint.index_fragments import parse_head, read_index
+
+        parsed = parse_head(head, source, name)
+        mine = [w for w in range(parsed.writers) if w not in remote]
+        parts = read_index(store, head, source, name, writers=mine).parts
+        local: list[tuple[str, int, str]] = []
+        for writer in mine:
+            ref = parsed.fragments[writer]
+            local += [(p.key, p.size, p.sha256) for p in parts if p.writer == writer]
+            local.append((ref.key, ref.size, ref.sha256))
+        expected = {}
+        for writer in sorted(set(remote) & set(range(parsed.writers))):
+            ref = parsed.fragments[writer]
+            expected[writer] = [(ref.key, ref.size, ref.sha256)]
+        return local, expected
+
+    def verify(self, store: Store, name: str, head: Any, source: str) -> None:
+        from koochak.loop.checkpoint.index_fragments import read_index
+        from koochak.loop.checkpoint.layouts.parts import verify_indexed
+
+        # Every fragment is checked against the head as it is read, then every part it names.
+        verify_indexed(store, read_index(store, head, source, name), source)
+
+
+SHARDED = Sharded()
+
+
 def save_sharded(
     store: Store,
     name: str,
     ckpt: Mapping[str, Any],
     *,
     parts: int | str = 1,
-    keep_last_k: int | None = None,
     workers: int | None = None,
     group: Any = None,
     written: list[tuple[str, int, str]] | None = None,
@@ -190,49 +243,44 @@ def save_sharded(
     ``resolve_parts`` decides for its bytes). ``group`` is the process group (of every rank)
     its few object collectives use: a background save passes a gloo group of its own, so they
     never meet the training thread's collectives. ``written`` receives this rank's parts as
-    ``(key, size, sha256)`` (what it replicates from a node-local tier).
+    ``(key, size, sha256)`` (what it replicates from a node-local tier). The ``Sharded``
+    layout saved by ``commit.save``.
     """
-    rank = dist.get_rank()
-    error = None
-    # Rank 0 holds the name (its publish intent) from its first delete to the commit, as a
-    # one-process publish does: while another live publisher holds it, FileExistsError on every
-    # rank and nothing of that publisher's is touched.
-    claim = contextlib.ExitStack()
-    intent = None
+    layout = Sharded(parts, workers)
     try:
-        if rank == 0:
-            intent = claim.enter_context(artifact.claimed(store, name))
-            unpublish_checkpoint(store, name)  # parts are create-only: a retry starts clean
-        else:  # its own, in a directory of its node's (a node-local tier), if any are left
+        return save(layout, store, name, ckpt, coordinator=dist.get_rank() == 0, group=group)
+    finally:
+        if written is not None:
+            written.extend(layout.last_written)
+
+
+def _write_all(
+    store: Store,
+    name: str,
+    ckpt: Mapping[str, Any],
+    refused: str | None,
+    *,
+    parts: int | str,
+    workers: int | None,
+    group: Any,
+    written: list[tuple[str, int, str]],
+) -> bytes | None:
+    """The sharded write on every rank at once, rank 0 holding the name (or ``refused``: why
+    not): every rank writes its parts and fragment, rank 0 builds the head from the reports and
+    returns it (None elsewhere). Raises on every rank if any rank failed."""
+    rank = dist.get_rank()
+    error = refused
+    if rank != 0 and error is None:
+        # Its own leftovers, in a directory of its node's (a node-local tier): rank 0 cannot
+        # see them there to clear them. Parts are create-only: a retry starts clean.
+        try:
             for info in store.list(f"{name}{PART_INFIX}{rank:05d}-"):
                 try:
                     store.delete(info.key)
                 except FileNotFoundError:  # rank 0 cleared it (the tier is shared)
                     pass
-    except Exception as exc:
-        error = error_line(exc)
-    with claim:
-        return _write_and_commit(store, name, ckpt, error, intent, parts=parts,
-                                 keep_last_k=keep_last_k, workers=workers, group=group,
-                                 written=written)  # fmt: skip
-
-
-def _write_and_commit(
-    store: Store,
-    name: str,
-    ckpt: Mapping[str, Any],
-    error: str | None,
-    intent: Any,
-    *,
-    parts: int | str,
-    keep_last_k: int | None,
-    workers: int | None,
-    group: Any,
-    written: list[tuple[str, int, str]] | None,
-) -> artifact.Publication:
-    """save_sharded's body once the name is held (rank 0: ``intent``): every rank writes its
-    parts, rank 0 commits the index."""
-    rank = dist.get_rank()
+        except Exception as exc:
+            error = error_line(exc)
     agree_all(error, f"saving {name}", group)
 
     split, numbers, leaves, slab_writers = None, {}, [], None
@@ -251,13 +299,12 @@ def _write_and_commit(
             report = _write_fragment(store, name, report, own)
     except Exception as exc:
         report = _Report((), (), (), error_line(exc))
-    if written is not None:
-        written.extend(report.parts)
-        if report.fragment is not None:
-            written.append((report.fragment.key, report.fragment.size, report.fragment.sha256))
+    written.extend(report.parts)
+    if report.fragment is not None:
+        written.append((report.fragment.key, report.fragment.size, report.fragment.sha256))
     reports = _gather(report, group)
 
-    outcome: Any = None
+    head, failed = None, None
     if rank == 0:
         try:
             assert reports is not None and split is not None
@@ -265,15 +312,13 @@ def _write_and_commit(
                 head = _build_head(name, split, numbers, leaves, reports, slab_writers)
             else:
                 head = encode_index(_build_index(name, split, numbers, leaves, reports))
-            publication = publish(store, name, head, keep_last_k=keep_last_k, intent=intent)
-            outcome = ("ok", publication)
         except Exception as exc:
             _remove_quietly(store, name)
-            outcome = ("error", error_line(exc))
-    outcome = broadcast_from_rank0(outcome, group)
-    if outcome[0] == "error":
-        raise RuntimeError(f"checkpoint {name} was not saved: {outcome[1]}")
-    return outcome[1]
+            failed = error_line(exc)
+    failed = broadcast_from_rank0(failed, group)
+    if failed is not None:
+        raise RuntimeError(f"checkpoint {name} was not saved: {failed}")
+    return head
 
 
 def _split_rank0(
@@ -448,14 +493,6 @@ def _gather(value: Any, group: Any = None) -> list[Any] | None:
     out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     torch.distributed.gather_object(value, out, dst=0, group=group)
     return out
-
-
-def broadcast_from_rank0(value: Any, group: Any = None) -> Any:
-    if dist.get_world_size() == 1:
-        return value
-    box = [value]
-    torch.distributed.broadcast_object_list(box, src=0, group=group)
-    return box[0]
 
 
 def freeze(ckpt: Mapping[str, Any], buffers: Any) -> tuple[dict[str, Any], Any]:

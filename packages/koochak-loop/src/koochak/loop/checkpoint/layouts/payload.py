@@ -1,0 +1,141 @@
+"""What every checkpoint read gets, whatever its layout: the payload's checks and decoding.
+
+``checkpoint_of_payload`` (nesting bounded, format checked, RNG states decoded) is applied to
+every payload a layout reads; ``deserialize_checkpoint`` / ``load_checkpoint_file`` turn the
+one-file layout's bytes into one; ``with_fragment_rng`` puts back the RNG states a version-2
+sharded head keeps in its writers' fragments. Which layout a head is, is ``layouts.layout_of``'s
+to say, nowhere else.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from koochak.loop.checkpoint.format import check_checkpoint_format
+from koochak.loop.checkpoint.parts_tree import check_depth, load_skeleton
+
+if TYPE_CHECKING:
+    from koochak.loop.checkpoint.parts_index import PartsIndex
+
+NDARRAY_TAG = "__koochak_ndarray__"
+
+__all__ = ["deserialize_checkpoint", "load_checkpoint_file", "checkpoint_of_payload",
+           "with_fragment_rng", "walk_tree", "NDARRAY_TAG"]  # fmt: skip
+
+
+def with_fragment_rng(payload: Any, index: PartsIndex, source: str) -> Any:
+    """``payload`` with ``rng_per_rank`` rebuilt from the writers' fragments (index version 2,
+    where each rank's RNG state rides in its own fragment and the head holds none): a state per
+    writer whose fragment was read, None for the others (a resuming rank reads its own)."""
+    states = index.rng
+    if isinstance(payload, dict) and payload.get("rng_per_rank") is None and any(states):
+        payload["rng_per_rank"] = [
+            None if blob is None else load_skeleton(blob, source) for blob in states
+        ]
+    return payload
+
+
+# -- the one-file layout's bytes, and the checks every read payload gets ------------------
+
+
+def deserialize_checkpoint(data: bytes | bytearray | memoryview, source: str) -> dict[str, Any]:
+    """Load checkpoint bytes onto the CPU with ``weights_only=True`` and check the format.
+
+    ``source`` names the file in errors. Every way the payload can fail to decode is a
+    ValueError naming ``source``: bytes torch cannot load, a payload that needs arbitrary
+    unpickling (a code object, a class), a dict of an unknown version or with unknown keys, a
+    field of the wrong type, an array record that does not decode. (Resume relies on this: a
+    candidate that raises ValueError is skipped, never a crash.)
+    """
+    return _loaded(
+        lambda: torch.load(io.BytesIO(bytes(data)), map_location="cpu", weights_only=True), source
+    )
+
+
+def load_checkpoint_file(path: str, source: str) -> dict[str, Any]:
+    """``deserialize_checkpoint`` of a ``torch.save`` zip file, mapped rather than read: the
+    tensors are views of the file's pages (``torch.load(mmap=True)``), so nothing is copied
+    until they are restored. Verify the file first (``verified_read``); errors as there."""
+    return _loaded(
+        lambda: torch.load(path, map_location="cpu", weights_only=True, mmap=True), source
+    )
+
+
+def _loaded(load: Any, source: str) -> dict[str, Any]:
+    try:
+        ckpt = load()
+    except (MemoryError, OSError):
+        raise
+    except Exception as exc:  # torch raises many types for hostile bytes; all mean "not loadable"
+        raise ValueError(
+            f"{source}: not a loadable weights-only checkpoint ({_first_line(exc)})"
+        ) from exc
+    return checkpoint_of_payload(ckpt, source)
+
+
+def checkpoint_of_payload(ckpt: Any, source: str) -> dict[str, Any]:
+    """Check a loaded payload's format and decode its RNG states; ValueError naming ``source``
+    (InvalidArtifact for containers nested past ``parts_tree.MAX_DEPTH``, measured without
+    recursion before anything walks them)."""
+    check_depth(ckpt, source)
+    check_checkpoint_format(ckpt, source)
+    for key in ("rng", "rng_per_rank"):
+        if ckpt.get(key) is not None:
+            try:
+                ckpt[key] = _decode(ckpt[key])
+            except (MemoryError, RecursionError):
+                raise
+            except Exception as exc:
+                raise ValueError(
+                    f"{source}: field {key!r} does not decode ({_first_line(exc)})"
+                ) from exc
+    return ckpt
+
+
+def _first_line(exc: BaseException) -> str:
+    # torch's messages carry terminal escapes (bold); a log line should not.
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _decode(value: Any) -> Any:
+    return walk_tree(value, _untag_ndarray)
+
+
+def walk_tree(value: Any, leaf: Any) -> Any:
+    """Rebuild dicts, lists and tuples, replacing whatever ``leaf`` turns into something else."""
+    replaced = leaf(value)
+    if replaced is not value:
+        return replaced
+    if isinstance(value, Mapping):
+        return {k: walk_tree(v, leaf) for k, v in value.items()}
+    if isinstance(value, list):
+        return [walk_tree(v, leaf) for v in value]
+    if isinstance(value, tuple):
+        return tuple(walk_tree(v, leaf) for v in value)
+    return value
+
+
+def _untag_ndarray(value: Any) -> Any:
+    if isinstance(value, tuple) and len(value) == 4 and value[0] == NDARRAY_TAG:
+        import numpy as np
+
+        _, dtype, shape, raw = value
+        if not isinstance(dtype, str) or not isinstance(raw, bytes):
+            raise ValueError(f"array record: dtype must be a str and data bytes, got {dtype!r}")
+        if not isinstance(shape, (list, tuple)) or not all(
+            type(n) is int and n >= 0 for n in shape
+        ):
+            raise ValueError(f"array record: shape must be non-negative ints, got {shape!r}")
+        try:
+            kind = np.dtype(dtype)
+        except TypeError as exc:
+            raise ValueError(f"array record: dtype {dtype!r} is not a NumPy dtype") from exc
+        if kind.hasobject:  # would need unpickling; an RNG state never holds objects
+            raise ValueError(f"array record: dtype {dtype!r} holds Python objects")
+        return np.frombuffer(raw, dtype=kind).reshape(shape).copy()
+    return value
