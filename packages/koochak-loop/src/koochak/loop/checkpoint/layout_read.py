@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import io
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -37,6 +37,7 @@ from koochak.loop.checkpoint.index_fragments import (
     is_head,
     parse_head,
     read_index,
+    read_rng_part,
 )
 from koochak.loop.checkpoint.parts_index import (
     PartsIndex,
@@ -95,7 +96,7 @@ class _Parts:
         index = read_index(store, head, source, name)  # a version-2 head: with its fragments
         tensors = parts_reader(store, index, source, workers=workers)  # read_parts' contract
         payload = join_tensors(load_skeleton(index.skeleton, source), tensors, source)
-        payload = with_fragment_rng(payload, index, source)
+        payload = with_fragment_rng(payload, index, source, store)
         return checkpoint_of_payload(payload, source)
 
     def objects(self, name, head, where) -> list[str]:
@@ -104,15 +105,36 @@ class _Parts:
         return object_keys(parse_index(head, where, name))
 
 
-def with_fragment_rng(payload: Any, index: PartsIndex, source: str) -> Any:
-    """``payload`` with ``rng_per_rank`` rebuilt from the writers' fragments (index version 2,
-    where each rank's RNG state rides in its own fragment and the head holds none): a state per
-    writer whose fragment was read, None for the others (a resuming rank reads its own)."""
+def with_fragment_rng(
+    payload: Any,
+    index: PartsIndex,
+    source: str,
+    store: Store | None = None,
+    ranks: Collection[int] | None = None,
+) -> Any:
+    """``payload`` with ``rng_per_rank`` rebuilt from the writers' own RNG states (index
+    version 2, where the head holds none of them): a state per writer whose fragment was read,
+    None for the others. Fragment version 1 carries the state itself; version 2 names the
+    writer's RNG part, read (verified) from ``store`` for the writers in ``ranks`` only (None:
+    every one read): a resuming rank reads its own and nobody else's. Writer 0's state is the
+    checkpoint's ``rng`` field, as in a one-process checkpoint."""
+    if not isinstance(payload, dict) or payload.get("rng_per_rank") is not None:
+        return payload
     states = index.rng
-    if isinstance(payload, dict) and payload.get("rng_per_rank") is None and any(states):
+    if any(states):
         payload["rng_per_rank"] = [
             None if blob is None else load_skeleton(blob, source) for blob in states
         ]
+    elif any(index.rng_parts):
+        per_rank: list[Any] = [None] * len(index.rng_parts)
+        per_rank[0] = payload.get("rng")
+        for writer, part in enumerate(index.rng_parts):
+            if part is None or (ranks is not None and writer not in ranks):
+                continue
+            if store is None:
+                raise ValueError(f"{source}: RNG part {part.key} needs the store that holds it")
+            per_rank[writer] = load_skeleton(read_rng_part(store, part, source), source)
+        payload["rng_per_rank"] = per_rank
     return payload
 
 

@@ -154,6 +154,10 @@ class PartsIndex:
     # ``torch.save`` of the state), by writer; None for a writer whose fragment was not read or
     # holds none. Empty for version 1 (every rank's state is in the skeleton).
     rng: tuple[bytes | None, ...] = ()
+    # Fragment version 2: each writer's RNG part (its own state, raw ``torch.save`` bytes, read
+    # only by the rank that restores it), by writer; None for a writer whose fragment was not
+    # read or names none. Not among ``parts``: no tensor lies in it.
+    rng_parts: tuple[Part | None, ...] = ()
 
     @property
     def size(self) -> int:
