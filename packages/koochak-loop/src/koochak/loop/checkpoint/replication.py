@@ -20,7 +20,11 @@ keeps a checkpoint beyond its ``keep_last_k`` until some replica has committed i
 When a run starts, each worker first compares its tier with the first tier and queues what a
 killed or failed earlier attempt left unreplicated, so the next run completes it. A run that
 resumed from a checkpoint only a durable tier holds (the first tier is node-local and the job
-came back elsewhere) first pulls it back into the first tier.
+came back elsewhere) first pulls it back into the first tier, where rank 0 alone writes (one
+file, parts): a copy of S, what each of its saves writes anyway. Where every rank writes its own
+parts (sharded), nothing is pulled back: each rank has just read its share from the replica,
+and a copy by one process would be O(S) there (a copy by each rank another S/N' each); a resume
+before the next save reads its share from the replica again, as this one did.
 """
 
 from __future__ import annotations
@@ -300,7 +304,11 @@ class Replicator:
         # Yield the CPU to training; the workers this thread starts, and their copy threads,
         # inherit the lower priority.
         lower_this_threads_priority()
-        if self._pull is not None:
+        if self._pull is not None and self.remote_writers:
+            log.info("not pulling %s back into the first tier (%s): every rank resumed its own "
+                     "share from the replica, and its next save lands there", self._pull,
+                     self.first.location)  # fmt: skip
+        elif self._pull is not None:
             try:
                 self._pull_back(self._pull)
             except Exception as exc:  # the durable copy stays; only the fast path is lost
