@@ -40,7 +40,7 @@ from typing import Any
 import koochak.loop.checkpoint.retention as retention
 from koochak.loop.checkpoint.background import lower_this_threads_priority
 from koochak.loop.checkpoint.budget import BandwidthBudget, bandwidth_budget
-from koochak.loop.checkpoint.format import CHECKPOINT_PATTERN, step_of_name
+from koochak.loop.checkpoint.format import step_of_name
 from koochak.loop.checkpoint.part_receipt import put_receipt, read_receipt
 from koochak.loop.checkpoint.parts_index import PART_INFIX
 from koochak.loop.checkpoint.publication import unpublish_checkpoint
@@ -375,8 +375,8 @@ class Replicator:
     def _scan(self, lane: _Lane) -> None:
         """Queue what the first tier committed and this tier lacks (an earlier attempt's work)."""
         store = lane.tier.store
-        here = {key for _, key in artifact.published_candidates(store, CHECKPOINT_PATTERN)}
-        first = artifact.published_candidates(self.first, CHECKPOINT_PATTERN)
+        here = {key for _, key in retention.committed(store)}
+        first = retention.committed(self.first)
         newest_here = max((step_of_name(key) or 0 for key in here), default=-1)
         missing = []
         for number, key in first:
@@ -671,6 +671,8 @@ class FollowerReplicator:
         self._queue: deque[tuple[str, tuple[tuple[str, int, str], ...]]] = deque()
         self._busy: str | None = None
         self._done: list[str] = []  # names whose parts every replica holds, oldest first
+        # Names this rank holds parts of in the first tier (listed once, on the first prune).
+        self._names: set[str] | None = None
         self._failures = 0
         self._exiting = False
         self._closed = False
@@ -751,24 +753,29 @@ class FollowerReplicator:
                 self._prune()
 
     def _prune(self) -> None:
-        """This rank's parts in the node's directory, by the one retention rule."""
+        """This rank's parts in the node's directory, by the one retention rule. The names it
+        holds parts of are listed once (what earlier attempts left), then kept up to date here:
+        a save lists only the objects of the checkpoint it prunes, never the tier."""
         prefix = f"{PART_INFIX}{self.rank:05d}-"
-        mine: dict[str, list[str]] = {}
-        for info in self.first.list("step"):  # not superseded/: another run's, set aside
-            head, infix, _ = info.key.partition(prefix)
-            if infix and "/" not in head and step_of_name(head) is not None:
-                mine.setdefault(head, []).append(info.key)
-        names = sorted(mine, key=lambda n: step_of_name(n) or 0, reverse=True)
+        if self._names is None:
+            self._names = set()
+            for info in self.first.list("step"):  # not superseded/: another run's, set aside
+                head, infix, _ = info.key.partition(prefix)
+                if infix and "/" not in head and step_of_name(head) is not None:
+                    self._names.add(head)
         with self._cond:
+            self._names.update(self._done)
             busy = {self._busy} | {name for name, _ in self._queue}
             durable = set(self._done)
+        names = sorted(self._names, key=lambda n: step_of_name(n) or 0, reverse=True)
         for name in retention.to_drop(names, keep_last_k=self.keep, in_flight=busy,
                                       durable=durable):  # fmt: skip
-            for key in mine[name]:
+            for info in self.first.list(name + prefix):  # this checkpoint's parts of this rank
                 try:
-                    self.first.delete(key)
+                    self.first.delete(info.key)
                 except FileNotFoundError:
                     pass
+            self._names.discard(name)
             with self._cond:
                 if name in self._done:
                     self._done.remove(name)
