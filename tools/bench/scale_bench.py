@@ -44,8 +44,6 @@ import hashlib
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -325,19 +323,11 @@ def rank_main(args: argparse.Namespace) -> None:
 
 
 def _world(ranks: int, task: str, extra: list[str]) -> Any:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(ranks):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}  # fmt: skip
-        argv = [sys.executable, __file__, *extra, "--rank-main", "--task", task]
-        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True))
-    outputs = [p.communicate()[0] for p in procs]
-    if any(p.returncode for p in procs):
-        raise SystemExit(f"{task} on {ranks} ranks: a rank failed: {[p.returncode for p in procs]}")
-    return json.loads(outputs[0].strip().splitlines()[-1])
+    """Run ``task`` on ``ranks`` gloo processes of this script; rank 0's JSON result."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _gloo_world import run_world
+
+    return run_world(__file__, ranks, task, extra)
 
 
 # The Done-when bounds of issue 36, as (factor of S/N, MiB), per phase group.

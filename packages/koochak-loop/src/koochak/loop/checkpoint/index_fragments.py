@@ -29,6 +29,7 @@ from typing import Any
 from koochak.loop.checkpoint.parts_index import (
     DTYPE_NAMES,
     HEAD_VERSION,
+    MAX_WRITERS,
     PART_INFIX,
     PARTS_FORMAT,
     PARTS_VERSION,
@@ -62,7 +63,6 @@ _FRAGMENT_OPTIONAL_V2 = frozenset({"slabs", "packed", "rng"})
 _FRAGMENT_PART_KEYS = frozenset({"key", "size", "sha256"})
 _FRAGMENT_TENSOR_KEYS = frozenset({"tensor", "extents"})
 _EXTENT_KEYS = frozenset({"part", "offset", "length"})
-_MAX_WRITERS = 1 << 20
 # An RNG state is tens of kB (Python's, NumPy's and torch's CPU generators, one per CUDA device);
 # a larger RNG part is refused before it is read.
 _MAX_RNG_BYTES = 64 << 20
@@ -253,8 +253,8 @@ def _parse_head(raw: bytes | bytearray | memoryview, where: str, name: str | Non
     if not isinstance(head_name, str) or not head_name or (name is not None and head_name != name):
         raise ValueError(f"{where}: field 'name' is {head_name!r}; expected {name!r}")
     writers = doc["writers"]
-    if type(writers) is not int or not 1 <= writers <= _MAX_WRITERS:
-        raise ValueError(f"{where}: field 'writers' must be an int in 1..{_MAX_WRITERS}")
+    if type(writers) is not int or not 1 <= writers <= MAX_WRITERS:
+        raise ValueError(f"{where}: field 'writers' must be an int in 1..{MAX_WRITERS}")
     slab_writers = doc.get("slab_writers", writers)
     if type(slab_writers) is not int or not 1 <= slab_writers <= writers:
         raise ValueError(f"{where}: field 'slab_writers' must be an int in 1..writers ({writers})")
