@@ -411,3 +411,17 @@ def test_an_hsdp_head_or_fragment_that_breaks_the_split_is_refused_naming_the_fi
     head = parse_head(store.get(name), name, name)
     with pytest.raises(ValueError, match="field 'slab_writers' must be an int in 1..writers"):
         encode_head(name, 4, head.tensors, head.fragments, head.skeleton, slab_writers=5)
+
+
+def test_a_sharded_checkpoint_is_not_pulled_back_even_by_one_process(tmp_path):
+    # Resumed on one process from the replica, a sharded checkpoint is not copied back into
+    # the first tier (a second S on top of the resume's S): the next save lands there.
+    from koochak.loop.checkpoint.replication import ReplicaTier, Replicator
+
+    replica, name, _ = _hsdp_writers(tmp_path / "replica")
+    first = LocalStore(str(tmp_path / "first"))
+    replicator = Replicator(first, [ReplicaTier(1, replica, None)], first_keep_last_k=None,
+                            pull=name)  # fmt: skip
+    replicator.before_publish(name + ".next")  # once the pull-back, if any, is done
+    replicator.close()
+    assert not (tmp_path / "first").exists() or not list((tmp_path / "first").iterdir())

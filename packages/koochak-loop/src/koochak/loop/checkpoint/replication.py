@@ -41,8 +41,9 @@ import koochak.loop.checkpoint.retention as retention
 from koochak.loop.checkpoint.background import lower_this_threads_priority
 from koochak.loop.checkpoint.budget import BandwidthBudget, bandwidth_budget
 from koochak.loop.checkpoint.format import step_of_name
+from koochak.loop.checkpoint.index_fragments import is_head
 from koochak.loop.checkpoint.part_receipt import put_receipt, read_receipt
-from koochak.loop.checkpoint.parts_index import PART_INFIX
+from koochak.loop.checkpoint.parts_index import PART_INFIX, looks_like_index, parse_index
 from koochak.loop.checkpoint.publication import unpublish_checkpoint
 from koochak.loop.checkpoint.tiers import Replicated, describe_tier, replicate_checkpoint
 from koochak.storage import artifact
@@ -304,7 +305,7 @@ class Replicator:
         # Yield the CPU to training; the workers this thread starts, and their copy threads,
         # inherit the lower priority.
         lower_this_threads_priority()
-        if self._pull is not None and self.remote_writers:
+        if self._pull is not None and (self.remote_writers or self._written_by_ranks(self._pull)):
             log.info("not pulling %s back into the first tier (%s): every rank resumed its own "
                      "share from the replica, and its next save lands there", self._pull,
                      self.first.location)  # fmt: skip
@@ -323,6 +324,26 @@ class Replicator:
                 daemon=True,
             )
             lane.thread.start()
+
+    def _written_by_ranks(self, name: str) -> bool:
+        """Whether the replicas' ``name`` is a sharded checkpoint (a version-2 head, or an index
+        of several writers): every rank of its run writes and reads its own parts, even on one
+        process, so nothing is pulled back (the module docstring says why)."""
+        for lane in self._lanes:
+            store = lane.tier.store
+            try:
+                committed, _ = artifact.read_manifest(store, name)
+                if not committed.size or not looks_like_index(store.get(name, 0, 1)):
+                    return False
+                raw = store.get(name, 0, committed.size + 1)
+            except (artifact.InvalidArtifact, FileNotFoundError):
+                continue
+            where = f"{store.location}/{name}"
+            try:
+                return is_head(raw) or parse_index(raw, where, name).writers > 1
+            except ValueError:
+                return False  # damaged: the pull-back's own checks say so
+        return False
 
     def _pull_back(self, name: str) -> None:
         """Copy ``name`` from the first replica holding it into the first tier, if it lacks it."""
