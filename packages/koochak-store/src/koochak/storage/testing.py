@@ -597,15 +597,26 @@ class StoreConformance:
     def test_list_shallow_leaves_out_every_key_with_the_delimiter_after_the_prefix(
         self, store: Store
     ) -> None:
-        keys = ["s1.pt", "s1.pt.ready.json", "s1.pt.part-00000-00000", "s1.pt.part-00001-index",
-                "s2.pt", "s2.pt.part-00000-00000", "s2.pt.x/part-y", "t.pt.part-0", "d/s3.pt"]
+        keys = [
+            "s1.pt",
+            "s1.pt.ready.json",
+            "s1.pt.part-00000-00000",
+            "s1.pt.part-00001-index",
+            "s2.pt",
+            "s2.pt.part-00000-00000",
+            "s2.pt.x/part-y",
+            "t.pt.part-0",
+            "d/s3.pt",
+        ]
         for key in keys:
             store.put(key, key.encode())
         shallow = list_shallow(store, "s", ".part-")
         assert [i.key for i in shallow] == ["s1.pt", "s1.pt.ready.json", "s2.pt", "s2.pt.x/part-y"]
         assert shallow == [i for i in store.list("s") if ".part-" not in i.key]  # sizes too
         assert [i.key for i in list_shallow(store, "s1.pt.part-", ".part-")] == [
-            "s1.pt.part-00000-00000", "s1.pt.part-00001-index"]  # after the prefix only
+            "s1.pt.part-00000-00000",
+            "s1.pt.part-00001-index",
+        ]  # after the prefix only
         assert [i.key for i in list_shallow(store, "", "/")] == [
             k for k in sorted(keys) if "/" not in k]  # fmt: skip
 

@@ -4,9 +4,9 @@ The layout is the parts layout (docs/formats.md, "Checkpoint parts") with severa
 ``save_sharded`` (every rank at once) rank 0 first clears an earlier attempt of the name; then
 every rank writes, in parallel with the others, the local shards of the DTensors in the
 checkpoint (parameters, optimizer state, EMA shadows) as its own parts ``….part-<rank>-NNNNN``,
-rank 0 also the unsharded tensors (buffers, RNG states, scalars) as its part ``00000`` and the
-rest from ``00001`` (under HSDP only the ranks of the first replicate group write slabs: each
-slab once); each rank reports its parts' keys, sizes and SHA256 and where each shard
+rank 0 also the unsharded tensors (buffers, its RNG state, scalars) as its part ``00000`` and the
+rest from ``00001``, every other rank its own RNG state as its last part (under HSDP only the
+ranks of the first replicate group write slabs: each slab once); each rank reports its parts' keys, sizes and SHA256 and where each shard
 lies in its global tensor; rank 0 gathers the reports, only once every rank's parts are durable
 (``put`` returned), builds the one index and publishes it, then the ready manifest. Every rank
 learns the outcome; a failure anywhere fails the save on every rank and leaves no committed
@@ -236,7 +236,7 @@ def _write_and_commit(
     rank = dist.get_rank()
     agree_all(error, f"saving {name}", group)
 
-    split, numbers, slab_writers = None, {}, None
+    split, numbers = None, {}
     leaves = dtensor_leaves(ckpt)  # the same on every rank (the same model and world)
     slab_writers = _regular(leaves, dist.get_world_size())
     regular = slab_writers is not None
