@@ -183,11 +183,13 @@ def _committed_objects(
     if is_head(raw):
         head = parse_head(raw, where, name)
         mine = [w for w in range(head.writers) if w not in remote]
-        parts = read_index(store, raw, where, name, writers=mine).parts
+        index = read_index(store, raw, where, name, writers=mine)
+        rng = [p for p in index.rng_parts if p is not None]  # each writer's RNG part, last
         local = []
         for writer in mine:
             ref = head.fragments[writer]
-            local += [CopyItem(p.key, p.size, p.sha256) for p in parts if p.writer == writer]
+            local += [CopyItem(p.key, p.size, p.sha256) for p in [*index.parts, *rng]
+                      if p.writer == writer]  # fmt: skip
             local.append(CopyItem(ref.key, ref.size, ref.sha256))
         for writer in sorted(set(remote) & set(range(head.writers))):
             ref = head.fragments[writer]
