@@ -49,9 +49,7 @@ import io
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -392,20 +390,11 @@ def report(times: dict[str, list[Any]], args: argparse.Namespace) -> None:
 
 
 def _world(ranks: int, task: str, extra: list[str]) -> Any:
-    """Run ``task`` on ``ranks`` gloo processes; rank 0's JSON result."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(ranks):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}  # fmt: skip
-        argv = [sys.executable, __file__, *extra, "--rank-main", "--task", task]
-        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True))
-    outputs = [p.communicate()[0] for p in procs]
-    if any(p.returncode for p in procs):
-        raise SystemExit(f"{task}: a rank failed: {[p.returncode for p in procs]}")
-    return json.loads(outputs[0].strip().splitlines()[-1])
+    """Run ``task`` on ``ranks`` gloo processes of this script; rank 0's JSON result."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _gloo_world import run_world
+
+    return run_world(__file__, ranks, task, extra)
 
 
 def _ratio_table(title: str, times: dict[str, list[float]], base: str) -> None:

@@ -22,10 +22,12 @@ run the phases of a replicated save through the library's own calls:
   ready manifest, once the other ranks' parts are there).
 
 Then, with the first tier deleted (recovery from the replica): ``select``
-(``resume_checkpoint("auto", ...)``: the choice and whatever verification it does) and ``resume``
-(``restore_training_state`` into a fresh sharded model and optimizer), on N ranks and on a second
-world of N/2 ranks (resharding). The weights and optimizer state after each resume must equal the
-saved ones exactly (SHA256 of every full tensor, compared; the bench fails otherwise).
+(``resume_checkpoint("auto", ...)``: the choice and whatever verification it does), ``resume``
+(``restore_training_state`` into a fresh sharded model and optimizer) and ``pullback`` (the
+coordinator's ``Replicator`` starting with ``pull=`` the resumed checkpoint, as a run's saver
+does, until its pull-back into the first tier is done), on N ranks and on a second world of N/2
+ranks (resharding). The weights and optimizer state after each resume must equal the saved ones
+exactly (SHA256 of every full tensor, compared; the bench fails otherwise).
 
 Counters come from the processes themselves: ``/proc/self/io`` (``rchar``/``wchar``: bytes through
 read/write system calls, page cache or not; ``read_bytes``/``write_bytes``: bytes the block layer
@@ -34,7 +36,10 @@ process hashed (the bench wraps ``hashlib.sha256`` before importing koochak; not
 changes, and outside the bench nothing is counted). Each phase is fenced by barriers; a figure is
 the busiest rank's count in units of S/N (S: every byte of the checkpoint's objects; N the ranks
 of that phase), beside the Done-when bound of issue 36 for it. ``non-tensor`` is every byte of the
-checkpoint that is not a sharded tensor's (index, manifest, unsharded tensors, RNG states).
+checkpoint that is not a sharded tensor's (head or index, fragments, manifest, unsharded tensors,
+rank 0's RNG state, which is the checkpoint's ``rng`` field) and not a rank's own RNG part: since
+fragment version 2 each rank's RNG state is its own part, written and read only by that rank,
+so it counts as that rank's data (``rng parts``, shown beside), not as metadata.
 """
 
 from __future__ import annotations
@@ -44,8 +49,6 @@ import hashlib
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -84,7 +87,8 @@ class _CountedSha256:
         return twin
 
 
-PHASES = ("save", "replicate", "commit", "select", "resume")
+PHASES = ("save", "replicate", "commit", "select", "resume", "pullback")
+RESUME_PHASES = ("select", "resume", "pullback")
 NAME = "step000000001.pt"
 LAYERS = 8
 MIB = 1 << 20
@@ -180,8 +184,21 @@ def _self_replicating(nodes: list[int], node_local: bool) -> set[int]:
     return set(self_replicating_writers(len(nodes)))
 
 
-def _kind(key: str) -> str:
+def _rng_parts(replica: Any) -> set[str]:
+    """The keys of the writers' RNG parts (fragment version 2: field ``rng``), if any."""
+    keys = set()
+    for f in os.listdir(replica):
+        if f.startswith(NAME) and f.endswith("-index"):
+            doc = json.loads((replica / f).read_text())
+            if isinstance(doc.get("rng"), int):
+                keys.add(doc["parts"][doc["rng"]]["key"])
+    return keys
+
+
+def _kind(key: str, rng_parts: set[str] = frozenset()) -> str:  # type: ignore[assignment]
     """Which kind of checkpoint object ``key`` is, for the non-tensor breakdown."""
+    if key in rng_parts:
+        return "rng parts"
     if key == NAME:
         return "index"
     if key.endswith(".ready.json"):
@@ -250,9 +267,10 @@ def task_save(args: argparse.Namespace) -> dict[str, Any]:
         torch.distributed.all_gather_object(gathered, counts)
         size, kinds = None, {}
         if rank == 0:
+            rng_parts = _rng_parts(replica.root)
             for f in os.listdir(replica.root):
                 if f.startswith(NAME) and not f.endswith("-receipt"):
-                    kind = _kind(f)
+                    kind = _kind(f, rng_parts)
                     kinds[kind] = kinds.get(kind, 0) + os.path.getsize(replica.root / f)
             size = sum(kinds.values())
         out["setups"][setup] = {"counts": gathered, "size": size, "objects": kinds}
@@ -290,12 +308,39 @@ def resume_phases(
     restore_training_state(found.checkpoint, model, opt)
     torch.distributed.barrier()
     counts["resume"] = _delta(before)
+    before = counters()
+    if torch.distributed.get_rank() == 0:
+        _pull_back(first_where, replica)
+    torch.distributed.barrier()
+    counts["pullback"] = _delta(before)
     digest = digest_of(model, opt)
     if reference is not None and digest != reference:
         raise SystemExit(f"rank {torch.distributed.get_rank()}: the resumed state differs")
     gathered: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, counts)
     return {"counts": gathered, "digest": digest}
+
+
+def _pull_back(first_where: str, replica: str) -> None:
+    """What the coordinator's saver does at the start of a run that resumed from the replica:
+    its Replicator, told the resumed checkpoint (``pull=``), until the pull-back is done."""
+    import torch
+    from koochak.loop.checkpoint.replication import (
+        ReplicaTier,
+        Replicator,
+        self_replicating_writers,
+    )
+    from koochak.loop.checkpoint.tiers import on_this_node
+    from koochak.storage.store import LocalStore
+
+    first = on_this_node(first_where)
+    os.makedirs(first, exist_ok=True)
+    replicator = Replicator(LocalStore(first), [ReplicaTier(1, LocalStore(replica), None)],
+                            first_keep_last_k=None, pull=NAME,
+                            remote_writers=self_replicating_writers(
+                                torch.distributed.get_world_size()))  # fmt: skip
+    replicator.before_publish(NAME + ".next")  # returns once the pull-back is done
+    replicator.close()
 
 
 def task_reshard(args: argparse.Namespace) -> dict[str, Any]:
@@ -325,19 +370,11 @@ def rank_main(args: argparse.Namespace) -> None:
 
 
 def _world(ranks: int, task: str, extra: list[str]) -> Any:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(ranks):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}  # fmt: skip
-        argv = [sys.executable, __file__, *extra, "--rank-main", "--task", task]
-        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True))
-    outputs = [p.communicate()[0] for p in procs]
-    if any(p.returncode for p in procs):
-        raise SystemExit(f"{task} on {ranks} ranks: a rank failed: {[p.returncode for p in procs]}")
-    return json.loads(outputs[0].strip().splitlines()[-1])
+    """Run ``task`` on ``ranks`` gloo processes of this script; rank 0's JSON result."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _gloo_world import run_world
+
+    return run_world(__file__, ranks, task, extra)
 
 
 # The Done-when bounds of issue 36, as (factor of S/N, MiB), per phase group.
@@ -358,11 +395,16 @@ def _verdict(ok: bool) -> str:
     return "within" if ok else "OVER"
 
 
+def _non_tensor(result: dict[str, Any], data: dict[str, Any]) -> int:
+    """The checkpoint's bytes that are neither a sharded tensor's nor a rank's own RNG part."""
+    return data["size"] - result["sharded_bytes"] - data.get("objects", {}).get("rng parts", 0)
+
+
 def report(n: int, result: dict[str, Any], reshard: dict[str, Any] | None) -> list[str]:
     lines = []
     for setup, data in result["setups"].items():
         size = data["size"]
-        non_tensor = size - result["sharded_bytes"]
+        non_tensor = _non_tensor(result, data)
         share = size / n
         kinds = ", ".join(
             f"{kind} {nbytes / 1e3:.1f} kB"
@@ -372,12 +414,14 @@ def report(n: int, result: dict[str, Any], reshard: dict[str, Any] | None) -> li
         lines.append(f"N={n} {setup:6} S={size / 1e6:.1f} MB  non-tensor {non_tensor / 1e3:.1f} kB"
                      f" ({kinds})")  # fmt: skip
         rows = [(p, [data["counts"]], n) for p in ("save", "replicate", "commit")]
-        rows += [(p, [data["resume"]["counts"]], n) for p in ("select", "resume")]
+        rows += [(p, [data["resume"]["counts"]], n) for p in RESUME_PHASES]
         if reshard is not None:
-            rows += [(f"{p}@N/2", [reshard[setup]["counts"]], n // 2) for p in ("select", "resume")]
+            rows += [(f"{p}@N/2", [reshard[setup]["counts"]], n // 2) for p in RESUME_PHASES]
         for phase, (counts,), ranks in rows:
             unit = size / ranks
             key = phase.split("@")[0]
+            if key not in counts[0]:  # a run of an older bench
+                continue
             cells = [_busiest(counts, (key,), k) / unit for k in ("rchar", "hashed", "wchar")]
             lines.append(f"  {phase:12} read {cells[0]:6.2f}  hashed {cells[1]:6.2f}  "
                          f"written {cells[2]:6.2f}   (x S/{ranks})")  # fmt: skip
@@ -392,10 +436,11 @@ def report(n: int, result: dict[str, Any], reshard: dict[str, Any] | None) -> li
             worlds.append((n // 2, reshard[setup]["counts"]))
         for ranks, counts in worlds:
             unit = size / ranks
-            total = [_busiest(counts, ("select", "resume"), k) / unit
+            phases = tuple(p for p in RESUME_PHASES if p in counts[0])
+            total = [_busiest(counts, phases, k) / unit
                      for k in ("rchar", "hashed", "wchar")]  # fmt: skip
             bound = _bound(RESUME_BOUND, unit)
-            lines.append(f"  select+resume on {ranks}: read {total[0]:.2f}, hashed {total[1]:.2f}, "
+            lines.append(f"  {'+'.join(phases)} on {ranks}: read {total[0]:.2f}, hashed {total[1]:.2f}, "
                          f"written {total[2]:.2f} x S/{ranks} (bound {bound:.2f}: "
                          f"{_verdict(max(total) <= bound)})")  # fmt: skip
     return lines
@@ -411,7 +456,7 @@ def render(path: str) -> None:
             print(line)
     print()
     print("| N | first tier | save | replicate | commit | save+replicate+commit (bound) "
-          "| select+resume at N (bound) | at N/2 (bound) | non-tensor kB |")  # fmt: skip
+          "| select+resume+pullback at N (bound) | at N/2 (bound) | non-tensor kB |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
     for n, run in raw.items():
         ranks = int(n)
@@ -419,23 +464,23 @@ def render(path: str) -> None:
             share = data["size"] / ranks
 
             def cell(counts: Any, phases: tuple[str, ...], unit: float) -> str:
-                read = _busiest(counts, phases, "rchar") / unit
-                hashed = _busiest(counts, phases, "hashed") / unit
-                return f"{read:.2f} / {hashed:.2f}"
+                phases = tuple(p for p in phases if p in counts[0])  # an older bench's run
+                keys = ("rchar", "hashed") + (("wchar",) if "resume" in phases else ())
+                return " / ".join(f"{_busiest(counts, phases, k) / unit:.2f}" for k in keys)
 
             row = [n, setup] + [cell(data["counts"], (p,), share)
                                 for p in ("save", "replicate", "commit")]  # fmt: skip
             row.append(f"{cell(data['counts'], ('save', 'replicate', 'commit'), share)} "
                        f"({_bound(SAVE_BOUND, share):.2f})")  # fmt: skip
-            row.append(f"{cell(data['resume']['counts'], ('select', 'resume'), share)} "
+            row.append(f"{cell(data['resume']['counts'], RESUME_PHASES, share)} "
                        f"({_bound(RESUME_BOUND, share):.2f})")  # fmt: skip
             if run["reshard"] is not None:
                 half = data["size"] / (ranks // 2)
-                row.append(f"{cell(run['reshard'][setup]['counts'], ('select', 'resume'), half)} "
+                row.append(f"{cell(run['reshard'][setup]['counts'], RESUME_PHASES, half)} "
                            f"({_bound(RESUME_BOUND, half):.2f})")  # fmt: skip
             else:
                 row.append("-")
-            row.append(f"{(data['size'] - run['save']['sharded_bytes']) / 1e3:.1f}")
+            row.append(f"{_non_tensor(run['save'], data) / 1e3:.1f}")
             print("| " + " | ".join(str(c) for c in row) + " |")
 
 

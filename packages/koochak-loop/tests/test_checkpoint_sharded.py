@@ -421,3 +421,145 @@ def test_an_hsdp_head_or_fragment_that_breaks_the_split_is_refused_naming_the_fi
     head = parse_head(store.get(name), name, name)
     with pytest.raises(ValueError, match="field 'slab_writers' must be an int in 1..writers"):
         encode_head(name, 4, head.tensors, head.fragments, head.skeleton, slab_writers=5)
+
+
+def test_a_sharded_checkpoint_is_not_pulled_back_even_by_one_process(tmp_path):
+    # Resumed on one process from the replica, a sharded checkpoint is not copied back into
+    # the first tier (a second S on top of the resume's S): the next save lands there.
+    from koochak.loop.checkpoint.replication import ReplicaTier, Replicator
+
+    replica, name, _ = _hsdp_writers(tmp_path / "replica")
+    first = LocalStore(str(tmp_path / "first"))
+    replicator = Replicator(first, [ReplicaTier(1, replica, None)], first_keep_last_k=None,
+                            pull=name)  # fmt: skip
+    replicator.before_publish(name + ".next")  # once the pull-back, if any, is done
+    replicator.close()
+    assert not (tmp_path / "first").exists() or not list((tmp_path / "first").iterdir())
+
+
+def _two_writers(root, fragment_of):
+    """A committed version-2 checkpoint of 2 writers, each holding 4 rows of one (8, 4)
+    tensor in its part 0, writer 1 also an RNG state; ``fragment_of(writer, parts, rng)``
+    returns the fragment bytes (``parts``: (key, size, sha256); ``rng``: writer 1's RNG state as
+    ``torch.save`` bytes, and its part already put as part 1). (store, name, rows, state)"""
+    import hashlib
+
+    from koochak.loop.checkpoint.index_fragments import FragmentRef, encode_head, fragment_key
+    from koochak.loop.checkpoint.parts_index import part_key
+    from koochak.loop.checkpoint.parts_tree import TENSOR_TAG, skeleton_bytes
+    from koochak.loop.checkpoint.publication import publish
+    from koochak.loop.seed import get_rng_state
+
+    store, name = LocalStore(str(root)), checkpoint_name(7)
+    rows = torch.arange(32, dtype=torch.float32).reshape(8, 4)
+    state = get_rng_state()
+    rng = skeleton_bytes(state)
+    refs = []
+    for writer in range(2):
+        raw = rows[4 * writer : 4 * writer + 4].numpy().tobytes()
+        parts = [
+            (part_key(name, writer, 0), len(raw), store.put(part_key(name, writer, 0), raw).sha256)
+        ]
+        if writer == 1:
+            store.put(part_key(name, 1, 1), rng)
+        fragment = fragment_of(writer, parts, rng if writer == 1 else None)
+        info = store.put(fragment_key(name, writer), fragment)
+        count = len(json.loads(fragment)["parts"])
+        refs.append(FragmentRef(fragment_key(name, writer), writer, len(fragment),
+                                hashlib.sha256(fragment).hexdigest() or info.sha256, count))  # fmt: skip
+    ckpt = build_checkpoint(step=7, next_step=8, model=nn.Linear(4, 8, bias=False), world_size=2)
+    skeleton = skeleton_bytes({**ckpt, "model": {"weight": (TENSOR_TAG, 0)}})
+    publish(store, name, encode_head(name, 2, [("float32", (8, 4), "rows")], refs, skeleton))
+    return store, name, rows, state
+
+
+def test_a_version_1_fragment_with_its_rng_state_in_base64_still_resumes(tmp_path):
+    import base64
+
+    from koochak.loop.checkpoint.selection import open_candidate
+
+    def v1(writer, parts, rng):
+        doc = {"format": "koochak-checkpoint-fragment", "version": 1, "name": checkpoint_name(7),
+               "writer": writer, "parts": [{"key": k, "size": n, "sha256": s} for k, n, s in parts],
+               "whole": [], "slabs": [{"tensor": 0, "extents": [{"part": 0, "offset": 0,
+                                                                 "length": parts[0][1]}]}]}  # fmt: skip
+        if rng is not None:
+            doc["rng"] = base64.b64encode(rng).decode()
+        return json.dumps(doc).encode()
+
+    store, name, rows, state = _two_writers(tmp_path, v1)
+    loaded = load(store, name)
+    assert loaded["model"]["weight"].equal(rows)
+    assert torch.equal(loaded["rng_per_rank"][1]["torch"], state["torch"])
+    _, ckpt = open_candidate(store, name, rank=1, world=2)
+    assert ckpt["rng_per_rank"][1]["python"] == state["python"]
+
+
+def test_a_version_2_fragment_finds_packed_slabs_and_reads_its_rng_part(tmp_path):
+    from koochak.loop.checkpoint.index_fragments import encode_fragment
+
+    def v2(writer, parts, rng):
+        if rng is not None:
+            parts = [*parts, (f"{checkpoint_name(7)}.part-00001-00001", len(rng), _sha(rng))]
+        raw = encode_fragment(checkpoint_name(7), writer, parts, [],
+                              [(0, [(0, 0, parts[0][1])])], 1 if rng else None)  # fmt: skip
+        doc = json.loads(raw)
+        assert doc["packed"] == 0 and "slabs" not in doc and doc.get("rng") == (1 if rng else None)
+        return raw
+
+    store, name, rows, state = _two_writers(tmp_path, v2)
+    loaded = load(store, name)
+    assert loaded["model"]["weight"].equal(rows)
+    assert torch.equal(loaded["rng_per_rank"][1]["numpy"]["key"], state["numpy"]["key"])
+
+
+def _sha(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            lambda doc: doc.update(version=3),
+            r"00001-index: version=3; this Koochak reads version 1, 2",
+        ),
+        (
+            lambda doc: doc.update(packed=2),
+            r"00001-index: field 'packed' must be a part number in 0..1",
+        ),
+        (
+            lambda doc: doc.update(rng=0),
+            r"00001-index: field 'rng' must be the number of its last part",
+        ),
+        (
+            lambda doc: doc.update(slabs=[]),
+            r"00001-index: exactly one of fields 'packed' and 'slabs'",
+        ),
+        (
+            lambda doc: doc["parts"][0].update(size=doc["parts"][0]["size"] + 4),
+            r"00001-index: its parts from 0 on hold more bytes than its rows",
+        ),
+        (lambda doc: doc.update(extra=1), r"00001-index.*extra"),
+    ],
+)
+def test_a_version_2_fragment_that_does_not_hold_is_refused_naming_the_field(
+    tmp_path, change, message
+):
+    from koochak.loop.checkpoint.index_fragments import encode_fragment
+    from koochak.storage.artifact import InvalidArtifact
+
+    def damaged(writer, parts, rng):
+        if rng is not None:
+            parts = [*parts, (f"{checkpoint_name(7)}.part-00001-00001", len(rng), _sha(rng))]
+        doc = json.loads(encode_fragment(checkpoint_name(7), writer, parts, [],
+                                         [(0, [(0, 0, parts[0][1])])], 1 if rng else None))  # fmt: skip
+        if writer == 1:
+            change(doc)
+        return json.dumps(doc).encode()
+
+    store, name, _, _ = _two_writers(tmp_path, damaged)
+    with pytest.raises(InvalidArtifact, match=message):
+        load(store, name)

@@ -295,16 +295,38 @@ def test_compiled_fsdp_trains_like_eager(out):
     assert [round(e["loss"], 4) for e in compiled] == [round(e["loss"], 4) for e in eager]
 
 
-def test_each_ranks_rng_state_rides_in_its_own_fragment_not_the_head(out):
-    from koochak.loop.checkpoint import load
+def test_each_ranks_rng_state_is_its_own_part_read_only_by_the_rank_that_restores_it(
+    out, monkeypatch
+):
+    from koochak.loop.checkpoint import load, rng_state_for_rank
     from koochak.loop.checkpoint.index_fragments import parse_head
     from koochak.loop.checkpoint.parts_tree import load_skeleton
+    from koochak.loop.checkpoint.selection import open_candidate
+    from koochak.storage.store import LocalStore
 
     name = f"step{world.SAVE_AT:09d}.pt"
     head = parse_head((out / "save2" / name).read_bytes(), name, name)
-    assert load_skeleton(head.skeleton, name)["rng_per_rank"] is None  # the head holds none
-    for writer in (0, 1):
-        fragment = json.loads((out / "save2" / f"{name}.part-{writer:05d}-index").read_text())
-        assert fragment["rng"]  # its own state
-    states = load(out / "save2" / name)["rng_per_rank"]  # one process: every fragment
+    skeleton = load_skeleton(head.skeleton, name)
+    assert skeleton["rng_per_rank"] is None  # nothing gathered: rank 0's own state only
+    assert skeleton["rng"] is not None
+    zero = json.loads((out / "save2" / f"{name}.part-00000-index").read_text())
+    one = json.loads((out / "save2" / f"{name}.part-00001-index").read_text())
+    assert "rng" not in zero and one["rng"] == len(one["parts"]) - 1  # its last part
+    assert len(one["parts"][-1]["key"]) < 100 and head.fragments[1].size < 2000  # no base64
+    rng_key = one["parts"][-1]["key"]
+    states = load(out / "save2" / name)["rng_per_rank"]  # one process: every writer's
     assert len(states) == 2 and all(state is not None for state in states)
+
+    store = LocalStore(str(out / "save2"))
+    opened, real_get = [], LocalStore.get
+    monkeypatch.setattr(
+        LocalStore, "get", lambda self, key, *a: opened.append(key) or real_get(self, key, *a)
+    )
+    _, ckpt = open_candidate(store, name, rank=1, world=2)  # rank 1 reads its own
+    assert rng_key in opened
+    mine = rng_state_for_rank(ckpt, 1)
+    assert torch.equal(mine["torch"], states[1]["torch"]) and mine["python"] == states[1]["python"]
+    opened.clear()
+    _, ckpt = open_candidate(store, name, rank=0, world=1)  # on 1 rank: rows of both writers
+    assert rng_key not in opened and f"{name}.part-00001-index" in opened
+    assert torch.equal(rng_state_for_rank(ckpt, 0)["torch"], states[0]["torch"])

@@ -60,15 +60,21 @@ def test_each_slab_is_written_once_by_the_first_replicate_group(out):
     durable, flat = out / "hsdp4" / "durable", out / "save4"
     head = parse_head((durable / NAME).read_bytes(), NAME, NAME)
     assert head.writers == 4 and head.slab_writers == 2
-    assert [ref.parts > 0 for ref in head.fragments] == [True, True, False, False]
-    for writer in (2, 3):  # the second node's ranks: a fragment with their RNG state, no part
+    # writer 0's RNG state is the checkpoint's own (in the head); the others' their last part
+    assert [ref.parts for ref in head.fragments] == [2, 2, 1, 1]
+    for writer in (2, 3):  # the second node's ranks: a fragment and their RNG part, no slab
         fragment = json.loads((durable / f"{NAME}.part-{writer:05d}-index").read_text())
-        assert fragment["rng"] and fragment["parts"] == [] and fragment["slabs"] == []
-        assert not list((out / "hsdp4" / "node1").glob(f"{NAME}.part-{writer:05d}-0*"))
+        assert fragment["rng"] == 0 and len(fragment["parts"]) == 1 and fragment["packed"] == 0
+        assert [p.name for p in (out / "hsdp4" / "node1").glob(f"{NAME}.part-{writer:05d}-0*")
+                ] == [f"{NAME}.part-{writer:05d}-00000"]  # fmt: skip
 
-    def tensor_bytes(directory: Path) -> int:
-        return sum(p.stat().st_size for p in directory.glob(f"{NAME}.part-*")
-                   if not p.name.endswith(("-index", "-receipt")))  # fmt: skip
+    def tensor_bytes(directory: Path) -> int:  # every part but the writers' RNG parts
+        total = 0
+        for index in directory.glob(f"{NAME}.part-*-index"):
+            fragment = json.loads(index.read_text())
+            rng = fragment.get("rng")
+            total += sum(p["size"] for i, p in enumerate(fragment["parts"]) if i != rng)
+        return total
 
     # the same state as 1-D FSDP's on 4 ranks, stored once (not once per node)
     assert tensor_bytes(durable) == tensor_bytes(flat)

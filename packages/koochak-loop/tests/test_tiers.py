@@ -566,6 +566,21 @@ def test_a_vanished_first_tier_resumes_from_the_replica_and_pulls_it_back(tmp_pa
     assert _name(8) in _committed(durable)
 
 
+def test_no_pull_back_where_every_rank_resumed_its_own_share_from_the_replica(tmp_path):
+    # Where every rank writes its own parts (FSDP: the others replicate theirs themselves), a
+    # pull-back by the coordinator would copy the whole checkpoint on one process: it is not
+    # made; one-writer layouts still pull back (the test above).
+
+    first, durable = LocalStore(tmp_path / "first"), LocalStore(tmp_path / "durable")
+    save(_ckpt(4), durable)
+    for remote, pulled in (({1, 2, 3}, False), ((), True)):
+        replicator = Replicator(first, [ReplicaTier(1, durable, None)], first_keep_last_k=None,
+                                pull=_name(4), remote_writers=remote)  # fmt: skip
+        replicator.before_publish(_name(8))  # waits for the pull-back, if any
+        replicator.close()
+        assert (_name(4) in _committed(tmp_path / "first")) is pulled, remote
+
+
 def test_a_resumed_run_re_saving_a_step_replaces_it_in_the_replica_too(tmp_path):
     first, durable = tmp_path / "first", tmp_path / "durable"
     _run(first, [str(durable)], max_steps=4, train={"ckpt_every": 0})  # terminal step 4

@@ -78,7 +78,7 @@ def test_local_store_declares_its_mode_root_settling_batch_put_and_profile(tmp_p
     link = LocalStore(tmp_path / "a")
     exclusive = LocalStore(tmp_path / "b", publish="exclusive", read_settle_seconds=5, profile=profile)
     assert capabilities_of(link) == StoreCapabilities(
-        publish="link", root=str(tmp_path / "a"), put_many=True
+        publish="link", root=str(tmp_path / "a"), put_many=True, list_shallow=True
     )
     assert capabilities_of(exclusive) == StoreCapabilities(
         publish="exclusive",
@@ -86,6 +86,7 @@ def test_local_store_declares_its_mode_root_settling_batch_put_and_profile(tmp_p
         read_settle_seconds=5.0,
         put_many=True,
         profile=profile,
+        list_shallow=True,
     )
     assert profile_of(link) is LOCAL_PROFILE and profile_of(exclusive) is profile
 

@@ -105,8 +105,9 @@ class S3Store:
         return None
 
     def capabilities(self) -> StoreCapabilities:
-        """No filesystem (create-only by conditional writes), its profile, its own probe checks."""
-        return StoreCapabilities(profile=self.profile, probe_checks=True)
+        """No filesystem (create-only by conditional writes), its profile, its own probe checks,
+        ``list_shallow`` (``ListObjectsV2``'s ``Delimiter``)."""
+        return StoreCapabilities(profile=self.profile, probe_checks=True, list_shallow=True)
 
     def _where(self, key: str) -> str:
         return f"s3://{self.config.bucket}/{self.config.prefix}{key}"
@@ -162,12 +163,24 @@ class S3Store:
             raise translate(exc, where) from None
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
+        return self._list(prefix, None)
+
+    def list_shallow(self, prefix: str, delimiter: str) -> list[ObjectInfo]:
+        """``list(prefix)`` less every key with ``delimiter`` after ``prefix``: S3 groups those
+        into common prefixes (``Delimiter``), one entry per group, which are dropped here."""
+        if not delimiter:
+            raise ValueError("list_shallow: delimiter must be a non-empty string")
+        return self._list(prefix, delimiter)
+
+    def _list(self, prefix: str, delimiter: str | None) -> list[ObjectInfo]:
         _check_prefix(prefix)
         base = self.config.prefix
         found: list[ObjectInfo] = []
         token: str | None = None
         while True:
             request: dict[str, Any] = {"Bucket": self.config.bucket, "Prefix": base + prefix}
+            if delimiter is not None:
+                request["Delimiter"] = delimiter
             if token:
                 request["ContinuationToken"] = token
             try:

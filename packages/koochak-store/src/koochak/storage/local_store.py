@@ -150,13 +150,15 @@ class LocalStore:
         return str(self.root / validate_key(key))
 
     def capabilities(self) -> StoreCapabilities:
-        """Its publish mode, its root, its read settling, ``put_many`` and its profile."""
+        """Its publish mode, its root, its read settling, ``put_many``, ``list_shallow`` and its
+        profile."""
         return StoreCapabilities(
             publish=self.publish,
             root=str(self.root),
             read_settle_seconds=self.read_settle_seconds,
             put_many=True,
             profile=self.profile,
+            list_shallow=True,
         )
 
     # -- reads -----------------------------------------------------------------------------
@@ -251,6 +253,16 @@ class LocalStore:
         return ObjectInfo(key=key, size=st.st_size, mtime_ns=st.st_mtime_ns)
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
+        return self._walk(prefix, None)
+
+    def list_shallow(self, prefix: str, delimiter: str) -> list[ObjectInfo]:
+        """``list(prefix)`` less every key with ``delimiter`` after ``prefix``: those entries are
+        passed over by name (never stat'ed, their directories never entered)."""
+        if not delimiter:
+            raise ValueError("list_shallow: delimiter must be a non-empty string")
+        return self._walk(prefix, delimiter)
+
+    def _walk(self, prefix: str, delimiter: str | None) -> list[ObjectInfo]:
         _validate_prefix(prefix)
         # Walk only the deepest directory the prefix pins down, then filter by string prefix.
         base = prefix.rpartition("/")[0]
@@ -267,6 +279,8 @@ class LocalStore:
                 if entry.name.startswith(TEMP_PREFIX):
                     continue
                 key = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
+                if delimiter is not None and delimiter in key[len(prefix) :]:
+                    continue  # grouped away: not even stat'ed
                 if entry.is_dir(follow_symlinks=False):
                     if key.startswith(prefix) or prefix.startswith(key + "/"):
                         pending.append(key)

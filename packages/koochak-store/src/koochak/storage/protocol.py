@@ -31,6 +31,7 @@ __all__ = [
     "StoreCapabilities",
     "capabilities_of",
     "check_put_expectations",
+    "list_shallow",
 ]
 
 # What ``StoreCapabilities.publish`` may say: how a put makes its object appear.
@@ -163,6 +164,12 @@ class StoreCapabilities:
     ``probe_checks``         the store has ``probe_checks(prefix) -> list[dict]``, rows of
                              ``name``, ``supported``, ``detail``, ``seconds`` that koochak-probe
                              reports.
+    ``list_shallow``         the store has ``list_shallow(prefix, delimiter) -> list[ObjectInfo]``:
+                             what ``list(prefix)`` gives less every key with ``delimiter`` after
+                             ``prefix``, found without enumerating those (S3's ``Delimiter``; a
+                             directory entry's name, no stat). Callers use the function
+                             ``list_shallow(store, ...)``, which filters ``list`` for a store
+                             that does not declare it.
 
     The defaults are safe for a store that says nothing about itself.
     """
@@ -173,6 +180,7 @@ class StoreCapabilities:
     put_many: bool = False
     profile: Any = None  # a koochak.storage.profile.StoreProfile (not imported: see above)
     probe_checks: bool = False
+    list_shallow: bool = False
 
     def __post_init__(self) -> None:
         if self.publish not in PUBLISH_DECLARATIONS:
@@ -188,7 +196,7 @@ class StoreCapabilities:
             raise ValueError(
                 f"StoreCapabilities read_settle_seconds={value!r}; expected a number >= 0"
             )
-        for name in ("put_many", "probe_checks"):
+        for name in ("put_many", "probe_checks", "list_shallow"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
                     f"StoreCapabilities {name}={getattr(self, name)!r}; expected a bool"
@@ -215,3 +223,15 @@ def capabilities_of(store: Any) -> StoreCapabilities:
             "expected a koochak.storage.protocol.StoreCapabilities"
         )
     return declared
+
+
+def list_shallow(store: Any, prefix: str, delimiter: str) -> list[ObjectInfo]:
+    """The objects of ``store`` whose key starts with ``prefix`` and has no ``delimiter`` after
+    it, sorted by key: e.g. a tier's checkpoints and their manifests without any of their parts
+    (``delimiter`` ``".part-"``). The store's own ``list_shallow`` where it declares one (it
+    never enumerates what it leaves out), else ``list(prefix)`` filtered."""
+    if not delimiter:
+        raise ValueError("list_shallow: delimiter must be a non-empty string")
+    if capabilities_of(store).list_shallow:
+        return store.list_shallow(prefix, delimiter)
+    return [info for info in store.list(prefix) if delimiter not in info.key[len(prefix) :]]

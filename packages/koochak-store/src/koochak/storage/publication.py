@@ -34,7 +34,7 @@ from koochak.storage.ready_manifest import (
     _manifest_bytes,
     _parse_manifest,
 )
-from koochak.storage.store import Store, capabilities_of, open_store
+from koochak.storage.store import Store, capabilities_of, list_shallow, open_store
 
 __all__ = [
     "Publication",
@@ -410,9 +410,14 @@ def read_verified(store: Store, name: str) -> tuple[Publication, bytes]:
     return committed, data
 
 
-def published_candidates(store: Store, pattern: str) -> list[tuple[int, str]]:
-    """``(number, key)`` for every key fully matching ``pattern`` that has a manifest, highest first."""
-    return _candidates(store, _compile(pattern), pattern)
+def published_candidates(
+    store: Store, pattern: str, *, leave_out: str | None = None
+) -> list[tuple[int, str]]:
+    """``(number, key)`` for every key fully matching ``pattern`` that has a manifest, highest
+    first. ``leave_out``: keys with this string after the pattern's literal prefix are not
+    listed at all (``list_shallow``; e.g. ``".part-"``: a tier's checkpoints, not their parts),
+    so the listing grows with the artifacts, not with the objects beside them."""
+    return _candidates(store, _compile(pattern), pattern, leave_out)
 
 
 def highest_valid(
@@ -472,11 +477,15 @@ def _literal_prefix(pattern: str) -> str:
     return "".join(prefix)
 
 
-def _candidates(store: Store, regex: re.Pattern[str], pattern: str) -> list[tuple[int, str]]:
+def _candidates(
+    store: Store, regex: re.Pattern[str], pattern: str, leave_out: str | None = None
+) -> list[tuple[int, str]]:
     # A manifest makes a candidate, whether or not this client lists its object yet: through a
     # mount the object may show later (read_verified waits for it), and skipping it would roll
     # resume back to an older checkpoint. An object without its manifest is not committed.
-    listed = {info.key for info in store.list(_literal_prefix(pattern))}
+    prefix = _literal_prefix(pattern)
+    infos = store.list(prefix) if leave_out is None else list_shallow(store, prefix, leave_out)
+    listed = {info.key for info in infos}
     found = []
     for manifest in listed:
         if not manifest.endswith(READY_SUFFIX):

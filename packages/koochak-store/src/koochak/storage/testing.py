@@ -40,6 +40,7 @@ from koochak.storage.store import (
     Store,
     StoreCapabilities,
     capabilities_of,
+    list_shallow,
 )
 
 __all__ = [
@@ -592,6 +593,32 @@ class StoreConformance:
         assert [i.key for i in store.list("nothing/")] == []
         sizes = {i.key: i.size for i in store.list()}
         assert sizes["a/bc/1"] == len(b"a/bc/1")
+
+    def test_list_shallow_leaves_out_every_key_with_the_delimiter_after_the_prefix(
+        self, store: Store
+    ) -> None:
+        keys = [
+            "s1.pt",
+            "s1.pt.ready.json",
+            "s1.pt.part-00000-00000",
+            "s1.pt.part-00001-index",
+            "s2.pt",
+            "s2.pt.part-00000-00000",
+            "s2.pt.x/part-y",
+            "t.pt.part-0",
+            "d/s3.pt",
+        ]
+        for key in keys:
+            store.put(key, key.encode())
+        shallow = list_shallow(store, "s", ".part-")
+        assert [i.key for i in shallow] == ["s1.pt", "s1.pt.ready.json", "s2.pt", "s2.pt.x/part-y"]
+        assert shallow == [i for i in store.list("s") if ".part-" not in i.key]  # sizes too
+        assert [i.key for i in list_shallow(store, "s1.pt.part-", ".part-")] == [
+            "s1.pt.part-00000-00000",
+            "s1.pt.part-00001-index",
+        ]  # after the prefix only
+        assert [i.key for i in list_shallow(store, "", "/")] == [
+            k for k in sorted(keys) if "/" not in k]  # fmt: skip
 
     def test_list_of_an_empty_store_is_empty(self, store: Store) -> None:
         assert store.list() == []

@@ -29,11 +29,14 @@ from typing import Any
 from koochak.loop.checkpoint.parts_index import (
     DTYPE_NAMES,
     HEAD_VERSION,
+    MAX_WRITERS,
     PART_INFIX,
     PARTS_FORMAT,
     PARTS_VERSION,
+    Part,
     PartsIndex,
     index_of_doc,
+    itemsize,
     parse_index,
     part_key,
 )
@@ -42,7 +45,12 @@ from koochak.storage.store import Store
 from koochak.storage.strict_json import check_fields, loads_strict, require_version
 
 FRAGMENT_FORMAT = "koochak-checkpoint-fragment"
-FRAGMENT_VERSION = 1
+# Version 2: a writer's RNG state is its own last part (raw ``torch.save`` bytes, field ``rng``
+# its number), not base64 in the fragment, and slabs laid back to back from part ``packed`` on
+# are found by the head's formula instead of listed. Version 1 (``rng`` base64, ``slabs``
+# listed) is still read: older checkpoints resume.
+FRAGMENT_VERSION = 2
+_FRAGMENT_VERSIONS = (1, 2)
 SPLITS = ("whole", "rows")
 _HEAD_KEYS = frozenset({"format", "version", "name", "writers", "tensors", "fragments", "skeleton"})
 _HEAD_OPTIONAL = frozenset({"slab_writers"})
@@ -50,10 +58,14 @@ _HEAD_TENSOR_KEYS = frozenset({"dtype", "shape", "split"})
 _REF_KEYS = frozenset({"key", "writer", "size", "sha256", "parts"})
 _FRAGMENT_KEYS = frozenset({"format", "version", "name", "writer", "parts", "whole", "slabs"})
 _FRAGMENT_OPTIONAL = frozenset({"rng"})
+_FRAGMENT_KEYS_V2 = frozenset({"format", "version", "name", "writer", "parts", "whole"})
+_FRAGMENT_OPTIONAL_V2 = frozenset({"slabs", "packed", "rng"})
 _FRAGMENT_PART_KEYS = frozenset({"key", "size", "sha256"})
 _FRAGMENT_TENSOR_KEYS = frozenset({"tensor", "extents"})
 _EXTENT_KEYS = frozenset({"part", "offset", "length"})
-_MAX_WRITERS = 1 << 20
+# An RNG state is tens of kB (Python's, NumPy's and torch's CPU generators, one per CUDA device);
+# a larger RNG part is refused before it is read.
+_MAX_RNG_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -111,13 +123,16 @@ def encode_fragment(
     parts: Sequence[tuple[str, int, str]],
     whole: Runs,
     slabs: Runs,
-    rng: bytes | None = None,
+    rng_part: int | None = None,
 ) -> bytes:
-    """Writer ``writer``'s fragment: its ``parts`` ``(key, size, sha256)`` in number order, and
-    where its bytes of each tensor lie, as ``(number, extents as (part, offset, length))``
-    (``part`` counting within this writer's parts): ``whole``, by the head's tensor number, the
-    tensors writer 0 holds whole; ``slabs``, by ``k`` (the head's ``k``-th tensor split by
-    rows), this writer's rows of each. ``rng``: the writer's own RNG state (a weights-only
+    """Writer ``writer``'s fragment (version 2): its ``parts`` ``(key, size, sha256)`` in number
+    order, and where its bytes of each tensor lie, as ``(number, extents as (part, offset,
+    length))`` (``part`` counting within this writer's parts): ``whole``, by the head's tensor
+    number, the tensors writer 0 holds whole; ``slabs``, by ``k`` (the head's ``k``-th tensor
+    split by rows), this writer's rows of each. Slabs that lie back to back in ``k`` order
+    through the parts from one on (what ``write_parts`` makes) are written as that part's number
+    (``packed``), the head's formula giving each one's length; others are listed. ``rng_part``:
+    the number of this writer's last part, which holds its own RNG state (a weights-only
     ``torch.save`` of it), so no rank reads another's to resume."""
 
     def runs(items: Runs) -> list[dict[str, Any]]:
@@ -126,6 +141,9 @@ def encode_fragment(
             for n, ext in items
         ]
 
+    if rng_part is not None and rng_part != len(parts) - 1:
+        raise ValueError(f"writer {writer}'s RNG part must be its last ({len(parts) - 1})")
+    end = len(parts) if rng_part is None else rng_part
     doc: dict[str, Any] = {
         "format": FRAGMENT_FORMAT,
         "version": FRAGMENT_VERSION,
@@ -133,11 +151,37 @@ def encode_fragment(
         "writer": writer,
         "parts": [{"key": k, "size": n, "sha256": sha} for k, n, sha in parts],
         "whole": runs(whole),
-        "slabs": runs(slabs),
     }
-    if rng is not None:
-        doc["rng"] = base64.b64encode(rng).decode("ascii")
+    packed = _packed_from([n for _, n, _ in parts[:end]], slabs)
+    if packed is None:
+        doc["slabs"] = runs(slabs)
+    else:
+        doc["packed"] = packed
+    if rng_part is not None:
+        doc["rng"] = rng_part
     return _dumps(doc)
+
+
+def _packed_from(sizes: Sequence[int], slabs: Runs) -> int | None:
+    """The first part of the slabs when their extents, in ``k`` order, run back to back from
+    its start to the end of the last part of ``sizes`` (None when they do not)."""
+    ordinals = [k for k, _ in slabs]
+    if ordinals != sorted(set(ordinals)) or not all(ext for _, ext in slabs):
+        return None  # out of order, or a slab of no bytes listed: only a list says so
+    runs = [run for _, ext in slabs for run in ext]
+    if not runs:
+        return len(sizes)
+    first = part = runs[0][0]
+    at = 0
+    for p, offset, length in runs:
+        if p != part:  # the next run starts the next part, the last one having been filled
+            if p != part + 1 or at != sizes[part] or offset != 0:
+                return None
+            part, at = p, 0
+        if offset != at or length <= 0:
+            return None
+        at += length
+    return first if part == len(sizes) - 1 and at == sizes[part] else None
 
 
 def encode_head(
@@ -209,8 +253,8 @@ def _parse_head(raw: bytes | bytearray | memoryview, where: str, name: str | Non
     if not isinstance(head_name, str) or not head_name or (name is not None and head_name != name):
         raise ValueError(f"{where}: field 'name' is {head_name!r}; expected {name!r}")
     writers = doc["writers"]
-    if type(writers) is not int or not 1 <= writers <= _MAX_WRITERS:
-        raise ValueError(f"{where}: field 'writers' must be an int in 1..{_MAX_WRITERS}")
+    if type(writers) is not int or not 1 <= writers <= MAX_WRITERS:
+        raise ValueError(f"{where}: field 'writers' must be an int in 1..{MAX_WRITERS}")
     slab_writers = doc.get("slab_writers", writers)
     if type(slab_writers) is not int or not 1 <= slab_writers <= writers:
         raise ValueError(f"{where}: field 'slab_writers' must be an int in 1..writers ({writers})")
@@ -284,16 +328,28 @@ def writers_for(head: Head, rank: int, world: int, shard_size: int | None = None
 
 def read_fragment(store: Store, head: Head, writer: int, where: str) -> bytes:
     """Writer ``writer``'s fragment, checked against the head's size and SHA256."""
+    ref = head.fragments[writer]
+    return _read_checked(store, ref.key, ref.size, ref.sha256, where, "fragment", "the head")
+
+
+def read_rng_part(store: Store, part: Part, where: str) -> bytes:
+    """The bytes of a writer's RNG part (its own RNG state), checked against the size and
+    SHA256 its fragment gives."""
+    return _read_checked(store, part.key, part.size, part.sha256, where, "RNG part",
+                         "its fragment")  # fmt: skip
+
+
+def _read_checked(
+    store: Store, key: str, size: int, sha256: str, where: str, what: str, says: str
+) -> bytes:
     import hashlib
 
-    ref = head.fragments[writer]
     try:
-        raw = store.get(ref.key, 0, ref.size + 1)
+        raw = store.get(key, 0, size + 1)
     except FileNotFoundError:
-        raise ValueError(f"{where}: fragment {ref.key} is missing") from None
-    if len(raw) != ref.size or hashlib.sha256(raw).hexdigest() != ref.sha256:
-        raise ValueError(f"{where}: fragment {ref.key} does not match its size and SHA256 in "
-                         "the head")  # fmt: skip
+        raise ValueError(f"{where}: {what} {key} is missing") from None
+    if len(raw) != size or hashlib.sha256(raw).hexdigest() != sha256:
+        raise ValueError(f"{where}: {what} {key} does not match its size and SHA256 in {says}")
     return raw
 
 
@@ -332,14 +388,18 @@ def assemble(
     shards: list[list[dict[str, Any]]] = [[] for _ in head.tensors]
     split_rows = [i for i, (_, _, split) in enumerate(head.tensors) if split == "rows"]
     rng: list[bytes | None] = [None] * head.writers
+    rng_parts: list[Part | None] = [None] * head.writers
     for writer in sorted(fragments):
         at = f"{where}: fragment {fragment_key(head.name, writer)}"
         doc = loads_strict(fragments[writer], at)
         if not isinstance(doc, dict) or doc.get("format") != FRAGMENT_FORMAT:
             raise ValueError(f"{at}: field 'format' must be {FRAGMENT_FORMAT!r}")
-        require_version(doc, at, FRAGMENT_VERSION)
-        check_fields(doc, at, _FRAGMENT_KEYS, _FRAGMENT_OPTIONAL)
-        if doc.get("rng") is not None:
+        version = require_version(doc, at, _FRAGMENT_VERSIONS)
+        if version == 1:
+            check_fields(doc, at, _FRAGMENT_KEYS, _FRAGMENT_OPTIONAL)
+        else:
+            check_fields(doc, at, _FRAGMENT_KEYS_V2, _FRAGMENT_OPTIONAL_V2)
+        if version == 1 and doc.get("rng") is not None:
             try:
                 rng[writer] = base64.b64decode(str(doc["rng"]).encode("ascii"), validate=True)
             except (binascii.Error, UnicodeEncodeError):
@@ -350,6 +410,12 @@ def assemble(
         if not isinstance(mine, list) or len(mine) != head.fragments[writer].parts:
             raise ValueError(f"{at}: field 'parts' must list the {head.fragments[writer].parts} "
                              "parts the head says")  # fmt: skip
+        if version == 2:
+            mine, rng_parts[writer] = _rng_part(doc, mine, head.name, writer, at)
+            if ("packed" in doc) == ("slabs" in doc):
+                raise ValueError(f"{at}: exactly one of fields 'packed' and 'slabs' expected")
+            if "packed" in doc:
+                doc["slabs"] = _packed_slabs(head, writer, mine, doc["packed"], split_rows, at)
         base = len(parts)
         for i, part in enumerate(mine):
             check_fields(part, f"{at}: parts[{i}]", _FRAGMENT_PART_KEYS)
@@ -410,4 +476,70 @@ def assemble(
         "skeleton": base64.b64encode(head.skeleton).decode("ascii"),
     }
     index = index_of_doc(doc, where, head.name, partial=partial)
-    return replace(index, rng=tuple(rng))
+    return replace(index, rng=tuple(rng), rng_parts=tuple(rng_parts))
+
+
+def _rng_part(
+    doc: dict[str, Any], parts: list[Any], name: str, writer: int, at: str
+) -> tuple[list[Any], Part | None]:
+    """``(parts, rng part)`` of a version-2 fragment: its RNG part (field ``rng``, the number
+    of its last part) taken out of the parts that hold tensor bytes."""
+    number = doc.get("rng")
+    if number is None:
+        return parts, None
+    if type(number) is not int or number != len(parts) - 1:
+        raise ValueError(f"{at}: field 'rng' must be the number of its last part "
+                         f"({len(parts) - 1})")  # fmt: skip
+    entry = parts[number]
+    check_fields(entry, f"{at}: parts[{number}]", _FRAGMENT_PART_KEYS)
+    key, size, sha = entry["key"], entry["size"], entry["sha256"]
+    if key != part_key(name, writer, number):
+        raise ValueError(f"{at}: parts[{number}].key must be {part_key(name, writer, number)!r}")
+    if type(size) is not int or not 0 < size <= _MAX_RNG_BYTES:
+        raise ValueError(f"{at}: parts[{number}].size must be an int in 1..{_MAX_RNG_BYTES}")
+    if not isinstance(sha, str) or len(sha) != 64 or sha.strip("0123456789abcdef"):
+        raise ValueError(f"{at}: parts[{number}].sha256 must be 64 lower-case hex digits")
+    return parts[:number], Part(key, writer, size, sha)
+
+
+def _packed_slabs(
+    head: Head, writer: int, parts: list[Any], first: Any, split_rows: list[int], at: str
+) -> list[dict[str, Any]]:
+    """The slab entries of a fragment whose slabs lie back to back from part ``first`` on (field
+    ``packed``): each of the writer's rows of each tensor split by rows, in order, its length
+    from the head's formula, cut where the parts' sizes say."""
+    if type(first) is not int or not 0 <= first <= len(parts):
+        raise ValueError(f"{at}: field 'packed' must be a part number in 0..{len(parts)}")
+    sizes = []
+    for i, part in enumerate(parts):
+        size = part.get("size") if isinstance(part, dict) else None
+        if type(size) is not int or size < 0:
+            raise ValueError(f"{at}: parts[{i}].size must be an int >= 0")
+        sizes.append(size)
+    entries: list[dict[str, Any]] = []
+    p, offset = first, 0
+    for ordinal, number in enumerate(split_rows):
+        dtype, shape, _ = head.tensors[number]
+        if writer >= head.row_writers or dtype not in DTYPE_NAMES:
+            continue  # no rows here (or a dtype the head check refuses)
+        lo, hi = rows_of(writer, head.row_writers, shape[0])
+        left = (hi - lo) * itemsize(dtype)
+        for n in shape[1:]:
+            left *= n
+        extents = []
+        while left:
+            if p >= len(parts):
+                raise ValueError(f"{at}: its parts from {first} on hold fewer bytes than its rows")
+            length = min(left, sizes[p] - offset)
+            if length:
+                extents.append({"part": p, "offset": offset, "length": length})
+            offset, left = offset + length, left - length
+            if offset == sizes[p]:
+                p, offset = p + 1, 0
+        if extents:
+            entries.append({"tensor": ordinal, "extents": extents})
+    while p < len(parts) and sizes[p] == 0:
+        p += 1
+    if p != len(parts) or offset:
+        raise ValueError(f"{at}: its parts from {first} on hold more bytes than its rows")
+    return entries

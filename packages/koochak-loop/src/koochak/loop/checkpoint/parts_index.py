@@ -90,11 +90,11 @@ _MAX_BOX_SHARDS = 4096
 # may hold at most _MAX_PART_BYTES (torch sizes are int64); a tensor has at most _MAX_DIMS
 # dimensions, and the product of its dimensions (zeros counted as 1, so an empty tensor cannot
 # hide a 2**70) is at most the parts' bytes, or _MIN_ELEMENT_BOUND for a checkpoint of almost
-# no bytes; a checkpoint has at most _MAX_WRITERS writers (ranks).
+# no bytes; a checkpoint has at most MAX_WRITERS writers (ranks).
 _MAX_PART_BYTES = 1 << 62
 _MAX_DIMS = 64
 _MIN_ELEMENT_BOUND = 1 << 16
-_MAX_WRITERS = 1 << 20
+MAX_WRITERS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -154,6 +154,10 @@ class PartsIndex:
     # ``torch.save`` of the state), by writer; None for a writer whose fragment was not read or
     # holds none. Empty for version 1 (every rank's state is in the skeleton).
     rng: tuple[bytes | None, ...] = ()
+    # Fragment version 2: each writer's RNG part (its own state, raw ``torch.save`` bytes, read
+    # only by the rank that restores it), by writer; None for a writer whose fragment was not
+    # read or names none. Not among ``parts``: no tensor lies in it.
+    rng_parts: tuple[Part | None, ...] = ()
 
     @property
     def size(self) -> int:
@@ -282,8 +286,8 @@ def index_of_doc(
             f"{where}: field 'name' is {index_name!r} but the index was read as {name!r}"
         )
     writers = _int(doc["writers"], f"{where}: field 'writers'", minimum=1)
-    if writers > _MAX_WRITERS:
-        raise ValueError(f"{where}: field 'writers' is {writers}; at most {_MAX_WRITERS} are read")
+    if writers > MAX_WRITERS:
+        raise ValueError(f"{where}: field 'writers' is {writers}; at most {MAX_WRITERS} are read")
     parts = _parse_parts(doc["parts"], index_name, writers, where, partial=partial)
     bound = max(sum(part.size for part in parts), _MIN_ELEMENT_BOUND)
     tensors = _parse_tensors(doc["tensors"], len(parts), bound, where, partial=partial)

@@ -20,7 +20,11 @@ keeps a checkpoint beyond its ``keep_last_k`` until some replica has committed i
 When a run starts, each worker first compares its tier with the first tier and queues what a
 killed or failed earlier attempt left unreplicated, so the next run completes it. A run that
 resumed from a checkpoint only a durable tier holds (the first tier is node-local and the job
-came back elsewhere) first pulls it back into the first tier.
+came back elsewhere) first pulls it back into the first tier, where rank 0 alone writes (one
+file, parts): a copy of S, what each of its saves writes anyway. Where every rank writes its own
+parts (sharded), nothing is pulled back: each rank has just read its share from the replica,
+and a copy by one process would be O(S) there (a copy by each rank another S/N' each); a resume
+before the next save reads its share from the replica again, as this one did.
 """
 
 from __future__ import annotations
@@ -36,9 +40,11 @@ from typing import Any
 import koochak.loop.checkpoint.retention as retention
 from koochak.loop.checkpoint.background import lower_this_threads_priority
 from koochak.loop.checkpoint.budget import BandwidthBudget, bandwidth_budget
-from koochak.loop.checkpoint.format import CHECKPOINT_PATTERN, step_of_name
+from koochak.loop.checkpoint.format import step_of_name
+from koochak.loop.checkpoint.index_fragments import is_head
+from koochak.loop.checkpoint.layouts import is_single_object
 from koochak.loop.checkpoint.part_receipt import put_receipt, read_receipt
-from koochak.loop.checkpoint.parts_index import PART_INFIX
+from koochak.loop.checkpoint.parts_index import PART_INFIX, parse_index
 from koochak.loop.checkpoint.publication import unpublish_checkpoint
 from koochak.loop.checkpoint.tiers import Replicated, describe_tier, replicate_checkpoint
 from koochak.storage import artifact
@@ -300,7 +306,11 @@ class Replicator:
         # Yield the CPU to training; the workers this thread starts, and their copy threads,
         # inherit the lower priority.
         lower_this_threads_priority()
-        if self._pull is not None:
+        if self._pull is not None and (self.remote_writers or self._written_by_ranks(self._pull)):
+            log.info("not pulling %s back into the first tier (%s): every rank resumed its own "
+                     "share from the replica, and its next save lands there", self._pull,
+                     self.first.location)  # fmt: skip
+        elif self._pull is not None:
             try:
                 self._pull_back(self._pull)
             except Exception as exc:  # the durable copy stays; only the fast path is lost
@@ -315,6 +325,26 @@ class Replicator:
                 daemon=True,
             )
             lane.thread.start()
+
+    def _written_by_ranks(self, name: str) -> bool:
+        """Whether the replicas' ``name`` is a sharded checkpoint (a version-2 head, or an index
+        of several writers): every rank of its run writes and reads its own parts, even on one
+        process, so nothing is pulled back (the module docstring says why)."""
+        for lane in self._lanes:
+            store = lane.tier.store
+            try:
+                committed, _ = artifact.read_manifest(store, name)
+                if not committed.size or is_single_object(store.get(name, 0, 1)):
+                    return False
+                raw = store.get(name, 0, committed.size + 1)
+            except (artifact.InvalidArtifact, FileNotFoundError):
+                continue
+            where = f"{store.location}/{name}"
+            try:
+                return is_head(raw) or parse_index(raw, where, name).writers > 1
+            except ValueError:
+                return False  # damaged: the pull-back's own checks say so
+        return False
 
     def _pull_back(self, name: str) -> None:
         """Copy ``name`` from the first replica holding it into the first tier, if it lacks it."""
@@ -367,8 +397,8 @@ class Replicator:
     def _scan(self, lane: _Lane) -> None:
         """Queue what the first tier committed and this tier lacks (an earlier attempt's work)."""
         store = lane.tier.store
-        here = {key for _, key in artifact.published_candidates(store, CHECKPOINT_PATTERN)}
-        first = artifact.published_candidates(self.first, CHECKPOINT_PATTERN)
+        here = {key for _, key in retention.committed(store)}
+        first = retention.committed(self.first)
         newest_here = max((step_of_name(key) or 0 for key in here), default=-1)
         missing = []
         for number, key in first:
@@ -663,6 +693,8 @@ class FollowerReplicator:
         self._queue: deque[tuple[str, tuple[tuple[str, int, str], ...]]] = deque()
         self._busy: str | None = None
         self._done: list[str] = []  # names whose parts every replica holds, oldest first
+        # Names this rank holds parts of in the first tier (listed once, on the first prune).
+        self._names: set[str] | None = None
         self._failures = 0
         self._exiting = False
         self._closed = False
@@ -743,24 +775,29 @@ class FollowerReplicator:
                 self._prune()
 
     def _prune(self) -> None:
-        """This rank's parts in the node's directory, by the one retention rule."""
+        """This rank's parts in the node's directory, by the one retention rule. The names it
+        holds parts of are listed once (what earlier attempts left), then kept up to date here:
+        a save lists only the objects of the checkpoint it prunes, never the tier."""
         prefix = f"{PART_INFIX}{self.rank:05d}-"
-        mine: dict[str, list[str]] = {}
-        for info in self.first.list("step"):  # not superseded/: another run's, set aside
-            head, infix, _ = info.key.partition(prefix)
-            if infix and "/" not in head and step_of_name(head) is not None:
-                mine.setdefault(head, []).append(info.key)
-        names = sorted(mine, key=lambda n: step_of_name(n) or 0, reverse=True)
+        if self._names is None:
+            self._names = set()
+            for info in self.first.list("step"):  # not superseded/: another run's, set aside
+                head, infix, _ = info.key.partition(prefix)
+                if infix and "/" not in head and step_of_name(head) is not None:
+                    self._names.add(head)
         with self._cond:
+            self._names.update(self._done)
             busy = {self._busy} | {name for name, _ in self._queue}
             durable = set(self._done)
+        names = sorted(self._names, key=lambda n: step_of_name(n) or 0, reverse=True)
         for name in retention.to_drop(names, keep_last_k=self.keep, in_flight=busy,
                                       durable=durable):  # fmt: skip
-            for key in mine[name]:
+            for info in self.first.list(name + prefix):  # this checkpoint's parts of this rank
                 try:
-                    self.first.delete(key)
+                    self.first.delete(info.key)
                 except FileNotFoundError:
                     pass
+            self._names.discard(name)
             with self._cond:
                 if name in self._done:
                     self._done.remove(name)

@@ -19,6 +19,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from koochak.loop.checkpoint.format import CHECKPOINT_PATTERN, step_of_name
+from koochak.loop.checkpoint.parts_index import PART_INFIX
 from koochak.storage import artifact
 from koochak.storage.store import Store
 
@@ -70,9 +71,16 @@ def to_drop(committed: Sequence[str], **rules: Any) -> list[str]:
     return judge(committed, **rules).drop
 
 
+def committed(store: Store) -> list[tuple[int, str]]:
+    """``(step, name)`` of the numbered checkpoints committed in ``store``, newest first, from
+    one listing of the checkpoints and their manifests, none of their parts
+    (``koochak.storage.list_shallow``): it grows with the checkpoints kept, not their parts."""
+    return artifact.published_candidates(store, CHECKPOINT_PATTERN, leave_out=PART_INFIX)
+
+
 def committed_names(store: Store) -> list[str]:
-    """The numbered checkpoints committed in ``store``, newest first."""
-    return [name for _, name in artifact.published_candidates(store, CHECKPOINT_PATTERN)]
+    """The numbered checkpoints committed in ``store``, newest first (``committed``)."""
+    return [name for _, name in committed(store)]
 
 
 def score(value: Any) -> float | None:

@@ -357,7 +357,8 @@ def open_lazy(
     source = Source(store, index, path, complete=complete)
     verify_parts(source, parts_to_read(index, rank, world, shard_size), keep=True)
     refs = [StoredTensor(source, i) for i in range(len(index.tensors))]
-    payload = with_fragment_rng(_join(load_skeleton(index.skeleton, path), refs, path), index, path)
+    payload = with_fragment_rng(_join(load_skeleton(index.skeleton, path), refs, path), index, path,
+                                store, {rank})  # fmt: skip
     for key in ("rng", "rng_per_rank"):  # small, and resume must be able to restore them
         if payload.get(key) is not None:
             payload[key] = _read_all(payload[key])

@@ -111,7 +111,7 @@ def read_indexed(
     used (``parts_reader``: ``parts_io.read_parts`` by default, or the resume's mapped reader)."""
     tensors = (parts_reader or read_parts)(store, index, source, workers=workers)
     payload = join_tensors(load_skeleton(index.skeleton, source), tensors, source)
-    payload = with_fragment_rng(payload, index, source)
+    payload = with_fragment_rng(payload, index, source, store)
     return checkpoint_of_payload(payload, source)
 
 

@@ -3,7 +3,7 @@
 ``checkpoint_of_payload`` (nesting bounded, format checked, RNG states decoded) is applied to
 every payload a layout reads; ``deserialize_checkpoint`` / ``load_checkpoint_file`` turn the
 one-file layout's bytes into one; ``with_fragment_rng`` puts back the RNG states a version-2
-sharded head keeps in its writers' fragments. Which layout a head is, is ``layouts.layout_of``'s
+sharded head keeps in its writers' fragments (version 1) or RNG parts (version 2). Which layout a head is, is ``layouts.layout_of``'s
 to say, nowhere else.
 """
 
@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import io
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from koochak.loop.checkpoint.format import check_checkpoint_format
+from koochak.loop.checkpoint.index_fragments import read_rng_part
 from koochak.loop.checkpoint.parts_tree import check_depth, load_skeleton
 
 if TYPE_CHECKING:
     from koochak.loop.checkpoint.parts_index import PartsIndex
+    from koochak.storage.store import Store
 
 NDARRAY_TAG = "__koochak_ndarray__"
 
@@ -27,15 +29,36 @@ __all__ = ["deserialize_checkpoint", "load_checkpoint_file", "checkpoint_of_payl
            "with_fragment_rng", "walk_tree", "NDARRAY_TAG"]  # fmt: skip
 
 
-def with_fragment_rng(payload: Any, index: PartsIndex, source: str) -> Any:
-    """``payload`` with ``rng_per_rank`` rebuilt from the writers' fragments (index version 2,
-    where each rank's RNG state rides in its own fragment and the head holds none): a state per
-    writer whose fragment was read, None for the others (a resuming rank reads its own)."""
+def with_fragment_rng(
+    payload: Any,
+    index: PartsIndex,
+    source: str,
+    store: Store | None = None,
+    ranks: Collection[int] | None = None,
+) -> Any:
+    """``payload`` with ``rng_per_rank`` rebuilt from the writers' own RNG states (index
+    version 2, where the head holds none of them): a state per writer whose fragment was read,
+    None for the others. Fragment version 1 carries the state itself; version 2 names the
+    writer's RNG part, read (verified) from ``store`` for the writers in ``ranks`` only (None:
+    every one read): a resuming rank reads its own and nobody else's. Writer 0's state is the
+    checkpoint's ``rng`` field, as in a one-process checkpoint."""
+    if not isinstance(payload, dict) or payload.get("rng_per_rank") is not None:
+        return payload
     states = index.rng
-    if isinstance(payload, dict) and payload.get("rng_per_rank") is None and any(states):
+    if any(states):
         payload["rng_per_rank"] = [
             None if blob is None else load_skeleton(blob, source) for blob in states
         ]
+    elif any(index.rng_parts):
+        per_rank: list[Any] = [None] * len(index.rng_parts)
+        per_rank[0] = payload.get("rng")
+        for writer, part in enumerate(index.rng_parts):
+            if part is None or (ranks is not None and writer not in ranks):
+                continue
+            if store is None:
+                raise ValueError(f"{source}: RNG part {part.key} needs the store that holds it")
+            per_rank[writer] = load_skeleton(read_rng_part(store, part, source), source)
+        payload["rng_per_rank"] = per_rank
     return payload
 
 

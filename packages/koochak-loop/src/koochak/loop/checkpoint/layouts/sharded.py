@@ -3,9 +3,9 @@
 The ``Sharded`` layout (``layouts``' contract): parts (docs/formats.md, "Checkpoint parts") with
 several writers. In ``write`` (every rank at once, rank 0 holding the name) every rank writes, in parallel with the others, the local shards of the DTensors in the
 checkpoint (parameters, optimizer state, EMA shadows) as its own parts ``….part-<rank>-NNNNN``,
-rank 0 also the unsharded tensors (buffers, RNG states, scalars) as its part ``00000`` and the
-rest from ``00001`` (under HSDP only the ranks of the first replicate group write slabs: each
-slab once); each rank reports its parts' keys, sizes and SHA256 and where each shard
+rank 0 also the unsharded tensors (buffers, its RNG state, scalars) as its part ``00000`` and the
+rest from ``00001``, every other rank its own RNG state as its last part (under HSDP only the
+ranks of the first replicate group write slabs: each slab once); each rank reports its parts' keys, sizes and SHA256 and where each shard
 lies in its global tensor; rank 0 gathers the reports, only once every rank's parts are durable
 (``put`` returned), builds the head, which ``commit.save`` commits. Every rank learns the
 outcome (``outcome``); a failure anywhere fails the save on every rank and leaves no committed
@@ -40,6 +40,7 @@ from koochak.loop.checkpoint.parts_index import (
     PartsIndex,
     Shard,
     TensorEntry,
+    part_key,
 )
 from koochak.loop.checkpoint.parts_io import host_tensor, write_parts
 from koochak.loop.checkpoint.parts_plan import resolve_parts
@@ -202,7 +203,8 @@ class Sharded:
 
         parsed = parse_head(head, source, name)
         mine = [w for w in range(parsed.writers) if w not in remote]
-        parts = read_index(store, head, source, name, writers=mine).parts
+        index = read_index(store, head, source, name, writers=mine)
+        parts = [*index.parts, *(p for p in index.rng_parts if p is not None)]  # RNG parts too
         local: list[tuple[str, int, str]] = []
         for writer in mine:
             ref = parsed.fragments[writer]
@@ -215,11 +217,16 @@ class Sharded:
         return local, expected
 
     def verify(self, store: Store, name: str, head: Any, source: str) -> None:
-        from koochak.loop.checkpoint.index_fragments import read_index
+        from koochak.loop.checkpoint.index_fragments import read_index, read_rng_part
         from koochak.loop.checkpoint.layouts.parts import verify_indexed
 
-        # Every fragment is checked against the head as it is read, then every part it names.
-        verify_indexed(store, read_index(store, head, source, name), source)
+        # Every fragment is checked against the head as it is read, then every part it names
+        # (each writer's RNG part too: it is not among the parts the tensors tile).
+        index = read_index(store, head, source, name)
+        verify_indexed(store, index, source)
+        for part in index.rng_parts:
+            if part is not None:
+                read_rng_part(store, part, source)
 
 
 SHARDED = Sharded()
@@ -283,19 +290,21 @@ def _write_all(
             error = error_line(exc)
     agree_all(error, f"saving {name}", group)
 
-    split, numbers, leaves, slab_writers = None, {}, [], None
+    split, numbers = None, {}
+    leaves = dtensor_leaves(ckpt)  # the same on every rank (the same model and world)
+    slab_writers = _regular(leaves, dist.get_world_size())
+    regular = slab_writers is not None
+    source = ckpt
+    if not regular:  # one index of every rank's shards: rank 0's skeleton holds every RNG state
+        source = _with_rng_per_rank(ckpt, group)
     try:
-        leaves = dtensor_leaves(ckpt)
-        slab_writers = _regular(leaves, dist.get_world_size())
-        regular = slab_writers is not None
-        source = ckpt
         if regular and rank == 0 and ckpt.get("rng_per_rank") is not None:
-            # Each rank's RNG state rides in its own fragment: the head carries none of them.
+            # Each rank's RNG state is its own part: the head carries rank 0's alone (``rng``).
             source = {**ckpt, "rng_per_rank": None}
         split, numbers = _split_rank0(source, leaves) if rank == 0 else (None, {})
         report = _write_mine(store, name, split, numbers, leaves, parts, workers)
         if regular:
-            own = ckpt.get("rng") if dist.get_world_size() > 1 else None
+            own = ckpt.get("rng") if dist.get_world_size() > 1 and rank > 0 else None
             report = _write_fragment(store, name, report, own)
     except Exception as exc:
         report = _Report((), (), (), error_line(exc))
@@ -388,8 +397,9 @@ def _write_mine(
 
 
 def _write_fragment(store: Store, name: str, report: _Report, rng: Any = None) -> _Report:
-    """Put this rank's index fragment (its parts, where its bytes of each tensor lie, and its
-    RNG state ``rng``, if any) and return the compact report that names it instead."""
+    """Put this rank's RNG state ``rng`` (if any) as its own last part, raw ``torch.save``
+    bytes, then its index fragment (its parts, and where its bytes of each tensor lie when not
+    by the head's formula) and return the compact report that names it instead."""
     import hashlib
 
     from koochak.loop.checkpoint.index_fragments import FragmentRef, encode_fragment, fragment_key
@@ -397,14 +407,32 @@ def _write_fragment(store: Store, name: str, report: _Report, rng: Any = None) -
     rank = dist.get_rank()
     whole = [(n, ext) for n, _, _, ext in report.shards if n >= 0]
     slabs = [(-1 - n, ext) for n, _, _, ext in report.shards if n < 0]
-    state = skeleton_bytes(rng) if rng is not None else None
-    raw = encode_fragment(name, rank, report.parts, whole, slabs, state)
+    parts = list(report.parts)
+    rng_part = None
+    if rng is not None:
+        state = skeleton_bytes(rng)
+        rng_part = len(parts)
+        key = part_key(name, rank, rng_part)
+        info = store.put(key, state)
+        parts.append((key, len(state), info.sha256 or hashlib.sha256(state).hexdigest()))
+    raw = encode_fragment(name, rank, parts, whole, slabs, rng_part)
     key = fragment_key(name, rank)
     info = store.put(key, raw)
     sha = info.sha256 or hashlib.sha256(raw).hexdigest()
-    ref = FragmentRef(key, rank, len(raw), sha, len(report.parts))
+    ref = FragmentRef(key, rank, len(raw), sha, len(parts))
     digest = hashlib.sha256("\n".join(report.paths).encode()).hexdigest()
-    return _Report((digest,), report.parts, (), fragment=ref)
+    return _Report((digest,), tuple(parts), (), fragment=ref)
+
+
+def _with_rng_per_rank(ckpt: Mapping[str, Any], group: Any) -> Mapping[str, Any]:
+    """Rank 0's ``ckpt`` with every rank's RNG state in ``rng_per_rank`` (gathered here when the
+    capture did not), for a save whose one index rank 0 writes (collective)."""
+    if dist.get_world_size() == 1:
+        return ckpt
+    states = _gather(ckpt.get("rng"), group)
+    if dist.get_rank() != 0 or ckpt.get("rng_per_rank") is not None:
+        return ckpt
+    return {**ckpt, "rng_per_rank": states}
 
 
 def _build_head(
