@@ -315,3 +315,61 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (bool, int, float, str)) or value is None:
         return value
     return str(value)
+
+# NumPy arrays (in RNG states) as tagged tuples of bytes, so a weights-only load accepts them.
+NDARRAY_TAG = "__koochak_ndarray__"
+
+
+def tag_ndarrays(value: Any) -> Any:
+    """``value`` with every NumPy array a tagged tuple ``(NDARRAY_TAG, dtype, shape, bytes)``."""
+    return walk_tree(value, _tag_ndarray)
+
+
+def untag_ndarrays(value: Any) -> Any:
+    """``tag_ndarrays`` undone; a malformed array record is a ValueError naming what is wrong."""
+    return walk_tree(value, _untag_ndarray)
+
+
+def walk_tree(value: Any, leaf: Any) -> Any:
+    """Rebuild dicts, lists and tuples, replacing whatever ``leaf`` turns into something else."""
+    replaced = leaf(value)
+    if replaced is not value:
+        return replaced
+    if isinstance(value, Mapping):
+        return {k: walk_tree(v, leaf) for k, v in value.items()}
+    if isinstance(value, list):
+        return [walk_tree(v, leaf) for v in value]
+    if isinstance(value, tuple):
+        return tuple(walk_tree(v, leaf) for v in value)
+    return value
+
+
+def _tag_ndarray(value: Any) -> Any:
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        return value
+    if isinstance(value, np.ndarray):
+        return (NDARRAY_TAG, value.dtype.str, list(value.shape), value.tobytes())
+    return value
+
+
+def _untag_ndarray(value: Any) -> Any:
+    if isinstance(value, tuple) and len(value) == 4 and value[0] == NDARRAY_TAG:
+        import numpy as np
+
+        _, dtype, shape, raw = value
+        if not isinstance(dtype, str) or not isinstance(raw, bytes):
+            raise ValueError(f"array record: dtype must be a str and data bytes, got {dtype!r}")
+        if not isinstance(shape, (list, tuple)) or not all(
+            type(n) is int and n >= 0 for n in shape
+        ):
+            raise ValueError(f"array record: shape must be non-negative ints, got {shape!r}")
+        try:
+            kind = np.dtype(dtype)
+        except TypeError as exc:
+            raise ValueError(f"array record: dtype {dtype!r} is not a NumPy dtype") from exc
+        if kind.hasobject:  # would need unpickling; an RNG state never holds objects
+            raise ValueError(f"array record: dtype {dtype!r} holds Python objects")
+        return np.frombuffer(raw, dtype=kind).reshape(shape).copy()
+    return value

@@ -23,13 +23,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from koochak.loop.checkpoint.format import check_checkpoint_format
+from koochak.loop.checkpoint.format import check_checkpoint_format, tag_ndarrays
 from koochak.loop.checkpoint.layouts.payload import (  # the read side lives there; kept importable
-    NDARRAY_TAG,
     checkpoint_of_payload,
     deserialize_checkpoint,  # noqa: F401
     load_checkpoint_file,  # noqa: F401
-    walk_tree,
 )
 from koochak.loop.checkpoint.parts_index import encode_index
 from koochak.loop.checkpoint.parts_io import host_tensor, write_parts
@@ -171,7 +169,7 @@ def _payload(ckpt: Mapping[str, Any]) -> dict[str, Any]:
     payload = dict(ckpt)
     for key in ("rng", "rng_per_rank"):
         if payload.get(key) is not None:
-            payload[key] = _encode(payload[key])
+            payload[key] = tag_ndarrays(payload[key])
     return payload
 
 
@@ -232,18 +230,3 @@ def write_checkpoint_parts(
         workers=workers,
     )  # fmt: skip
     return encode_index(index)
-
-
-def _encode(value: Any) -> Any:
-    """NumPy arrays become tagged tuples of bytes; everything else is walked as is."""
-    return walk_tree(value, _tag_ndarray)
-
-
-def _tag_ndarray(value: Any) -> Any:
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover - numpy is a dependency
-        return value
-    if isinstance(value, np.ndarray):
-        return (NDARRAY_TAG, value.dtype.str, list(value.shape), value.tobytes())
-    return value

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import io
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 import torch
-from koochak.loop.checkpoint.format import check_checkpoint_format
+from koochak.loop.checkpoint.format import check_checkpoint_format, untag_ndarrays
 from koochak.loop.checkpoint.index_fragments import read_rng_part
 from koochak.loop.checkpoint.parts_tree import check_depth, load_skeleton
 
@@ -23,10 +23,9 @@ if TYPE_CHECKING:
     from koochak.loop.checkpoint.parts_index import PartsIndex
     from koochak.storage.store import Store
 
-NDARRAY_TAG = "__koochak_ndarray__"
 
 __all__ = ["deserialize_checkpoint", "load_checkpoint_file", "checkpoint_of_payload",
-           "with_fragment_rng", "walk_tree", "NDARRAY_TAG"]  # fmt: skip
+           "with_fragment_rng"]  # fmt: skip
 
 
 def with_fragment_rng(
@@ -109,7 +108,7 @@ def checkpoint_of_payload(ckpt: Any, source: str) -> dict[str, Any]:
     for key in ("rng", "rng_per_rank"):
         if ckpt.get(key) is not None:
             try:
-                ckpt[key] = _decode(ckpt[key])
+                ckpt[key] = untag_ndarrays(ckpt[key])
             except (MemoryError, RecursionError):
                 raise
             except Exception as exc:
@@ -123,42 +122,3 @@ def _first_line(exc: BaseException) -> str:
     # torch's messages carry terminal escapes (bold); a log line should not.
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()
     return text.splitlines()[0] if text else type(exc).__name__
-
-
-def _decode(value: Any) -> Any:
-    return walk_tree(value, _untag_ndarray)
-
-
-def walk_tree(value: Any, leaf: Any) -> Any:
-    """Rebuild dicts, lists and tuples, replacing whatever ``leaf`` turns into something else."""
-    replaced = leaf(value)
-    if replaced is not value:
-        return replaced
-    if isinstance(value, Mapping):
-        return {k: walk_tree(v, leaf) for k, v in value.items()}
-    if isinstance(value, list):
-        return [walk_tree(v, leaf) for v in value]
-    if isinstance(value, tuple):
-        return tuple(walk_tree(v, leaf) for v in value)
-    return value
-
-
-def _untag_ndarray(value: Any) -> Any:
-    if isinstance(value, tuple) and len(value) == 4 and value[0] == NDARRAY_TAG:
-        import numpy as np
-
-        _, dtype, shape, raw = value
-        if not isinstance(dtype, str) or not isinstance(raw, bytes):
-            raise ValueError(f"array record: dtype must be a str and data bytes, got {dtype!r}")
-        if not isinstance(shape, (list, tuple)) or not all(
-            type(n) is int and n >= 0 for n in shape
-        ):
-            raise ValueError(f"array record: shape must be non-negative ints, got {shape!r}")
-        try:
-            kind = np.dtype(dtype)
-        except TypeError as exc:
-            raise ValueError(f"array record: dtype {dtype!r} is not a NumPy dtype") from exc
-        if kind.hasobject:  # would need unpickling; an RNG state never holds objects
-            raise ValueError(f"array record: dtype {dtype!r} holds Python objects")
-        return np.frombuffer(raw, dtype=kind).reshape(shape).copy()
-    return value
