@@ -80,7 +80,7 @@ def bench_slowdown(
     bandwidth_mb_s: float | None = None,
 ) -> dict[str, float]:
     from koochak.loop.checkpoint import build_checkpoint, checkpoint_name, save
-    from koochak.loop.checkpoint.publication import unpublish_checkpoint
+    from koochak.loop.checkpoint.commit import unpublish_checkpoint
     from koochak.loop.checkpoint.replication import ReplicaTier, Replicator
     from koochak.storage.store import LocalStore
     from koochak.storage.testing import ThrottledStore

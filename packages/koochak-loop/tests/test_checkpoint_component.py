@@ -17,15 +17,14 @@ from koochak.loop.config import resolve_train_config
 LOOP_PY = Path(__file__).parents[1] / "src" / "koochak" / "loop" / "loop.py"
 KOOCHAK_SOURCE = re.compile(r"[/\\]packages[/\\][^/\\]+[/\\]src[/\\]koochak[/\\]")
 
-# koochak source files one periodic save enters. 26 on the main this branch starts from, counted
-# as the loop's save block did it (run_lease.check_held, then Checkpointer.periodic: 15 of
-# koochak.loop, 9 of them in checkpoint/, and 11 of koochak.storage); 28 through this component
-# with its real lease (+ the component, + storage/lease.py), 26 after this branch's cuts (no
-# user_state call without user state, no open_store hop for a Store). Left for the other parts
-# of issue 36: publish's per-save clear of the name (parts_io, parts_index) and the tree walk in
-# layout_read (the layouts branch), the one-process RNG gather (ddp, dist: capture_checkpoint).
-# Lower the bound as they land; the issue's target is 20.
-MOST_FILES = 26
+# koochak source files one periodic save enters (one file, one local directory, the run's real
+# lease): 26 on main before issue 36's seam was finished (the loop's save block: the lease check,
+# then Checkpointer.periodic), 28 through this component at first; 20 now. What went: publish's
+# per-save clear of the name (parts_io, parts_index), the numpy-tag tree walk's hop into the read
+# side (layout_read), the one-process RNG gather (ddp, dist: the saver knows the world size and
+# the layout once), the lease check's hop through run_lease (the component reads its leases),
+# publication's removal hop (commit), user_state without user state, open_store for a Store.
+MOST_FILES = 20
 
 
 def _component(tmp_path):

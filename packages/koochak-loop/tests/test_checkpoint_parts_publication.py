@@ -26,8 +26,9 @@ from koochak.loop.checkpoint import (
     save,
     serialize_checkpoint,
 )
+from koochak.loop.checkpoint.commit import unpublish_checkpoint
 from koochak.loop.checkpoint.parts_index import parse_index, part_key
-from koochak.loop.checkpoint.publication import prune_checkpoints, unpublish_checkpoint
+from koochak.loop.checkpoint.publication import prune_checkpoints
 from koochak.loop.seed import get_rng_state
 from koochak.storage import artifact
 from koochak.storage.store import LocalStore

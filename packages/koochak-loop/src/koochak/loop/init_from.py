@@ -51,7 +51,8 @@ def load_init_weights(
         return {str(k): v for k, v in payload.items()}, _origin(local, digest, ema)
     if "://" not in local and not os.path.isdir(local):
         raise ValueError(f"{where}: no such file or directory")
-    from koochak.loop.checkpoint.publication import checkpoint_store, publication_path
+    from koochak.loop.checkpoint.commit import publication_path
+    from koochak.loop.checkpoint.publication import checkpoint_store
     from koochak.loop.checkpoint.resume import highest_valid
 
     found = highest_valid([checkpoint_store(source)])

@@ -7,9 +7,10 @@ on rank 0 and tells every rank the outcome with
 one broadcast at start, so under DDP/FSDP every rank leaves with the refusal (exit 2, the holder
 named) instead of waiting in its first collective for rank 0, which left. koochak-train calls it
 before building the model (``early=True``); `training_loop` then finds that lease here instead of
-taking it again. `check_held`, called before each checkpoint publish, stops the run with
-`LeaseLost` (exit 2) on every rank once rank 0's lease is lost: taken over by another run, or
-not renewed for its ``ttl_seconds``, after which another run may take it over.
+taking it again. Before each checkpoint publish the checkpoint component
+(``checkpoint.run_checkpoints``) stops the run with `LeaseLost` (exit 2) on every rank once one
+of the run's leases is lost: taken over by another run, or not renewed for its
+``ttl_seconds``, after which another run may take it over.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from koochak.loop import ddp, dist
+from koochak.loop import dist
 from koochak.loop.config import ConfigError, TrainConfig
 
-__all__ = ["LeaseLost", "Leases", "check_held", "claim_run", "hold_location", "release_unclaimed"]
+__all__ = ["LeaseLost", "Leases", "claim_run", "first_of_any_rank", "hold_location", "release_unclaimed"]
 
 log = logging.getLogger("koochak.loop.run_lease")
 
@@ -75,20 +76,6 @@ class Leases:
 
     def __init__(self, held: list[Any]) -> None:
         self.held = held
-
-    @property
-    def lost_reason(self) -> str | None:
-        for lease in self.held:
-            if lease.lost_reason is not None:
-                return lease.lost_reason
-        return None
-
-    @property
-    def where(self) -> str:
-        for lease in self.held:
-            if lease.lost_reason is not None:
-                return lease.where
-        return self.held[0].where if self.held else ""
 
     def keep_renewed(self) -> Leases:
         for lease in self.held:
@@ -168,7 +155,7 @@ def _take_leases(location: Any, cfg: TrainConfig, tiers: Sequence[Any] | None) -
         if refusal is not None:
             break
     if dist.get_world_size() > 1:
-        refusal = _first_of_any_rank(refusal)  # the one collective: every rank learns it now
+        refusal = first_of_any_rank(refusal)  # the one collective: every rank learns it now
     if refusal is not None:
         for _, _, taken in reversed(held):  # a refused start changes nothing anywhere
             taken.release()
@@ -178,7 +165,7 @@ def _take_leases(location: Any, cfg: TrainConfig, tiers: Sequence[Any] | None) -
     return Leases([taken for _, _, taken in held]).keep_renewed() if held else None
 
 
-def _first_of_any_rank(message: str | None) -> str | None:
+def first_of_any_rank(message: str | None) -> str | None:
     """The first rank's non-None ``message``, on every rank (one all-gather)."""
     import torch.distributed
 
@@ -232,26 +219,3 @@ def release_unclaimed() -> None:
         _, (lease, _run) = _TAKEN.popitem()
         if lease is not None:
             lease.release()
-
-
-def check_held(lease: Any, world_size: int, updates: int) -> None:
-    """Before a checkpoint publish: `LeaseLost` on every rank once a lease of the run is lost.
-
-    Rank 0 holds the run's leases (and each other node's first rank its node-local first
-    tier's); with several ranks this is one all-reduce (at checkpoint publishes only, never per
-    step), and an all-gather of the reason once one is lost.
-    """
-    reason = lease.lost_reason if lease is not None else None
-    message = None
-    if reason is not None:
-        message = (
-            f"{lease.where}: this run's lease on its checkpoint location is lost ({reason}); "
-            f"stopped after {updates} updates without publishing their checkpoint, so that two "
-            "runs never write one location (resume with --resume auto once no other run uses it)"
-        )
-    if world_size > 1:
-        if not ddp.any_rank(message is not None, ddp.collective_device()):
-            return
-        message = _first_of_any_rank(message)  # the node whose lease it is may not be rank 0
-    if message is not None:
-        raise LeaseLost(message)

@@ -156,3 +156,21 @@ def _settle(result: Any, name: str) -> artifact.Publication:
     if result[0] == "error":
         raise RuntimeError(f"checkpoint {name} was not saved: {result[1]}")
     return result[1]
+
+
+def remove_checkpoints(store: Store, names: Iterable[str]) -> list[str]:
+    """Remove each checkpoint of ``names`` from ``store`` (manifest, object, parts); the names.
+
+    How a retention verdict (``retention.to_drop``) is applied, in every tier."""
+    removed = []
+    for name in names:
+        unpublish_checkpoint(store, name)
+        removed.append(name)
+    return removed
+
+
+def publication_path(store: Store, publication: artifact.Publication) -> str:
+    """A human-usable path: the local file when the store has one, else ``location/key``."""
+    if publication.path:
+        return publication.path
+    return f"{store.location.rstrip('/')}/{publication.key}"

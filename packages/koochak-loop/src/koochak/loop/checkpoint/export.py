@@ -37,9 +37,10 @@ from typing import Any
 
 import torch
 import yaml
+from koochak.loop.checkpoint.commit import publication_path
 from koochak.loop.checkpoint.format import checkpoint_name
 from koochak.loop.checkpoint.layouts import read_checkpoint
-from koochak.loop.checkpoint.publication import checkpoint_store, publication_path
+from koochak.loop.checkpoint.publication import checkpoint_store
 from koochak.loop.checkpoint.resume import highest_valid
 from koochak.loop.checkpoint.safetensors_out import (
     check_names,

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import koochak.loop.checkpoint.retention as retention
-from koochak.loop.checkpoint.commit import unpublish_checkpoint
+from koochak.loop.checkpoint.commit import remove_checkpoints
 from koochak.loop.checkpoint.format import CHECKPOINT_PATTERN, checkpoint_name
 from koochak.loop.checkpoint.layouts import COORDINATOR
 from koochak.loop.checkpoint.layouts import objects as _objects_by_layout
@@ -145,17 +145,6 @@ def prune_checkpoints(store: Store, keep: int) -> list[str]:
     return remove_checkpoints(store, retention.to_drop(names, keep_last_k=keep))
 
 
-def remove_checkpoints(store: Store, names: Iterable[str]) -> list[str]:
-    """Remove each checkpoint of ``names`` from ``store`` (manifest, object, parts); the names.
-
-    How a retention verdict (``retention.to_drop``) is applied, in every tier."""
-    removed = []
-    for name in names:
-        unpublish_checkpoint(store, name)
-        removed.append(name)
-    return removed
-
-
 def checkpoint_objects(location: str | os.PathLike[str] | Store, name: str) -> list[str]:
     """Every object key of checkpoint ``name``, in commit order: parts, object, ready manifest.
 
@@ -179,10 +168,3 @@ def split_checkpoint_path(
     if ckpt is None:
         raise ValueError(f"{path_or_location!s}: expected a checkpoint file path ending in .pt")
     return checkpoint_store(path_or_location), checkpoint_name(int(ckpt["step"]))
-
-
-def publication_path(store: Store, publication: artifact.Publication) -> str:
-    """A human-usable path: the local file when the store has one, else ``location/key``."""
-    if publication.path:
-        return publication.path
-    return f"{store.location.rstrip('/')}/{publication.key}"

@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from koochak.loop import ddp, dist
+from koochak.loop.checkpoint.commit import publication_path
 from koochak.loop.checkpoint.format import (
     CHECKPOINT_PATTERN,
     LATEST_NAME,
@@ -36,7 +37,7 @@ from koochak.loop.checkpoint.format import (
     checkpoint_name,
 )
 from koochak.loop.checkpoint.layouts import read_checkpoint
-from koochak.loop.checkpoint.publication import checkpoint_store, publication_path
+from koochak.loop.checkpoint.publication import checkpoint_store
 from koochak.loop.checkpoint.selection import missing_object, walk
 from koochak.loop.checkpoint.tiers import Location
 from koochak.loop.checkpoint.verified_read import read_published_checkpoint

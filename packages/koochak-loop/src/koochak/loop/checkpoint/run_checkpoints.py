@@ -15,7 +15,7 @@ The loop talks to checkpoints through a handful of calls, in this order:
 4. per update: ``due(step)`` on the updates a cadence ends, then ``periodic(step, metrics)``;
    ``poller()`` once, for what async saves and replication deliver at step boundaries;
    ``terminal(reason, step, metrics)`` at the end (also an evacuation, a failing GPU). Each
-   publish first checks that the run still holds its lease (``run_lease.check_held``).
+   publish first checks that the run still holds its leases (``_check_held``).
 5. ``close()`` on an error path (an in-flight publication finishes, replication stops), and
    ``release()`` whatever happens: the lease goes back at once, so the next run in the same
    place starts without waiting for the lease's deadline.
@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from koochak.loop import ddp
 from koochak.loop.checkpoint.restore import restore_rng, restore_training_state
 from koochak.loop.checkpoint.resume import resume_checkpoint, resume_publication_path
 from koochak.loop.checkpoint.saver import Checkpointer, make_checkpointer
@@ -42,7 +43,7 @@ from koochak.loop.resume_config import (
     format_change,
     schedule_follows_max_steps,
 )
-from koochak.loop.run_lease import check_held, claim_run
+from koochak.loop.run_lease import LeaseLost, claim_run, first_of_any_rank
 from koochak.loop.state_dicts import match_state_dict_to_model, unwrap_model
 
 __all__ = ["RunCheckpoints", "open_checkpoints"]
@@ -170,7 +171,7 @@ class RunCheckpoints:
     def periodic(self, step: int, metrics: Mapping[str, float]) -> None:
         """Save after update ``step``; the run resumes from it at ``step + 1``. A lost lease
         stops the run here on every rank (``LeaseLost``), never publishing."""
-        check_held(self._lease, self.world_size, step + 1)
+        self._check_held(step + 1)
         self._started.periodic(step, metrics)
 
     def terminal(
@@ -179,7 +180,7 @@ class RunCheckpoints:
         """The terminal-kind checkpoint after ``step`` updates, published synchronously; every
         rank learns rank 0's outcome (``saver.Checkpointer.terminal``). Returns ``(path,
         checkpoint)``. The lease is checked first, as for every publish."""
-        check_held(self._lease, self.world_size, step)
+        self._check_held(step)
         return self._started.terminal(reason, step, metrics, best_effort=best_effort)
 
     def poller(self) -> Callable[[], None] | None:
@@ -197,6 +198,30 @@ class RunCheckpoints:
         lease, self._lease = self._lease, None
         if lease is not None:
             lease.release()
+
+    def _check_held(self, updates: int) -> None:
+        """Before a checkpoint publish: ``LeaseLost`` on every rank once a lease of the run is lost.
+
+        Rank 0 holds the run's leases (and each other node's first rank its node-local first
+        tier's); with several ranks this is one all-reduce (at publishes only, never per step),
+        and an all-gather of the reason once one is lost.
+        """
+        held = self._lease.held if self._lease is not None else ()
+        lost = next((lease for lease in held if lease.lost_reason is not None), None)
+        message = None
+        if lost is not None:
+            message = (
+                f"{lost.where}: this run's lease on its checkpoint location is lost "
+                f"({lost.lost_reason}); stopped after {updates} updates without publishing their "
+                "checkpoint, so that two runs never write one location (resume with --resume "
+                "auto once no other run uses it)"
+            )
+        if self.world_size > 1:
+            if not ddp.any_rank(message is not None, ddp.collective_device()):
+                return
+            message = first_of_any_rank(message)  # the node whose lease it is may not be rank 0
+        if message is not None:
+            raise LeaseLost(message)
 
     @property
     def _started(self) -> Checkpointer:

@@ -38,6 +38,7 @@ import koochak.loop.checkpoint.retention as retention
 import torch
 from koochak.loop import ddp, dist
 from koochak.loop.checkpoint.background import lower_this_threads_priority
+from koochak.loop.checkpoint.commit import publication_path, remove_checkpoints
 from koochak.loop.checkpoint.commit import save as save_in_layout
 from koochak.loop.checkpoint.format import (
     build_checkpoint,
@@ -46,11 +47,7 @@ from koochak.loop.checkpoint.format import (
 )
 from koochak.loop.checkpoint.host_buffers import HostBuffers, HostCopy
 from koochak.loop.checkpoint.layouts import COORDINATOR, FOLLOWER, ROLES, Layout, layout_for
-from koochak.loop.checkpoint.publication import (
-    checkpoint_store,
-    publication_path,
-    remove_checkpoints,
-)
+from koochak.loop.checkpoint.publication import checkpoint_store
 from koochak.loop.checkpoint.replication import (
     FollowerReplicator,
     ReplicaTier,
@@ -90,6 +87,8 @@ def capture_checkpoint(
     run_id: str | None = None,
     state: Mapping[str, Any] | None = None,
     origin: Mapping[str, Any] | None = None,
+    world_size: int | None = None,
+    sharded: bool | None = None,
 ) -> dict[str, Any]:
     """Build the checkpoint dict; every rank must call it (it may gather per-rank RNG states).
 
@@ -98,11 +97,16 @@ def capture_checkpoint(
     rank 0, about 16 kB per rank); a sharded model's (FSDP) ranks each write their own state
     into their own part (``sharded.save_sharded``), so nothing is gathered. ``data`` gives
     the elastic data cursor at ``next_step``; ``state`` is the user's open state mapping
-    (``training_loop(state=...)``), ``origin`` what ``train.init_from`` loaded.
+    (``training_loop(state=...)``), ``origin`` what ``train.init_from`` loaded. ``world_size``
+    and ``sharded`` (whether ``model`` is sharded) are looked up when not given; the loop's
+    ``Checkpointer`` knows them once per run, so a one-process save makes no collective call.
     """
     own = get_rng_state()
-    world_size = dist.get_world_size()
-    states = None if _sharded(model) else ddp.gather_rng_states(own)
+    if world_size is None:
+        world_size = dist.get_world_size()
+    if sharded is None:
+        sharded = _sharded(model)
+    states = ddp.gather_rng_states(own) if world_size > 1 and not sharded else None
     ckpt = build_checkpoint(  # under FSDP its sharded tensors are this rank's DTensors
         step=step,
         next_step=next_step,
@@ -113,7 +117,7 @@ def capture_checkpoint(
         scaler=scaler,
         config=config,
         rng=own,
-        rng_per_rank=states if world_size > 1 and states is not None else None,
+        rng_per_rank=states,
         world_size=world_size,
         wall_time=wall_time,
         metrics=metrics,
@@ -152,8 +156,11 @@ class Checkpointer:
         max_steps: int | None,
         resumed: Mapping[str, Any] | None,
         started: float,
+        world_size: int | None = None,
+        sharded: bool | None = None,
     ) -> None:
         self.parts = parts
+        self.world_size, self.sharded = world_size, sharded  # None: looked up at each capture
         self.saver = saver
         self.every = every
         self.max_steps = max_steps
@@ -169,7 +176,8 @@ class Checkpointer:
     def capture(self, step: int, next_step: int, reason: str, metrics: Mapping[str, float]) -> Any:
         wall_time = self.prior_wall_time + time.perf_counter() - self.started
         return capture_checkpoint(step=step, next_step=next_step, reason=reason, **self.parts,
-                                  wall_time=wall_time, metrics=metrics)  # fmt: skip
+                                  wall_time=wall_time, metrics=metrics,
+                                  world_size=self.world_size, sharded=self.sharded)  # fmt: skip
 
     def periodic(self, step: int, metrics: Mapping[str, float]) -> None:
         """Save after update ``step`` (resumes at ``step + 1``); async when the saver is."""
@@ -274,8 +282,9 @@ def make_checkpointer(
         on_replication=on_replication if rank == 0 else None,
         resumed=checkpoint_name(int(resumed["step"])) if resumed else None,
     )
-    return Checkpointer(parts, saver, every=ck.every, max_steps=ck.max_steps,
-                        resumed=resumed, started=started)  # fmt: skip
+    return Checkpointer(parts, saver, every=ck.every, max_steps=ck.max_steps, resumed=resumed,
+                        started=started, world_size=dist.get_world_size(),
+                        sharded=ck.sharded)  # fmt: skip
 
 
 def is_published_terminal(resumed: Mapping[str, Any] | None, step: int) -> bool:

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 from koochak.loop import dist
 from koochak.loop.checkpoint.collectives import broadcast_from_rank0, error_line
+from koochak.loop.checkpoint.commit import publication_path
 from koochak.loop.checkpoint.format import (
     CHECKPOINT_PATTERN,
     check_resume_cursor,
@@ -32,7 +33,7 @@ from koochak.loop.checkpoint.format import (
     step_of_name,
 )
 from koochak.loop.checkpoint.layouts import layout_of
-from koochak.loop.checkpoint.publication import checkpoint_store, publication_path
+from koochak.loop.checkpoint.publication import checkpoint_store
 from koochak.storage import artifact
 from koochak.storage.named import read_settle_seconds
 from koochak.storage.store import Store, capabilities_of

@@ -310,8 +310,8 @@ def _supersede(store: Store, key: str, location: Any, marker: TierMarker | None,
     there before it is removed here, and say so in one line. Nothing selects or prunes them
     there; they are the user's to keep or delete. Returns what moved, for the run history:
     ``(the older run, where its checkpoints went, their steps)``; None when nothing did."""
+    from koochak.loop.checkpoint.commit import unpublish_checkpoint
     from koochak.loop.checkpoint.format import LATEST_NAME, step_of_name
-    from koochak.loop.checkpoint.publication import unpublish_checkpoint
     from koochak.loop.checkpoint.tiers import replicate_checkpoint
 
     names = _committed(store, key, location)

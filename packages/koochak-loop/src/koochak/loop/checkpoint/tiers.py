@@ -30,9 +30,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from koochak.loop.checkpoint.commit import unpublish_checkpoint
 from koochak.loop.checkpoint.layouts import is_single_object, layout_of
 from koochak.loop.checkpoint.part_receipt import read_receipt
-from koochak.loop.checkpoint.publication import unpublish_checkpoint
 from koochak.loop.config import TrainConfig, as_train_config, check_replicas
 from koochak.storage import artifact
 from koochak.storage.store import Store
