@@ -637,8 +637,11 @@ def test_an_io_error_on_the_newest_in_every_tier_is_raised_not_rolled_back(tmp_p
 
 
 def test_an_unreachable_tier_is_skipped_with_one_line(tmp_path, caplog):
-    class Unreachable(LocalStore):
+    class Unreachable(LocalStore):  # every listing fails, the shallow one too
         def list(self, prefix=""):
+            raise ConnectionError(errno.ECONNREFUSED, "Connection refused")
+
+        def list_shallow(self, prefix, delimiter):
             raise ConnectionError(errno.ECONNREFUSED, "Connection refused")
 
     first = LocalStore(tmp_path / "first")

@@ -292,6 +292,10 @@ class _Counting(LocalStore):
         self.lists.append(prefix)
         return super().list(prefix)
 
+    def list_shallow(self, prefix, delimiter):
+        self.lists.append(prefix)
+        return super().list_shallow(prefix, delimiter)
+
 
 def test_a_save_of_a_free_name_lists_nothing(empty, tmp_path):
     _, layout, save = empty

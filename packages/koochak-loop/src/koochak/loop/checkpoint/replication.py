@@ -42,10 +42,9 @@ from koochak.loop.checkpoint.background import lower_this_threads_priority
 from koochak.loop.checkpoint.budget import BandwidthBudget, bandwidth_budget
 from koochak.loop.checkpoint.commit import unpublish_checkpoint
 from koochak.loop.checkpoint.format import step_of_name
-from koochak.loop.checkpoint.index_fragments import is_head
-from koochak.loop.checkpoint.layouts import is_single_object
+from koochak.loop.checkpoint.layouts import is_single_object, written_by_every_rank
 from koochak.loop.checkpoint.part_receipt import put_receipt, read_receipt
-from koochak.loop.checkpoint.parts_index import PART_INFIX, parse_index
+from koochak.loop.checkpoint.parts_index import PART_INFIX
 from koochak.loop.checkpoint.tiers import Replicated, describe_tier, replicate_checkpoint
 from koochak.storage import artifact
 from koochak.storage.store import Store
@@ -341,7 +340,7 @@ class Replicator:
                 continue
             where = f"{store.location}/{name}"
             try:
-                return is_head(raw) or parse_index(raw, where, name).writers > 1
+                return written_by_every_rank(raw, where, name)
             except ValueError:
                 return False  # damaged: the pull-back's own checks say so
         return False

@@ -37,6 +37,7 @@ from koochak.loop.checkpoint.format import (
     checkpoint_name,
 )
 from koochak.loop.checkpoint.layouts import read_checkpoint
+from koochak.loop.checkpoint.parts_index import PART_INFIX
 from koochak.loop.checkpoint.publication import checkpoint_store
 from koochak.loop.checkpoint.selection import missing_object, walk
 from koochak.loop.checkpoint.tiers import Location
@@ -96,7 +97,7 @@ def latest(location: str | os.PathLike[str] | Store) -> str | None:
     local = store.local_path(LATEST_NAME)
     if local is not None and os.path.lexists(local) and os.path.exists(local):
         return local
-    candidates = artifact.published_candidates(store, CHECKPOINT_PATTERN)
+    candidates = artifact.published_candidates(store, CHECKPOINT_PATTERN, leave_out=PART_INFIX)
     if not candidates:
         return None
     return _key_path(store, candidates[0][1])
@@ -110,7 +111,7 @@ def best(location: str | os.PathLike[str] | Store, key: str) -> str | None:
     store = checkpoint_store(location)
     best_value: float | None = None
     best_path: str | None = None
-    for _, name in artifact.published_candidates(store, CHECKPOINT_PATTERN):
+    for _, name in artifact.published_candidates(store, CHECKPOINT_PATTERN, leave_out=PART_INFIX):
         try:
             publication, data = artifact.read_verified(store, name)
             ckpt = read_checkpoint(store, name, data, _key_path(store, name))

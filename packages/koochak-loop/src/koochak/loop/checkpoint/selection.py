@@ -33,10 +33,11 @@ from koochak.loop.checkpoint.format import (
     step_of_name,
 )
 from koochak.loop.checkpoint.layouts import layout_of
+from koochak.loop.checkpoint.parts_index import PART_INFIX
 from koochak.loop.checkpoint.publication import checkpoint_store
 from koochak.storage import artifact
 from koochak.storage.named import read_settle_seconds
-from koochak.storage.store import Store, capabilities_of
+from koochak.storage.store import Store, capabilities_of, list_shallow
 
 log = logging.getLogger("koochak.loop.checkpoint")
 
@@ -182,7 +183,7 @@ def _candidates(
     gone: list[tuple[int, Store]] = []
     for tier, store in enumerate(stores):
         try:
-            listed = artifact.published_candidates(store, CHECKPOINT_PATTERN)
+            listed = artifact.published_candidates(store, CHECKPOINT_PATTERN, leave_out=PART_INFIX)
         except OSError as exc:
             if len(stores) == 1:
                 raise
@@ -213,7 +214,7 @@ def _vanished(store: Store) -> bool:
 
 def _log_unmanifested(store: Store, chosen: int) -> None:
     """Say why newer-looking files were passed over: they were never committed by a manifest."""
-    keys = {info.key for info in store.list("step")}
+    keys = {info.key for info in list_shallow(store, "step", PART_INFIX)}  # not their parts
     for key in sorted(keys):
         number = step_of_name(key)
         if number is not None and number > chosen and key + artifact.READY_SUFFIX not in keys:

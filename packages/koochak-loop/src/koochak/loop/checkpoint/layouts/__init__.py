@@ -168,6 +168,20 @@ def layout_of(head: Head) -> Layout:
     return PARTS
 
 
+def written_by_every_rank(head: Head, where: str, name: str) -> bool:
+    """Whether ``head`` commits a checkpoint every rank of its run wrote its own parts of: the
+    sharded layout (a version-2 head, even of one writer), or a version-1 index of several
+    writers. ValueError (naming ``where``) for an index that does not parse."""
+    layout = layout_of(head)
+    if layout.name == "sharded":
+        return True
+    if layout.name != "parts":
+        return False
+    from koochak.loop.checkpoint.parts_index import parse_index
+
+    return parse_index(head, where, name).writers > 1
+
+
 def is_single_object(head: Head) -> bool:
     """Whether a head (its first byte is enough) is the whole checkpoint (one file): nothing
     else to read, copy or verify."""
