@@ -22,6 +22,7 @@ STORE = {
     "check_put_expectations": "koochak.storage.protocol",
     "StoreCapabilities": "koochak.storage.protocol",
     "capabilities_of": "koochak.storage.protocol",
+    "exists": "koochak.storage.protocol",
     "list_shallow": "koochak.storage.protocol",
     "open_store": "koochak.storage.store",
     "register_store": "koochak.storage.store",

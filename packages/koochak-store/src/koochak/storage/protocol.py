@@ -225,6 +225,15 @@ def capabilities_of(store: Any) -> StoreCapabilities:
     return declared
 
 
+def exists(store: Any, key: str) -> bool:
+    """Whether ``store`` holds ``key`` now (one ``stat``); other errors propagate."""
+    try:
+        store.stat(key)
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def list_shallow(store: Any, prefix: str, delimiter: str) -> list[ObjectInfo]:
     """The objects of ``store`` whose key starts with ``prefix`` and has no ``delimiter`` after
     it, sorted by key: e.g. a tier's checkpoints and their manifests without any of their parts

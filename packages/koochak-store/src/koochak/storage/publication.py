@@ -34,7 +34,7 @@ from koochak.storage.ready_manifest import (
     _manifest_bytes,
     _parse_manifest,
 )
-from koochak.storage.store import Store, capabilities_of, list_shallow, open_store
+from koochak.storage.store import Store, capabilities_of, exists, list_shallow, open_store
 
 __all__ = [
     "Publication",
@@ -139,9 +139,9 @@ def publish(
         raise ValueError(f"publish({name!r}): the intent given claims {intent.key!r}")
     intent = intent if intent is not None else _claim(store, name)
     try:
-        if _exists(store, manifest_key):
+        if exists(store, manifest_key):
             unpublish(store, name)  # a finished publication: replaced, manifest first
-        elif _exists(store, name):
+        elif exists(store, name):
             # Uncommitted, and no live publisher holds the name: the leftover of one that died
             # (its intent proved it, in _claim) or of a plain put.
             _log.warning("replacing %s/%s: an object without its ready manifest, whose publisher "
@@ -395,7 +395,7 @@ def read_verified(store: Store, name: str) -> tuple[Publication, bytes]:
         # Missing here may only mean not visible yet on this client: wait read_settle_seconds.
         data = get_named(store, name, named_by=manifest_key)
     except FileNotFoundError:
-        if not _exists(store, manifest_key):  # unpublished meanwhile (pruned): skip it
+        if not exists(store, manifest_key):  # unpublished meanwhile (pruned): skip it
             raise InvalidArtifact(f"{where}: unpublished while it was read") from None
         raise  # named by a manifest that is still there: never "absent"
     if len(data) != committed.size:
@@ -511,14 +511,6 @@ def _prune(store: Store, regex: re.Pattern[str], pattern: str, keep: int) -> lis
         unpublish(store, key)
         removed.append(key)
     return removed
-
-
-def _exists(store: Store, key: str) -> bool:
-    try:
-        store.stat(key)
-    except FileNotFoundError:
-        return False
-    return True
 
 
 def _sha_of_object(store: Store, key: str) -> str:

@@ -29,6 +29,7 @@ from koochak.storage.protocol import (
     StoreCapabilities,
     capabilities_of,
     check_put_expectations,
+    exists,
     list_shallow,
 )
 
@@ -44,6 +45,7 @@ __all__ = [
     "TEMP_PREFIX",
     "validate_key",
     "check_put_expectations",
+    "exists",
     "list_shallow",
     "open_store",
     "register_store",

@@ -40,6 +40,7 @@ from koochak.storage.store import (
     Store,
     StoreCapabilities,
     capabilities_of,
+    exists,
     list_shallow,
 )
 
@@ -619,6 +620,12 @@ class StoreConformance:
         ]  # after the prefix only
         assert [i.key for i in list_shallow(store, "", "/")] == [
             k for k in sorted(keys) if "/" not in k]  # fmt: skip
+
+    def test_exists_is_one_stat(self, store: Store) -> None:
+        store.put("e/here", b"x")
+        assert exists(store, "e/here")
+        assert not exists(store, "e/gone")
+        assert not exists(store, "e/her")  # a prefix of a key is not a key
 
     def test_list_of_an_empty_store_is_empty(self, store: Store) -> None:
         assert store.list() == []

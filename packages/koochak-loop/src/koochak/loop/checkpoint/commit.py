@@ -19,7 +19,7 @@ from koochak.loop.checkpoint.format import CHECKPOINT_PATTERN, LATEST_NAME
 from koochak.loop.checkpoint.layouts.roles import FOLLOWER
 from koochak.loop.checkpoint.parts_io import delete_parts
 from koochak.storage import artifact
-from koochak.storage.store import Store
+from koochak.storage.store import Store, exists
 
 log = logging.getLogger("koochak.loop.checkpoint")
 
@@ -35,7 +35,7 @@ def claimed(store: Store, name: str) -> Iterator[Any]:
     A leftover without any intent record (a plain put, or a failed save's cleanup cut short) is
     not looked for: a create-only put onto it fails naming the object, and nothing is lost."""
     with artifact.claimed(store, name) as intent:
-        if _exists(store, name + artifact.READY_SUFFIX):
+        if exists(store, name + artifact.READY_SUFFIX):
             unpublish_checkpoint(store, name)
         elif intent.took_over:
             leftover = delete_parts(store, name, also_object=True)
@@ -73,14 +73,6 @@ def discard(store: Store, name: str, layout: Any, head: Any, intent: Any) -> Non
     except (ValueError, OSError):
         return
     _delete_quietly(store, [key for key in keys if key != name + artifact.READY_SUFFIX])
-
-
-def _exists(store: Store, key: str) -> bool:
-    try:
-        store.stat(key)
-    except FileNotFoundError:
-        return False
-    return True
 
 
 def _delete_quietly(store: Store, keys: Iterable[str]) -> None:

@@ -50,7 +50,7 @@ from koochak.loop.checkpoint.safetensors_out import (
 )
 from koochak.loop.checkpoint.serialization import stream_torch_save
 from koochak.storage import artifact
-from koochak.storage.store import Store
+from koochak.storage.store import Store, exists
 
 __all__ = ["export_weights", "ExportExists", "FORMATS"]
 
@@ -187,29 +187,21 @@ def _found(
 ) -> str:
     """``"absent"``, ``"same"`` (committed by an export of these ``same`` fields), or what else
     holds ``key`` (for the refusal: "was committed by another export", "is a file ...")."""
-    manifest = _exists(target, key + artifact.READY_SUFFIX)
+    manifest = exists(target, key + artifact.READY_SUFFIX)
     if not manifest:
-        return "is a file without a ready manifest" if _exists(target, key) else "absent"
+        return "is a file without a ready manifest" if exists(target, key) else "absent"
     try:
         committed, raw = artifact.read_manifest(target, key)
         recorded = json.loads(raw).get("provenance") or {}
     except (ValueError, OSError):
         return "has an unreadable ready manifest"
-    if not _exists(target, key):
+    if not exists(target, key):
         return "has a ready manifest whose file is missing"
     if all(recorded.get(field) == provenance[field] for field in same):
         return "same"
     kind = committed.artifact_id.partition("/")[0]
     other = recorded.get("checkpoint") or "something else"
     return f"was committed as {kind} of {other} (step {recorded.get('step')})"
-
-
-def _exists(store: Store, key: str) -> bool:
-    try:
-        store.stat(key)
-    except FileNotFoundError:
-        return False
-    return True
 
 
 def _weights(ckpt: dict[str, Any], ema: int | None, path: str | None) -> dict[str, torch.Tensor]:
