@@ -536,3 +536,42 @@ def test_a_setup_failure_after_the_claim_gives_the_location_back_at_once(tmp_pat
     except ConfigError as exc:  # what the old code said
         pytest.fail(f"the failed run kept its claim: {exc}")
     assert checkpoint["next_step"] == 2
+
+
+@pytest.mark.parametrize("resume", ["auto", "none"])
+@pytest.mark.parametrize("run_id", [None, "another-run"])
+def test_the_marker_of_a_run_that_aborted_after_its_claim_locks_no_one_out(
+    tmp_path, caplog, resume, run_id
+):
+    # Issue 35's leftover: a training_loop whose setup raised after the claim leaves its tier
+    # marker in out_dir (it committed nothing). The next run into the same place, resuming or
+    # starting over, as the same run or another one, starts at once, trains and owns the place:
+    # the same run keeps its id, another run takes the marker over with one line.
+    from koochak.loop import training_loop
+    from koochak.loop.checkpoint.tier_marker import read_marker
+
+    def broken(_):
+        raise RuntimeError("the optimizer factory failed")
+
+    def run(resume, optimizer, **train):
+        return training_loop(
+            model=torch.nn.Linear(3, 1), dataset=[(torch.ones(2, 3), torch.ones(2, 1))] * 2,
+            step_fn=lambda m, b, ctx: {"loss": torch.nn.functional.mse_loss(m(b[0]), b[1])},
+            train_cfg={"max_steps": 2, "device": "cpu", "out_dir": str(tmp_path / "run"), **train},
+            resume=resume, optimizer=optimizer,
+        )  # fmt: skip
+
+    with pytest.raises(RuntimeError, match="the optimizer factory failed"):
+        run("auto", broken)
+    aborted = read_marker(LocalStore(str(tmp_path / "run")))
+    assert aborted is not None  # what the aborted run left: its marker, no checkpoint
+    train = {"run_id": run_id} if run_id else {}
+    with caplog.at_level(logging.WARNING, logger="koochak.loop.checkpoint"):
+        checkpoint = run(resume, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), **train)
+    assert checkpoint["next_step"] == 2
+    owner = read_marker(LocalStore(str(tmp_path / "run")))
+    assert owner is not None and owner.run_id == checkpoint["run_id"]
+    assert checkpoint["run_id"] == (run_id or aborted.run_id)  # the same run keeps its id
+    took_over = [r for r in caplog.records if "taking over the tier marker" in r.getMessage()]
+    assert len(took_over) == (1 if run_id else 0)
+    assert not (tmp_path / "run" / "superseded").exists()  # nothing committed: nothing set aside

@@ -9,7 +9,9 @@ first tier, every other node's first rank then claims its node's tier for the sa
    ``checkpoint_dict`` passed to ``training_loop``), else the first tier's marker's (a retry),
    else one derived from ``train.out_dir``'s absolute path (``default_run_id``: a retry whose
    node-local first tier is gone is still the same run). A run that starts over
-   (``--resume none``) takes ``train.run_id``, else a new id whenever its tiers hold anything;
+   (``--resume none``) takes ``train.run_id``, else a new id whenever its tiers hold anything
+   (a committed checkpoint, or a marker other than the default id's: that marker alone is what
+   an attempt that died before its first commit leaves, and it keeps the default id);
 2. every tier's marker ``koochak-tier.json`` (docs/formats.md, "Tier marker") is read, and
    written create-only where there is none (first use). A tier whose marker names another run
    and that holds committed checkpoints is refused (ConfigError naming the key and both runs):
@@ -206,7 +208,10 @@ def claim_tiers(
     if decided is not None:
         run_id = decided
     elif fresh:
-        used = any(m is not None for m in markers) or any(
+        # A marker of this very run (its default id) over nothing committed is what an attempt
+        # that died before its first commit leaves: it does not make the place used.
+        same = default_run_id(cfg)
+        used = any(m is not None and m.run_id != same for m in markers) or any(
             _committed(s, k, t.location) for s, k, t, m in zip(stores, keys, tiers, markers)
             if m is not _UNREADABLE
         )  # fmt: skip
@@ -228,6 +233,10 @@ def claim_tiers(
 
                 record_supersede(cfg.out_dir, i, *moved)
             if marker is not None and marker.run_id != run_id:
+                if moved is None:
+                    log.warning("%s (%s): taking over the tier marker of run %r, which committed "
+                                "nothing there, for run %r", key, location, marker.run_id,
+                                run_id)  # fmt: skip
                 marker = _take_marker(store, key, location, marker, run_id)
         elif marker is not None and marker.run_id != run_id:
             committed = _committed(store, key, location)
