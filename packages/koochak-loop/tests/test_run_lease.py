@@ -384,6 +384,65 @@ def test_a_live_run_in_another_nodes_first_tier_refuses_every_rank(project):
     assert not (root / "node0").exists() and not (root / "durable").exists()
 
 
+def _two_nodes(root, config, run) -> list[tuple[str, int]]:
+    """koochak-train as two nodes of one rank each (KOOCHAK_NODE_INDEX), first tier
+    ``{run}/node{node}``, replica ``{run}/durable``: each rank's (stderr, exit code)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ["-m", "koochak.loop.cli", "--config", str(config), "--resume", "auto",
+            "train.ddp=true", f"train.out_dir={run}/out", f"train.checkpoint_dir={run}/node{{node}}",
+            f"train.checkpoint_replicas=[{run}/durable]"]  # fmt: skip
+    procs = []
+    try:
+        for rank in (0, 1):
+            env = dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2",
+                       KOOCHAK_NODE_INDEX=str(rank), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port), PYTHONPATH=str(root))  # fmt: skip
+            procs.append(subprocess.Popen([sys.executable, *args], cwd=root, env=env, text=True,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))  # fmt: skip
+        return [(p.communicate(timeout=180)[1], p.returncode) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.mark.slow
+def test_every_nodes_first_tier_is_marked_and_another_runs_marker_there_refuses_every_rank(
+    project,
+):
+    """A node-local first tier (``{node}``): node 1's first rank claims its node's tier for the
+    run id rank 0 decided, so node 1's tier carries the run's marker too; a tier there that
+    another run marked and committed to refuses every rank, naming it, and what the refused start
+    took is given back (issue 35's leftover: only rank 0's node was marked)."""
+    import shutil
+
+    from koochak.loop.checkpoint.tier_marker import MARKER_KEY, read_marker
+
+    root, _, config = project
+    first = root / "first"
+    for rank, (err, code) in enumerate(_two_nodes(root, config, first)):
+        assert code == 0, f"rank {rank}: {err}"
+    node0, node1 = (read_marker(LocalStore(str(first / f"node{i}"))) for i in (0, 1))
+    assert node0 is not None and node1 is not None, "node 1's first tier has no tier marker"
+    assert node1.run_id == node0.run_id and node1.tier_id != node0.tier_id
+    # Another run's place: node 1's tier holds the first run's marker and committed checkpoints.
+    other = root / "other"
+    shutil.copytree(first / "node0", other / "node1", symlinks=True)
+    before = (other / "node1" / MARKER_KEY).read_bytes()
+    results = _two_nodes(root, config, other)
+    for rank, (err, code) in enumerate(results):
+        assert code == 2, f"rank {rank}: {err}"
+        assert f"{other / 'node1'}" in err and repr(node0.run_id) in err, f"rank {rank}: {err}"
+    assert (other / "node1" / MARKER_KEY).read_bytes() == before  # refused, not taken over
+    for where in ("node0", "durable"):  # rank 0's fresh markers went with the refusal
+        assert read_marker(LocalStore(str(other / where))) is None, where
+    for where in ("node0", "node1", "durable", "out"):
+        assert read_lease(LocalStore(str(other / where))) is None, where
+
+
 def _lost_nodes_lease(where) -> None:
     """The lease attempt 0 of Slurm job 4711 left on ``where`` when its node was lost: written
     as that node wrote it (another machine, another boot), renewed a moment ago."""
@@ -477,3 +536,42 @@ def test_a_setup_failure_after_the_claim_gives_the_location_back_at_once(tmp_pat
     except ConfigError as exc:  # what the old code said
         pytest.fail(f"the failed run kept its claim: {exc}")
     assert checkpoint["next_step"] == 2
+
+
+@pytest.mark.parametrize("resume", ["auto", "none"])
+@pytest.mark.parametrize("run_id", [None, "another-run"])
+def test_the_marker_of_a_run_that_aborted_after_its_claim_locks_no_one_out(
+    tmp_path, caplog, resume, run_id
+):
+    # Issue 35's leftover: a training_loop whose setup raised after the claim leaves its tier
+    # marker in out_dir (it committed nothing). The next run into the same place, resuming or
+    # starting over, as the same run or another one, starts at once, trains and owns the place:
+    # the same run keeps its id, another run takes the marker over with one line.
+    from koochak.loop import training_loop
+    from koochak.loop.checkpoint.tier_marker import read_marker
+
+    def broken(_):
+        raise RuntimeError("the optimizer factory failed")
+
+    def run(resume, optimizer, **train):
+        return training_loop(
+            model=torch.nn.Linear(3, 1), dataset=[(torch.ones(2, 3), torch.ones(2, 1))] * 2,
+            step_fn=lambda m, b, ctx: {"loss": torch.nn.functional.mse_loss(m(b[0]), b[1])},
+            train_cfg={"max_steps": 2, "device": "cpu", "out_dir": str(tmp_path / "run"), **train},
+            resume=resume, optimizer=optimizer,
+        )  # fmt: skip
+
+    with pytest.raises(RuntimeError, match="the optimizer factory failed"):
+        run("auto", broken)
+    aborted = read_marker(LocalStore(str(tmp_path / "run")))
+    assert aborted is not None  # what the aborted run left: its marker, no checkpoint
+    train = {"run_id": run_id} if run_id else {}
+    with caplog.at_level(logging.WARNING, logger="koochak.loop.checkpoint"):
+        checkpoint = run(resume, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), **train)
+    assert checkpoint["next_step"] == 2
+    owner = read_marker(LocalStore(str(tmp_path / "run")))
+    assert owner is not None and owner.run_id == checkpoint["run_id"]
+    assert checkpoint["run_id"] == (run_id or aborted.run_id)  # the same run keeps its id
+    took_over = [r for r in caplog.records if "taking over the tier marker" in r.getMessage()]
+    assert len(took_over) == (1 if run_id else 0)
+    assert not (tmp_path / "run" / "superseded").exists()  # nothing committed: nothing set aside

@@ -45,7 +45,6 @@ MODES = ["sync", "async"]
 SAVES = [0, 1, 2, world.STEPS]
 
 
-
 def _combos():
     for layout in LAYOUTS:
         for tiers in TIERS:
@@ -395,6 +394,7 @@ def _claim(first, replicas, layout, mode, **more):
     from koochak.loop.run_lease import claim_run
 
     fresh = more.pop("fresh", False)
+    world.register_slow()  # an async first tier is slowdir://; the sharded runs registered it elsewhere
     cfg = world.train_cfg(str(first), replicas, layout, mode == "async", **more)
     return claim_run(resolve_train_config(cfg), 0, fresh=fresh)
 
@@ -428,7 +428,26 @@ def test_another_run_is_refused_on_every_tier_and_changes_nothing(trained, layou
     assert _snapshot([run.first, *run.replicas]) == before
 
 
-@pytest.mark.parametrize("layout, tiers, mode", [c for c in COMBOS if c.values[1] != "s3 replica"])
+def _markerless_copy(location: str, tmp_path: Path) -> Path | str:
+    """A copy of replica ``location``, every object but its tier marker: a directory under
+    ``tmp_path``, or for an S3 replica a fresh prefix of the same bucket (removed at the end)."""
+    from koochak.loop.checkpoint.tier_marker import MARKER_KEY
+
+    if "://" not in location:
+        shutil.copytree(location, tmp_path / "replica")
+        (tmp_path / "replica" / MARKER_KEY).unlink()
+        return tmp_path / "replica"
+    scheme, name = location.split("://", 1)
+    copy = f"{name}-markerless-{uuid.uuid4().hex[:8]}"
+    _S3_USED.append(copy)
+    source, target = open_store(location), open_store(f"{scheme}://{copy}")
+    for info in source.list(""):
+        if info.key != MARKER_KEY:
+            target.put(info.key, source.get(info.key))
+    return f"{scheme}://{copy}"
+
+
+@pytest.mark.parametrize("layout, tiers, mode", COMBOS)
 def test_a_markerless_tier_of_another_run_is_refused_naming_it(trained, tmp_path, layout, tiers,
                                                                mode):  # fmt: skip
     """A tier holding another run's committed checkpoints and no marker (written before
@@ -439,13 +458,13 @@ def test_a_markerless_tier_of_another_run_is_refused_naming_it(trained, tmp_path
     run = trained(layout, tiers, mode)
     owner = read_marker(_store(run.first)).run_id
     if run.replicas:  # the replica, copied without its marker, behind a new first tier
-        tier = tmp_path / "replica"
-        shutil.copytree(run.replicas[0], tier)
+        tier = _markerless_copy(run.replicas[0], tmp_path)
         first, replicas = tmp_path / "first", [str(tier)]
     else:
         tier = first = _copy_first(run, tmp_path / "first")
         replicas = []
-    (tier / MARKER_KEY).unlink()
+        (tier / MARKER_KEY).unlink()
+    assert read_marker(_store(tier)) is None and _committed(tier)
     before = _snapshot([tier])
     with pytest.raises(ConfigError, match=f"no tier marker but holds .* run {owner!r}"):
         _claim(first, replicas, layout, mode, run_id="an-intruder")

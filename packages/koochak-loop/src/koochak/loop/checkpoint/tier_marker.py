@@ -1,13 +1,17 @@
 """Tiers know whose they are: a small marker object in every tier, naming the run that owns it.
 
 ``claim_tiers`` runs once at the start of a run (rank 0), after the run holds its lease on every
-tier (``run_lease.claim_run``) and before any checkpoint is selected or written:
+tier (``run_lease.claim_run``) and before any checkpoint is selected or written (with a ``{node}``
+first tier, every other node's first rank then claims its node's tier for the same run id,
+``claim_node_tier``):
 
 1. the run's id: ``train.run_id``, else that of the checkpoint the caller resumes (a
    ``checkpoint_dict`` passed to ``training_loop``), else the first tier's marker's (a retry),
    else one derived from ``train.out_dir``'s absolute path (``default_run_id``: a retry whose
    node-local first tier is gone is still the same run). A run that starts over
-   (``--resume none``) takes ``train.run_id``, else a new id whenever its tiers hold anything;
+   (``--resume none``) takes ``train.run_id``, else a new id whenever its tiers hold anything
+   (a committed checkpoint, or a marker other than the default id's: that marker alone is what
+   an attempt that died before its first commit leaves, and it keeps the default id);
 2. every tier's marker ``koochak-tier.json`` (docs/formats.md, "Tier marker") is read, and
    written create-only where there is none (first use). A tier whose marker names another run
    and that holds committed checkpoints is refused (ConfigError naming the key and both runs):
@@ -164,16 +168,24 @@ def claim_tiers(
     resumed_run: str | None = None,
     fresh: bool = False,
     tiers: Sequence[Tier] | None = None,
+    run_id: str | None = None,
+    created: list[Store] | None = None,
 ) -> str:
     """Check and mark every tier of the run; return the run's id (see the module's docstring).
     ConfigError naming the key for every refusal. ``write=False`` (a rank other than 0 in a
     preflight): every check that needs no write, nothing written. ``resumed_run``: the run id
     of a checkpoint the caller already chose to resume (it names the run, after ``train.run_id``).
     ``fresh``: the run starts over and becomes the owner of every tier (point 3). ``tiers``: the
-    run's ``checkpoint_tiers``, when the caller has them already."""
+    run's ``checkpoint_tiers``, when the caller has them already. ``run_id``: the id rank 0
+    decided, for another node's first rank claiming its node's own first tier (``tiers`` is
+    that one tier; nothing is recorded in out_dir's history from there). ``created``: the
+    stores whose marker this call wrote afresh are appended to it (a refused start removes
+    them again, ``remove_created``)."""
     tiers = tiers if tiers is not None else checkpoint_tiers(cfg)
-    keys = tier_keys(cfg)
-    check_parents(cfg, tiers)
+    keys = tier_keys(cfg)[: len(tiers)]
+    decided = run_id
+    if decided is None:
+        check_parents(cfg, tiers)
     stores: list[Store] = []
     markers: list[TierMarker | None] = []
     for i, (tier, key) in enumerate(zip(tiers, keys)):
@@ -193,8 +205,13 @@ def claim_tiers(
             stores.append(store)
             markers.append(_UNREADABLE)
     first = markers[0] if markers[0] is not _UNREADABLE else None
-    if fresh:
-        used = any(m is not None for m in markers) or any(
+    if decided is not None:
+        run_id = decided
+    elif fresh:
+        # A marker of this very run (its default id) over nothing committed is what an attempt
+        # that died before its first commit leaves: it does not make the place used.
+        same = default_run_id(cfg)
+        used = any(m is not None and m.run_id != same for m in markers) or any(
             _committed(s, k, t.location) for s, k, t, m in zip(stores, keys, tiers, markers)
             if m is not _UNREADABLE
         )  # fmt: skip
@@ -211,11 +228,15 @@ def claim_tiers(
             continue
         if fresh and write:
             moved = _supersede(store, key, location, marker, run_id)
-            if moved is not None:  # the run's story says it (koochak-report)
+            if moved is not None and decided is None:  # the run's story says it (koochak-report)
                 from koochak.loop.run_history import record_supersede
 
                 record_supersede(cfg.out_dir, i, *moved)
             if marker is not None and marker.run_id != run_id:
+                if moved is None:
+                    log.warning("%s (%s): taking over the tier marker of run %r, which committed "
+                                "nothing there, for run %r", key, location, marker.run_id,
+                                run_id)  # fmt: skip
                 marker = _take_marker(store, key, location, marker, run_id)
         elif marker is not None and marker.run_id != run_id:
             committed = _committed(store, key, location)
@@ -243,7 +264,10 @@ def claim_tiers(
             if not write:
                 continue
             try:
-                marker = write_marker(store, new_marker(run_id))
+                written = new_marker(run_id)
+                marker = write_marker(store, written)
+                if marker == written and created is not None:
+                    created.append(store)
             except Exception as exc:
                 if i == 0 or lasting(exc):
                     raise _fail(key, location, "cannot be written", exc) from None
@@ -426,15 +450,19 @@ def run_identity(
     holding the run's leases, ``run_lease.claim_run``) and every rank raises the same
     ConfigError when it refuses one. ``resumed``: a checkpoint the caller already chose to
     resume; its ``run_id`` names the run unless ``train.run_id`` does. ``fresh``: the run
-    starts over and owns its tiers."""
+    starts over and owns its tiers. With a node-local first tier (``{node}``) the first rank of
+    every other node then claims its node's first tier for that id (``claim_node_tier``)."""
     resumed_run = resumed.get("run_id") if resumed is not None else None
     resumed_run = resumed_run if isinstance(resumed_run, str) and resumed_run else None
     from koochak.loop import ddp
 
     outcome: tuple[str, str] | None = None
+    created: list[Store] = []
     if rank == 0:
         try:
-            outcome = ("ok", claim_tiers(cfg, resumed_run=resumed_run, fresh=fresh, tiers=tiers))
+            run_id = claim_tiers(cfg, resumed_run=resumed_run, fresh=fresh, tiers=tiers,
+                                 created=created)  # fmt: skip
+            outcome = ("ok", run_id)
         except ConfigError as exc:
             outcome = ("refused", str(exc))
         except Exception as exc:  # tell the other ranks before raising, or they wait forever
@@ -443,7 +471,58 @@ def run_identity(
     assert outcome is not None
     kind, value = outcome
     if kind == "ok":
+        try:
+            claim_node_tier(cfg, rank, value, fresh=fresh, tiers=tiers)
+        except BaseException:
+            remove_created(created, value)  # a refused start leaves no marker of this run
+            raise
         return value
     if kind == "refused":
         raise ConfigError(value)
     raise RuntimeError(f"rank 0 could not check the checkpoint tiers: {value}")
+
+
+def claim_node_tier(
+    cfg: TrainConfig, rank: int, run_id: str, *, fresh: bool = False,
+    tiers: Sequence[Tier] | None = None,
+) -> None:  # fmt: skip
+    """With a node-local first tier (``{node}`` in ``train.checkpoint_dir``), the first rank of
+    every node but rank 0's (LOCAL_RANK 0) claims its node's first tier for ``run_id``, the id
+    rank 0 decided, by the rules ``claim_tiers`` applies to rank 0's tiers. One all-gather:
+    every rank raises the first refusal (ConfigError naming the tier), a rank whose claim failed
+    otherwise raises its own error. Nothing (no collective) without a ``{node}`` first tier or
+    with one process."""
+    from koochak.loop import dist
+    from koochak.loop.checkpoint.tiers import is_node_local
+    from koochak.loop.run_lease import first_of_any_rank
+
+    if dist.get_world_size() <= 1 or not is_node_local(cfg.checkpoint_dir):
+        return
+    refusal, failure = None, None
+    if rank != 0 and dist.get_local_rank() == 0:
+        tiers = tiers if tiers is not None else checkpoint_tiers(cfg)
+        try:
+            claim_tiers(cfg, run_id=run_id, fresh=fresh, tiers=tiers[:1])
+        except ConfigError as exc:
+            refusal = str(exc)
+        except Exception as exc:  # the others must not wait for a rank that leaves
+            failure = exc
+            refusal = f"train.checkpoint_dir: rank {rank} could not claim its node's tier: {exc}"
+    refusal = first_of_any_rank(refusal)
+    if failure is not None:
+        raise failure
+    if refusal is not None:
+        raise ConfigError(refusal)
+
+
+def remove_created(created: Sequence[Store], run_id: str) -> None:
+    """Remove the markers of run ``run_id`` a refused start wrote afresh (best effort: a marker
+    of a run that committed nothing is taken over by the next run anyway)."""
+    for store in created:
+        try:
+            marker = read_marker(store)
+            if marker is not None and marker.run_id == run_id:
+                store.delete(MARKER_KEY)
+        except Exception as exc:
+            log.warning("%s: cannot remove this refused run's tier marker (%s: %s)",
+                        store.location, type(exc).__name__, exc)  # fmt: skip
