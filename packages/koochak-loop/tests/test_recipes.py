@@ -102,6 +102,28 @@ def test_the_gan_recipe_resumes_bit_identically_on_two_gloo_ranks(tmp_path, mode
 
 
 @pytest.mark.slow
+def test_the_ddp_gan_needs_find_unused_parameters_for_gs_parameters_in_the_d_step(tmp_path):
+    # Why gan.yaml sets the flag (docs/loop.md, "A second backward under DDP"): D's backward
+    # reaches none of G's parameters, so without it DDP's reducer never finishes that reduction
+    # and the G step's forward fails on every rank, naming exactly G's parameters.
+    # (TORCH_DISTRIBUTED_DEBUG=DETAIL would name them, but crashes the gloo ranks with SIGSEGV
+    # here: DDP names them by their index in model.parameters().)
+    with pytest.raises(AssertionError) as failed:
+        _train("gan.yaml", tmp_path, "train.ddp=true", "train.find_unused_parameters=false",
+               "train.max_steps=2", "train.ckpt_every=null", ranks=2)  # fmt: skip
+    error = str(failed.value)
+    assert "Expected to have finished reduction in the prior iteration" in error
+    from examples.recipes.gan import make_model
+
+    names = [name for name, _ in make_model().named_parameters()]
+    for rank in (0, 1):
+        said = error.split(f"did not receive grad for rank {rank}: ")[1].split(" In addition")[0]
+        assert [names[int(i)] for i in said.split()] == [
+            "G.0.weight", "G.0.bias", "G.2.weight", "G.2.bias"
+        ]  # fmt: skip
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["train.ddp=true", "train.fsdp.enabled=true"])
 def test_sam_and_a_fine_tune_from_it_on_two_gloo_ranks(tmp_path, mode):
     # SAM's update_fn (two backward passes per update, each reducing across ranks) trains, is
