@@ -3,7 +3,9 @@
 The generator's Adam is the loop's main optimizer (the loop clips, logs and steps it); the
 discriminator's rides in every checkpoint as ``state["opt_d"]`` and this update steps it.
 ``koochak-train --config examples/recipes/gan.yaml`` (add ``train.ddp=true`` under torchrun, or
-``train.fsdp.enabled=true``).
+``train.fsdp.enabled=true``). Under DDP the D step's backward leaves G's parameters without
+gradients, which is why ``gan.yaml`` sets ``train.find_unused_parameters`` (docs/loop.md, "A second
+backward under DDP").
 """
 
 from __future__ import annotations

@@ -29,9 +29,15 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _train(config: str, out: Path, *overrides: str, ranks: int = 1, kill: bool = False) -> int:
+def _train(
+    config: str, out: Path, *overrides: str, ranks: int = 1, kill: bool = False,
+    dump: Path | None = None,
+) -> int:  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
     env.pop("RECIPE_KILL_AT", None)
+    env.pop("RECIPE_START_DUMP", None)
+    if dump is not None:
+        env["RECIPE_START_DUMP"] = str(dump)
     if kill:
         env["RECIPE_KILL_AT"] = str(KILL_AT)
     args = ["--config", str(RECIPES / config), f"train.out_dir={out}", *COMMON, *overrides]
@@ -93,6 +99,51 @@ def test_single_process_recipes_resume_bit_identically_after_kill_9(tmp_path):
 @pytest.mark.parametrize("mode", ["train.ddp=true", "train.fsdp.enabled=true"])
 def test_the_gan_recipe_resumes_bit_identically_on_two_gloo_ranks(tmp_path, mode):
     _kill_and_resume("gan.yaml", tmp_path, mode, ranks=2)
+
+
+@pytest.mark.slow
+def test_the_ddp_gan_needs_find_unused_parameters_for_gs_parameters_in_the_d_step(tmp_path):
+    # Why gan.yaml sets the flag (docs/loop.md, "A second backward under DDP"): D's backward
+    # reaches none of G's parameters, so without it DDP's reducer never finishes that reduction
+    # and the G step's forward fails on every rank, naming exactly G's parameters.
+    # (TORCH_DISTRIBUTED_DEBUG=DETAIL would name them, but crashes the gloo ranks with SIGSEGV
+    # here: DDP names them by their index in model.parameters().)
+    with pytest.raises(AssertionError) as failed:
+        _train("gan.yaml", tmp_path, "train.ddp=true", "train.find_unused_parameters=false",
+               "train.max_steps=2", "train.ckpt_every=null", ranks=2)  # fmt: skip
+    error = str(failed.value)
+    assert "Expected to have finished reduction in the prior iteration" in error
+    from examples.recipes.gan import make_model
+
+    names = [name for name, _ in make_model().named_parameters()]
+    for rank in (0, 1):
+        said = error.split(f"did not receive grad for rank {rank}: ")[1].split(" In addition")[0]
+        assert [names[int(i)] for i in said.split()] == [
+            "G.0.weight", "G.0.bias", "G.2.weight", "G.2.bias"
+        ]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["train.ddp=true", "train.fsdp.enabled=true"])
+def test_sam_and_a_fine_tune_from_it_on_two_gloo_ranks(tmp_path, mode):
+    # SAM's update_fn (two backward passes per update, each reducing across ranks) trains, is
+    # killed, and its resume ends bit-identical to the uninterrupted run.
+    _kill_and_resume("sam.yaml", tmp_path / "sam", mode, ranks=2)
+    # A fine-tune from that run's last checkpoint: every rank starts from the source's weights,
+    # each having read them itself (recorded before DDP's broadcast; gathered under FSDP).
+    source = load(tmp_path / "sam" / "ref" / f"step{40:09d}.pt")["model"]
+    dump = tmp_path / "start"
+    dump.mkdir()
+    _train("finetune.yaml", tmp_path / "finetune", mode, "train.max_steps=6",
+           f"train.init_from={tmp_path / 'sam' / 'ref'}", ranks=2, dump=dump)  # fmt: skip
+    for rank in (0, 1):
+        start = torch.load(dump / f"start-{rank}.pt", weights_only=True)
+        assert start.keys() == source.keys(), rank
+        for name, value in source.items():
+            assert torch.equal(start[name], value), f"rank {rank}: {name}"
+    assert load(tmp_path / "finetune" / f"step{6:09d}.pt")["origin"]["path"].endswith(
+        "step000000040.pt"
+    )
 
 
 # The hand-written loop has no hooks: the process kills itself inside update KILL_AT's forward.
