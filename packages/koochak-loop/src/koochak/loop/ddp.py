@@ -139,6 +139,13 @@ def collective_device() -> torch.device:
     return torch.device("cpu")
 
 
+def first_of_any_rank(message: str | None) -> str | None:
+    """The first rank's non-None ``message``, on every rank (one all-gather of small objects)."""
+    found: list[str | None] = [None] * dist.get_world_size()
+    torch.distributed.all_gather_object(found, message)
+    return next((m for m in found if m is not None), None)
+
+
 def any_rank(flag: bool, device: torch.device) -> bool:
     """True on every rank if ``flag`` is true on any (one all-reduce MAX)."""
     if not dist.is_initialized():

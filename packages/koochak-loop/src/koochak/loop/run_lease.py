@@ -19,10 +19,10 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from koochak.loop import dist
+from koochak.loop import ddp, dist
 from koochak.loop.config import ConfigError, TrainConfig
 
-__all__ = ["LeaseLost", "Leases", "claim_run", "first_of_any_rank", "hold_location", "release_unclaimed"]
+__all__ = ["LeaseLost", "Leases", "claim_run", "hold_location", "release_unclaimed"]
 
 log = logging.getLogger("koochak.loop.run_lease")
 
@@ -155,7 +155,7 @@ def _take_leases(location: Any, cfg: TrainConfig, tiers: Sequence[Any] | None) -
         if refusal is not None:
             break
     if dist.get_world_size() > 1:
-        refusal = first_of_any_rank(refusal)  # the one collective: every rank learns it now
+        refusal = ddp.first_of_any_rank(refusal)  # the one collective: every rank learns it now
     if refusal is not None:
         for _, _, taken in reversed(held):  # a refused start changes nothing anywhere
             taken.release()
@@ -163,15 +163,6 @@ def _take_leases(location: Any, cfg: TrainConfig, tiers: Sequence[Any] | None) -
             raise failure
         raise ConfigError(refusal)
     return Leases([taken for _, _, taken in held]).keep_renewed() if held else None
-
-
-def first_of_any_rank(message: str | None) -> str | None:
-    """The first rank's non-None ``message``, on every rank (one all-gather)."""
-    import torch.distributed
-
-    found: list[str | None] = [None] * dist.get_world_size()
-    torch.distributed.all_gather_object(found, message)
-    return next((m for m in found if m is not None), None)
 
 
 def claim_run(

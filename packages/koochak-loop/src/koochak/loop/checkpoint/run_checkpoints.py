@@ -43,7 +43,7 @@ from koochak.loop.resume_config import (
     format_change,
     schedule_follows_max_steps,
 )
-from koochak.loop.run_lease import LeaseLost, claim_run, first_of_any_rank
+from koochak.loop.run_lease import LeaseLost, claim_run
 from koochak.loop.state_dicts import match_state_dict_to_model, unwrap_model
 
 __all__ = ["RunCheckpoints", "open_checkpoints"]
@@ -219,7 +219,7 @@ class RunCheckpoints:
         if self.world_size > 1:
             if not ddp.any_rank(message is not None, ddp.collective_device()):
                 return
-            message = first_of_any_rank(message)  # the node whose lease it is may not be rank 0
+            message = ddp.first_of_any_rank(message)  # the node whose lease it is may not be rank 0
         if message is not None:
             raise LeaseLost(message)
 

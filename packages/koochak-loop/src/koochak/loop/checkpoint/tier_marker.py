@@ -494,7 +494,7 @@ def claim_node_tier(
     with one process."""
     from koochak.loop import dist
     from koochak.loop.checkpoint.tiers import is_node_local
-    from koochak.loop.run_lease import first_of_any_rank
+    from koochak.loop.ddp import first_of_any_rank
 
     if dist.get_world_size() <= 1 or not is_node_local(cfg.checkpoint_dir):
         return
