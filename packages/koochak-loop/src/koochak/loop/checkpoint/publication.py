@@ -18,7 +18,11 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import koochak.loop.checkpoint.retention as retention
-from koochak.loop.checkpoint.commit import remove_checkpoints
+from koochak.loop.checkpoint.commit import (  # they live with the commit; importable here too
+    publication_path,  # noqa: F401  (docs/migrating.md names it here)
+    remove_checkpoints,
+    unpublish_checkpoint,  # noqa: F401
+)
 from koochak.loop.checkpoint.format import CHECKPOINT_PATTERN, checkpoint_name
 from koochak.loop.checkpoint.layouts import COORDINATOR
 from koochak.loop.checkpoint.layouts import objects as _objects_by_layout
