@@ -43,7 +43,7 @@ def restore_training_state(
     here and there can consume it.
     """
     if is_lazy(ckpt):  # chosen by resolve_sharded: read this rank's slabs (every rank at once)
-        ckpt = materialize(ckpt, model, optimizer, ema)
+        ckpt = materialize(ckpt, model, optimizer, ema, state)
     target = unwrap_model(model)
     weights = match_state_dict_to_model(target, ckpt["model"])
     sharded = any(is_dtensor(p) for p in target.parameters())

@@ -423,42 +423,30 @@ def materialize(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     ema: Any = None,
+    state: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``ckpt`` with its StoredTensors read for this rank: the slab of each parameter, its
-    optimizer state and its EMA shadows that the live (sharded) model holds, every other
-    tensor whole. Every rank must call it at once: if any rank cannot read its tensors, all
-    raise ShardedLoadError naming the rank and the part."""
+    optimizer state and its EMA shadows that the live (sharded) model holds, and likewise for
+    the user's ``state`` entries (an optimizer over sharded parameters, or anything whose
+    ``state_dict`` holds DTensors); every other tensor whole. Every rank must call it at once:
+    if any rank cannot read its tensors, all raise ShardedLoadError naming the rank and the part."""
     from koochak.loop.state_dicts import unwrap_model
 
     likes: dict[int, Any] = {}
     live = unwrap_model(model).state_dict()
-
-    def match(state: Any) -> None:
-        if isinstance(state, Mapping):
-            for key, value in state.items():
-                target = live.get(str(key).removeprefix("module."))
-                if (
-                    isinstance(value, StoredTensor)
-                    and is_dtensor(target)
-                    and value.shape == tuple(target.shape)
-                ):
-                    likes[id(value)] = target
-
-    match(ckpt.get("model"))
+    _match_state(ckpt.get("model"), live, likes)
     for shadow in (ckpt.get("ema") or {}).get("shadows") or []:
-        match(shadow.get("state_dict") if isinstance(shadow, Mapping) else None)
-    if optimizer is not None and isinstance(ckpt.get("optimizer"), Mapping):
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        for key, entry in (ckpt["optimizer"].get("state") or {}).items():
-            param = params[key] if isinstance(key, int) and 0 <= key < len(params) else None
-            if is_dtensor(param) and isinstance(entry, Mapping):
-                for value in entry.values():
-                    if (
-                        isinstance(value, StoredTensor)
-                        and value.dim()
-                        and value.shape == tuple(param.shape)
-                    ):
-                        likes[id(value)] = param
+        saved_shadow = shadow.get("state_dict") if isinstance(shadow, Mapping) else None
+        _match_state(saved_shadow, live, likes)
+    if optimizer is not None:
+        _match_optimizer(ckpt.get("optimizer"), optimizer, likes)
+    saved = ckpt.get("user_state")
+    entries = saved.get("entries") if isinstance(saved, Mapping) else None
+    for name, obj in (state or {}).items() if isinstance(entries, Mapping) else ():
+        if isinstance(obj, torch.optim.Optimizer):
+            _match_optimizer(entries.get(name), obj, likes)
+        elif hasattr(obj, "state_dict"):
+            _match_state(entries.get(name), obj.state_dict(), likes)
     error, result = None, None
     try:
         result = _read_all(dict(ckpt), likes)
@@ -469,3 +457,36 @@ def materialize(
             ref.source.verified.clear()
     agree_all(error, "loading the sharded checkpoint")
     return result
+
+
+def _match_state(saved: Any, live: Mapping[str, Any], likes: dict[int, Any]) -> None:
+    """Map each StoredTensor of ``saved`` (a state dict) to the live DTensor of the same key and
+    global shape, so only this rank's rows of it are read."""
+    if not isinstance(saved, Mapping):
+        return
+    for key, value in saved.items():
+        target = live.get(str(key).removeprefix("module."))
+        if (
+            isinstance(value, StoredTensor)
+            and is_dtensor(target)
+            and value.shape == tuple(target.shape)
+        ):
+            likes[id(value)] = target
+
+
+def _match_optimizer(saved: Any, optimizer: torch.optim.Optimizer, likes: dict[int, Any]) -> None:
+    """Map each per-parameter StoredTensor of ``saved`` (an optimizer's state dict) with the
+    global shape of its sharded parameter to that parameter (the optimizer's own order)."""
+    if not isinstance(saved, Mapping):
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for key, entry in (saved.get("state") or {}).items():
+        param = params[key] if isinstance(key, int) and 0 <= key < len(params) else None
+        if is_dtensor(param) and isinstance(entry, Mapping):
+            for value in entry.values():
+                if (
+                    isinstance(value, StoredTensor)
+                    and value.dim()
+                    and value.shape == tuple(param.shape)
+                ):
+                    likes[id(value)] = param
